@@ -1,0 +1,13 @@
+"""hfsdp: fine-tune Hugging Face causal language models with PyTorch FSDP through Accelerate.
+
+Importing this package stays cheap (no torch): the CLI answers --help and validate without it.
+"""
+
+import pluggy
+
+__version__ = "0.1.0"
+
+hookimpl = pluggy.HookimplMarker("hfsdp")
+"""Mark a function as an hfsdp hook implementation (see :mod:`hfsdp.hookspecs`)."""
+
+__all__ = ["__version__", "hookimpl"]

@@ -1,0 +1,183 @@
+"""The ``hfsdp`` command line. The only module that reads argv and the environment.
+
+Heavy libraries (torch, transformers, accelerate) are imported inside the commands that need them, so ``--help``,
+``validate`` and ``plugins`` answer quickly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from hfsdp import __version__
+from hfsdp.errors import PluginError, UserError
+
+# Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
+_LAUNCHER_PREFIXES = ("FSDP_",)
+_LAUNCHER_KEYS = ("ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_from_env():
+    """The process's place in the job. A plain ``hfsdp train`` becomes a one-rank job, so that one process runs
+    the same FSDP code path as many."""
+    from hfsdp.distributed import World
+
+    if "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import torch
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return World(
+        rank=int(os.environ.get("RANK", "0")),
+        size=size,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        on_cpu=not torch.cuda.is_available(),
+    )
+
+
+def _take_launcher_settings(config) -> list[str]:
+    """Remove FSDP settings a launcher put in the environment, and say which hfsdp value wins over each."""
+    notes = []
+    for key in sorted(os.environ):
+        if key.startswith(_LAUNCHER_PREFIXES) or key in _LAUNCHER_KEYS:
+            value = os.environ.pop(key)
+            if key == "FSDP_CPU_RAM_EFFICIENT_LOADING" or value.lower() in ("", "no", "false", "true" if key == "ACCELERATE_USE_FSDP" else "no"):
+                continue  # launchers always export these; Accelerate re-derives them from the plugin hfsdp builds
+            notes.append(f"launcher setting {key}={value} ignored: the hfsdp config decides "
+                         f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
+                         f"mixed precision {config.fsdp.precision_name})")
+    return notes
+
+
+def _fail(err: BaseException) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    if isinstance(err, UserError):
+        click.echo(f"{prefix}hfsdp: error: {err}", err=True)
+    else:
+        click.echo(f"{prefix}hfsdp: {err}", err=True)
+        if isinstance(err, PluginError) and os.environ.get("HFSDP_DEBUG"):
+            import traceback
+
+            traceback.print_exception(err.cause)
+    sys.exit(getattr(err, "exit_code", 1))
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (UserError, PluginError) as err:
+            _fail(err)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="hfsdp")
+def cli() -> None:
+    """Fine-tune Hugging Face causal LMs with PyTorch FSDP through Accelerate, from one YAML file.
+
+    \b
+    Quick start (no GPU, no hub: a real SmolLM2-135M on a bundled task):
+      hfsdp train
+    On GPUs:   accelerate launch -m hfsdp train my.yaml
+    On CPUs:   torchrun --nproc-per-node 2 -m hfsdp train my.yaml   (FSDP rehearsal on gloo)
+    """
+
+
+@cli.command()
+@click.argument("config", required=False)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. --set train.max_steps=10 (repeatable).")
+@click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+              help="Continue from the latest complete checkpoint in train.output_dir, or from PATH.")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier run in train.output_dir.")
+def train(config: str | None, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
+    """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
+    from hfsdp.config import load_config, resolve_config_path
+
+    cfg, host = load_config(config, overrides)
+    notes = _take_launcher_settings(cfg)
+    world = _world_from_env()
+    if world.rank == 0:
+        for note in notes:
+            click.echo(f"hfsdp: {note}", err=True)
+    from hfsdp.train import Options, train as run_training
+
+    run_training(cfg, host, Options(cache_dir=_cache_dir(), world=world, resume=resume, overwrite=overwrite,
+                                    config_source=str(resolve_config_path(config))))
+
+
+@cli.command()
+@click.argument("config")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
+def validate(config: str, overrides: tuple[str, ...]) -> None:
+    """Validate CONFIG and print it resolved (defaults filled in). Exit 2 listing every problem."""
+    import yaml
+
+    from hfsdp.config import load_config
+
+    cfg, _ = load_config(config, overrides)
+    click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)
+
+
+@cli.command(name="export")
+@click.argument("checkpoint_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
+def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...]) -> None:
+    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder."""
+    from hfsdp.export import export_checkpoint
+
+    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides))
+    click.echo(f"exported {checkpoint_dir} -> {written}")
+
+
+@cli.command()
+def presets() -> None:
+    """List the bundled presets (usable as `hfsdp train NAME`)."""
+    import yaml
+
+    from hfsdp.config import list_presets
+
+    for name, path in list_presets().items():
+        first = yaml.safe_load(path.read_text()) or {}
+        click.echo(f"{name:12s} model {first.get('model', {}).get('name_or_path', '?')}, "
+                   f"data {Path(str(first.get('data', {}).get('path', '?'))).name} — {path}")
+
+
+@cli.command()
+@click.option("--enable", "enable", multiple=True, metavar="NAME", help="Also load this plugin (name or dotted path).")
+def plugins(enable: tuple[str, ...]) -> None:
+    """List discovered plugins: name, version, source, hooks, and whether they are always on."""
+    from hfsdp.plugins import PluginHost, discover
+
+    host = PluginHost(list(discover()) + list(enable))
+    for info in host.plugins:
+        state = "always on" if info.always_on else "enable in `plugins:`"
+        click.echo(f"{info.name:20s} {info.version:10s} {info.source:28s} {state}")
+        click.echo(f"{'':20s} hooks: {', '.join(info.hooks) or '-'}")
+
+
+def main() -> None:
+    cli(prog_name="hfsdp")
+
+
+if __name__ == "__main__":
+    main()

