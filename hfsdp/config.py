@@ -33,11 +33,11 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model name (see `hfsdp models`).")
+    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
     dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
-    trust_remote_code: bool = False
-    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    trust_remote_code: bool = Field(False, description="allow model code from the hub (transformers option).")
+    attn_implementation: Literal["eager", "sdpa"] = Field("sdpa", description="attention kernel.")
 
     @model_validator(mode="before")
     @classmethod
@@ -51,15 +51,15 @@ class DataConfig(Section):
     format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
     path: str = Field(description="local file (.txt/.jsonl/.json/.csv/.parquet), folder, or datasets-loadable name.")
     name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
-    split: str = "train"
-    text_field: str = "text"
-    messages_field: str = "messages"
-    max_seq_len: int = Field(512, gt=1)
-    too_long: Literal["truncate", "drop"] = "truncate"
-    eval_path: str | None = Field(None, description="separate eval file; wins over eval_split/eval_fraction.")
+    split: str = Field("train", description="split of `path` used for training.")
+    text_field: str = Field("text", description="text format: the column holding the text.")
+    messages_field: str = Field("messages", description="chat format: the column holding the messages list.")
+    max_seq_len: int = Field(512, gt=1, description="tokens per sample; longer samples follow too_long.")
+    too_long: Literal["truncate", "drop"] = Field("truncate", description="policy for longer samples (counted in the log).")
+    eval_path: str | None = Field(None, description="separate eval file (set one of eval_path, eval_split, eval_fraction).")
     eval_split: str | None = Field(None, description="split of `path` used for eval.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of train held out for eval.")
-    max_eval_samples: int | None = Field(None, gt=0)
+    max_eval_samples: int | None = Field(None, gt=0, description="cap on eval rows.")
     num_proc: int | None = Field(None, gt=0, description="processes for tokenization (datasets.map).")
 
     @model_validator(mode="after")
@@ -88,27 +88,31 @@ FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "us
 
 
 class FSDPConfig(Section):
-    version: Literal[1, 2] = 2
-    sharding_strategy: ShardingStrategy = "FULL_SHARD"
-    wrap_policy: Literal["transformer", "size", "none"] = "transformer"
+    version: Literal[1, 2] = Field(2, description="1: FullyShardedDataParallel, 2: fully_shard (per-parameter DTensor).")
+    sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="what is sharded; see the strategy table.")
+    wrap_policy: Literal["transformer", "size", "none"] = Field("transformer", description="how FSDP units are formed.")
     transformer_layer_cls: list[str] | None = Field(
         None, description="layer classes wrapped as FSDP units; default: the model's _no_split_modules."
     )
     min_num_params: int | None = Field(None, gt=0, description="size policy: parameters per unit.")
-    mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = "no"
-    cpu_offload: bool = False
-    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "SHARDED_STATE_DICT"
-    activation_checkpointing: bool = False
+    mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = Field(
+        "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes.")
+    cpu_offload: bool = Field(False, description="keep parameters (and optimizer state) in host memory; GPU only.")
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
+        "SHARDED_STATE_DICT", description="checkpoint layout: one gathered file, or per-rank shards (DCP).")
+    activation_checkpointing: bool = Field(False, description="recompute layer activations in backward.")
     cpu_ram_efficient_loading: bool = Field(False, description="only rank 0 reads weights; others get them.")
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="HYBRID_SHARD: ranks per shard group (default: processes per node)."
     )
     # FSDP1-only knobs: None means "not set", so setting one under version 2 can be reported.
-    forward_prefetch: bool | None = None
-    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = None
-    sync_module_states: bool | None = None
-    use_orig_params: bool | None = None
-    limit_all_gathers: bool | None = None
+    forward_prefetch: bool | None = Field(None, description="FSDP1: issue the next all-gather early (default false).")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = Field(
+        None, description="FSDP1: when to prefetch in backward (default BACKWARD_PRE).")
+    sync_module_states: bool | None = Field(
+        None, description="FSDP1: broadcast rank 0's weights (default: cpu_ram_efficient_loading).")
+    use_orig_params: bool | None = Field(None, description="FSDP1: keep original parameters (default true; LoRA needs it).")
+    limit_all_gathers: bool | None = Field(None, description="FSDP1: rate-limit all-gathers (default true).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "FSDPConfig":
@@ -141,32 +145,34 @@ class FSDPConfig(Section):
 
 
 class TrainConfig(Section):
-    output_dir: str
+    output_dir: str = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
     max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
-    epochs: float | None = Field(None, gt=0)
-    per_device_batch_size: int = Field(1, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
-    learning_rate: float = Field(2e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(1e-8, gt=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    epochs: float | None = Field(None, gt=0, description="passes over the train set (when max_steps is unset).")
+    per_device_batch_size: int = Field(1, gt=0, description="samples per micro-batch per rank.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    learning_rate: float = Field(2e-5, gt=0, description="peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decay on matrices (not norms/biases).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="decay after warmup (to 0 at the last step).")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping.")
-    seed: int = 42
-    log_every: int = Field(10, gt=0)
+    seed: int = Field(42, description="seeds data order, init and dropout.")
+    log_every: int = Field(10, gt=0, description="steps between metrics.jsonl records.")
     eval_every: int | None = Field(None, gt=0, description="steps between evals; eval also runs at start and end.")
-    eval_at_start: bool = True
-    max_eval_batches: int | None = Field(None, gt=0)
+    eval_at_start: bool = Field(True, description="evaluate before the first step (the before/after report).")
+    max_eval_batches: int | None = Field(None, gt=0, description="cap on eval batches per rank.")
     save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
     keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
     export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
-    compile: bool = False
-    tensorboard: bool = True
+    compile: bool = Field(False, description="torch.compile the model (through Accelerate).")
+    tensorboard: bool = Field(True, description="also write TensorBoard events to <output_dir>/tensorboard.")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume).")
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    max_consecutive_skips: int = Field(3, gt=0)
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
+    max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":
@@ -178,8 +184,8 @@ class TrainConfig(Section):
 class GenerationEvalConfig(Section):
     """Greedy generation on held-out prompts before and after training: exact-match accuracy and examples."""
 
-    num_samples: int = Field(32, ge=0)
-    max_new_tokens: int = Field(64, gt=0)
+    num_samples: int = Field(32, ge=0, description="eval rows generated (greedy) before and after training.")
+    max_new_tokens: int = Field(64, gt=0, description="generation length cap.")
     show: int = Field(2, ge=0, description="examples printed before/after.")
 
 
@@ -188,7 +194,7 @@ class HfsdpConfig(Section):
     data: DataConfig
     train: TrainConfig
     fsdp: FSDPConfig = FSDPConfig()
-    generation_eval: GenerationEvalConfig | None = None
+    generation_eval: GenerationEvalConfig | None = Field(None, description="off unless the section is given.")
     plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
     plugin_config: dict[str, Any] = Field(
         default_factory=dict, description="validated plugin sections (filled by load_config, not set in YAML)."
@@ -282,9 +288,16 @@ def _pydantic_problems(err: ValidationError, prefix: str = "") -> list[tuple[str
 
 
 def validate_config(
-    raw: dict[str, Any], plugin_sections: dict[str, type[BaseModel]], source: str = "config"
+    raw: dict[str, Any], plugin_sections: dict[str, type[BaseModel]], source: str = "config",
+    owners: dict[str, str] | None = None,
 ) -> HfsdpConfig:
-    """Validate raw YAML data. ``plugin_sections`` maps section name → schema for the enabled plugins."""
+    """Validate raw YAML data. ``plugin_sections`` maps section name → schema for the enabled plugins;
+    ``owners`` maps section name → plugin name (named in the messages)."""
+    owners = owners or {}
+
+    def owned(name: str, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [(path, f"{msg} [section of plugin '{owners[name]}']") for path, msg in found] if name in owners else found
+
     core = {k: v for k, v in raw.items() if k in CORE_SECTIONS}
     problems: list[tuple[str, str]] = []
     plugin_config: dict[str, Any] = {}
@@ -297,7 +310,7 @@ def validate_config(
             try:
                 plugin_config[key] = plugin_sections[key].model_validate(value or {})
             except ValidationError as err:
-                problems += _pydantic_problems(err, prefix=key)
+                problems += owned(key, _pydantic_problems(err, prefix=key))
         else:
             hint = "unknown section"
             if key in KNOWN_PLUGIN_SECTIONS:
@@ -311,7 +324,7 @@ def validate_config(
             try:
                 plugin_config[name] = schema.model_validate({})
             except ValidationError as err:
-                problems += _pydantic_problems(err, prefix=name)
+                problems += owned(name, _pydantic_problems(err, prefix=name))
     try:
         config = HfsdpConfig.model_validate(core)
     except ValidationError as err:
@@ -371,7 +384,7 @@ def load_config(name_or_path: str | None, overrides: list[str] = ()) -> tuple[Hf
     if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
         raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], str(path))
     host = PluginHost(enabled)
-    config = validate_config(raw, host.config_sections(), source=str(path))
+    config = validate_config(raw, host.config_sections(), source=str(path), owners=host.section_owners)
     problems = [p for _, found in host.call("hfsdp_validate_config", config=config) for p in found]
     formats = host.dataset_formats()
     if config.data.format not in formats:

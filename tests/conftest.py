@@ -1,0 +1,97 @@
+"""Shared test helpers: run the real CLI (one process, or N gloo ranks through torchrun) on the shrunk SmolLM2.
+
+The built-in models live in one cache for the whole session (HFSDP_CACHE_DIR, default ~/.cache/hfsdp-tests), so
+the GGUF conversion happens once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET_DATA = REPO / "hfsdp" / "presets" / "data"
+CACHE_DIR = Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp-tests"))
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FSDP_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    env.update(HFSDP_CACHE_DIR=str(CACHE_DIR), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(tmp_path: Path, **sections: Any) -> Path:
+    """Write a config for the shrunk SmolLM2 on the bundled chat data; ``sections`` deep-merge over the defaults.
+    Example: ``tiny_config(tmp_path, train={"max_steps": 4}, fsdp={"version": 1})``."""
+    config: dict[str, Any] = {
+        "model": {"name_or_path": "smollm2-tiny"},
+        "data": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl"),
+                 "eval_path": str(PRESET_DATA / "contacts_eval.jsonl"), "max_seq_len": 96, "max_eval_samples": 16},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 6, "per_device_batch_size": 2,
+                  "learning_rate": 3e-3, "log_every": 1, "seed": 7, "tensorboard": False},
+        "fsdp": {"version": 2, "sharding_strategy": "FULL_SHARD"},
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict) and isinstance(config.get(name), dict):
+            config[name].update(values)
+        else:
+            config[name] = values
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m hfsdp ARGS`` in a fresh process (the real CLI)."""
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", *args], cwd=cwd, env=env or base_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hfsdp {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_torchrun(nproc: int, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m hfsdp ARGS``: N real gloo processes on this machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "hfsdp", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun x{nproc} hfsdp {' '.join(args)} exited {proc.returncode}\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The shrunk SmolLM2 folder (built once into the test cache)."""
+    from hfsdp.models import resolve_model_path
+
+    return Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
