@@ -141,11 +141,13 @@ def validate(config: str, overrides: tuple[str, ...]) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
-def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...]) -> None:
-    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder."""
+@click.option("--merge-lora", is_flag=True,
+              help="LoRA runs: write merged full weights instead of the adapter (same as --set lora.merge=true).")
+def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool) -> None:
+    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter)."""
     from hfsdp.export import export_checkpoint
 
-    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides))
+    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []))
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
@@ -168,11 +170,24 @@ def plugins(enable: tuple[str, ...]) -> None:
     """List discovered plugins: name, version, source, hooks, and whether they are always on."""
     from hfsdp.plugins import PluginHost, discover
 
-    host = PluginHost(list(discover()) + list(enable))
-    for info in host.plugins:
+    found: dict = {}
+    broken: dict[str, str] = {}
+    for name in ["", *discover(), *enable]:  # one at a time, so that one broken plugin does not hide the others
+        try:
+            host = PluginHost([name] if name else [])
+        except UserError as err:
+            broken[name] = "; ".join(message for _, message in getattr(err, "problems", [])) or str(err)
+            continue
+        for info in host.plugins:
+            found.setdefault(info.name, info)
+    for info in found.values():
         state = "always on" if info.always_on else "enable in `plugins:`"
         click.echo(f"{info.name:20s} {info.version:10s} {info.source:28s} {state}")
         click.echo(f"{'':20s} hooks: {', '.join(info.hooks) or '-'}")
+    for name, why in broken.items():
+        click.echo(f"{name:20s} {'?':10s} {'BROKEN':28s} {why}")
+    if broken:
+        sys.exit(2)
 
 
 def main() -> None:

@@ -194,10 +194,59 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Te
         attention[i, :n] = 1
         if positions is not None:
             positions[i, :n] = torch.tensor(r["position_ids"])
+            positions[i, n:] = torch.arange(width - n)  # padding restarts at 0: a block of its own
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     if positions is not None:
         batch["position_ids"] = positions
     return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model gets from a collated batch: everything but the labels.
+
+    Packed rows (with ``position_ids``) go without the 2D attention mask and without a KV cache: given neither,
+    transformers builds a block-diagonal causal mask from where ``position_ids`` restart at 0
+    (``find_packed_sequence_indices`` in ``transformers.masking_utils``), so no token attends across samples. A 2D
+    mask, or the cache that ``use_cache`` (on by default, even in training) creates, switches that detection off and
+    lets packed samples see each other.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if "position_ids" in inputs:
+        inputs.pop("attention_mask", None)
+        inputs["use_cache"] = False
+    return inputs
+
+
+def padding_fraction(lengths, batch_size: int, seed: int) -> float:
+    """Share of padding in micro-batches of ``batch_size`` rows drawn in a seeded random order."""
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return 0.0
+    lengths = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+    full = lengths.size // batch_size * batch_size
+    padded = int(lengths[:full].reshape(-1, batch_size).max(axis=1).sum()) * batch_size
+    if full < lengths.size:
+        padded += int(lengths[full:].max()) * (lengths.size - full)
+    return 1.0 - float(lengths.sum()) / padded
+
+
+def padding_report(dataset, batch_size: int, seed: int) -> str:
+    """Padding of the training micro-batches; for packed rows (with ``position_ids``) also before packing."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    rows = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
+    after = padding_fraction(rows, batch_size, seed)
+    if "position_ids" not in dataset.column_names:
+        return f"padding {after:.1%}"
+    flat = pc.list_flatten(table["position_ids"]).to_numpy(zero_copy_only=False)
+    starts = np.flatnonzero(flat == 0)
+    samples = np.diff(np.append(starts, flat.size))
+    before = padding_fraction(samples, batch_size, seed)
+    return f"padding {before:.1%} -> {after:.1%} ({samples.size} samples packed into {rows.size} rows)"
 
 
 def eval_batches(num_rows: int, per_device_batch: int, world_size: int, rank: int) -> list[list[int] | None]:

@@ -50,7 +50,8 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
     """Chained: transform the tokenized ``datasets.DatasetDict`` (``train`` and maybe ``eval``).
 
     Return a new DatasetDict or None to keep it. Rows must keep ``input_ids`` and ``labels``; they may add
-    ``position_ids`` (packing restarts them at each packed sample). Runs once, on the main process first.
+    ``position_ids`` (packing restarts them at each packed sample). Runs only when the preprocessing cache misses,
+    on the main process (the other ranks read its cached result), so it must depend on nothing but its arguments.
     """
 
 
@@ -96,4 +97,5 @@ def hfsdp_on_checkpoint(run, step, path):
 
 @hookspec
 def hfsdp_on_train_end(run, metrics):
-    """Training finished (also after a preemption save). ``metrics`` holds the final eval metrics, if any."""
+    """Training reached its last step (after the final eval, export and summary; not called after a preemption
+    save or an error). ``metrics`` holds the final eval metrics, if any."""

@@ -36,6 +36,31 @@ def discover() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
+    return ep.dist is not None and ep.dist.name == "hfsdp" or ep.value.startswith("hfsdp.builtin.")
+
+
+_HOOK_NAMES = {name for name in dir(hookspecs) if name.startswith("hfsdp_")}
+
+
+def _check_hook_names(info: PluginInfo) -> None:
+    """pluggy silently ignores functions that lack the ``@hookimpl`` marker, and reports a misspelt hook name only as
+    "unknown hook": both are a plugin that quietly does nothing, so they are rejected here by name."""
+    problems = []
+    for attr, value in sorted(vars(info.module).items()):
+        if not attr.startswith("hfsdp_") or not callable(value) or getattr(value, "__module__", None) != info.module.__name__:
+            continue
+        marked = hasattr(value, "hfsdp_impl")
+        if attr not in _HOOK_NAMES:
+            problems.append((f"plugins.{info.name}", f"function '{attr}' is not an hfsdp hook (misspelt?); "
+                                                     f"hooks are: {', '.join(sorted(_HOOK_NAMES))}"))
+        elif not marked:
+            problems.append((f"plugins.{info.name}", f"function '{attr}' is named like a hook but lacks the "
+                                                     "@hfsdp.hookimpl marker, so it would never be called"))
+    if problems:
+        raise ConfigError(problems)
+
+
 def _load_entry_point(name: str, ep: importlib.metadata.EntryPoint) -> PluginInfo:
     try:
         module = ep.load()
@@ -65,17 +90,26 @@ class PluginHost:
     def __init__(self, enabled: list[str]):
         self.pm = pluggy.PluginManager("hfsdp")
         self.pm.add_hookspecs(hookspecs)
+        self.section_owners: dict[str, str] = {}
         available = discover()
-        infos = [_load_entry_point(name, ep) for name, ep in available.items()]
-        self.plugins: list[PluginInfo] = [info for info in infos if info.always_on]
-        by_name = {info.name: info for info in infos}
+        # Only hfsdp's own entry points are imported up front (to find the always-on ones); a third-party plugin is
+        # imported when enabled, so a broken install of an unused plugin cannot stop other runs.
+        builtins = [_load_entry_point(name, ep) for name, ep in available.items() if _is_builtin(ep)]
+        self.plugins: list[PluginInfo] = [info for info in builtins if info.always_on]
+        by_name = {info.name: info for info in builtins}
         seen = {info.name for info in self.plugins}
         for name in enabled:
             if name in seen:
                 continue
             seen.add(name)
-            self.plugins.append(by_name[name] if name in by_name else _load_dotted(name))
+            if name in by_name:
+                self.plugins.append(by_name[name])
+            elif name in available:
+                self.plugins.append(_load_entry_point(name, available[name]))
+            else:
+                self.plugins.append(_load_dotted(name))
         for info in self.plugins:
+            _check_hook_names(info)
             try:
                 self.pm.register(info.module, name=info.name)
             except pluggy.PluginValidationError as err:
@@ -134,10 +168,22 @@ class PluginHost:
     def config_sections(self) -> dict[str, Any]:
         sections: dict[str, Any] = {}
         owners: dict[str, str] = {}
-        for plugin, (name, schema) in self.call("hfsdp_config_section"):
+        from pydantic import BaseModel
+
+        from hfsdp.config import CORE_SECTIONS
+
+        for plugin, declared in self.call("hfsdp_config_section"):
+            if not (isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], str)
+                    and isinstance(declared[1], type) and issubclass(declared[1], BaseModel)):
+                raise ConfigError([(f"plugins.{plugin}", "hfsdp_config_section must return (section_name, "
+                                                         f"pydantic model class) or None, got {declared!r}")])
+            name, schema = declared
+            if name in CORE_SECTIONS or name == "plugin_config":
+                raise ConfigError([(name, f"plugin '{plugin}' declares section '{name}', which is a core section")])
             if name in sections:
                 raise ConfigError([(name, f"section claimed by two plugins: '{owners[name]}' and '{plugin}'")])
             sections[name], owners[name] = schema, plugin
+        self.section_owners = owners
         return sections
 
     def dataset_formats(self) -> dict[str, tuple[str, Callable[..., Any]]]:

@@ -157,8 +157,7 @@ def check_resume_record(record: dict[str, Any], config: HfsdpConfig, world_size:
 def token_loss_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token cross entropy of a micro-batch, and its number of labelled tokens."""
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
+    logits = model(**data.model_inputs(batch)).logits
     targets = labels[:, 1:].reshape(-1)
     loss_sum = F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets, ignore_index=data.IGNORE_INDEX, reduction="sum"
@@ -280,7 +279,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         tokenizer = models.load_tokenizer(model_path, config.model)
         with accelerator.main_process_first():
             train_set, eval_set, raw_eval, data_report = prepare_datasets(config, host, tokenizer, opts.cache_dir)
-        say(f"data: train {data_report['train']}; eval {data_report.get('eval', 'none')}"
+        say(f"data: train {data_report['train']}; eval {data_report.get('eval', 'none')}; {data_report['padding']}; "
+            f"preprocessing {data_report['preprocess_s']:.2f} s"
             f"{' (preprocessing cache hit)' if data_report['cache_hit'] else ''}")
         plan = data.BatchPlan(len(train_set), config.train.per_device_batch_size, world.size,
                               config.train.gradient_accumulation_steps, config.train.seed)
@@ -436,7 +436,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if config.train.export_final:
             export_model(accelerator, model, run, model_config, output_dir / "final")
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
-                   "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or "")}
+                   "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
+                   "data": data_report}
         if is_main:
             import json
 
@@ -507,7 +508,8 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
         summary = stats["train"].summary() if "train" in stats else "no rows"
         raise UserError(f"data: no training rows left after tokenization ({summary}); "
                         "raise data.max_seq_len or use data.too_long: truncate")
-    report = {"train": f"{len(result['train'])} rows", "cache_hit": hit, "preprocess_s": seconds}
+    report = {"train": f"{len(result['train'])} rows", "cache_hit": hit, "preprocess_s": seconds,
+              "padding": data.padding_report(result["train"], config.train.per_device_batch_size, config.train.seed)}
     if "train" in stats:
         report["train"] += f" ({stats['train'].summary()})"
     if "eval" in result:
