@@ -143,11 +143,17 @@ def validate(config: str, overrides: tuple[str, ...]) -> None:
               help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
 @click.option("--merge-lora", is_flag=True,
               help="LoRA runs: write merged full weights instead of the adapter (same as --set lora.merge=true).")
-def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool) -> None:
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export holds about one file's "
+                   "worth of tensors in memory, so this also bounds its memory.")
+def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
+               max_shard_size: str | None) -> None:
     """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter)."""
+    from hfsdp.components.export import parse_size
     from hfsdp.export import export_checkpoint
 
-    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []))
+    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
+                                max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
@@ -188,6 +194,37 @@ def plugins(enable: tuple[str, ...]) -> None:
         click.echo(f"{name:20s} {'?':10s} {'BROKEN':28s} {why}")
     if broken:
         sys.exit(2)
+
+
+@cli.command()
+@click.argument("config", required=False)
+@click.option("--strategies", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD", show_default=True,
+              help="Comma-separated sharding strategies to compare.")
+@click.option("--nproc", "nprocs", default="1,2", show_default=True, help="Comma-separated process counts.")
+@click.option("--steps", default=6, show_default=True, type=click.IntRange(2), help="Steps per run.")
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),
+              help="First steps left out of the timing.")
+@click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(path_type=Path),
+              help="Folder for bench.md/.csv/.json/.png and the runs.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: int, out_dir: Path,
+          overrides: tuple[str, ...]) -> None:
+    """Compare sharding strategies and process counts on CONFIG (default: the `bench` preset).
+
+    Each combination is a real `torchrun -m hfsdp train` job (gloo on CPU, NCCL on GPUs). Writes a table of
+    per-rank parameter/gradient/optimizer bytes, peak memory per rank, step time and tokens/s, with ratios
+    against NO_SHARD and against one process, as Markdown, CSV, JSON and a PNG chart.
+    """
+    from hfsdp.bench import BenchOptions, bench as run_bench, parse_list
+
+    if warmup >= steps:
+        raise UserError(f"--warmup {warmup} leaves no timed step of --steps {steps}")
+    try:
+        run_bench(BenchOptions(config=config or "bench", strategies=parse_list(strategies),
+                               nprocs=parse_list(nprocs, int), steps=steps, warmup=warmup, out=out_dir,
+                               overrides=list(overrides)), echo=click.echo)
+    except (ValueError, RuntimeError) as err:
+        raise UserError(str(err)) from None
 
 
 def main() -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from hfsdp.components import checkpoint
-from hfsdp.components.export import model_metadata
+from hfsdp.components.export import max_shard_size, model_metadata
 from hfsdp.config import load_config
 from hfsdp.errors import UserError
 
 
-def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str]) -> Path:
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
+                      max_shard_bytes: int | None = None) -> Path:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -28,6 +29,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str])
     model_config = AutoConfig.from_pretrained(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     weights = checkpoint.CheckpointWeights(checkpoint_dir)
-    host.first("hfsdp_export", state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=out_dir,
-               generation_config=model_metadata(model_dir)["generation_config"], config=config)
+    with max_shard_size(max_shard_bytes):
+        host.first("hfsdp_export", state_dict=weights, model_config=model_config, tokenizer=tokenizer,
+                   out_dir=out_dir, generation_config=model_metadata(model_dir)["generation_config"], config=config)
     return out_dir

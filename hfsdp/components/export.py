@@ -7,6 +7,8 @@ for a later load to trip over).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -20,6 +22,35 @@ from safetensors.torch import save_file
 from hfsdp.errors import UserError
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+# `hfsdp export --max-shard-size` reaches the writer through this (the hfsdp_export hook has no such argument).
+_max_shard_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("max_shard_bytes", default=DEFAULT_MAX_SHARD_BYTES)
+
+
+@contextlib.contextmanager
+def max_shard_size(max_bytes: int | None):
+    """Within the block, files written by :func:`write_hf_weights` hold at most ``max_bytes`` (None: the default);
+    the writer holds at most one file's worth of tensors in memory."""
+    token = _max_shard_bytes.set(max_bytes or DEFAULT_MAX_SHARD_BYTES)
+    try:
+        yield
+    finally:
+        _max_shard_bytes.reset(token)
+
+
+def parse_size(text: str) -> int:
+    """``"200MB"`` → 200_000_000, ``"1GiB"`` → 1_073_741_824, ``"5000"`` → 5000 bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise UserError(f"size '{text}': give a positive number with a unit, e.g. 200MB, 2GB or 512MiB")
+    return int(value * units[unit])
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -44,13 +75,14 @@ def write_hf_weights(
     *,
     expected: Mapping[str, tuple[int, ...]] | None,
     skip: set[str] = frozenset(),
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
 ) -> list[str]:
     """Write ``tensors`` as ``model.safetensors`` (or numbered shards plus an index) into ``out_dir``.
 
     Raises UserError when a tensor is empty or does not have its expected shape, before anything is renamed
     into place. Returns the names written.
     """
+    max_shard_bytes = max_shard_bytes or _max_shard_bytes.get()
     out_dir.mkdir(parents=True, exist_ok=True)
     shard_files: list[tuple[str, list[str]]] = []
     pending: dict[str, torch.Tensor] = {}
@@ -147,7 +179,7 @@ def write_hf_folder(
     out_dir: Path,
     *,
     generation_config=None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
 ) -> Path:
     """A complete Hugging Face model folder, written next to ``out_dir`` and renamed into place when verified."""
     out_dir = Path(out_dir)

@@ -1,0 +1,91 @@
+"""The baseline for hfsdp's per-step overhead: a bare, hand-written Accelerate training loop.
+
+Same model, same tokenized rows and batch order (hfsdp's own cache and BatchPlan), the same FSDP plugin
+(hfsdp.fsdp.build_fsdp_plugin via hfsdp.distributed.build_accelerator, which also applies the CPU adaptation),
+the same AdamW hyper-parameters and gradient clipping, and nothing else: no metrics, no hooks, no progress bar,
+no per-step collectives beyond FSDP's own. Batches are collated before the loop starts.
+
+    torchrun --nproc-per-node 2 benchmarks/bare_accelerate_loop.py bench --steps 8 --json out.json \\
+        --set fsdp.sharding_strategy=FULL_SHARD
+
+Writes the wall time of every iteration (same definition as the bench_probe plugin: one iteration end to the next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?", default="bench")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    import torch
+
+    from hfsdp import data, models
+    from hfsdp.cli import _cache_dir, _world_from_env
+    from hfsdp.config import load_config
+    from hfsdp.distributed import build_accelerator
+    from hfsdp.train import prepare_datasets
+
+    cfg, host = load_config(args.config, args.overrides)
+    world = _world_from_env()
+    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
+    layers = cfg.fsdp.transformer_layer_cls or models.default_layer_classes(models.load_model_config(path, cfg.model))
+    accelerator = build_accelerator(cfg, layers, world)
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = models.load_tokenizer(path, cfg.model)
+    with accelerator.main_process_first():
+        train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    plan = data.BatchPlan(len(train_set), cfg.train.per_device_batch_size, world.size, 1, cfg.train.seed)
+    batches = [
+        {k: v.to(accelerator.device) for k, v in
+         data.collate([train_set[i] for i in plan.rows(step, 0, accelerator.process_index)], tokenizer.pad_token_id).items()}
+        for step in range(args.steps)
+    ]
+
+    model = models.load_model(path, cfg.model)
+    t = cfg.train
+    if cfg.fsdp.version == 1:
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=t.learning_rate,
+                                                          betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                                          weight_decay=t.weight_decay))
+    else:
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(
+            model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+            weight_decay=t.weight_decay))
+    cuda = accelerator.device.type == "cuda"
+    model.train()
+    times, tokens = [], []
+    last = time.perf_counter()
+    for batch in batches:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if t.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        times.append(now - last)
+        tokens.append(int(batch["attention_mask"].sum()) * world.size)
+        last = now
+    if accelerator.is_main_process:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"step_times_s": times, "tokens": tokens, "world_size": world.size,
+                                         "strategy": cfg.fsdp.sharding_strategy, "pid": os.getpid()}))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# MFU of hfsdp on one GPU: a ~1.07B-parameter Llama-architecture model (Llama-3.2-1B shape: 16 layers, hidden
+# 2048, MLP 8192, 32 heads / 8 KV heads; SmolLM2 tokenizer, vocab 49152), random init, bf16 mixed precision,
+# FSDP2 FULL_SHARD, 8 x 2048-token rows per step. Goal: MFU >= 45% on one H200 (dense bf16 peak 989 TFLOP/s;
+# override PEAK_TFLOPS for other GPUs). Budget: < 10 minutes.
+#   benchmarks/gpu_mfu.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-gpu}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+STEPS=${STEPS:-20}
+export TOKENIZERS_PARALLELISM=false HFSDP_CACHE_DIR=${HFSDP_CACHE_DIR:-$HOME/.cache/hfsdp}
+mkdir -p "$OUT"
+python - "$OUT" <<'PY'
+import sys, random
+from pathlib import Path
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from hfsdp.models import resolve_model_path
+out = Path(sys.argv[1]); model_dir = out / "llama-1b"
+tok_dir = resolve_model_path("smollm2-tiny", Path(__import__("os").environ["HFSDP_CACHE_DIR"]))  # carries the tokenizer
+if not (model_dir / "config.json").is_file():
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                      tie_word_embeddings=True, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(model_dir)
+# long rows of text (~2500 tokens each; cut to max_seq_len) so that every step is 8 x 2048 tokens
+random.seed(0)
+words = "the of and to in is was for on that with as by at from his her an which it be are this had".split()
+with open(out / "long.jsonl", "w") as f:
+    for _ in range(400):
+        f.write('{"text": "' + " ".join(random.choice(words) for _ in range(2600)) + '"}\n')
+(out / "mfu.yaml").write_text(f"""model:
+  name_or_path: {model_dir.resolve()}
+  dtype: float32
+  attn_implementation: sdpa
+data:
+  format: text
+  path: {(out / 'long.jsonl').resolve()}
+  max_seq_len: 2048
+  too_long: truncate
+train:
+  output_dir: {(out / 'run').resolve()}
+  max_steps: 20
+  per_device_batch_size: 8
+  learning_rate: 1.0e-4
+  lr_scheduler: constant
+  log_every: 1
+  eval_at_start: false
+  export_final: false
+  tensorboard: false
+fsdp:
+  version: 2
+  sharding_strategy: FULL_SHARD
+  mixed_precision: bf16
+""")
+PY
+hfsdp bench "$OUT/mfu.yaml" --strategies FULL_SHARD --nproc 1 --steps "$STEPS" --warmup 3 --out "$OUT/bench"
+python - "$OUT" "$PEAK_TFLOPS" <<'PY'
+import json, sys
+from pathlib import Path
+out, peak = Path(sys.argv[1]), float(sys.argv[2]) * 1e12
+row = json.loads((out / "bench" / "bench.json").read_text())["rows"][0]
+n = row["parameters_m"] * 1e6
+layers, hidden, seq = 16, 2048, 2048
+# 6N per token for the matmuls with weights, plus attention scores/values: 6 * 2 * layers * hidden * seq / 2 (causal)
+flops_per_token = 6 * n + 6 * layers * hidden * seq
+achieved = flops_per_token * row["tokens_per_s"]
+mfu = achieved / peak
+print(f"{n / 1e9:.2f}B params, {row['tokens_per_s']:.0f} tokens/s, step {row['step_time_s']:.3f} s, "
+      f"peak mem {row['mem_peak_mib'] / 1024:.1f} GiB: {achieved / 1e12:.0f} TFLOP/s = MFU {mfu:.1%} "
+      f"({'meets' if mfu >= 0.45 else 'below'} the 45% goal)")
+(out / "mfu.json").write_text(json.dumps({"mfu": mfu, "tflops": achieved / 1e12, **row}, indent=2, default=str))
+PY

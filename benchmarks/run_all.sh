@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Regenerate every performance figure of docs/benchmarks.md, side by side in one run (CPU: ~10-15 minutes on
+# 2 cores; the machine should be otherwise idle for the timing ratios to mean much).
+#   benchmarks/run_all.sh [OUT_DIR]        (default bench-results/)
+# Env: STEPS (default 6) steps per strategy run; OVERHEAD_ROUNDS (default 2) interleaved hfsdp/bare pairs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-results}
+STEPS=${STEPS:-6}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+# 1. strategies x world sizes on the weights-dominated bench model (table + chart)
+hfsdp bench bench --strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --nproc 1,2 --steps "$STEPS" --out "$OUT/strategies"
+# 2. 4 ranks: only the byte counts matter here (4 processes share the cores), so 2 steps
+hfsdp bench bench --strategies FULL_SHARD,NO_SHARD --nproc 4 --steps 2 --out "$OUT/strategies-np4"
+# 3. --help time, preprocessing cache, export memory, hfsdp vs bare Accelerate loop; prints the goals table
+python benchmarks/goals.py --out "$OUT" --bench-dir "$OUT/strategies" --bench4-dir "$OUT/strategies-np4" \
+    --overhead-rounds "${OVERHEAD_ROUNDS:-2}"

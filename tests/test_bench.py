@@ -1,0 +1,50 @@
+"""`hfsdp bench` end to end: real 1- and 2-rank gloo runs of the shrunk SmolLM2, and the table files they produce."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, base_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_tiny_full_shard_halves_state_bytes(tmp_path, tiny_model_dir):
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1,2", "--steps", "2",
+                   "--out", str(out), "--set", "model.name_or_path=smollm2-tiny", "--set", "data.max_seq_len=64",
+                   timeout=300)
+    assert "p+g+o ÷ NO_SHARD" in proc.stdout
+    for name in ("bench.md", "bench.csv", "bench.json", "bench.png"):
+        assert (out / name).is_file(), name
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    expected = {"model", "parameters_m", "world_size", "strategy", "fsdp_version", "precision", "param_mib",
+                "grad_mib", "optim_mib", "state_mib", "mem_peak_mib", "step_time_s", "tokens_per_s",
+                "state_vs_no_shard", "peak_vs_no_shard", "tokens_per_s_vs_1proc"}
+    assert expected <= set(rows[0]), expected - set(rows[0])
+    assert {(r["strategy"], r["world_size"]) for r in rows} == {
+        ("FULL_SHARD", "1"), ("NO_SHARD", "1"), ("FULL_SHARD", "2"), ("NO_SHARD", "2")}
+    header = (out / "bench.md").read_text()
+    assert "| model | params (M) | ranks | strategy | FSDP | precision |" in header
+
+    data = json.loads((out / "bench.json").read_text())["rows"]
+    by = {(r["strategy"], r["world_size"]): r for r in data}
+    full, ddp = by[("FULL_SHARD", 2)], by[("NO_SHARD", 2)]
+    # Deterministic byte counts from live tensors, not timings.
+    assert full["grad_bytes"] > 0 and full["optim_bytes"] > 0
+    assert full["state_bytes"] <= 0.51 * ddp["state_bytes"]
+    assert ddp["state_bytes"] == by[("NO_SHARD", 1)]["state_bytes"]
+    assert full["optim_bytes"] == 2 * full["param_bytes"]  # Adam: two moments per local parameter
+    assert all(r["tokens_per_s"] > 0 and r["mem_peak_mib"] > 0 for r in data)
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, hfsdp.cli; sys.argv=['hfsdp','bench','--help']\ntry:\n hfsdp.cli.main()\nexcept SystemExit: pass\n" \
+           "assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=base_env(), capture_output=True)
