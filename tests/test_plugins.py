@@ -1,0 +1,219 @@
+"""Third-party plugins: discovery (entry points and dotted paths), the errors a plugin author or user can make, the
+example packages in plugins/, and the minimal plugin of docs/plugins.md — installed with pip, then used in a run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import PRESET_DATA, REPO, base_env, run_cli, step_losses, tiny_config
+
+
+def _module(folder: Path, name: str, body: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if body.startswith(HEADER):
+        body = HEADER + textwrap.dedent(body[len(HEADER):])
+    (folder / f"{name}.py").write_text(body)
+
+
+def _validate(tmp_path: Path, plugins: list[str], **sections) -> subprocess.CompletedProcess:
+    config = tiny_config(tmp_path, plugins=plugins, **sections)
+    return run_cli("validate", str(config), env=base_env(PYTHONPATH=str(tmp_path / "mods")), check=False)
+
+
+HEADER = "import hfsdp\nfrom hfsdp import hookimpl\n"
+
+
+@pytest.mark.parametrize("case, body, expected", [
+    ("unknown_plugin", None, "plugin 'nosuch_plugin_xyz' is neither an installed plugin nor an importable module"),
+    ("import_error", "import not_a_module_anywhere\n",
+     "plugin 'import_error' is neither an installed plugin nor an importable module: ModuleNotFoundError"),
+    ("misspelt_hook", HEADER + "@hookimpl\ndef hfsdp_on_evl(run):\n    pass\n",
+     "function 'hfsdp_on_evl' is not an hfsdp hook (misspelt?)"),
+    ("unmarked_hook", HEADER + "def hfsdp_on_eval(run, step, metrics):\n    pass\n",
+     "function 'hfsdp_on_eval' is named like a hook but lacks the @hfsdp.hookimpl marker"),
+    ("wrong_argument", HEADER + "@hookimpl\ndef hfsdp_on_eval(run, stepp):\n    pass\n",
+     "plugin 'wrong_argument' does not match the hook specs"),
+    ("bad_section", HEADER + "@hookimpl\ndef hfsdp_config_section():\n    return 'bad', dict\n",
+     "hfsdp_config_section must return (section_name, pydantic model class)"),
+    ("core_section", HEADER + "from pydantic import BaseModel\n@hookimpl\ndef hfsdp_config_section():\n"
+                              "    return 'train', BaseModel\n", "plugin 'core_section' declares section 'train'"),
+])
+def test_plugin_problems_are_config_errors_naming_the_plugin(tmp_path, case, body, expected):
+    name = "nosuch_plugin_xyz" if body is None else case
+    if body is not None:
+        _module(tmp_path / "mods", case, body)
+    proc = _validate(tmp_path, [name])
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plugin_section_is_validated_by_its_schema(tmp_path):
+    _module(tmp_path / "mods", "sectioned", HEADER + """
+        from pydantic import BaseModel, ConfigDict, Field
+        class Cfg(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            every: int = Field(1, gt=0)
+        @hookimpl
+        def hfsdp_config_section():
+            return "sectioned", Cfg
+    """)
+    proc = _validate(tmp_path, ["sectioned"], sectioned={"evrey": 2, "every": 0})
+    assert proc.returncode == 2
+    assert "sectioned.evrey: unknown key" in proc.stderr and "sectioned.every: Input should be greater than 0" in proc.stderr
+    assert proc.stderr.count("[section of plugin 'sectioned']") == 2
+    proc = _validate(tmp_path, [], sectioned={"every": 2})
+    assert proc.returncode == 2 and "sectioned: unknown section" in proc.stderr
+    assert _validate(tmp_path, ["sectioned"], sectioned={"every": 2}).returncode == 0
+
+
+def test_two_plugins_claiming_one_format(tmp_path):
+    for name in ("fmt_a", "fmt_b"):
+        _module(tmp_path / "mods", name, HEADER + "@hookimpl\ndef hfsdp_dataset_formats():\n"
+                                                  "    return {'qa2': lambda batch, tokenizer, data_config: None}\n")
+    proc = _validate(tmp_path, ["fmt_a", "fmt_b"])
+    assert proc.returncode == 2
+    assert "format 'qa2' is registered by two plugins: 'fmt_a' and 'fmt_b'" in proc.stderr
+    # and a plugin may not take over a built-in format silently either
+    _module(tmp_path / "mods", "fmt_chat", HEADER + "@hookimpl\ndef hfsdp_dataset_formats():\n"
+                                                   "    return {'chat': lambda batch, tokenizer, data_config: None}\n")
+    proc = _validate(tmp_path, ["fmt_chat"])
+    assert proc.returncode == 2 and "'chat' is registered by two plugins: 'chat' and 'fmt_chat'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_plugin_raising_in_a_hook_fails_the_run_naming_plugin_and_hook(tmp_path):
+    _module(tmp_path / "mods", "boom", HEADER + """
+        @hookimpl
+        def hfsdp_transform_dataset(dataset):
+            raise ValueError("kaputt")
+    """)
+    config = tiny_config(tmp_path, plugins=["boom"])
+    proc = run_cli("train", str(config), env=base_env(PYTHONPATH=str(tmp_path / "mods")), check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "plugin 'boom' failed in hook 'hfsdp_transform_dataset': ValueError: kaputt" in proc.stderr
+
+
+def test_hfsdp_plugins_lists_builtins_and_path_plugins(tmp_path):
+    _module(tmp_path / "mods", "listed", HEADER + "__version__ = '1.2.3'\n@hookimpl\ndef hfsdp_on_eval(run):\n    pass\n")
+    proc = run_cli("plugins", "--enable", "listed", env=base_env(PYTHONPATH=str(tmp_path / "mods")))
+    lines = proc.stdout.splitlines()
+    rows = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
+    assert "built-in" in rows["chat"] and "always on" in rows["chat"]
+    for name in ("lora", "packing"):
+        assert "built-in" in rows[name] and "enable in `plugins:`" in rows[name]
+    assert re.search(r"listed\s+1\.2\.3\s+path", rows["listed"])
+    hooks = lines[lines.index(rows["lora"]) + 1]
+    assert "hfsdp_modify_model" in hooks and "hfsdp_export" in hooks and "hfsdp_config_section" in hooks
+
+
+# ---- installed packages: the two examples in plugins/, the minimal plugin of docs/plugins.md, and a broken one
+
+
+def docs_minimal_plugin() -> dict[str, str]:
+    text = (REPO / "docs" / "plugins.md").read_text()
+    blocks = dict(re.findall(r"<!-- minimal-plugin: (\S+) -->\n```\w*\n(.*?)```", text, flags=re.S))
+    assert set(blocks) == {"hfsdp_hello.py", "pyproject.toml"}, blocks.keys()
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """pip-installs the packages into a folder of their own (real wheels, dist-info, entry points; no network, and the
+    shared venv stays untouched) that the runs put on PYTHONPATH."""
+    tmp = tmp_path_factory.mktemp("installed")
+    sources = []
+    for name in ("hfsdp-csv-qa", "hfsdp-eval-log"):
+        shutil.copytree(REPO / "plugins" / name, tmp / "src" / name)  # builds leave files next to the sources
+        sources.append(tmp / "src" / name)
+    hello = tmp / "src" / "hfsdp-hello"
+    hello.mkdir(parents=True)
+    for filename, content in docs_minimal_plugin().items():
+        (hello / filename).write_text(content)
+    sources.append(hello)
+    broken = tmp / "src" / "hfsdp-broken"
+    broken.mkdir()
+    (broken / "hfsdp_broken.py").write_text("raise RuntimeError('this plugin is broken on purpose')\n")
+    (broken / "pyproject.toml").write_text(docs_minimal_plugin()["pyproject.toml"].replace("hfsdp-hello", "hfsdp-broken")
+                                           .replace("hfsdp_hello", "hfsdp_broken").replace("hello =", "broken ="))
+    sources.append(broken)
+    site = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(site), *map(str, sources)], check=True, timeout=300,
+                   capture_output=True)
+    return {"env": base_env(PYTHONPATH=str(site)), "site": site}
+
+
+def test_docs_minimal_plugin_is_short():
+    code = docs_minimal_plugin()["hfsdp_hello.py"]
+    assert len(code.strip().splitlines()) < 30
+
+
+def test_installed_plugins_are_listed_with_their_distribution(installed):
+    proc = run_cli("plugins", env=installed["env"], check=False)
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line.startswith(" ")}
+    assert re.search(r"csv_qa\s+0\.1\.0\s+entry point \(hfsdp-csv-qa\)", rows["csv_qa"])
+    assert re.search(r"eval_log\s+0\.1\.0\s+entry point \(hfsdp-eval-log\)", rows["eval_log"])
+    assert re.search(r"hello\s+0\.1\.0\s+entry point \(hfsdp-hello\)", rows["hello"])
+    assert "BROKEN" in rows["broken"] and "this plugin is broken on purpose" in rows["broken"]
+    assert proc.returncode == 2  # a broken install is worth a non-zero exit of the listing
+    # enabling the broken one is a config error naming it; not enabling it leaves other runs alone
+    proc = run_cli("validate", str(tiny_config(installed["site"].parent, plugins=["broken"])), env=installed["env"],
+                   check=False)
+    assert proc.returncode == 2 and "plugin 'broken' failed to import" in proc.stderr
+
+
+def _qa_csv(path: Path, rows: int) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["question", "answer"])
+        for line in (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines()[:rows]:
+            messages = json.loads(line)["messages"]
+            writer.writerow([messages[0]["content"], messages[1]["content"]])
+    return path
+
+
+@pytest.mark.slow
+def test_installed_plugins_run_in_a_training(installed, tmp_path):
+    data_path = _qa_csv(tmp_path / "qa.csv", 200)
+    config = tiny_config(
+        tmp_path, plugins=["csv_qa", "eval_log", "hello"],
+        data={"format": "qa", "path": str(data_path), "eval_path": None, "eval_fraction": 0.1, "max_eval_samples": 8},
+        train={"max_steps": 4, "eval_every": 2, "learning_rate": 1e-2},
+        eval_log={"file": "evals.md", "style": "markdown"}, hello={"greeting": "hi"},
+    )
+    proc = run_cli("train", str(config), env=installed["env"])
+    run = tmp_path / "run"
+    assert "data: train 180 rows" in proc.stdout + proc.stderr
+    losses = step_losses(run)
+    assert losses[4] < losses[1]
+    table = (run / "evals.md").read_text().splitlines()
+    assert table[0] == "| step | eval_loss | eval_ppl | time |" and table[1].startswith("| --- |")
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["0", "2", "4"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert float(table[-1].split("|")[2]) == pytest.approx(summary["after"]["eval_loss"], rel=1e-5)
+    assert (run / "hello.txt").read_text().startswith("hi after 4 steps, eval loss ")
+
+
+def test_qa_format_trains_on_the_answer_only(tiny_model_dir):
+    sys.path.insert(0, str(REPO / "plugins" / "hfsdp-csv-qa"))
+    try:
+        import hfsdp_csv_qa
+    finally:
+        sys.path.pop(0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = hfsdp_csv_qa.tokenize_qa({"question": ["What is 2+2?"], "answer": ["4"]}, tokenizer, None)
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    trained = tokenizer.decode([t for t, l in zip(ids, labels) if l != -100])
+    assert trained.startswith("4") and "2+2" not in trained
