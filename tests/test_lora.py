@@ -130,3 +130,11 @@ def test_default_targets_and_tied_embeddings(tiny_model_dir):
         lora._check_tied(model, ["q_proj"], ["lm_head"])
     with pytest.raises(ConfigError, match="tied"):
         lora._check_tied(model, ["embed_tokens"], None)
+
+
+@pytest.mark.slow
+def test_lora_fsdp1_single_shard_with_tied_embeddings_is_refused(tmp_path):
+    config = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 1}, train={"eval_at_start": False})
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "fsdp.version: LoRA on a model with tied embeddings under FSDP1 with a single shard" in proc.stderr
