@@ -117,10 +117,18 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     if world.rank == 0:
         for note in notes:
             click.echo(f"hfsdp: {note}", err=True)
-    from hfsdp.train import Options, train as run_training
+    from hfsdp.train import Options, Preempted, train as run_training
 
-    run_training(cfg, host, Options(cache_dir=_cache_dir(), world=world, resume=resume, overwrite=overwrite,
-                                    config_source=str(resolve_config_path(config))))
+    try:
+        run_training(cfg, host, Options(cache_dir=_cache_dir(), world=world, resume=resume, overwrite=overwrite,
+                                        config_source=str(resolve_config_path(config))))
+    except Preempted as stop:
+        # A complete checkpoint exists; exit like a process killed by the signal would (143 SIGTERM, 130 SIGINT),
+        # so schedulers see a preemption, not a failure of the job's own making.
+        if world.rank == 0:
+            click.echo(f"hfsdp: {stop}; continue with: hfsdp train {config or ''} --resume".replace("  ", " "),
+                       err=True)
+        sys.exit(128 + stop.signum)
 
 
 @cli.command()

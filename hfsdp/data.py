@@ -33,19 +33,29 @@ def _load_split(path: str, cfg: DataConfig, split: str):
             loader = _LOADERS.get(local.suffix.lower())
             if loader is None:
                 raise UserError(f"data: cannot read {local}: use one of {', '.join(_LOADERS)} or a datasets folder")
+            with open(local, "rb") as f:  # also surfaces an unreadable file as a PermissionError, below
+                if not f.read(4096).strip():
+                    raise UserError(f"data: {local} is empty (no rows to train on)")
             extra = {"sample_by": "paragraph"} if loader == "text" else {}
             return datasets.load_dataset(loader, data_files={split: str(local)}, split=split, **extra)
         if local.is_dir() and (local / "dataset_dict.json").is_file():
             return datasets.load_from_disk(str(local))[split]
+        if local.is_dir():  # a folder of data files
+            return datasets.load_dataset(str(local), cfg.name, split=split)
         if path.startswith((".", "/", "~")) or local.suffix.lower() in _LOADERS:
             raise UserError(f"data.path: {path} does not exist")
         return datasets.load_dataset(path, cfg.name, split=split)
     except UserError:
         raise
+    except PermissionError as err:
+        raise UserError(f"data: cannot read {path}: permission denied ({err.strerror})") from None
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise UserError(f"data: cannot load split '{split}' of {path}: {err}") from None
     except Exception as err:  # datasets raises many kinds for unreadable files (e.g. malformed JSON)
-        raise UserError(f"data: cannot read {path}: {type(err).__name__}: {err}") from None
+        detail = f"{type(err).__name__}: {err}"
+        if err.__cause__ is not None:  # DatasetGenerationError wraps the parser's message
+            detail += f" ({type(err.__cause__).__name__}: {err.__cause__})"
+        raise UserError(f"data: cannot read {path}: {detail}") from None
 
 
 def load_raw(cfg: DataConfig, seed: int):
@@ -102,10 +112,20 @@ def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
 def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, num_proc: int | None):
     """Tokenize a raw split with a format function, then apply the length policy; returns (dataset, stats)."""
 
-    def fn(batch: dict[str, list]) -> dict[str, list]:
-        return _fit_length(tokenize_fn(batch, tokenizer, cfg), cfg)
+    def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        try:
+            return _fit_length(tokenize_fn(batch, tokenizer, cfg), cfg)
+        except UserError as err:
+            if type(err) is UserError:
+                raise
+            raise UserError(str(err)) from None  # plain UserError: it crosses num_proc worker processes intact
+        except Exception as err:  # malformed rows (a message without "role", a number for a text) or a format bug
+            where = f"rows {indices[0]}-{indices[-1]}" if indices else "a batch"
+            raise UserError(f"data.format '{cfg.format}': could not tokenize {where}: {type(err).__name__}: "
+                            f"{err}. Check that the rows have the columns and types this format expects") from None
 
-    tokenized = raw.map(fn, batched=True, remove_columns=raw.column_names, num_proc=num_proc, desc="tokenizing")
+    tokenized = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
+                        desc="tokenizing")
     stats = TokenizeStats(
         rows=len(tokenized),
         truncated=sum(tokenized["_truncated"]),
@@ -137,7 +157,10 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
         return build(), False
     target = cache_dir / "datasets" / key
     if (target / "dataset_dict.json").is_file():
-        return datasets.load_from_disk(str(target)), True
+        try:
+            return datasets.load_from_disk(str(target)), True
+        except Exception:  # a damaged cache entry is rebuilt, not fatal
+            shutil.rmtree(target, ignore_errors=True)
     result = build()
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

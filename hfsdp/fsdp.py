@@ -63,6 +63,12 @@ def _mixed_precision_policy(cfg: FSDPConfig):
     return MixedPrecisionPolicy(param_dtype=_DTYPES[parts.param], reduce_dtype=_DTYPES[parts.reduce])
 
 
+def _backward_prefetch(cfg: FSDPConfig) -> str:
+    if cfg.version != 1 or cfg.backward_prefetch == "NONE":
+        return "NO_PREFETCH"
+    return cfg.backward_prefetch or "BACKWARD_PRE"
+
+
 def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullyShardedDataParallelPlugin | None":
     """The Accelerate FSDP plugin for ``cfg``, or None when the strategy runs as DDP (FSDP2 NO_SHARD).
 
@@ -81,7 +87,8 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
         fsdp_version=cfg.version,
         sharding_strategy=cfg.sharding_strategy if v1 else None,
         reshard_after_forward=None if v1 else cfg.sharding_strategy != "SHARD_GRAD_OP",
-        backward_prefetch=(cfg.backward_prefetch or "BACKWARD_PRE") if v1 else None,
+        # "NO_PREFETCH" (not None, which Accelerate would fill from FSDP_BACKWARD_PREFETCH) means "none".
+        backward_prefetch=_backward_prefetch(cfg),
         mixed_precision_policy=policy,
         auto_wrap_policy=_WRAP_POLICIES[cfg.wrap_policy],
         transformer_cls_names_to_wrap=list(layer_classes) if cfg.wrap_policy == "transformer" else None,

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pluggy
 
 from hfsdp import hookspecs
-from hfsdp.errors import ConfigError, PluginError
+from hfsdp.errors import ConfigError, PluginError, UserError
 
 ENTRY_POINT_GROUP = "hfsdp"
 
@@ -131,7 +131,7 @@ class PluginHost:
         try:
             # Like pluggy itself: an implementation may accept any subset of the spec's arguments.
             return impl.function(*[kwargs[name] for name in impl.argnames])
-        except (ConfigError, PluginError):
+        except (UserError, PluginError):  # a UserError is the user's to fix: reported as such (exit 2), not as a crash
             raise
         except Exception as err:
             raise PluginError(plugin, hook, err) from err

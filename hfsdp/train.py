@@ -48,9 +48,13 @@ class NonFiniteLoss(UserError):
 
 
 class Preempted(Exception):
-    def __init__(self, signum: int):
+    """Raised on every rank once the checkpoint asked for by SIGTERM/SIGINT is complete; the CLI exits 128+signum."""
+
+    def __init__(self, signum: int, step: int | None = None, path: Path | None = None):
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.path = path
+        saved = f" after step {step}; checkpoint {path} is complete" if path is not None else ""
+        super().__init__(f"stopped by {signal.Signals(signum).name}{saved}")
 
 
 @dataclass
@@ -317,6 +321,9 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         resumed_from = None
         if opts.resume:
             resumed_from = find_resume_checkpoint(output_dir, opts.resume)
+            if is_main:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
+                for stale in checkpoint.remove_incomplete(output_dir / "checkpoints"):
+                    say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
             if resumed_from is not None:
                 check_resume_record(checkpoint.read_record(resumed_from), config, world.size, resumed_from)
                 accelerator.load_state(str(resumed_from))
@@ -422,10 +429,13 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
                     last_eval = run_eval(state.step, f"step{state.step}")
                 preempted = any_rank(accelerator, preemption.signum is not None)
+                saved = None
                 if (config.train.save_every and state.step % config.train.save_every == 0) or preempted:
-                    save_checkpoint(accelerator, run, model_config)
+                    saved = save_checkpoint(accelerator, run, model_config)
                 if preempted:
-                    raise Preempted(preemption.signum or signal.SIGTERM)
+                    host.call("hfsdp_on_train_end", run=run, metrics=last_eval)
+                    metrics.close()
+                    raise Preempted(preemption.signum or signal.SIGTERM, state.step, saved)
         finally:
             preemption.uninstall()
             if progress is not None:
@@ -498,6 +508,10 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
         tokenized = {}
         for name, split in splits.items():
             tokenized[name], stats[name] = data.tokenize(split, tokenize_fn, tokenizer, config.data, config.data.num_proc)
+            if len(tokenized[name]) == 0:  # checked before caching: datasets cannot reload an empty saved split
+                where = "data.path" if name == "train" else "the eval data"
+                raise UserError(f"data: no {name} rows left after tokenization of {where} ({stats[name].summary()}); "
+                                "raise data.max_seq_len or use data.too_long: truncate")
         result = datasets.DatasetDict(tokenized)
         return host.chain("hfsdp_transform_dataset", "dataset", result, config=config, tokenizer=tokenizer)
 

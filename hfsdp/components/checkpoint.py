@@ -9,6 +9,7 @@ newer one is complete (Accelerate's ``total_limit`` deletes first).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -45,18 +46,37 @@ def read_record(path: Path) -> dict[str, Any]:
     return json.loads(record.read_text())
 
 
+class CheckpointError(UserError):
+    """A checkpoint could not be written (disk full, failing writer). The previous complete checkpoint is intact."""
+
+    exit_code = 1
+
+
+def _attempt(action) -> BaseException | None:
+    try:
+        action()
+    except Exception as err:  # reported below, on every rank, after the temporary folder is removed
+        return err
+    return None
+
+
 def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], model_config, tokenizer,
          generation_config, run_config_yaml: str) -> Path:
-    """Write a checkpoint for ``step`` on all ranks; returns its final path once it is complete."""
+    """Write a checkpoint for ``step`` on all ranks; returns its final path once it is complete.
+
+    A failure on any rank (e.g. ENOSPC) removes the temporary folder and raises :class:`CheckpointError` on every
+    rank, so that no rank waits forever for another; the previous complete checkpoint is left as it was.
+    """
+    from hfsdp.distributed import any_rank
+
     final = step_dir(checkpoints, step)
     tmp = checkpoints / f".tmp-{PREFIX}{step}"
-    if accelerator.is_main_process:
+
+    def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def finish() -> None:
         model_config.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         if generation_config is not None:
@@ -67,16 +87,48 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(checkpoints)
-    accelerator.wait_for_everyone()
+
+    main = accelerator.is_main_process
+    for phase, action in (("start", start if main else None),
+                          ("save_state", lambda: accelerator.save_state(str(tmp), safe_serialization=True)),
+                          ("finish", finish if main else None)):
+        error = _attempt(action) if action is not None else None
+        if any_rank(accelerator, error is not None):  # also the barrier between the phases
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_failed(checkpoints, step, error)
     return final
+
+
+def _save_failed(checkpoints: Path, step: int, error: BaseException | None) -> CheckpointError:
+    cause = f"{type(error).__name__}: {error}" if error is not None else "another rank failed to write its part"
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        cause += " (the disk is full: free space or point train.output_dir elsewhere)"
+    previous = [path for found, path in complete_checkpoints(checkpoints) if found != step]
+    kept = (f"the last complete checkpoint, {previous[-1]}, is intact and `--resume` continues from it"
+            if previous else "no earlier complete checkpoint exists")
+    err = CheckpointError(f"checkpoint for step {step} could not be written: {cause}; {kept}")
+    err.__cause__ = error
+    return err
 
 
 def prune(checkpoints: Path, keep_last: int | None) -> list[Path]:
     """Delete the oldest complete checkpoints beyond ``keep_last`` and any leftover temporary folders."""
-    removed = []
+    removed = remove_incomplete(checkpoints)
     if keep_last is not None:
         for _, path in complete_checkpoints(checkpoints)[:-keep_last]:
             shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def remove_incomplete(checkpoints: Path) -> list[Path]:
+    """Delete temporary folders of saves that never completed (a process killed mid-save leaves one).
+    Call only while no save is in progress."""
+    removed = []
+    if checkpoints.is_dir():
+        for path in checkpoints.glob(f".tmp-{PREFIX}*"):
+            shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
@@ -117,7 +169,16 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
             self.layout = "sharded (DCP)"
         elif full_bin.is_file():
             # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
-            self._full = torch.load(full_bin, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                self._full = torch.load(full_bin, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise UserError(f"{full_bin}: refusing to load it: not a plain tensor file saved by torch.save "
+                                f"(loaded with weights_only=True, which never runs code from a file: {first})") from None
+            bad = [k for k, v in self._full.items() if not isinstance(v, torch.Tensor)] \
+                if isinstance(self._full, dict) else ["<top level>"]
+            if bad:
+                raise UserError(f"{full_bin}: expected a mapping of names to tensors; not tensors: {bad[:3]}")
             self.layout = "full (torch.save)"
         elif safetensors_file.is_file():
             from safetensors.torch import load_file

@@ -1,0 +1,187 @@
+"""Bad inputs through the real CLI: each gives exit 2, one message that says what is wrong (and where), and no
+traceback. The cases run two at a time in one module fixture; each is then its own test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from conftest import PRESET_DATA, base_env, tiny_config
+from hfsdp.components import checkpoint
+from hfsdp.config import load_config
+from hfsdp.train import RESUMABLE_CHANGES
+
+pytestmark = pytest.mark.slow
+
+CHAT = PRESET_DATA / "contacts_train.jsonl"
+
+
+def _cfg(case: Path, **sections) -> str:
+    return str(tiny_config(case, **sections))
+
+
+def _fake_checkpoint(run: Path, config: str, *, world_size: int = 1, complete: bool = True) -> Path:
+    """A checkpoint folder whose record matches ``config`` (only the record is read before the refusal)."""
+    ckpt = run / "checkpoints" / "step-2"
+    ckpt.mkdir(parents=True)
+    if complete:
+        cfg, _ = load_config(config)
+        (ckpt / checkpoint.RECORD).write_text(json.dumps(
+            {"step": 2, "world_size": world_size, "config_hash": cfg.fingerprint(exclude=RESUMABLE_CHANGES)}))
+    return ckpt
+
+
+def _write(path: Path, text: str | bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return str(path)
+
+
+# Each case: id -> (setup(case_dir, shared) -> argv, expected message substring). ``shared`` holds the tiny
+# model folder and a copy of it without a chat template.
+Case = tuple[Callable[[Path, dict], list[str]], str]
+CASES: dict[str, Case] = {
+    # --- config (reported before anything heavy is imported)
+    "unknown key": (lambda d, s: ["train", _cfg(d, train={"max_stepz": 2})], "train.max_stepz: unknown key"),
+    "wrong type": (lambda d, s: ["train", _cfg(d, train={"per_device_batch_size": "two"})],
+                   "train.per_device_batch_size: Input should be a valid integer"),
+    "bad enum": (lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "ZeRO-3"})],
+                 "fsdp.sharding_strategy: Input should be 'FULL_SHARD'"),
+    "fsdp1 knob on fsdp2": (lambda d, s: ["train", _cfg(d, fsdp={"forward_prefetch": True})],
+                            "forward_prefetch only exist in FSDP1"),
+    "size policy without min_num_params": (lambda d, s: ["train", _cfg(d, fsdp={"wrap_policy": "size"})],
+                                           "wrap_policy 'size' needs fsdp.min_num_params"),
+    "two eval sources": (lambda d, s: ["train", _cfg(d, data={"eval_split": "test"})],
+                         "set only one of eval_path, eval_split, eval_fraction"),
+    "missing config file": (lambda d, s: ["train", str(d / "nope.yaml")], "config file not found"),
+    "malformed yaml": (lambda d, s: ["train", _write(d / "c.yaml", "model: {name_or_path: x\ntrain: [\n")],
+                       "malformed YAML at line"),
+    "--set wrong type": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps=abc"],
+                         "train.max_steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+    "--set without value": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps"], "overrides look like --set"),
+    "unknown plugin": (lambda d, s: ["train", _cfg(d, plugins=["nonexistent_plugin_xyz"])],
+                       "'nonexistent_plugin_xyz' is neither an installed plugin nor an importable module"),
+    "unknown format": (lambda d, s: ["train", _cfg(d, data={"format": "sharegpt"})], "unknown format 'sharegpt'"),
+    "plugin section, plugin not enabled": (lambda d, s: ["train", _cfg(d, packing={})],
+                                           "it belongs to plugin 'packing'; add it to `plugins:`"),
+    # --- data
+    "missing dataset file": (lambda d, s: ["train", _cfg(d, data={"path": str(d / "nope.jsonl")})], "does not exist"),
+    "unsupported file type": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.docx", "x"),
+                                                                  "eval_path": None})],
+                              "use one of .txt, .text, .json, .jsonl, .csv, .parquet"),
+    "unreadable parquet": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.parquet", b"\x00garbage" * 64),
+                                                               "eval_path": None})], "rows.parquet: Parquet magic bytes not found"),
+    "malformed jsonl": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": [\n'),
+                                                            "eval_path": None})], "JSON parse error"),
+    "empty dataset": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", "\n"), "eval_path": None})],
+                      "is empty (no rows to train on)"),
+    "every sample too long (drop)": (lambda d, s: ["train", _cfg(d, data={"max_seq_len": 8, "too_long": "drop"})],
+                                     "no train rows left after tokenization"),
+    "chat data, tokenizer without template": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": s["no_template"]})],
+        "chat data needs a tokenizer with a chat template"),
+    "chat rows without roles": (lambda d, s: ["train", _cfg(d, data={
+        "path": _write(d / "rows.jsonl", '{"messages": [{"content": "hi"}, {"content": "yo"}]}\n'), "eval_path": None})],
+        "data.format 'chat': could not tokenize rows 0-0"),
+    "text format, wrong column": (lambda d, s: ["train", _cfg(d, data={"format": "text"})],
+                                  "data.text_field: column 'text' not found"),
+    "instruction format, chat rows": (lambda d, s: ["train", _cfg(d, data={"format": "instruction"})],
+                                      "instruction data needs columns instruction, output"),
+    "eval_fraction of one row": (lambda d, s: ["train", _cfg(d, data={
+        "path": _write(d / "one.jsonl", json.dumps({"text": "a"}) + "\n"), "format": "text", "eval_path": None,
+        "eval_fraction": 0.5})], "too few to hold some out"),
+    # --- model, world, output folder, resume, export
+    "model path does not exist": (lambda d, s: ["train", _cfg(d, model={"name_or_path": str(d / "no-model")})],
+                                  "model.name_or_path: " + "{d}/no-model does not exist"),
+    "model folder without config.json": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": str((d / "empty-model").mkdir() or d / "empty-model")})],
+        "exists but has no config.json"),
+    "hybrid shard size does not divide world": (
+        lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2})],
+        "2 ranks per shard group does not divide the world size 1"),
+    "gpu-only option in cpu rehearsal": (lambda d, s: ["train", _cfg(d, fsdp={"cpu_offload": True})],
+                                         "fsdp.cpu_offload: needs a GPU"),
+    "output folder holds another run": (
+        lambda d, s: (_write(d / "run" / "metrics.jsonl", "{}\n"), ["train", _cfg(d)])[1],
+        "already holds a run (metrics.jsonl). Pass --resume to continue it, --overwrite to replace it"),
+    "resume from an incomplete folder": (
+        lambda d, s: ["train", (c := _cfg(d)), "--resume", str(_fake_checkpoint(d / "other", c, complete=False))],
+        "is not a complete hfsdp checkpoint (no hfsdp_checkpoint.json)"),
+    "resume with a changed config key": (
+        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d)),
+                      ["train", c, "--resume", "--set", "train.learning_rate=0.1"])[1],
+        "the config changed in keys that change the run"),
+    "resume on another world size": (
+        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d), world_size=2), ["train", c, "--resume"])[1],
+        "it was saved on 2 rank(s), this run has 1"),
+    "export an incomplete checkpoint": (
+        lambda d, s: ["export", str(_fake_checkpoint(d / "run", _cfg(d), complete=False)), str(d / "out")],
+        "is not a complete hfsdp checkpoint"),
+}
+
+
+def _run(case: str, shared: dict) -> subprocess.CompletedProcess:
+    folder = shared["root"] / case.replace(" ", "_").replace("/", "_").replace(",", "")
+    folder.mkdir()
+    setup, _ = CASES[case]
+    argv = setup(folder, shared)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(), capture_output=True,
+                          text=True, timeout=300)
+    proc.folder = folder
+    return proc
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("bad")
+    no_template = root / "no-template-model"
+    shutil.copytree(tiny_model_dir, no_template)
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = no_template / "tokenizer_config.json"
+    raw = json.loads(tok_cfg.read_text())
+    raw.pop("chat_template", None)
+    tok_cfg.write_text(json.dumps(raw))
+    shared = {"root": root, "no_template": str(no_template)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CASES, pool.map(lambda c: _run(c, shared), CASES)))
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case, results):
+    proc = results[case]
+    expected = CASES[case][1].replace("{d}", str(proc.folder))
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert expected in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hfsdp: error:")]
+    assert len(errors) == 1, proc.stderr[-4000:]  # one message, not one per layer that saw the problem
+
+
+def test_output_folder_of_a_refused_run_is_untouched(results):
+    folder = results["output folder holds another run"].folder
+    assert sorted(p.name for p in (folder / "run").iterdir()) == ["metrics.jsonl"]
+    assert (folder / "run" / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root reads files whatever their mode")
+def test_unreadable_dataset_file(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    shutil.copy(CHAT, rows)
+    rows.chmod(0)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", "train", _cfg(tmp_path, data={"path": str(rows)})],
+                          env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "permission denied" in proc.stderr

@@ -1,0 +1,143 @@
+"""Every class of bad config gives one clear error naming its YAML path: through the Python API (fast) and, for a
+few, through the real ``hfsdp validate`` (exit 2, no traceback). Every bundled preset validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli, tiny_config
+from hfsdp.config import list_presets, load_config
+from hfsdp.errors import ConfigError
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def _problems(path: Path, overrides=()) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), list(overrides))
+    return dict(info.value.problems)
+
+
+def _tiny_with(tmp_path: Path, **sections) -> Path:
+    return tiny_config(tmp_path, **sections)
+
+
+# (case id, sections merged over the tiny config, expected YAML path, message substring)
+CASES = [
+    ("unknown key", {"train": {"max_stepz": 3}}, "train.max_stepz", "unknown key"),
+    ("unknown section", {"trainer": {"max_steps": 3}}, "trainer", "unknown section"),
+    ("plugin section without plugin", {"lora": {"r": 8}}, "lora", "belongs to plugin 'lora'"),
+    ("wrong type int", {"train": {"max_steps": "many"}}, "train.max_steps", "valid integer"),
+    ("wrong type bool", {"fsdp": {"cpu_offload": "sometimes"}}, "fsdp.cpu_offload", "valid boolean"),
+    ("wrong type list", {"fsdp": {"transformer_layer_cls": "LlamaDecoderLayer"}}, "fsdp.transformer_layer_cls",
+     "valid list"),
+    ("out of range", {"train": {"learning_rate": -1.0}}, "train.learning_rate", "greater than 0"),
+    ("bad enum strategy", {"fsdp": {"sharding_strategy": "ZERO3"}}, "fsdp.sharding_strategy", "FULL_SHARD"),
+    ("bad enum version", {"fsdp": {"version": 3}}, "fsdp.version", "1 or 2"),
+    ("bad enum precision", {"fsdp": {"mixed_precision": "fp8"}}, "fsdp.mixed_precision", "fp8"),
+    ("bad enum precision part", {"fsdp": {"mixed_precision": {"param": "int8"}}}, "fsdp.mixed_precision.param",
+     "int8"),
+    ("bad enum too_long", {"data": {"too_long": "wrap"}}, "data.too_long", "'truncate' or 'drop'"),
+    ("fsdp1-only knob on fsdp2", {"fsdp": {"version": 2, "use_orig_params": True}}, "fsdp",
+     "use_orig_params only exist in FSDP1"),
+    ("size policy without min_num_params", {"fsdp": {"wrap_policy": "size"}}, "fsdp", "needs fsdp.min_num_params"),
+    ("min_num_params without size policy", {"fsdp": {"min_num_params": 1000}}, "fsdp",
+     "min_num_params only applies to wrap_policy 'size'"),
+    ("no_shard fsdp2 with cpu offload", {"fsdp": {"sharding_strategy": "NO_SHARD", "cpu_offload": True}}, "fsdp",
+     "runs as DDP"),
+    ("hybrid size without hybrid", {"fsdp": {"hybrid_shard_size": 2}}, "fsdp", "only applies to sharding_strategy"),
+    ("two eval sources", {"data": {"eval_fraction": 0.1}}, "data", "set only one of eval_path, eval_split, eval_fraction"),
+    ("no length", {"train": {"output_dir": "x", "max_steps": None}}, "train", "set train.max_steps or train.epochs"),
+    ("missing required key", {"model": {"dtype": "bf16"}}, "model.name_or_path", "required key is missing"),
+    ("unknown data format", {"data": {"format": "sharegpt"}}, "data.format", "unknown format 'sharegpt'"),
+    ("unknown plugin", {"plugins": ["no_such_plugin_xyz"]}, "plugins", "neither an installed plugin"),
+]
+
+
+@pytest.mark.parametrize("sections,where,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_config_names_yaml_path(tmp_path, sections, where, message):
+    if sections.get("model") and "name_or_path" not in sections["model"]:
+        path = tiny_config(tmp_path)
+        raw = yaml.safe_load(path.read_text())
+        raw["model"] = sections["model"]
+        path.write_text(yaml.safe_dump(raw))
+    else:
+        path = _tiny_with(tmp_path, **sections)
+    problems = _problems(path)
+    assert where in problems, problems
+    assert message in problems[where], problems
+
+
+def test_all_problems_reported_together(tmp_path):
+    path = _tiny_with(tmp_path, train={"max_stepz": 1, "learning_rate": "fast"}, fsdp={"version": 7})
+    problems = _problems(path)
+    assert {"train.max_stepz", "train.learning_rate", "fsdp.version"} <= set(problems)
+
+
+def test_missing_file_and_malformed_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = _write(tmp_path, "model:\n  name_or_path: x\n data: [\n")
+    with pytest.raises(ConfigError, match=r"malformed YAML at line \d+, column \d+"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(_write(tmp_path, "- a\n- b\n")))
+    with pytest.raises(ConfigError, match="neither a config file nor a preset"):
+        load_config("no_such_preset")
+
+
+def test_overrides_typed_by_schema(tmp_path):
+    path = tiny_config(tmp_path)
+    config, _ = load_config(str(path), ["train.max_steps=10", "fsdp.mixed_precision=bf16", "data.eval_path=null",
+                                        "train.learning_rate=1e-4"])
+    assert config.train.max_steps == 10 and isinstance(config.train.max_steps, int)
+    assert config.fsdp.mixed_precision == "bf16"
+    assert config.data.eval_path is None
+    assert config.train.learning_rate == pytest.approx(1e-4)
+    assert _problems(path, ["train.max_steps=abc"]).keys() == {"train.max_steps"}
+    assert "unknown key" in _problems(path, ["train.nope=1"])["train.nope"]
+    assert "overrides look like" in _problems(path, ["train.max_steps"])["train.max_steps"]
+    assert "is not a section" in _problems(path, ["train.max_steps.x=1"])["train.max_steps.x"]
+
+
+@pytest.mark.parametrize("name", sorted(list_presets()))
+def test_bundled_presets_validate(name):
+    config, host = load_config(name)
+    assert config.train.max_steps or config.train.epochs
+    assert config.data.format in host.dataset_formats()
+    assert Path(config.data.path).is_file(), "preset data paths resolve next to the preset"
+
+
+# ---- the real CLI: exit 2, one message that names the YAML path, no traceback
+
+def _cli_fails(*args: str) -> str:
+    proc = run_cli(*args, check=False, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("hfsdp: error:"), proc.stderr
+    return proc.stderr
+
+
+def test_cli_validate_errors(tmp_path):
+    path = tiny_config(tmp_path, train={"max_stepz": 3}, fsdp={"sharding_strategy": "ZERO3"})
+    err = _cli_fails("validate", str(path))
+    assert "train.max_stepz: unknown key" in err and "fsdp.sharding_strategy:" in err
+    assert "2 problem(s)" in err
+    err = _cli_fails("validate", str(tiny_config(tmp_path)), "--set", "train.max_steps=abc")
+    assert "train.max_steps: Input should be a valid integer" in err and "'abc'" in err
+    assert "config file not found" in _cli_fails("validate", str(tmp_path / "missing.yaml"))
+    assert "malformed YAML at line" in _cli_fails("validate", str(_write(tmp_path, "train: {max_steps: 3\n")))
+
+
+def test_cli_validate_override_ok(tmp_path):
+    proc = run_cli("validate", str(tiny_config(tmp_path)), "--set", "train.max_steps=10", timeout=120)
+    resolved = yaml.safe_load(proc.stdout)
+    assert resolved["train"]["max_steps"] == 10
+    assert resolved["fsdp"]["sharding_strategy"] == "FULL_SHARD"  # defaults filled in

@@ -1,0 +1,142 @@
+"""The three built-in dataset formats, tokenized by ``hfsdp.data.tokenize`` with the real SmolLM2 tokenizer:
+which tokens carry loss, and how the length policy counts truncated and dropped rows."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from hfsdp import data
+from hfsdp.builtin.chat import tokenize_chat
+from hfsdp.builtin.instruction import render_prompt, tokenize_instruction
+from hfsdp.builtin.text import tokenize_text
+from hfsdp.config import DataConfig
+from hfsdp.errors import UserError
+
+IGNORE = data.IGNORE_INDEX
+CONVERSATION = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Name a color."},
+    {"role": "assistant", "content": "Blue."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def _cfg(**kw) -> DataConfig:
+    return DataConfig(path="unused", **kw)
+
+
+def _tokenize(rows, fn, tokenizer, **cfg):
+    return data.tokenize(datasets.Dataset.from_list(rows), fn, tokenizer, _cfg(**cfg), None)
+
+
+def _labelled_spans(row) -> list[list[int]]:
+    """Contiguous runs of labelled token ids."""
+    spans, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE:
+            assert label == token  # labels are the tokens themselves (the loss shifts them)
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
+
+
+def test_chat_labels_only_assistant_turns(tokenizer):
+    tokenized, stats = _tokenize([{"messages": CONVERSATION}], tokenize_chat, tokenizer, format="chat")
+    row = tokenized[0]
+    end_of_turn = "<|im_end|>\n"  # SmolLM2's template closes every turn with <|im_end|> and a newline
+    spans = [tokenizer.decode(s) for s in _labelled_spans(row)]
+    assert spans == ["Hello! How can I help?" + end_of_turn, "Blue." + end_of_turn]
+    # everything else (system prompt, user turns, role headers) is masked, and the text is the template's
+    full = tokenizer.decode(row["input_ids"])
+    assert full == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    masked = tokenizer.decode([t for t, l in zip(row["input_ids"], row["labels"]) if l == IGNORE])
+    assert "Hi there" in masked and "Name a color." in masked and "Blue." not in masked
+    assert (stats.rows, stats.truncated, stats.dropped_too_long, stats.dropped_no_labels) == (1, 0, 0, 0)
+
+
+def test_chat_needs_a_template(tokenizer):
+    bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(UserError, match="needs a tokenizer with a chat template"):
+        _tokenize([{"messages": CONVERSATION}], tokenize_chat, bare, format="chat")
+
+
+@pytest.mark.parametrize("with_input", [False, True])
+def test_instruction_masks_the_prompt(tokenizer, with_input):
+    row_in = {"instruction": "Add the numbers.", "input": "2 and 3" if with_input else "", "output": "5"}
+    tokenized, _ = _tokenize([row_in], tokenize_instruction, tokenizer, format="instruction")
+    row = tokenized[0]
+    prompt = render_prompt(row_in["instruction"], row_in["input"])
+    assert ("### Input:\n2 and 3" in prompt) is with_input
+    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert row["labels"][:n_prompt] == [IGNORE] * n_prompt
+    assert tokenizer.decode(row["input_ids"][:n_prompt]) == prompt
+    assert [tokenizer.decode(s) for s in _labelled_spans(row)] == ["5" + tokenizer.eos_token]
+
+
+def test_instruction_rows_without_input_column(tokenizer):
+    tokenized, _ = _tokenize([{"instruction": "Say hi.", "output": "hi"}], tokenize_instruction, tokenizer,
+                             format="instruction")
+    assert [tokenizer.decode(s) for s in _labelled_spans(tokenized[0])] == ["hi" + tokenizer.eos_token]
+
+
+def test_text_labels_everything_from_txt_and_jsonl(tokenizer, tmp_path):
+    paragraphs = ["The first paragraph.\nIt has two lines.", "The second one."]
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("\n\n".join(paragraphs))  # paragraphs: split at blank lines
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": p}) + "\n" for p in paragraphs))
+    for path, field in ((txt, "text"), (jsonl, "body")):
+        cfg = _cfg(format="text", text_field=field).model_copy(update={"path": str(path)})
+        raw, _ = data.load_raw(cfg, seed=0)
+        tokenized, stats = data.tokenize(raw, tokenize_text, tokenizer, cfg, None)
+        assert stats.rows == 2 and len(tokenized) == 2, path
+        for row, text in zip(tokenized, paragraphs):
+            assert row["labels"] == row["input_ids"]
+            assert row["input_ids"][-1] == tokenizer.eos_token_id
+            assert tokenizer.decode(row["input_ids"]) == text + tokenizer.eos_token
+
+
+def test_text_field_missing_is_a_user_error(tokenizer):
+    with pytest.raises(UserError, match="data.text_field: column 'text' not found"):
+        _tokenize([{"body": "x"}], tokenize_text, tokenizer, format="text")
+
+
+def test_length_policy_truncate_and_drop(tokenizer):
+    rows = [{"text": "short"}, {"text": "a much longer row " * 20}, {"text": "another quite long row " * 20}]
+    lengths = [len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]
+    limit = 16
+    assert lengths[0] <= limit < min(lengths[1:])
+
+    truncated, stats = _tokenize(rows, tokenize_text, tokenizer, format="text", max_seq_len=limit)
+    assert (stats.rows, stats.truncated, stats.dropped_too_long) == (3, 2, 0)
+    assert [len(r["input_ids"]) for r in truncated] == [lengths[0], limit, limit]
+    assert all(len(r["labels"]) == len(r["input_ids"]) for r in truncated)
+
+    kept, stats = _tokenize(rows, tokenize_text, tokenizer, format="text", max_seq_len=limit, too_long="drop")
+    assert (stats.rows, stats.truncated, stats.dropped_too_long) == (3, 0, 2)
+    assert len(kept) == 1 and len(kept[0]["input_ids"]) == lengths[0]
+    assert "2 dropped as too long" in stats.summary()
+
+
+def test_truncation_that_cuts_off_every_label_drops_the_row(tokenizer):
+    rows = [{"instruction": "word " * 50, "output": "answer"}]
+    kept, stats = _tokenize(rows, tokenize_instruction, tokenizer, format="instruction", max_seq_len=12)
+    assert (stats.truncated, stats.dropped_no_labels, len(kept)) == (1, 1, 0)
+
+
+def test_malformed_rows_are_a_user_error_naming_the_rows(tokenizer):
+    rows = [{"messages": CONVERSATION}, {"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]}]
+    with pytest.raises(UserError, match=r"data.format 'chat': could not tokenize rows 0-1"):
+        _tokenize(rows, tokenize_chat, tokenizer, format="chat")

@@ -1,0 +1,164 @@
+"""The ``fsdp:`` section → Accelerate's FullyShardedDataParallelPlugin, field by field, for every combination of
+version × strategy × precision × cpu_offload × state-dict type; and FSDP_* launcher variables never change it."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.distributed.fsdp import (
+    BackwardPrefetch, CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy,
+    ShardingStrategy, StateDictType,
+)
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from hfsdp.config import FSDPConfig
+from hfsdp.fsdp import build_fsdp_plugin, runs_as_ddp
+
+LAYERS = ["LlamaDecoderLayer"]
+DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VERSIONS = [1, 2]
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+PER_PART = {"param": "bfloat16", "reduce": "float16", "buffer": "float16"}  # all different from the defaults
+PRECISIONS = {"no": None, "bf16": ("bfloat16", "float32", "float32"), "fp16": ("float16", "float32", "float32"),
+              "parts": ("bfloat16", "float16", "float16")}
+STATE_DICTS = ["FULL_STATE_DICT", "SHARDED_STATE_DICT"]
+TABLE = list(itertools.product(VERSIONS, STRATEGIES, PRECISIONS, [False, True], STATE_DICTS))
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    # The plugin writes FSDP_CPU_RAM_EFFICIENT_LOADING into os.environ itself; keep tests independent.
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _cfg(version, strategy, precision, offload, state_dict, **extra) -> FSDPConfig:
+    return FSDPConfig(version=version, sharding_strategy=strategy,
+                      mixed_precision=PER_PART if precision == "parts" else precision,
+                      cpu_offload=offload, state_dict_type=state_dict, **extra)
+
+
+@pytest.mark.parametrize("version,strategy,precision,offload,state_dict", TABLE,
+                         ids=["-".join(map(str, row)) for row in TABLE])
+def test_plugin_fields(version, strategy, precision, offload, state_dict):
+    if version == 2 and strategy == "NO_SHARD" and offload:
+        with pytest.raises(ValidationError, match="runs as DDP, which has no cpu_offload"):
+            _cfg(version, strategy, precision, offload, state_dict)
+        return
+    cfg = _cfg(version, strategy, precision, offload, state_dict)
+    plugin = build_fsdp_plugin(cfg, LAYERS)
+    if version == 2 and strategy == "NO_SHARD":
+        assert plugin is None and runs_as_ddp(cfg)  # FSDP2 has no NO_SHARD: it runs as DDP
+        return
+    assert plugin is not None and not runs_as_ddp(cfg)
+    assert plugin.fsdp_version == version
+    # strategy
+    if version == 1:
+        assert plugin.sharding_strategy == ShardingStrategy[strategy]
+        assert plugin.reshard_after_forward is None
+    else:
+        assert plugin.sharding_strategy is None
+        assert plugin.reshard_after_forward is (strategy != "SHARD_GRAD_OP")
+    # mixed precision
+    dtypes = PRECISIONS[precision]
+    if dtypes is None:
+        assert plugin.mixed_precision_policy is None
+    elif version == 1:
+        assert plugin.mixed_precision_policy == MixedPrecision(
+            param_dtype=DT[dtypes[0]], reduce_dtype=DT[dtypes[1]], buffer_dtype=DT[dtypes[2]])
+    else:
+        assert plugin.mixed_precision_policy == MixedPrecisionPolicy(param_dtype=DT[dtypes[0]],
+                                                                     reduce_dtype=DT[dtypes[1]])
+    # offload
+    if version == 1:
+        assert plugin.cpu_offload == CPUOffload(offload_params=offload)
+    else:
+        assert type(plugin.cpu_offload) is (CPUOffloadPolicy if offload else OffloadPolicy)
+    assert plugin.state_dict_type == StateDictType[state_dict]
+    # wrapping
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
+    assert plugin.transformer_cls_names_to_wrap == LAYERS
+    assert plugin.min_num_params is None
+    assert plugin.ignored_modules == []
+    # FSDP1-only knobs get hfsdp's defaults on FSDP1 and are absent on FSDP2
+    if version == 1:
+        assert plugin.use_orig_params is True
+        assert plugin.sync_module_states is False
+        assert plugin.forward_prefetch is False
+        assert plugin.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+        assert plugin.limit_all_gathers is True
+    else:
+        assert plugin.use_orig_params is None
+        assert plugin.sync_module_states is None
+        assert plugin.forward_prefetch is None
+        assert plugin.backward_prefetch is None
+    assert plugin.activation_checkpointing is False
+    assert plugin.activation_checkpointing_offload is False
+    assert plugin.cpu_ram_efficient_loading is False
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_wrap_policies_and_knobs(version):
+    size = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="size", min_num_params=1000), LAYERS)
+    assert size.auto_wrap_policy is size_based_auto_wrap_policy and size.min_num_params == 1000
+    assert size.transformer_cls_names_to_wrap is None
+    none = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="none"), LAYERS)
+    assert none.auto_wrap_policy is None and none.min_num_params is None
+    custom = build_fsdp_plugin(FSDPConfig(version=version, transformer_layer_cls=["MyBlock"]), ["MyBlock"])
+    assert custom.transformer_cls_names_to_wrap == ["MyBlock"]
+    ac = build_fsdp_plugin(FSDPConfig(version=version, activation_checkpointing=True), LAYERS)
+    assert ac.activation_checkpointing is True
+    if version == 1:
+        knobs = build_fsdp_plugin(FSDPConfig(version=1, use_orig_params=False, forward_prefetch=True,
+                                             backward_prefetch="BACKWARD_POST", limit_all_gathers=False), LAYERS)
+        assert (knobs.use_orig_params, knobs.forward_prefetch, knobs.limit_all_gathers) == (False, True, False)
+        assert knobs.backward_prefetch == BackwardPrefetch.BACKWARD_POST
+        # "NONE" is a valid config value; it must mean no prefetch (it used to raise KeyError in Accelerate)
+        assert build_fsdp_plugin(FSDPConfig(version=1, backward_prefetch="NONE"), LAYERS).backward_prefetch is None
+
+
+# Every FSDP_* variable Accelerate's plugin reads, set to a value different from what hfsdp decides.
+LAUNCHER_ENV = {
+    "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "false",
+    "FSDP_OFFLOAD_PARAMS": "true", "FSDP_STATE_DICT_TYPE": "LOCAL_STATE_DICT",
+    "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "NotALayer",
+    "FSDP_MIN_NUM_PARAMS": "7", "FSDP_USE_ORIG_PARAMS": "false", "FSDP_SYNC_MODULE_STATES": "true",
+    "FSDP_FORWARD_PREFETCH": "true", "FSDP_BACKWARD_PREFETCH": "BACKWARD_POST",
+    "FSDP_IGNORED_MODULES": "model.embed_tokens", "FSDP_ACTIVATION_CHECKPOINTING": "true",
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "ACCELERATE_MIXED_PRECISION": "fp16",
+}
+ENV_CASES = [
+    dict(version=2),
+    dict(version=2, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16", state_dict_type="FULL_STATE_DICT"),
+    dict(version=2, wrap_policy="size", min_num_params=5000, cpu_offload=True),
+    dict(version=2, wrap_policy="none", mixed_precision=PER_PART),
+    dict(version=1),
+    dict(version=1, sharding_strategy="SHARD_GRAD_OP", mixed_precision="fp16", backward_prefetch="NONE"),
+    dict(version=1, sharding_strategy="NO_SHARD", wrap_policy="size", min_num_params=100, cpu_offload=True),
+    dict(version=1, wrap_policy="none", state_dict_type="FULL_STATE_DICT", use_orig_params=False),
+]
+
+
+def _fields(plugin) -> dict[str, str]:
+    return {f.name: repr(getattr(plugin, f.name)) for f in dataclasses.fields(plugin)}
+
+
+@pytest.mark.parametrize("case", ENV_CASES, ids=[str(i) for i in range(len(ENV_CASES))])
+def test_launcher_env_changes_no_field(case, monkeypatch):
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    clean = _fields(build_fsdp_plugin(FSDPConfig(**case), LAYERS))
+    for key, value in LAUNCHER_ENV.items():
+        monkeypatch.setenv(key, value)
+    polluted = _fields(build_fsdp_plugin(FSDPConfig(**case), LAYERS))
+    changed = {k: (clean[k], polluted[k]) for k in clean if clean[k] != polluted[k]}
+    assert not changed, f"FSDP_* environment leaked into the plugin: {changed}"
+    assert len(clean) >= 20  # the comparison really covers the plugin's fields

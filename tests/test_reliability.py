@@ -1,0 +1,343 @@
+"""Checkpoints you can trust: preemption exits, bit-exact resume on 1 and 2 ranks across injected faults (SIGTERM,
+SIGINT, kill -9 mid-save, ENOSPC mid-save), NaN on one rank (stop and skip), safe loading, tensor checks.
+
+Faults come from the test-only plugin ``tests/fault_plugin/hfsdp_faults.py``, driven by HFSDP_TEST_FAULTS, so they
+fire at exact steps. The plugin is in every run's config (the plugin list is part of the resume fingerprint) and
+does nothing without the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from conftest import base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from hfsdp.components import checkpoint
+from hfsdp.components.export import verify_hf_weights, write_hf_weights
+from hfsdp.errors import UserError
+
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
+
+
+def fault_env(faults: str = "") -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
+    return base_env(PYTHONPATH=path, HFSDP_TEST_FAULTS=faults)
+
+
+def chain_config(tmp_path: Path, **train) -> Path:
+    return tiny_config(tmp_path, plugins=["hfsdp_faults"],
+                       train={"max_steps": 6, "save_every": 2, "deterministic": True, **train})
+
+
+def listing(run: Path) -> list[str]:
+    folder = run / "checkpoints"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def complete_steps(run: Path) -> list[int]:
+    return [step for step, _ in checkpoint.complete_checkpoints(run / "checkpoints")]
+
+
+def losses_by_step(run: Path) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for m in read_metrics(run):
+        if "loss" in m:
+            out.setdefault(m["step"], []).append(m["loss"])
+    return out
+
+
+def assert_same_training(reference: Path, resumed: Path) -> None:
+    """Every logged loss of the interrupted chain equals the uninterrupted run's at that step (bit for bit), and
+    the final weights are identical tensors."""
+    ref, got = losses_by_step(reference), losses_by_step(resumed)
+    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    for step, values in got.items():
+        assert all(v == ref[step][0] for v in values), (step, values, ref[step])
+    a, b = load_file(str(reference / "final" / "model.safetensors")), load_file(str(resumed / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 10
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def no_traceback(proc) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ---- one rank: SIGTERM, SIGINT, kill -9 inside a save, ENOSPC inside a save, then the finish
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("solo")
+    config = chain_config(tmp)
+    ref, run = tmp / "reference", tmp / "chain"
+
+    def train(faults: str, *extra: str):
+        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
+                       check=False, timeout=300)
+
+    out = {"ref": ref, "run": run}
+    run_cli("train", str(config), "--set", f"train.output_dir={ref}", env=fault_env(), timeout=300)
+    out["sigterm"] = train("sigterm@2")
+    out["after_sigterm"] = listing(run)
+    out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-2")
+    out["sigint"] = train("sigint@3", "--resume")
+    out["after_sigint"] = listing(run)
+    out["sigkill"] = train("sigkill_in_save@4", "--resume", "--set", "train.save_every=1")
+    out["after_sigkill"] = listing(run)
+    out["complete_after_sigkill"] = complete_steps(run)
+    out["enospc"] = train("enospc_in_save@5", "--resume", "--set", "train.save_every=1")
+    out["after_enospc"] = listing(run)
+    out["finish"] = train("", "--resume")
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_exits_143_after_a_complete_checkpoint(solo):
+    proc = solo["sigterm"]
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert "stopped by SIGTERM after step 2" in proc.stderr and "--resume" in proc.stderr
+    assert solo["after_sigterm"] == ["step-2"]
+    assert solo["record_after_sigterm"]["step"] == 2 and solo["record_after_sigterm"]["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_sigint_exits_130_after_a_complete_checkpoint(solo):
+    proc = solo["sigint"]
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
+    assert "stopped by SIGINT after step 3" in proc.stderr
+    assert solo["after_sigint"] == ["step-2", "step-3"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_save_keeps_the_previous_checkpoint(solo):
+    proc = solo["sigkill"]
+    assert proc.returncode == -9
+    # the killed save left its temporary folder; the complete checkpoints are untouched
+    assert solo["after_sigkill"] == [".tmp-step-4", "step-2", "step-3"]
+    assert solo["complete_after_sigkill"] == [2, 3]
+    # the next --resume removes the leftover and continues from the last complete checkpoint
+    nxt = solo["enospc"]
+    assert "removed .tmp-step-4" in nxt.stdout and "step-3 at step 3" in nxt.stdout, nxt.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(solo):
+    proc = solo["enospc"]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert "checkpoint for step 5 could not be written" in proc.stderr
+    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
+    assert "step-4, is intact" in proc.stderr
+    assert solo["after_enospc"] == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
+    assert "step-4 at step 4" in solo["finish"].stdout  # and it is the one --resume picks
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_on_one_rank(solo):
+    assert solo["finish"].returncode == 0, solo["finish"].stderr[-3000:]
+    assert_same_training(solo["ref"], solo["run"])
+    ref_summary = json.loads((solo["ref"] / "summary.json").read_text())
+    summary = json.loads((solo["run"] / "summary.json").read_text())
+    assert summary["after"]["eval_loss"] == ref_summary["after"]["eval_loss"]
+    assert summary["steps"] == 6 and summary["tokens_seen"] == ref_summary["tokens_seen"]
+    assert listing(solo["run"]) == ["step-3", "step-4", "step-6"]  # keep_last 3, pruned after completion
+
+
+# ---- two ranks: a NaN on rank 1 (skipped), SIGTERM on rank 0 only, resume
+
+
+@pytest.fixture(scope="module")
+def duo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("duo")
+    config = chain_config(tmp, on_nonfinite="skip")
+    ref, run = tmp / "reference", tmp / "chain"
+    out = {"ref": ref, "run": run}
+    out["ref_proc"] = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={ref}",
+                                   env=fault_env("nan@2:1"), timeout=400)
+    out["sigterm"] = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}",
+                                  env=fault_env("nan@2:1,sigterm@4:0"), check=False, timeout=400)
+    out["after_sigterm"] = listing(run)
+    out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-4")
+    out["finish"] = run_torchrun(2, "train", str(config), "--resume", "--set", f"train.output_dir={run}",
+                                 env=fault_env("nan@2:1"), check=False, timeout=400)
+    return out
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_is_skipped_on_all_ranks(duo):
+    summary = json.loads((duo["ref"] / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["skipped_steps"] == 1
+    losses = losses_by_step(duo["ref"])
+    assert losses[2] == ["nan"] and all(isinstance(losses[s][0], float) for s in (1, 3, 4, 5, 6))
+    assert "non-finite loss/grad norm at step 2" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
+    assert "step skipped" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_all_ranks(duo):
+    proc = duo["sigterm"]
+    assert proc.returncode != 0  # torchrun reports its workers' exit 143 as a failure of its own
+    assert "exitcode  : 143" in proc.stderr
+    assert "stopped by SIGTERM after step 4" in proc.stderr
+    assert duo["after_sigterm"] == ["step-2", "step-4"]
+    record = duo["record_after_sigterm"]
+    assert record["world_size"] == 2 and record["step"] == 4
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_on_two_ranks(duo):
+    proc = duo["finish"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step-4 at step 4" in proc.stdout
+    assert_same_training(duo["ref"], duo["run"])
+    summary = json.loads((duo["run"] / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1  # the skip before the interruption travelled in the checkpoint
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_stops_both_ranks_with_the_step(tmp_path):
+    config = chain_config(tmp_path, max_steps=4, save_every=1, eval_at_start=False)
+    t0 = time.monotonic()
+    proc = run_torchrun(2, "train", str(config), env=fault_env("nan@2:1"), check=False, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] hfsdp: error: non-finite loss/grad norm at step 2" in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.count("exitcode  : 3") >= 1
+    assert listing(tmp_path / "run") == ["step-1"]  # nothing saved at or after the bad step
+    assert elapsed < 240, f"took {elapsed:.0f}s: a rank waited on the other"
+
+
+# ---- safe loading and tensor checks (no training)
+
+
+class _Payload:
+    """Unpickling this creates a file: what a malicious checkpoint would do with weights_only=False."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _fake_checkpoint(tmp_path: Path, tiny_model_dir: Path, name: str) -> Path:
+    ckpt = tmp_path / name
+    (ckpt / "model").mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, ckpt / "model" / f.name)
+    shutil.copy(tiny_config(tmp_path), ckpt / checkpoint.CONFIG_NAME)
+    (ckpt / checkpoint.RECORD).write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "x"}))
+    return ckpt
+
+
+def test_export_refuses_a_pickle_that_runs_code(tmp_path, tiny_model_dir):
+    proof, marker = tmp_path / "proof-created", tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Payload(proof)}, tmp_path / "proof.bin")
+    torch.load(tmp_path / "proof.bin", weights_only=False)  # the payload is live: an unsafe load runs it
+    assert proof.exists()
+
+    ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "evil")
+    torch.save({"model.embed_tokens.weight": _Payload(marker)}, ckpt / "pytorch_model_fsdp.bin")
+    proc = run_cli("export", str(ckpt), str(tmp_path / "out"), check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert "refusing to load it" in proc.stderr and "weights_only=True" in proc.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
+    ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "plain")
+    with open(ckpt / "pytorch_model_fsdp.bin", "wb") as f:  # an old-style plain pickle, not torch.save's zip
+        pickle.dump({"w": _Payload(tmp_path / "pwned")}, f)
+    with pytest.raises(UserError, match="refusing to load it"):
+        checkpoint.CheckpointWeights(ckpt)
+    torch.save({"w": torch.zeros(2), "n": 3}, ckpt / "pytorch_model_fsdp.bin")  # loads safely, but not all tensors
+    with pytest.raises(UserError, match=r"not tensors: \['n'\]"):
+        checkpoint.CheckpointWeights(ckpt)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_export_of_a_full_state_dict_checks_shapes(tmp_path, tiny_model_dir):
+    from hfsdp.export import export_checkpoint
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # a state dict holds tied weights too
+    ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "full")
+    torch.save(weights, ckpt / "pytorch_model_fsdp.bin")
+    out = export_checkpoint(ckpt, tmp_path / "good", [])  # positive control: the intact file exports
+    exported = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], weights[k]) for k in exported)
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    broken = dict(weights, **{name: weights[name].t().contiguous()})
+    torch.save(broken, ckpt / "pytorch_model_fsdp.bin")
+    with pytest.raises(UserError, match=f"'{name}' has shape"):
+        export_checkpoint(ckpt, tmp_path / "bad", [])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_empty_and_misshaped_tensors_are_rejected_at_write_and_read(tmp_path):
+    with pytest.raises(UserError, match=r"tensor 'a' is empty \(shape \[0, 4\]\)"):
+        write_hf_weights([("ok", torch.ones(2)), ("a", torch.zeros(0, 4))], tmp_path / "w1", expected=None)
+    with pytest.raises(UserError, match=r"tensor 'a' has shape \[2, 3\], expected \[3, 2\]"):
+        write_hf_weights([("a", torch.zeros(2, 3))], tmp_path / "w2", expected={"a": (3, 2)})
+    with pytest.raises(UserError, match="1 tensor\\(s\\) missing"):
+        write_hf_weights([("a", torch.zeros(3, 2))], tmp_path / "w3", expected={"a": (3, 2), "b": (1,)})
+    for folder in ("w1", "w2", "w3"):
+        assert not (tmp_path / folder / "model.safetensors").exists()  # nothing renamed into place
+
+    (tmp_path / "r1").mkdir()
+    save_file({"a": torch.zeros(0)}, str(tmp_path / "r1" / "model.safetensors"))
+    with pytest.raises(UserError, match="is empty"):
+        verify_hf_weights(tmp_path / "r1", None)
+    (tmp_path / "r2").mkdir()
+    save_file({"a": torch.zeros(2, 3)}, str(tmp_path / "r2" / "model.safetensors"))
+    with pytest.raises(UserError, match="has shape"):
+        verify_hf_weights(tmp_path / "r2", {"a": (3, 2)})
+    verify_hf_weights(tmp_path / "r2", {"a": (2, 3)})  # and a correct one passes
+
+
+class _FailingAccelerator:
+    """Just enough of an Accelerator for checkpoint.save: one process whose writer fails halfway."""
+
+    is_main_process = True
+    num_processes = 1
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def save_state(self, output_dir, **kwargs):
+        Path(output_dir, "model.safetensors").write_bytes(b"partial")
+        if self.fail:
+            raise RuntimeError("writer exploded")
+
+
+def test_failing_writer_leaves_the_previous_checkpoint(tmp_path, tiny_model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    args = (AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None,
+            "train: {}\n")
+    ckpts = tmp_path / "checkpoints"
+    good = checkpoint.save(_FailingAccelerator(False), ckpts, 1, {"step": 1}, *args)
+    assert checkpoint.read_record(good)["step"] == 1
+    with pytest.raises(checkpoint.CheckpointError, match="step 2 could not be written: RuntimeError: writer exploded") as info:
+        checkpoint.save(_FailingAccelerator(True), ckpts, 2, {"step": 2}, *args)
+    assert "step-1, is intact" in str(info.value) and info.value.exit_code == 1
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+    assert checkpoint.complete_checkpoints(ckpts) == [(1, good)]
+    assert (good / "model.safetensors").read_bytes() == b"partial"  # untouched, not replaced
