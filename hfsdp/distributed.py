@@ -4,11 +4,16 @@ Accelerate only switches FSDP on for accelerator devices: on CPU processes (``to
 wraps the model in DDP instead (``AcceleratorState`` picks FSDP only in its GPU-like branch). Rehearsal mode sets the
 state that branch would have set — distributed type FSDP, the plugin, and a plain ``cpu`` device (FSDP1 rejects
 ``cpu:0`` next to its own ``cpu`` compute device) — right after the Accelerator is built, before anything is
-prepared. :func:`check_sharded` then proves at start-up that the model really ended up sharded.
+prepared. Two more pieces, both in :func:`build_accelerator` and only in rehearsal mode: HYBRID_SHARD's
+(replicate, shard) mesh is attached once the type is FSDP (Accelerate refuses a mesh for MULTI_CPU), and FSDP1's
+full-state-dict gathers skip their CPU offload, which on a CPU device frees the tensors it returns
+(:func:`_fsdp1_keep_cpu_gathers`). ``train.startup_report`` then proves at start-up that the model really ended up
+sharded, and every rank writes what it holds to ``<output_dir>/startup_rank<r>.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,21 +55,33 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
     parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size)
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
     autocast = config.fsdp.precision_name if plugin is None else "no"
+    rehearsal = world.on_cpu and plugin is not None
     accelerator = Accelerator(
         cpu=world.on_cpu,
         fsdp_plugin=plugin,
-        parallelism_config=parallelism,
+        # Accelerate validates a parallelism config against the distributed type it picked (MULTI_CPU on CPU) and
+        # refuses it; rehearsal mode attaches the mesh below, once the type is FSDP.
+        parallelism_config=None if rehearsal else parallelism,
         mixed_precision=autocast,
         gradient_accumulation_steps=1,  # hfsdp accumulates itself, normalising by the global token count
         log_with=None,
         step_scheduler_with_optimizer=False,
     )
-    if world.on_cpu and plugin is not None:
+    if rehearsal:
+        # AcceleratorState keeps its own copy of PartialState's dict: both must change (the Accelerator reads the
+        # former, PartialState() calls elsewhere read the latter).
         state = AcceleratorState()
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = plugin
+        state.device = torch.device("cpu")
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         PartialState._shared_state["device"] = torch.device("cpu")
+        if plugin.fsdp_version == 1:
+            _fsdp1_keep_cpu_gathers()
+        if parallelism is not None:  # HYBRID_SHARD (FSDP2): the (replicate, shard) mesh, on gloo CPU groups
+            state.parallelism_config = parallelism
+            state.device_mesh = parallelism.get_device_mesh("cpu")
+            parallelism._validate_accelerator(accelerator)
     expected = DistributedType.FSDP if plugin is not None else (
         DistributedType.MULTI_CPU if world.on_cpu else DistributedType.MULTI_GPU
     )
@@ -76,6 +93,29 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
             "set ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_MEGATRON_LM"
         )
     return accelerator
+
+
+def _fsdp1_keep_cpu_gathers() -> None:
+    """FSDP1 full state dicts (``get_state_dict``, FULL_STATE_DICT checkpoints) gather with ``offload_to_cpu``:
+    ``FlatParamHandle.to_cpu`` copies the gathered flat parameter to the CPU and frees the original, which on a CPU
+    compute device is the same storage, so the state dict reads freed memory (a segfault, or "setStorage ... out of
+    bounds" with tied weights). Tensors already on the CPU need no offload: skip it there."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    if getattr(FlatParamHandle.to_cpu, "_hfsdp_cpu_noop", False):
+        return
+    offload = FlatParamHandle.to_cpu
+
+    @contextlib.contextmanager
+    def to_cpu(self):
+        if self.flat_param.device.type == "cpu":
+            yield
+        else:
+            with offload(self):
+                yield
+
+    to_cpu._hfsdp_cpu_noop = True
+    FlatParamHandle.to_cpu = to_cpu
 
 
 def is_ddp(config: HfsdpConfig) -> bool:
@@ -102,6 +142,19 @@ def local_parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return local, full
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state (e.g. Adam moments) this rank holds: sharded with the parameters under FSDP."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for per_param in getattr(optimizer, "optimizer", optimizer).state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total
+
+
 def _fsdp1_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -112,7 +165,8 @@ def wrapped_units(model: torch.nn.Module) -> int:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    fsdp2 = sum(isinstance(m, FSDPModule) for m in model.modules())
+    # One fully_shard call on several modules (Accelerate groups final norm, embedding and lm_head) is one unit.
+    fsdp2 = len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
     return fsdp2 or len(FSDP.fsdp_modules(model))
 
 

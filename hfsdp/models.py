@@ -170,17 +170,34 @@ def load_tokenizer(path: str, cfg: ModelConfig):
 
 
 def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
-    """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it on the meta device without reading weights."""
+    """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
+    ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
     if empty:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
+        from accelerate import init_empty_weights
+
+        # Buffers stay real: non-persistent ones such as rotary ``inv_freq`` are in no state dict, so nothing would
+        # ever fill them. Parameters get uninitialised CPU storage, as transformers gives them under FSDP: never
+        # written, so it costs address space, not resident memory; Accelerate maps the optimizer's parameters to
+        # the sharded ones by storage address, which meta tensors lack.
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
                 load_model_config(path, cfg), dtype=dtype, attn_implementation=cfg.attn_implementation,
                 trust_remote_code=cfg.trust_remote_code,
             )
+        model.tie_weights()  # init_empty_weights re-creates each parameter, which unties embeddings
+        allocated: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    if id(param) not in allocated:
+                        allocated[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                                  requires_grad=param.requires_grad)
+                    module._parameters[name] = allocated[id(param)]
+        return model
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,

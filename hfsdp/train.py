@@ -28,7 +28,8 @@ from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
-    World, all_sum, any_rank, build_accelerator, is_ddp, local_parameter_bytes, rehearsal_problems, wrapped_units,
+    World, all_sum, any_rank, build_accelerator, is_ddp, local_parameter_bytes, optimizer_state_bytes,
+    rehearsal_problems, wrapped_units,
 )
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import check_world, hybrid_mesh_shape
@@ -134,6 +135,8 @@ def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
         for name in existing:
             target = output_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
+        for stale in output_dir.glob("startup_rank*.json"):
+            stale.unlink()
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -235,6 +238,17 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
     return report
 
 
+def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> None:
+    """Every rank's own startup numbers (what it holds, its peak RSS so far), as ``<output_dir>/startup_rank<r>.json``."""
+    import json
+    import resource
+
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    report.setdefault("peak_rss_bytes_after_sharding", peak_rss)
+    (output_dir / f"startup_rank{rank}.json").write_text(
+        json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
+
+
 def format_report(report: dict[str, Any]) -> str:
     mib = 1024**2
     return (
@@ -305,6 +319,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         unwrapped = accelerator.unwrap_model(model)
         report = startup_report(config, accelerator, model, world)
         say(format_report(report))
+        write_rank_report(output_dir, world.rank, report)
 
         from transformers import get_scheduler
 
@@ -410,6 +425,9 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                     else:
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+                    if "optimizer_state_bytes_this_rank" not in report:  # the state exists after the first step
+                        report["optimizer_state_bytes_this_rank"] = optimizer_state_bytes(optimizer)
+                        write_rank_report(output_dir, world.rank, report)
                 scheduler.step()
                 state.step += 1
                 state.tokens_seen += int(global_tokens)

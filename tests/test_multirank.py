@@ -1,0 +1,318 @@
+"""Multi-rank FSDP rehearsal on CPU: real ``torchrun`` jobs of 2 (and 4) gloo processes on the shrunk SmolLM2.
+
+What is proven here, each against the real CLI:
+
+* sharding is real: every rank's startup report (``<output_dir>/startup_rank<r>.json``) holds about 1/N of the
+  parameter bytes under FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD (the shard group's 1/N), all of them under
+  NO_SHARD, and the optimizer state follows the parameters;
+* every strategy (FSDP2 and FSDP1) computes the same steps as one process on the same global batch: per-step losses
+  and the exported ``final/`` weights match;
+* SHARDED and FULL checkpoints saved on 2 ranks export (``hfsdp export``) to the weights the run had in memory at
+  that step, and a SHARDED checkpoint resumes on 2 ranks to the losses of an uninterrupted run;
+* ``cpu_ram_efficient_loading``: ranks > 0 read no weights and still end with rank 0's;
+* GPU-only options are refused up front (exit 2); a plugin failing on one rank ends the whole job, naming the plugin;
+* LoRA under FSDP1 on 2 ranks saves the adapter one process saves.
+
+The runs are shared between tests (module-scoped, built on first use), so the file costs about one run per
+configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import base_env, run_cli, run_torchrun, step_losses, tiny_config
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+# Constant LR: the schedule does not depend on max_steps, so a run resumed with a larger max_steps follows the
+# same trajectory as one started with it.
+TRAIN = {"max_steps": STEPS, "per_device_batch_size": 2, "lr_scheduler": "constant", "max_eval_batches": 2}
+LOSS_REL = 1e-4
+WEIGHT_ATOL = 1e-5
+
+# name: (processes, fsdp section, train overrides). fsdp2_full is also the uninterrupted 6-step run that the resume
+# test compares with, and holds SHARDED checkpoints (steps 2, 4, 6); fsdp2_grad_op holds FULL ones (steps 2, 4).
+RUNS = {
+    "single": (1, {"version": 2, "sharding_strategy": "FULL_SHARD"}, {"per_device_batch_size": 4}),
+    "fsdp2_full": (2, {"version": 2, "sharding_strategy": "FULL_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
+                   {"save_every": 2, "max_steps": 6}),
+    "fsdp2_grad_op": (2, {"version": 2, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "FULL_STATE_DICT"},
+                      {"save_every": 2}),
+    "fsdp2_no_shard": (2, {"version": 2, "sharding_strategy": "NO_SHARD"}, {}),
+    "fsdp2_hybrid_x4": (4, {"version": 2, "sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2},
+                        {"per_device_batch_size": 1}),
+    "fsdp1_full": (2, {"version": 1, "sharding_strategy": "FULL_SHARD", "state_dict_type": "FULL_STATE_DICT"},
+                   {"save_every": STEPS}),
+    "fsdp1_grad_op": (2, {"version": 1, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "SHARDED_STATE_DICT"},
+                      {"save_every": STEPS}),
+    "fsdp1_no_shard": (2, {"version": 1, "sharding_strategy": "NO_SHARD"}, {}),
+    "fsdp2_ram_efficient": (2, {"version": 2, "sharding_strategy": "FULL_SHARD", "cpu_ram_efficient_loading": True},
+                            {}),
+}
+SHARDED = {"fsdp2_full", "fsdp2_grad_op", "fsdp2_hybrid_x4", "fsdp1_full", "fsdp1_grad_op", "fsdp2_ram_efficient"}
+
+
+class Runs:
+    """Each configuration trained once, on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.done: dict[str, Path] = {}
+        self.seconds: dict[str, float] = {}
+
+    def config(self, name: str, **extra) -> Path:
+        nproc, fsdp, train = RUNS[name]
+        folder = self.root / name
+        folder.mkdir(exist_ok=True)
+        return tiny_config(folder, train={**TRAIN, **train}, fsdp=fsdp, **extra)
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.done:
+            nproc = RUNS[name][0]
+            config = self.config(name)
+            t0 = time.perf_counter()
+            if nproc == 1:
+                run_cli("train", str(config))
+            else:
+                run_torchrun(nproc, "train", str(config))
+            self.seconds[name] = time.perf_counter() - t0
+            self.done[name] = self.root / name / "run"
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    runs = Runs(tmp_path_factory.mktemp("multirank"))
+    yield runs
+    print("\nmultirank run times: " + ", ".join(f"{k} {v:.1f}s" for k, v in runs.seconds.items()))
+
+
+def rank_reports(run: Path) -> list[dict]:
+    reports = sorted(run.glob("startup_rank*.json"))
+    return [json.loads(p.read_text()) for p in reports]
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = WEIGHT_ATOL) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
+
+
+def export(checkpoint: Path, out: Path) -> dict:
+    """What ``hfsdp export CHECKPOINT OUT`` writes, in this process (one test runs the CLI itself)."""
+    from hfsdp.export import export_checkpoint
+
+    return weights(export_checkpoint(checkpoint, out, []))
+
+
+# ---- 1. sharding is real
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "single"])
+def test_each_rank_holds_its_share(runs, name):
+    nproc, fsdp, _ = RUNS[name]
+    reports = rank_reports(runs[name])
+    assert [r["rank"] for r in reports] == list(range(nproc))
+    full = reports[0]["param_bytes_full_model"]
+    group = fsdp.get("hybrid_shard_size", nproc) if name in SHARDED else 1
+    for r in reports:
+        assert r["world_size"] == nproc and r["param_bytes_full_model"] == full
+        assert r["distributed_type"] == ("MULTI_CPU" if name == "fsdp2_no_shard" else "FSDP")
+        local = r["param_bytes_this_rank"]
+        assert abs(local - full / group) <= 0.01 * full, (name, r)
+        # AdamW keeps two moments per parameter element it holds (plus one scalar step per parameter)
+        assert abs(r["optimizer_state_bytes_this_rank"] - 2 * local) <= 0.01 * local + 4096, (name, r)
+    if name in SHARDED and fsdp["version"] == 2 and group == nproc:  # DTensor shards partition the parameters
+        assert sum(r["param_bytes_this_rank"] for r in reports) == full
+
+
+def test_an_unsharded_model_is_refused_at_startup():
+    """The guard behind the rehearsal adaptation: a model that stayed whole under a sharding strategy stops the run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hfsdp.config import HfsdpConfig
+    from hfsdp.distributed import World
+    from hfsdp.errors import UserError
+    from hfsdp.train import startup_report
+
+    config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
+                         fsdp={"sharding_strategy": "FULL_SHARD"})
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="FSDP"))
+    with pytest.raises(UserError, match="did not end up sharded: this rank holds 160 of 160 parameter bytes"):
+        startup_report(config, accelerator, torch.nn.Linear(4, 8), World(rank=0, size=2, local_size=2, on_cpu=True))
+
+
+# ---- 2. every strategy computes the single-process steps
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "single"])
+def test_losses_and_final_weights_match_one_process(runs, name, tmp_path):
+    single = runs["single"]
+    reference = step_losses(single)
+    losses = step_losses(runs[name])
+    assert len(reference) == STEPS and len(losses) == RUNS[name][2].get("max_steps", STEPS)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=LOSS_REL), (name, step, losses, reference)
+    if name == "fsdp2_full":  # trains on to step 6: its step-4 weights are those of its SHARDED checkpoint
+        at_step_4 = export(runs[name] / "checkpoints" / f"step-{STEPS}", tmp_path / "step4")
+    else:
+        at_step_4 = weights(runs[name] / "final")
+    assert_same_weights(at_step_4, weights(single / "final"))
+
+
+# ---- 3. checkpoints: export and resume
+
+
+def test_sharded_and_full_checkpoints_export_the_in_memory_weights(runs, tmp_path):
+    sharded, full = runs["fsdp2_full"], runs["fsdp2_grad_op"]  # SHARDED (steps 2, 4, 6) and FULL (steps 2, 4)
+    assert (sharded / "checkpoints" / "step-6" / "pytorch_model_fsdp_0").is_dir()
+    assert (full / "checkpoints" / "step-4" / "pytorch_model_fsdp.bin").is_file()
+    # a checkpoint at the last step exports exactly what the run gathered from its ranks' memory (final/)
+    proc = run_cli("export", str(sharded / "checkpoints" / "step-6"), str(tmp_path / "s6"))  # the real CLI once
+    assert "exported" in proc.stdout
+    assert_same_weights(weights(tmp_path / "s6"), weights(sharded / "final"), atol=0)
+    assert_same_weights(export(full / "checkpoints" / "step-4", tmp_path / "f4"), weights(full / "final"), atol=0)
+    # mid-run: a SHARDED and a FULL checkpoint of the same step (two runs on the same trajectory) agree
+    assert_same_weights(export(sharded / "checkpoints" / "step-2", tmp_path / "s2"),
+                        export(full / "checkpoints" / "step-2", tmp_path / "f2"))
+
+
+def test_fsdp1_checkpoints_export_the_final_weights(runs, tmp_path):
+    for name, layout in (("fsdp1_full", "pytorch_model_fsdp.bin"), ("fsdp1_grad_op", "pytorch_model_fsdp_0")):
+        checkpoint = runs[name] / "checkpoints" / f"step-{STEPS}"
+        assert (checkpoint / layout).exists()
+        assert_same_weights(export(checkpoint, tmp_path / name), weights(runs[name] / "final"), atol=0)
+
+
+def test_sharded_checkpoint_resumes_on_two_ranks(runs, tmp_path):
+    """A 4-step run stopped after its step-4 SHARDED checkpoint, resumed with max_steps 6, against the same 6 steps
+    run without interruption (fsdp2_full; constant LR, so the first 4 steps of both are the same run)."""
+    uninterrupted = runs["fsdp2_full"]
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(uninterrupted / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
+    (run / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["step"] <= STEPS))
+    _, fsdp, train = RUNS["fsdp2_full"]
+    config = tiny_config(tmp_path, fsdp=fsdp, train={**TRAIN, **train, "max_steps": STEPS})  # output_dir: run
+    proc = run_torchrun(2, "train", str(config), "--resume", "--set", "train.max_steps=6")
+    assert f"resumed from {run / 'checkpoints' / 'step-4'} at step 4" in proc.stdout + proc.stderr
+    resumed, reference = step_losses(run), step_losses(uninterrupted)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6), (step, resumed, reference)
+    assert_same_weights(weights(run / "final"), weights(uninterrupted / "final"), atol=1e-6)
+
+
+# ---- 5. cpu_ram_efficient_loading and refused options
+
+
+def test_ram_efficient_loading_gives_every_rank_the_real_weights(runs):
+    efficient, plain = runs["fsdp2_ram_efficient"], runs["fsdp2_full"]
+    before = [json.loads(line) for line in (efficient / "metrics.jsonl").read_text().splitlines()]
+    before_plain = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    # the eval before training sums both ranks' losses: rank 1 must hold rank 0's weights, not uninitialised ones
+    assert before[0]["step"] == 0 and before[0]["eval_loss"] == pytest.approx(before_plain[0]["eval_loss"], rel=1e-6)
+    plain_losses = step_losses(plain)
+    assert step_losses(efficient) == pytest.approx({s: plain_losses[s] for s in range(1, STEPS + 1)}, rel=1e-6)
+    reports = rank_reports(efficient)  # sharding and final weights: the tests above, like every other run
+    plain_rank1 = rank_reports(plain)[1]["peak_rss_bytes_after_sharding"]
+    print(f"\nrank 1 peak RSS after sharding: {reports[1]['peak_rss_bytes_after_sharding'] / 2**20:.0f} MiB with "
+          f"cpu_ram_efficient_loading, {plain_rank1 / 2**20:.0f} MiB without (tiny model: "
+          f"{reports[1]['param_bytes_full_model'] / 2**20:.1f} MiB of parameters)")
+
+
+def test_gpu_only_options_are_refused_in_rehearsal(tmp_path):
+    config = tiny_config(tmp_path, fsdp={"cpu_offload": True})
+    proc = run_cli("train", str(config), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "fsdp.cpu_offload: needs a GPU; CPU rehearsal mode cannot run it" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_rehearsal_problems_name_every_gpu_only_option():
+    from hfsdp.config import FSDPConfig, HfsdpConfig
+    from hfsdp.distributed import rehearsal_problems
+
+    def problems(**fsdp):
+        config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
+                             fsdp=FSDPConfig(**fsdp))
+        return [option for option, _ in rehearsal_problems(config)]
+
+    assert problems() == []
+    assert problems(version=2, cpu_ram_efficient_loading=True) == []
+    assert problems(version=1, cpu_ram_efficient_loading=True) == ["fsdp.version 1 with cpu_ram_efficient_loading"]
+    assert problems(version=1, sharding_strategy="HYBRID_SHARD") == ["fsdp.version 1 with HYBRID_SHARD"]
+    assert problems(cpu_offload=True) == ["fsdp.cpu_offload"]
+
+
+# ---- 6. a failure on one rank ends the whole job
+
+
+FAILING_PLUGIN = '''
+from hfsdp import hookimpl
+
+
+@hookimpl
+def hfsdp_on_step_end(run, step, metrics):
+    if run.accelerator.process_index == 1 and step == 2:
+        raise RuntimeError("deliberate failure on rank 1")
+'''
+
+
+def test_plugin_failure_on_one_rank_ends_the_job(tmp_path):
+    (tmp_path / "fails_on_rank1.py").write_text(FAILING_PLUGIN)
+    config = tiny_config(tmp_path, train=TRAIN, plugins=["fails_on_rank1"])
+    t0 = time.perf_counter()
+    proc = run_torchrun(2, "train", str(config), env=base_env(PYTHONPATH=str(tmp_path)), timeout=120, check=False)
+    elapsed = time.perf_counter() - t0
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("[rank 1] hfsdp: plugin 'fails_on_rank1' failed in hook 'hfsdp_on_step_end': "
+            "RuntimeError: deliberate failure on rank 1") in output
+    assert not (tmp_path / "run" / "final").exists()
+    print(f"\nrank-1 plugin failure ended the 2-rank job in {elapsed:.1f}s (exit {proc.returncode})")
+
+
+# ---- 7. LoRA under FSDP1 on 2 ranks (test_lora.py covers FSDP2)
+
+
+def test_lora_adapter_under_fsdp1_on_two_ranks_equals_one_process(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    def train(name: str, nproc: int, fsdp: dict, per_device: int) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = tiny_config(folder, plugins=["lora"], lora={"r": 4, "alpha": 8}, fsdp=fsdp,
+                             train={**TRAIN, "per_device_batch_size": per_device, "learning_rate": 1e-2})
+        run_cli("train", str(config)) if nproc == 1 else run_torchrun(nproc, "train", str(config))
+        return folder / "run"
+
+    one = train("one", 1, {"version": 2}, 4)
+    two = train("two", 2, {"version": 1, "sharding_strategy": "FULL_SHARD"}, 2)
+    a = load_file(str(two / "final" / "adapter_model.safetensors"))
+    b = load_file(str(one / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], atol=WEIGHT_ATOL, rtol=0, msg=key)
+    assert step_losses(two) == pytest.approx(step_losses(one), rel=LOSS_REL)
