@@ -476,6 +476,12 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         return summary
     finally:
         if accelerator is not None:
+            # Free the wrapped model while the process group is still registered: a DDP reducer that outlives
+            # destroy_process_group destroys the gloo group itself, holding the GIL while it joins gloo's worker
+            # threads, one of which may need the GIL to free a finished collective's tensor (a hang at exit, seen
+            # on 4 CPU ranks). The group's own Python object releases the GIL when it is destroyed.
+            model = run = None  # noqa: F841 (also clears the closures' cells)
+            accelerator.free_memory()
             accelerator.end_training()
 
 
