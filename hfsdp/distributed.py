@@ -27,6 +27,8 @@ _GPU_ONLY = {
     "fsdp.cpu_offload": lambda c: c.fsdp.cpu_offload,
     "fsdp.version 1 with cpu_ram_efficient_loading": lambda c: c.fsdp.version == 1 and c.fsdp.cpu_ram_efficient_loading,
     "fsdp.version 1 with HYBRID_SHARD": lambda c: c.fsdp.version == 1 and c.fsdp.sharding_strategy == "HYBRID_SHARD",
+    # Accelerate's FSDP1 plugin binds sync_module_states to the current CUDA device and raises without one.
+    "fsdp.sync_module_states": lambda c: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
 }
 
 

@@ -263,6 +263,7 @@ def test_rehearsal_problems_name_every_gpu_only_option():
     assert problems(version=1, cpu_ram_efficient_loading=True) == ["fsdp.version 1 with cpu_ram_efficient_loading"]
     assert problems(version=1, sharding_strategy="HYBRID_SHARD") == ["fsdp.version 1 with HYBRID_SHARD"]
     assert problems(cpu_offload=True) == ["fsdp.cpu_offload"]
+    assert problems(version=1, sync_module_states=True) == ["fsdp.sync_module_states"]
 
 
 # ---- 6. a failure on one rank ends the whole job
