@@ -366,7 +366,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 results["gen_exact_match"] = gen.accuracy
                 run.extras[f"generation_{label}"] = gen
             if results:
-                metrics.write(step, {f"{k}" if k.startswith("eval") else k: v for k, v in results.items()})
+                metrics.write(step, results)
                 host.call("hfsdp_on_eval", run=run, step=step, metrics=results)
             return results
 
