@@ -47,7 +47,7 @@ RUNS = {
                       {"save_every": 2}),
     "fsdp2_no_shard": (2, {"version": 2, "sharding_strategy": "NO_SHARD"}, {}),
     "fsdp2_hybrid_x4": (4, {"version": 2, "sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2},
-                        {"per_device_batch_size": 1}),
+                        {"per_device_batch_size": 1, "save_every": STEPS}),
     "fsdp1_full": (2, {"version": 1, "sharding_strategy": "FULL_SHARD", "state_dict_type": "FULL_STATE_DICT"},
                    {"save_every": STEPS}),
     "fsdp1_grad_op": (2, {"version": 1, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "SHARDED_STATE_DICT"},
@@ -192,6 +192,13 @@ def test_sharded_and_full_checkpoints_export_the_in_memory_weights(runs, tmp_pat
     # mid-run: a SHARDED and a FULL checkpoint of the same step (two runs on the same trajectory) agree
     assert_same_weights(export(sharded / "checkpoints" / "step-2", tmp_path / "s2"),
                         export(full / "checkpoints" / "step-2", tmp_path / "f2"))
+
+
+def test_hybrid_shard_checkpoint_of_two_simulated_nodes_exports_one_folder(runs, tmp_path):
+    """4 processes as 2 nodes x 2: a SHARDED checkpoint written by both replica groups exports whole."""
+    checkpoint = runs["fsdp2_hybrid_x4"] / "checkpoints" / f"step-{STEPS}"
+    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert_same_weights(export(checkpoint, tmp_path / "hybrid"), weights(runs["fsdp2_hybrid_x4"] / "final"), atol=0)
 
 
 def test_fsdp1_checkpoints_export_the_final_weights(runs, tmp_path):
