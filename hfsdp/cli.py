@@ -57,8 +57,10 @@ def _take_launcher_settings(config) -> list[str]:
     for key in sorted(os.environ):
         if key.startswith(_LAUNCHER_PREFIXES) or key in _LAUNCHER_KEYS:
             value = os.environ.pop(key)
-            if key == "FSDP_CPU_RAM_EFFICIENT_LOADING" or value.lower() in ("", "no", "false", "true" if key == "ACCELERATE_USE_FSDP" else "no"):
-                continue  # launchers always export these; Accelerate re-derives them from the plugin hfsdp builds
+            # Launchers export these even when nothing was chosen, and Accelerate re-derives them from the plugin.
+            unset = value.lower() in ("", "no", "false") or (key == "ACCELERATE_USE_FSDP" and value.lower() == "true")
+            if unset or key == "FSDP_CPU_RAM_EFFICIENT_LOADING":
+                continue
             notes.append(f"launcher setting {key}={value} ignored: the hfsdp config decides "
                          f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
                          f"mixed precision {config.fsdp.precision_name})")
