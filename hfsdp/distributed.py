@@ -124,37 +124,34 @@ def is_ddp(config: HfsdpConfig) -> bool:
     return runs_as_ddp(config.fsdp)
 
 
-def local_parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of parameters this rank holds, bytes of the full model)."""
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor``: a DTensor's local shard, a plain tensor whole."""
     from torch.distributed.tensor import DTensor
 
-    local = full = 0
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this rank holds, bytes of the full model)."""
     flat_params = _fsdp1_flat_params(model)
-    for p in model.parameters():
-        full += p.numel() * p.element_size()  # a DTensor's numel is the global one
-        if isinstance(p, DTensor):
-            local += p.to_local().numel() * p.element_size()
-        elif not flat_params:
-            local += p.numel() * p.element_size()
-    if flat_params:
-        local = sum(fp.numel() * fp.element_size() for fp in flat_params)
-        full = sum(
-            sum(n * fp.element_size() for n in (s.numel() for s in fp._shapes)) for fp in flat_params
-        )
-    return local, full
+    if flat_params:  # FSDP1: each flat parameter is this rank's shard of the original parameters it records
+        local = sum(_local_bytes(fp) for fp in flat_params)
+        full = sum(s.numel() * fp.element_size() for fp in flat_params for s in fp._shapes)
+        return local, full
+    params = list(model.parameters())
+    full = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the global one
+    return sum(_local_bytes(p) for p in params), full
 
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state (e.g. Adam moments) this rank holds: sharded with the parameters under FSDP."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for per_param in getattr(optimizer, "optimizer", optimizer).state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if isinstance(value, DTensor) else value
-                total += local.numel() * local.element_size()
-    return total
+    return sum(
+        _local_bytes(value)
+        for per_param in getattr(optimizer, "optimizer", optimizer).state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 def _fsdp1_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -84,11 +84,6 @@ def _local(t) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _bytes(t) -> int:
-    t = _local(t)
-    return t.numel() * t.element_size()
-
-
 def _distinct(tensors) -> int:
     """Bytes of tensors, each storage counted once (FSDP1 views share their flat parameter's storage)."""
     seen, total = set(), 0
@@ -111,12 +106,6 @@ def _optimizer(run) -> Any:
     return getattr(opt, "optimizer", opt)  # Accelerate's wrapper holds the torch optimizer
 
 
-def _param_bytes(model) -> tuple[int, int]:
-    from hfsdp.distributed import local_parameter_bytes
-
-    return local_parameter_bytes(model)
-
-
 @hookimpl
 def hfsdp_dataset_formats():
     # Called when the config is validated and again just before the data and the model are loaded (torch,
@@ -135,9 +124,11 @@ def hfsdp_modify_model(model):
 def hfsdp_on_train_start(run):
     import torch
 
+    from hfsdp.distributed import local_parameter_bytes
+
     model, accelerator = run.model, run.accelerator
     cuda = accelerator.device.type == "cuda"
-    local, full = _param_bytes(model)
+    local, full = local_parameter_bytes(model)
     fsdp = run.config.fsdp
     _state.update(
         rank=accelerator.process_index, world_size=accelerator.num_processes,
