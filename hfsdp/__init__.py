@@ -10,4 +10,7 @@ __version__ = "0.1.0"
 hookimpl = pluggy.HookimplMarker("hfsdp")
 """Mark a function as an hfsdp hook implementation (see :mod:`hfsdp.hookspecs`)."""
 
-__all__ = ["__version__", "hookimpl"]
+IGNORE_INDEX = -100
+"""The label of a token that carries no loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
+
+__all__ = ["IGNORE_INDEX", "__version__", "hookimpl"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hfsdp.launch import free_port
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 MIB = 1024**2
@@ -66,12 +67,6 @@ class BenchOptions:
     timeout: float = 1800
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _probe_plugin() -> str:
     from hfsdp.plugins import discover
 
@@ -110,7 +105,7 @@ def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], e
         "train.tensorboard=false", "generation_eval=null",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "hfsdp", "train", *( [opts.config] if opts.config else [] ),
+           f"--master-port={free_port()}", "-m", "hfsdp", "train", *( [opts.config] if opts.config else [] ),
            "--overwrite"]
     for s in sets:
         cmd += ["--set", s]

@@ -7,7 +7,6 @@ Heavy libraries (torch, transformers, accelerate) are imported inside the comman
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import click
 
 from hfsdp import __version__
 from hfsdp.errors import PluginError, UserError
+from hfsdp.launch import free_port
 
 # Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
 _LAUNCHER_PREFIXES = ("FSDP_",)
@@ -25,12 +25,6 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _world_from_env():
     """The process's place in the job. A plain ``hfsdp train`` becomes a one-rank job, so that one process runs
     the same FSDP code path as many."""
@@ -39,7 +33,7 @@ def _world_from_env():
     if "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import torch
 
     size = int(os.environ.get("WORLD_SIZE", "1"))

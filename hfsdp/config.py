@@ -138,6 +138,11 @@ class FSDPConfig(Section):
         return self
 
     @property
+    def runs_as_ddp(self) -> bool:
+        """FSDP2 has no NO_SHARD; the seeds define NO_SHARD as DDP, so that is what runs (no FSDP plugin)."""
+        return self.version == 2 and self.sharding_strategy == "NO_SHARD"
+
+    @property
     def precision_name(self) -> str:
         if isinstance(self.mixed_precision, str):
             return self.mixed_precision

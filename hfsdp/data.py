@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import torch
 
+from hfsdp import IGNORE_INDEX
 from hfsdp.config import DataConfig
 from hfsdp.errors import UserError
 
-IGNORE_INDEX = -100
 _LOADERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, runs_as_ddp
+from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 _GPU_ONLY = {
@@ -118,10 +118,6 @@ def _fsdp1_keep_cpu_gathers() -> None:
 
     to_cpu._hfsdp_cpu_noop = True
     FlatParamHandle.to_cpu = to_cpu
-
-
-def is_ddp(config: HfsdpConfig) -> bool:
-    return runs_as_ddp(config.fsdp)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

@@ -42,11 +42,6 @@ def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
     return _PRECISION_SHORTHANDS.get(cfg.mixed_precision)
 
 
-def runs_as_ddp(cfg: FSDPConfig) -> bool:
-    """FSDP2 has no NO_SHARD; the seeds define NO_SHARD as DDP, so that is what runs."""
-    return cfg.version == 2 and cfg.sharding_strategy == "NO_SHARD"
-
-
 def _mixed_precision_policy(cfg: FSDPConfig):
     parts = precision_parts(cfg)
     if parts is None:
@@ -77,7 +72,7 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    if runs_as_ddp(cfg):
+    if cfg.runs_as_ddp:
         return None
     v1 = cfg.version == 1
     # Ranks > 0 hold empty weights only under cpu_ram_efficient_loading; only then is a broadcast needed.
@@ -128,17 +123,14 @@ def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size:
 
 def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list[tuple[str, str]]:
     """Problems that only show once the world size is known (still before any model is loaded)."""
-    problems = []
-    if cfg.sharding_strategy == "HYBRID_SHARD":
-        shard = cfg.hybrid_shard_size or local_world_size
-        if world_size % shard:
-            problems.append(
-                ("fsdp.hybrid_shard_size", f"{shard} ranks per shard group does not divide the world size {world_size}")
-            )
-        elif world_size // shard < 2 and shard == world_size and cfg.hybrid_shard_size is None:
-            problems.append(
-                ("fsdp.sharding_strategy", f"HYBRID_SHARD on one node of {world_size} ranks has nothing to replicate "
+    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
+    if shape is None:
+        return []
+    replicate, shard = shape
+    if replicate * shard != world_size:
+        return [("fsdp.hybrid_shard_size", f"{shard} ranks per shard group does not divide the world size {world_size}")]
+    if replicate == 1 and cfg.hybrid_shard_size is None:
+        return [("fsdp.sharding_strategy", f"HYBRID_SHARD on one node of {world_size} ranks has nothing to replicate "
                                            "across: set fsdp.hybrid_shard_size to a divisor of the world size, "
-                                           "or use FULL_SHARD")
-            )
-    return problems
+                                           "or use FULL_SHARD")]
+    return []

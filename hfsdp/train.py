@@ -28,7 +28,7 @@ from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
-    World, all_sum, any_rank, build_accelerator, is_ddp, local_parameter_bytes, optimizer_state_bytes,
+    World, all_sum, any_rank, build_accelerator, local_parameter_bytes, optimizer_state_bytes,
     rehearsal_problems, wrapped_units,
 )
 from hfsdp.errors import ConfigError, UserError
@@ -219,7 +219,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "distributed_type": accelerator.distributed_type.value,
         "device": "cpu (rehearsal, gloo)" if world.on_cpu else str(accelerator.device),
         "fsdp_version": fsdp.version,
-        "strategy": fsdp.sharding_strategy + (" (runs as DDP)" if is_ddp(config) else "")
+        "strategy": fsdp.sharding_strategy + (" (runs as DDP)" if fsdp.runs_as_ddp else "")
                     + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
@@ -227,7 +227,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
     }
-    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and not is_ddp(config)
+    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and not fsdp.runs_as_ddp
     group = mesh[1] if mesh else world.size
     if sharded and group > 1 and local > 0.75 * full:
         raise UserError(
@@ -305,12 +305,12 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        empty = config.fsdp.cpu_ram_efficient_loading and not is_main and not is_ddp(config)
+        empty = config.fsdp.cpu_ram_efficient_loading and not is_main and not config.fsdp.runs_as_ddp
         model = models.load_model(model_path, config.model, empty=empty)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer)
-        if config.fsdp.activation_checkpointing and is_ddp(config):
+        if config.fsdp.activation_checkpointing and config.fsdp.runs_as_ddp:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.fsdp.version == 1 and not is_ddp(config):
+        if config.fsdp.version == 1:
             # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors.
             model = accelerator.prepare(model)
             optimizer = accelerator.prepare(build_optimizer(model, config.train))
@@ -558,7 +558,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
 def _grad_scaler(config: HfsdpConfig, accelerator):
     if config.fsdp.precision_name != "fp16":
         return None
-    if config.fsdp.version == 1 and not is_ddp(config):
+    if config.fsdp.version == 1:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler()

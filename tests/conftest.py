@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from hfsdp.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_DATA = REPO / "hfsdp" / "presets" / "data"
@@ -30,12 +31,6 @@ def base_env(**extra: str) -> dict[str, str]:
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_config(tmp_path: Path, **sections: Any) -> Path:

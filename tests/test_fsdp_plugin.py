@@ -17,7 +17,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from hfsdp.config import FSDPConfig
-from hfsdp.fsdp import build_fsdp_plugin, runs_as_ddp
+from hfsdp.fsdp import build_fsdp_plugin
 
 LAYERS = ["LlamaDecoderLayer"]
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,9 +55,9 @@ def test_plugin_fields(version, strategy, precision, offload, state_dict):
     cfg = _cfg(version, strategy, precision, offload, state_dict)
     plugin = build_fsdp_plugin(cfg, LAYERS)
     if version == 2 and strategy == "NO_SHARD":
-        assert plugin is None and runs_as_ddp(cfg)  # FSDP2 has no NO_SHARD: it runs as DDP
+        assert plugin is None and cfg.runs_as_ddp  # FSDP2 has no NO_SHARD: it runs as DDP
         return
-    assert plugin is not None and not runs_as_ddp(cfg)
+    assert plugin is not None and not cfg.runs_as_ddp
     assert plugin.fsdp_version == version
     # strategy
     if version == 1:
@@ -162,3 +162,15 @@ def test_launcher_env_changes_no_field(case, monkeypatch):
     changed = {k: (clean[k], polluted[k]) for k in clean if clean[k] != polluted[k]}
     assert not changed, f"FSDP_* environment leaked into the plugin: {changed}"
     assert len(clean) >= 20  # the comparison really covers the plugin's fields
+
+
+def test_check_world_and_hybrid_mesh_share_one_shard_size():
+    from hfsdp.fsdp import check_world, hybrid_mesh_shape
+
+    hybrid = FSDPConfig(sharding_strategy="HYBRID_SHARD")
+    assert hybrid_mesh_shape(hybrid, 8, 4) == (2, 4) and check_world(hybrid, 8, 4) == []
+    assert [p for p, _ in check_world(hybrid, 4, 4)] == ["fsdp.sharding_strategy"]  # one node: nothing to replicate
+    sized = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3)
+    assert [p for p, _ in check_world(sized, 4, 4)] == ["fsdp.hybrid_shard_size"]
+    assert check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), 4, 4) == []
+    assert check_world(FSDPConfig(), 3, 3) == [] and hybrid_mesh_shape(FSDPConfig(), 3, 3) is None

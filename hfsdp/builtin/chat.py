@@ -5,11 +5,10 @@ Only assistant turns carry loss. Each assistant span is found by rendering the c
 prefixes are prefixes of each other, which is checked.
 """
 
-from hfsdp import hookimpl
+from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.errors import UserError
 
 ALWAYS_ON = True
-IGNORE_INDEX = -100
 
 
 def _render(tokenizer, messages, add_generation_prompt=False):

@@ -3,20 +3,11 @@
 The prompt uses the Alpaca template; only the response (and the EOS token after it) carries loss.
 """
 
-from hfsdp import hookimpl
+from hfsdp import IGNORE_INDEX, hookimpl
+from hfsdp.components.prompts import render_prompt
 from hfsdp.errors import UserError
 
 ALWAYS_ON = True
-
-PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-IGNORE_INDEX = -100
-
-
-def render_prompt(instruction: str, input_text: str | None) -> str:
-    if input_text:
-        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
-    return PROMPT.format(instruction=instruction)
 
 
 def tokenize_instruction(batch, tokenizer, data_config):

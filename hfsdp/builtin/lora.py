@@ -34,7 +34,6 @@ FSDP pitfalls this plugin avoids:
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -48,7 +47,6 @@ from hfsdp.errors import ConfigError, UserError
 ADAPTER = "default"
 PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_ADAPTER_NAME_RE = re.compile(rf"\.{ADAPTER}(?=\.|$)")
 
 
 class LoraSection(Section):

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from hfsdp import hookimpl
+from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.config import Section
 from hfsdp.errors import UserError
-
-IGNORE_INDEX = -100
 
 
 class PackingSection(Section):

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -142,13 +142,6 @@ def weight_files(folder: Path) -> list[Path]:
         return [folder / f for f in sorted(set(index["weight_map"].values()))]
     single = folder / "model.safetensors"
     return [single] if single.is_file() else []
-
-
-def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def verify_hf_weights(folder: Path, expected: Mapping[str, tuple[int, ...]] | None, skip: set[str] = frozenset()) -> None:

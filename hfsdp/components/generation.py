@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfsdp.builtin.instruction import render_prompt
-
-SUPPORTED_FORMATS = ("chat", "instruction")
+from hfsdp.components.prompts import render_prompt
 
 
 @dataclass

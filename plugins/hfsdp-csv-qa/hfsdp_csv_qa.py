@@ -13,12 +13,11 @@ Use it with::
       path: faq.csv
 """
 
-from hfsdp import hookimpl
+from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.builtin.chat import tokenize_conversation
 from hfsdp.errors import UserError
 
 __version__ = "0.1.0"
-IGNORE_INDEX = -100
 
 
 def _plain(question: str, answer: str, tokenizer) -> tuple[list[int], list[int]]:
