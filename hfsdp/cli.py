@@ -231,6 +231,62 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
         raise UserError(str(err)) from None
 
 
+@cli.command()
+@click.argument("config", required=False)
+@click.option("--nproc", "nprocs", default="1,2,8", show_default=True, help="Comma-separated processes per node.")
+@click.option("--nodes", default=1, show_default=True, type=click.IntRange(1), help="Nodes (ranks = nproc x nodes).")
+@click.option("--device-memory", default="80GiB", show_default=True, metavar="SIZE",
+              help="Memory budget per device, e.g. 80GiB, 24GB.")
+@click.option("--strategies", default=None, metavar="LIST",
+              help="Comma-separated sharding strategies (default: all four with --nodes > 1, else all but HYBRID_SHARD).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
+@click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
+def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
+         overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
+    """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
+
+    The model is built on the meta device from its config (a built-in model, a local folder, or a hub id whose
+    architecture config ships with hfsdp); nothing is downloaded or launched. Rows that do not fit the device
+    budget name the cheapest change that would, checked by the same estimate.
+    """
+    import json
+
+    from hfsdp.bench import parse_list
+    from hfsdp.components.export import parse_size
+    from hfsdp.config import load_config
+    from hfsdp.models import architecture_config
+    from hfsdp.plan import STRATEGIES, Planner, header, plan as run_plan, plot, text_table, to_json
+
+    cfg, _ = load_config(config, overrides)
+    names = parse_list(strategies) if strategies else [s for s in STRATEGIES if nodes > 1 or s != "HYBRID_SHARD"]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    try:
+        sizes = parse_list(nprocs, int)
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--nproc '{nprocs}': give positive process counts per node, e.g. 1,2,8")
+    budget = parse_size(device_memory)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget)
+    rows = run_plan(planner, names, sizes, nodes)
+    facts = planner.facts("lora" in cfg.plugins)
+    if as_json:
+        click.echo(json.dumps(to_json(rows, facts, budget), indent=2))
+    else:
+        click.echo(header(facts, cfg, budget, rows))
+        click.echo(text_table(rows))
+    if png is not None:
+        plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")
+        if not as_json:
+            click.echo(f"plan: wrote {png}")
+
+
 def main() -> None:
     cli(prog_name="hfsdp")
 

@@ -140,6 +140,30 @@ def resolve_model_path(name_or_path: str, cache_dir: Path) -> str:
     return name_or_path  # a hub id; transformers reports if it cannot be fetched
 
 
+# Architecture configs (config.json only, no weights) of common hub models, so that `hfsdp plan` answers offline.
+ARCHITECTURES_DIR = Path(__file__).parent / "architectures"
+
+
+def shipped_architectures() -> list[str]:
+    """Hub ids whose config.json ships with hfsdp."""
+    return sorted(str(p.parent.relative_to(ARCHITECTURES_DIR)) for p in ARCHITECTURES_DIR.glob("*/*/config.json"))
+
+
+def architecture_config(name_or_path: str, cfg: ModelConfig, cache_dir: Path):
+    """The model's transformers config without its weights and without the network: a built-in model, a local
+    folder, or a hub id whose architecture config ships with hfsdp (never downloaded)."""
+    if name_or_path not in BUILTIN_MODELS and not Path(name_or_path).expanduser().exists():
+        shipped = ARCHITECTURES_DIR / name_or_path / "config.json"
+        if name_or_path.count("/") == 1 and shipped.is_file():
+            return load_model_config(str(shipped.parent), cfg.model_copy(update={"revision": None}))
+        raise UserError(
+            f"model.name_or_path: '{name_or_path}' is neither a built-in model, a local folder, nor a hub id with a "
+            f"shipped architecture config (planning never downloads). Give a local folder holding its config.json, "
+            f"or one of: {', '.join(shipped_architectures())}"
+        )
+    return load_model_config(resolve_model_path(name_or_path, cache_dir), cfg)
+
+
 def load_model_config(path: str, cfg: ModelConfig):
     from transformers import AutoConfig
 

@@ -1,0 +1,628 @@
+"""``hfsdp plan``: predict memory per rank for a config under several sharding strategies and world sizes, before
+anything is launched and without loading weights.
+
+Three steps, each a function of the previous one's result:
+
+1. :func:`model_facts`: the model is built on the meta device from its config (LoRA adapters added by peft on the
+   meta device too). What is kept: every parameter's shape, dtype, trainability and the FSDP unit it lands in
+   (the wrap policy, emulated).
+2. :func:`trace_activations`: one forward and the training loss of a micro-batch on the meta device, with a
+   saved-tensors hook that records every tensor autograd keeps for the backward pass, tagged by the decoder layer
+   that saved it. SDPA is traced as the fused kernels GPUs and CPUs run (they keep q, k, v, the output and the
+   log-sum-exp, never the attention matrix); eager attention is traced as it is.
+3. :func:`estimate`: arithmetic over those facts for one strategy and world size (no torch needed): how FSDP1
+   (flat parameters per unit, padded to the world size) and FSDP2 (each parameter split on dim 0) shard, which
+   units are gathered at once, what activation checkpointing keeps, where CPU offload puts things.
+
+The model of a step's peak (per rank, device memory) is documented on :func:`estimate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+from hfsdp.config import HfsdpConfig
+from hfsdp.errors import UserError
+
+GIB = 1024**3
+MIB = 1024**2
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+# FSDP1 with use_orig_params pads each original parameter inside its flat parameter to a 16-byte boundary.
+_FSDP1_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Param:
+    numel: int
+    rows: int  # dim 0 (FSDP2 shards on it); 1 for a 0-dim tensor
+    itemsize: int
+    trainable: bool
+    unit: int  # index into ModelFacts.units; 0 is the root unit
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    params: tuple[Param, ...]
+    units: tuple[str, ...]  # unit names, root first
+    layer_classes: tuple[str, ...]
+    vocab_size: int
+    num_layers: int
+    tied_embeddings: bool
+
+    @property
+    def total_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def unit_bytes(self, unit: int, itemsize: int | None = None) -> int:
+        return sum(p.numel * (itemsize or p.itemsize) for p in self.params if p.unit == unit)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd keeps for backward, for one micro-batch, in the compute dtype."""
+
+    outside_layers: int  # embeddings, final norm, lm_head input, the loss's log-softmax
+    per_layer: tuple[int, ...]  # each decoder layer's saved tensors
+    layer_inputs: tuple[int, ...]  # each decoder layer's input (all that checkpointing keeps of it)
+    logits_bytes: int  # one fp32 copy of the micro-batch's logits (the loss transients are counted in these)
+
+    def saved(self, checkpointing: bool) -> int:
+        if not checkpointing:
+            return self.outside_layers + sum(self.per_layer)
+        # A checkpointed layer keeps its input; in backward one layer at a time is recomputed in full.
+        return self.outside_layers + sum(self.layer_inputs) + max(self.per_layer, default=0)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs of one table row, from the config and the command line."""
+
+    strategy: str
+    nproc_per_node: int
+    nodes: int
+    version: int
+    precision: str  # no | bf16 | fp16
+    activation_checkpointing: bool
+    cpu_offload: bool
+    lora: bool
+    cpu_ram_efficient_loading: bool
+    hybrid_shard_size: int | None
+    prefetch: int  # layer units gathered ahead of the one computing (FSDP1 backward_prefetch, FSDP2 implicit: 1)
+    use_orig_params: bool
+    accumulation: int
+    multi_tensor_adam: bool = True  # torch's AdamW default on GPUs; CPUs loop over parameters
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nodes
+
+    @property
+    def runs_as_ddp(self) -> bool:
+        return self.version == 2 and self.strategy == "NO_SHARD"
+
+    def shard_group(self) -> int:
+        if self.strategy == "NO_SHARD":
+            return 1
+        if self.strategy == "HYBRID_SHARD":
+            return self.hybrid_shard_size or self.nproc_per_node
+        return self.world
+
+
+@dataclass
+class Estimate:
+    setup: Setup
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int  # unsharded parameters FSDP holds at the peak (root unit + prefetched layer units, or all)
+    grad_buffers: int  # unsharded gradients of the unit being reduced; DDP's gradient buckets
+    activations: int
+    loss_transient: int
+    optimizer_step_temp: int
+    device_peak: int
+    host_per_rank: int  # CPU offload: parameters, gradients and optimizer state kept in host memory
+    host_load_per_node: int  # host RAM when the model is loaded, before sharding
+    problem: str | None = None
+    fits: bool | None = None
+    suggestion: str | None = None
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
+    fsdp = config.fsdp
+    prefetch = 0 if fsdp.version == 1 and fsdp.backward_prefetch == "NONE" else 1
+    return Setup(
+        strategy=strategy, nproc_per_node=nproc_per_node, nodes=nodes, version=fsdp.version,
+        precision=fsdp.precision_name, activation_checkpointing=fsdp.activation_checkpointing,
+        cpu_offload=fsdp.cpu_offload, lora="lora" in config.plugins,
+        cpu_ram_efficient_loading=fsdp.cpu_ram_efficient_loading, hybrid_shard_size=fsdp.hybrid_shard_size,
+        prefetch=prefetch, use_orig_params=fsdp.use_orig_params is not False,
+        accumulation=config.train.gradient_accumulation_steps,
+    )
+
+
+def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
+    """Why this combination cannot run at all (the rules the config, the trainer and the lora plugin apply)."""
+    if setup.strategy == "HYBRID_SHARD":
+        group = setup.shard_group()
+        if setup.world % group:
+            return f"{group} ranks per shard group do not divide {setup.world} ranks"
+        if setup.world // group < 2 and setup.hybrid_shard_size is None:
+            return "HYBRID_SHARD needs 2+ nodes or fsdp.hybrid_shard_size"
+    if setup.runs_as_ddp and setup.cpu_offload:
+        return "NO_SHARD under FSDP2 runs as DDP, which has no cpu_offload"
+    if setup.lora and setup.version == 1 and facts.tied_embeddings and (setup.world == 1 or setup.strategy == "NO_SHARD"):
+        return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
+    return None
+
+
+# ---- 1. the model on the meta device
+
+
+def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: int | None) -> tuple[dict[int, int], list[str]]:
+    """Map id(parameter) -> FSDP unit index, emulating the auto-wrap policy (root = unit 0)."""
+    import torch
+
+    units = ["<root>"]
+    owner: dict[int, int] = {}
+    if wrap_policy == "transformer":
+        for name, module in model.named_modules():
+            if type(module).__name__ in layer_classes and name:
+                units.append(name)
+                for p in module.parameters():
+                    owner.setdefault(id(p), len(units) - 1)
+    elif wrap_policy == "size":
+        # torch's size_based_auto_wrap_policy: post-order, a module becomes a unit when the parameters of its
+        # subtree not already in a child unit reach min_num_params (containers are never wrapped).
+        def visit(name: str, module) -> int:
+            free = sum(visit(f"{name}.{child_name}".lstrip("."), child) for child_name, child in module.named_children())
+            free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in owner)
+            wrappable = name and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            if wrappable and free >= (min_num_params or 0):
+                units.append(name)
+                for p in module.parameters():
+                    owner.setdefault(id(p), len(units) - 1)
+                return 0
+            return free
+
+        visit("", model)
+    return owner, units
+
+
+def build_meta_model(model_config, config: HfsdpConfig, lora: bool, dtype: str):
+    """The architecture on the meta device in ``dtype``, with the adapters the lora plugin would add."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=config.model.attn_implementation)
+        if lora:
+            from peft import get_peft_model
+
+            from hfsdp.builtin.lora import LoraSection, default_target_modules, peft_config
+
+            section = config.section("lora") or LoraSection()
+            targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
+            model = get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
+    return model.to(getattr(torch, dtype))
+
+
+def layer_classes(model_config, config: HfsdpConfig) -> list[str]:
+    from hfsdp.models import default_layer_classes
+
+    return list(config.fsdp.transformer_layer_cls or default_layer_classes(model_config))
+
+
+def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
+    model = build_meta_model(model_config, config, lora, config.model.dtype)
+    classes = layer_classes(model_config, config)
+    owner, units = _unit_of(model, set(classes), config.fsdp.wrap_policy, config.fsdp.min_num_params)
+    params = tuple(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
+                         trainable=p.requires_grad, unit=owner.get(id(p), 0))
+                   for p in model.parameters())  # tied parameters appear once
+    return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
+                      layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
+                      num_layers=sum(type(m).__name__ in classes for m in model.modules()),
+                      tied_embeddings=bool(getattr(model_config, "tie_word_embeddings", False)))
+
+
+# ---- 2. activations, traced on the meta device
+
+
+def _fused_sdpa():
+    """``scaled_dot_product_attention`` as the fused kernels (flash / memory-efficient on GPUs, flash on CPUs)
+    behave for memory: they save q, k, v, the output and a float32 log-sum-exp per query and head."""
+    import torch
+
+    class FusedSDPA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # never called: the trace runs no backward
+            raise NotImplementedError
+
+    def sdpa(query, key, value, *args, **kwargs):
+        return FusedSDPA.apply(query, key, value)
+
+    return sdpa
+
+
+def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: str) -> Activations:
+    """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens)
+    in the compute dtype of ``precision``."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
+    model = build_meta_model(model_config, config, lora, compute_dtype(config, precision))
+    model.train()
+    classes = set(layer_classes(model_config, config))
+    params = {id(p) for p in model.parameters()}
+    current: list[int | None] = [None]
+    saved: dict[int, tuple[int | None, int]] = {}  # id(storage owner) -> (layer, bytes)
+    inputs: dict[int, int] = {}
+    layer_inputs: list[int] = []
+    keep: list[Any] = []  # saved tensors stay alive, so ids are not reused during the trace
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        keep.append(t)
+        if id(base) not in params and id(t) not in params and id(base) not in saved:
+            saved[id(base)] = (current[0], base.numel() * base.element_size())
+        return t
+
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    hooks = []
+    for index, layer in enumerate(layers):
+        def pre(module, args, kwargs, index=index):
+            current[0] = index
+            # What a checkpointed layer keeps: its tensor inputs (shared ones, like rotary tables, once).
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for v in kwargs.values() if isinstance(v, tuple) for t in v if isinstance(t, torch.Tensor)]
+            fresh = 0
+            for t in tensors:
+                if id(t) not in inputs:
+                    inputs[id(t)] = t.numel() * t.element_size()
+                    keep.append(t)
+                    fresh += inputs[id(t)]
+            layer_inputs.append(fresh)
+
+        def post(module, args, output):
+            current[0] = None
+
+        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(layer.register_forward_hook(post))
+    patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
+             if config.model.attn_implementation == "sdpa" else contextlib.nullcontext())
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    try:
+        with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # The loss as hfsdp.train.token_loss_sums computes it (without its data-dependent token count).
+            logits = model(input_ids=ids).logits  # as train.py calls it: use_cache on, no packing
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
+                                   reduction="sum")
+            del loss, logits
+    finally:
+        for h in hooks:
+            h.remove()
+    per_layer = [0] * len(layers)
+    outside = 0
+    for layer, nbytes in saved.values():
+        if layer is None:
+            outside += nbytes
+        else:
+            per_layer[layer] += nbytes
+    return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
+                       logits_bytes=batch * seq * model_config.vocab_size * 4)
+
+
+def compute_dtype(config: HfsdpConfig, precision: str) -> str:
+    return _PRECISION_DTYPE.get(precision, config.model.dtype)
+
+
+# ---- 3. arithmetic
+
+
+def _chunk(n: int, parts: int, rank: int) -> int:
+    """Elements of ``n`` that ``torch.chunk`` gives to ``rank`` of ``parts`` (FSDP2's dim-0 sharding)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - rank * size))
+
+
+def _fsdp2_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool]) -> int:
+    """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks."""
+    return max(sum(_chunk(p.rows, group, r) * (p.numel // max(p.rows, 1)) * p.itemsize
+                   for p in facts.params if select(p)) for r in range(group))
+
+
+def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool], align: bool,
+                 whole_flat: bool) -> int:
+    """The largest rank's bytes under FSDP1: each unit's parameters flattened (aligned to 16 bytes with
+    use_orig_params), padded to a multiple of ``group`` and split evenly. ``whole_flat`` counts the rank's whole
+    flat shard (parameters); otherwise only the selected parameters' views in it (gradients, optimizer state)."""
+    per_rank = [0] * group
+    for unit in range(len(facts.units)):
+        offset, spans = 0, []
+        itemsize = 4
+        for p in facts.params:
+            if p.unit != unit:
+                continue
+            itemsize = p.itemsize
+            if align:
+                step = max(1, _FSDP1_ALIGN_BYTES // p.itemsize)
+                offset = -(-offset // step) * step
+            spans.append((offset, p.numel, p))
+            offset += p.numel
+        if not spans:
+            continue
+        shard = -(-offset // group)
+        for r in range(group):
+            lo, hi = r * shard, (r + 1) * shard
+            if whole_flat:
+                per_rank[r] += shard * itemsize if any(select(p) for _, _, p in spans) else 0
+            else:
+                per_rank[r] += sum(max(0, min(hi, o + n) - max(lo, o)) * p.itemsize for o, n, p in spans if select(p))
+    return max(per_rank)
+
+
+def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
+    group = setup.shard_group()
+    if setup.runs_as_ddp:
+        return sum(p.numel * p.itemsize for p in facts.params if select(p))
+    if setup.version == 1:
+        return _fsdp1_bytes(facts, group, select, setup.use_orig_params, whole_flat)
+    return _fsdp2_bytes(facts, group, select)
+
+
+def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
+    """Per-rank memory of one strategy and world size.
+
+    * parameters / gradients / optimizer: the largest rank's share, sharded as FSDP1/FSDP2 shard (see module
+      docstring); gradients and AdamW's two moments only for trainable parameters, in the parameters' dtype.
+    * gathered: unsharded parameters in the compute dtype. FULL_SHARD / HYBRID_SHARD: the root unit (FSDP keeps
+      it gathered through forward and backward) plus the largest layer unit times (1 + prefetch). SHARD_GRAD_OP:
+      every unit stays gathered from its forward to its backward. NO_SHARD: a compute-dtype copy of the model when
+      mixed precision casts it, nothing otherwise.
+    * grad buffers: the unsharded gradients of the root and of one layer unit before their reduce-scatter (the
+      reduce dtype, float32); DDP's gradient buckets (a second copy of every gradient).
+    * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
+      recomputed layer. The loss adds transients of two float32 logits-sized tensors (upcast copy and its grad).
+    * peak = parameters + optimizer + the largest of three moments: the start of backward (gathered + grad
+      buffers + activations + loss transients + the gradients of earlier micro-batches of an accumulation), the end
+      of backward (gathered + grad buffers + gradients), the optimizer step (gradients + AdamW's temporaries: one
+      state-sized tensor on GPUs, where it runs multi-tensor; one parameter's worth on CPUs).
+    * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
+    * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
+      cpu_ram_efficient_loading (FSDP only).
+    """
+    everything = lambda p: True  # noqa: E731
+    trainable = lambda p: p.trainable  # noqa: E731
+    params = sharded_bytes(facts, setup, everything, whole_flat=True)
+    grads = sharded_bytes(facts, setup, trainable)
+    optimizer = 2 * grads
+    compute = _ITEMSIZE[_PRECISION_DTYPE.get(setup.precision, "float32")] if setup.precision != "no" else None
+    full_compute = sum(p.numel * (compute or p.itemsize) for p in facts.params)
+    root = facts.unit_bytes(0, compute)
+    layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
+    largest = max(layer_units, default=0)
+    group = setup.shard_group()
+    if setup.strategy == "NO_SHARD" or (setup.version == 1 and group == 1):
+        gathered = full_compute if compute else 0
+    elif setup.strategy == "SHARD_GRAD_OP":
+        gathered = full_compute
+    else:
+        gathered = root + largest * (1 + setup.prefetch)
+    trainable_full = sum(p.numel * 4 for p in facts.params if p.trainable)
+    if setup.runs_as_ddp:
+        grad_buffers = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
+    elif group == 1 and setup.version == 1:
+        grad_buffers = 0
+    else:
+        grad_units = [sum(p.numel * 4 for p in facts.params if p.unit == u and p.trainable)
+                      for u in range(len(facts.units))]
+        grad_buffers = grad_units[0] + max(grad_units[1:], default=0)
+        grad_buffers = min(grad_buffers, trainable_full)
+    activations = acts.saved(setup.activation_checkpointing)
+    loss_transient = 2 * acts.logits_bytes
+    # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
+    # per-parameter loop (CPUs) one parameter's worth.
+    step_temp = grads if setup.multi_tensor_adam else max(
+        (p.numel * p.itemsize // setup.shard_group() for p in facts.params if p.trainable), default=0)
+    on_device_params, on_device_grads, on_device_optim = params, grads, optimizer
+    host = 0
+    if setup.cpu_offload:
+        host = params + grads + optimizer
+        on_device_params = on_device_grads = on_device_optim = step_temp = 0
+    earlier_grads = on_device_grads if setup.accumulation > 1 else 0
+    backward_start = gathered + grad_buffers + activations + loss_transient + earlier_grads
+    backward_end = gathered + grad_buffers + on_device_grads
+    step = on_device_grads + step_temp
+    peak = on_device_params + on_device_optim + max(backward_start, backward_end, step)
+    full_load = sum(p.numel * p.itemsize for p in facts.params)
+    loaders = 1 if setup.cpu_ram_efficient_loading and not setup.runs_as_ddp else setup.nproc_per_node
+    return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
+                    grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
+                    optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
+                    host_load_per_node=loaders * full_load, problem=setup_problem(setup, facts))
+
+
+# ---- the plan: rows, fits, and the cheapest change that fits
+
+
+@dataclass
+class Planner:
+    """Estimates for variations of one config; facts and traces are computed once per variation that needs them."""
+
+    model_config: Any
+    config: HfsdpConfig
+    budget: int
+    _facts: dict = field(default_factory=dict)
+    _traces: dict = field(default_factory=dict)
+
+    def facts(self, lora: bool) -> ModelFacts:
+        if lora not in self._facts:
+            self._facts[lora] = model_facts(self.model_config, self.config, lora)
+        return self._facts[lora]
+
+    def estimate(self, setup: Setup) -> Estimate:
+        facts = self.facts(setup.lora)
+        key = (setup.lora, compute_dtype(self.config, setup.precision))
+        if key not in self._traces:
+            self._traces[key] = trace_activations(self.model_config, self.config, setup.lora, setup.precision)
+        acts = self._traces[key]
+        est = estimate(facts, acts, setup)
+        if est.problem is None:
+            est.fits = est.device_peak <= self.budget
+        return est
+
+    def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
+        """The first change, cheapest first, that makes ``setup`` fit: changes that keep the hardware and the
+        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), these together; then more
+        ranks per node, LoRA, CPU offload (slowest), each alone and then with the changes above."""
+        cheap = [(f"fsdp.sharding_strategy=FULL_SHARD", dict(strategy="FULL_SHARD"))] if setup.strategy != "FULL_SHARD" else []
+        if not setup.activation_checkpointing:
+            cheap.append(("fsdp.activation_checkpointing=true", dict(activation_checkpointing=True)))
+        if setup.precision == "no":
+            cheap.append(("fsdp.mixed_precision=bf16", dict(precision="bf16")))
+        candidates = list(cheap)
+        combined = (" ".join(label for label, _ in cheap), {k: v for _, c in cheap for k, v in c.items()})
+        if len(cheap) > 1:
+            candidates.append(combined)
+        costly = [(f"--nproc {n} ({n * setup.nodes} ranks)", dict(nproc_per_node=n))
+                  for n in sorted(set(more_ranks)) if n > setup.nproc_per_node]
+        if not setup.lora:
+            costly.append(("plugins=[lora]", dict(lora=True)))
+        if not setup.cpu_offload:
+            costly.append(("fsdp.cpu_offload=true", dict(cpu_offload=True)))
+        for label, change in costly:
+            candidates.append((label, change))
+            if cheap:
+                candidates.append((f"{label} {combined[0]}", {**combined[1], **change}))
+        for label, change in candidates:
+            est = self.estimate(replace(setup, **change))
+            if est.problem is None and est.fits:
+                return f"{label} -> {est.device_peak / GIB:.1f} GiB"
+        return None
+
+
+def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int) -> list[Estimate]:
+    """One estimate per world size x strategy; rows that do not fit carry the cheapest change that would."""
+    rows = []
+    for nproc in nprocs:
+        for strategy in strategies:
+            setup = setup_from_config(planner.config, strategy, nproc, nodes)
+            est = planner.estimate(setup)
+            if est.fits is False:
+                # More ranks: the larger listed sizes, then twice and four times the largest.
+                est.suggestion = planner.suggest(setup, [n for n in nprocs if n > nproc] + [2 * max(nprocs),
+                                                                                           4 * max(nprocs)])
+            rows.append(est)
+    return rows
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def table_unit(rows: list[Estimate]) -> tuple[str, int]:
+    """GiB when some row peaks above 1 GiB, MiB otherwise."""
+    return ("GiB", GIB) if max((e.device_peak for e in rows), default=0) >= GIB else ("MiB", MIB)
+
+
+def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
+    def size(n: int) -> str:
+        return f"{n / unit:.2f}"
+
+    return [
+        ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
+                                                    if e.setup.nodes > 1 else "")),
+        ("strategy", lambda e: e.setup.strategy + (" (DDP)" if e.setup.runs_as_ddp else "")),
+        ("params", lambda e: size(e.params)),
+        ("grads", lambda e: size(e.grads)),
+        ("optim", lambda e: size(e.optimizer)),
+        ("gathered", lambda e: size(e.gathered)),
+        ("activ.", lambda e: size(e.activations + e.loss_transient)),
+        ("peak/rank", lambda e: size(e.device_peak)),
+        ("host/rank", lambda e: size(e.host_per_rank)),
+        ("load RAM/node", lambda e: size(e.host_load_per_node)),
+        ("fits", lambda e: "-" if e.problem else ("yes" if e.fits else "NO")),
+        ("cheapest change that fits", lambda e: e.problem or e.suggestion or ("-" if e.fits else "none of the listed")),
+    ]
+
+
+def text_table(rows: list[Estimate]) -> str:
+    columns = _columns(table_unit(rows)[1])
+    cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    left = (1, len(columns) - 1)
+    return "\n".join("  ".join(c[i].ljust(widths[i]) if i in left else c[i].rjust(widths[i])
+                               for i in range(len(columns))).rstrip() for c in cells)
+
+
+def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate]) -> str:
+    fsdp = config.fsdp
+    lora = "lora" in config.plugins
+    return (f"{facts.name}: {_count(facts.total_params)} parameters"
+            + (f" ({_count(facts.trainable_params)} trainable, LoRA)" if lora else "")
+            + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
+            f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
+            f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
+            f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
+            f"attention {config.model.attn_implementation}; device budget {budget / GIB:.1f} GiB per rank; "
+            f"sizes in {table_unit(rows)[0]} per rank")
+
+
+def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, Any]:
+    out = []
+    for e in rows:
+        d = {k: v for k, v in asdict(e).items() if k != "setup"}
+        d.update(asdict(e.setup), world=e.setup.world, runs_as_ddp=e.setup.runs_as_ddp, state=e.state)
+        out.append(d)
+    return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
+            "fsdp_units": len(facts.units), "device_budget_bytes": budget, "rows": out}
+
+
+def plot(rows: list[Estimate], budget: int, path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--png needs matplotlib: pip install 'hfsdp[bench]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strategy in dict.fromkeys(e.setup.strategy for e in rows):
+        points = [(e.setup.world, e.device_peak / GIB) for e in rows if e.setup.strategy == strategy and not e.problem]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=strategy)
+    ax.axhline(budget / GIB, color="red", linestyle="--", label=f"budget {budget / GIB:.0f} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted peak GiB per rank")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

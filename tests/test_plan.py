@@ -1,0 +1,121 @@
+"""`hfsdp plan`: memory per rank predicted from the architecture alone, checked against exact parameter counts
+and (slow) against the bytes `hfsdp bench` counts from live tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import PRESET_DATA, base_env, run_cli, tiny_config
+
+# Llama-3.1-8B: embeddings and lm_head 2 x 128256 x 4096, 32 layers of 218,112,000, final norm 4096.
+LLAMA_8B_PARAMS = 2 * 128256 * 4096 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096) + 4096
+
+
+def hub_config(tmp_path: Path, name: str, **fsdp) -> Path:
+    path = tmp_path / "hub.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": name},
+        "data": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl"), "max_seq_len": 2048},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 10},
+        "fsdp": {"mixed_precision": "bf16", **fsdp},
+    }))
+    return path
+
+
+def plan_json(*args: str) -> dict:
+    proc = run_cli("plan", *args, "--json", env=base_env(HF_HUB_OFFLINE="1"))
+    return json.loads(proc.stdout)
+
+
+def row(data: dict, strategy: str, world: int) -> dict:
+    return next(r for r in data["rows"] if r["strategy"] == strategy and r["world"] == world)
+
+
+def test_llama_8b_on_8_gpus_offline_from_the_shipped_config(tmp_path):
+    data = plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B")), "--nproc", "1,8", "--device-memory", "80GiB")
+    assert data["parameters"] == LLAMA_8B_PARAMS == 8_030_261_248
+    assert data["fsdp_units"] == 33  # 32 decoder layers + the root (embeddings, final norm, lm_head)
+    full = row(data, "FULL_SHARD", 8)
+    # Every dim 0 of Llama-3.1-8B divides by 8: an exact eighth of the fp32 weights, gradients and two Adam moments.
+    assert full["params"] == full["grads"] == LLAMA_8B_PARAMS * 4 // 8
+    assert full["optimizer"] == 2 * full["params"]
+    assert full["fits"] is True and full["device_peak"] < 80 * 2**30
+    ddp = row(data, "NO_SHARD", 8)
+    assert ddp["runs_as_ddp"] and ddp["params"] == LLAMA_8B_PARAMS * 4 and ddp["fits"] is False
+    assert ddp["suggestion"].startswith("fsdp.sharding_strategy=FULL_SHARD")
+    one = row(data, "FULL_SHARD", 1)
+    assert one["fits"] is False and "--nproc 8" in one["suggestion"]
+    # Every rank reads the full fp32 model unless cpu_ram_efficient_loading: 8 copies per node.
+    assert full["host_load_per_node"] == 8 * LLAMA_8B_PARAMS * 4
+
+
+def test_activation_checkpointing_and_offload_move_memory_where_they_should(tmp_path):
+    plain = row(plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B")), "--nproc", "8",
+                          "--strategies", "FULL_SHARD"), "FULL_SHARD", 8)
+    ckpt = row(plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B", activation_checkpointing=True,
+                                        cpu_offload=True, cpu_ram_efficient_loading=True)),
+                         "--nproc", "8", "--strategies", "FULL_SHARD"), "FULL_SHARD", 8)
+    # Checkpointing keeps each layer's input (1 x 2048 x 4096 bf16 = 16 MiB) plus one layer, not all 32 layers.
+    assert ckpt["activations"] < plain["activations"] / 4
+    assert ckpt["host_per_rank"] == plain["params"] + plain["grads"] + plain["optimizer"]
+    assert ckpt["device_peak"] < plain["device_peak"] - plain["params"] - plain["optimizer"]
+    assert ckpt["host_load_per_node"] == LLAMA_8B_PARAMS * 4  # only rank 0 reads the weights
+
+
+def test_lora_adapters_alone_carry_gradients_and_optimizer_state(tmp_path):
+    cfg = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 2})
+    data = plan_json(str(cfg), "--nproc", "1", "--strategies", "NO_SHARD", "--device-memory", "1GiB")
+    # smollm2-tiny: 2 layers, hidden 64, q/o 64x64, k/v 32x64, gate/up 256x64, down 64x256; r=8 adapters A (8 x in)
+    # and B (out x 8) on each of the 7 linears.
+    per_layer = sum(8 * i + o * 8 for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (256, 64), (256, 64), (64, 256)])
+    assert data["trainable_parameters"] == 2 * per_layer == 22528
+    r = data["rows"][0]
+    assert r["grads"] == 22528 * 4 and r["optimizer"] == 2 * 22528 * 4
+    assert r["params"] == data["parameters"] * 4
+
+
+def test_a_hub_id_without_a_shipped_config_is_refused_without_download(tmp_path):
+    proc = run_cli("plan", str(hub_config(tmp_path, "someone/unknown-model")), check=False,
+                   env=base_env(HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 2
+    assert "never downloads" in proc.stderr and "meta-llama/Llama-3.1-8B" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_plan_options_are_clear_errors(tmp_path):
+    cfg = str(hub_config(tmp_path, "Qwen/Qwen2.5-0.5B"))
+    for args, words in [(["--strategies", "ZERO3"], "unknown ZERO3"), (["--nproc", "two"], "--nproc"),
+                        (["--device-memory", "lots"], "size 'lots'")]:
+        proc = run_cli("plan", cfg, *args, check=False)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_table_and_png(tmp_path):
+    png = tmp_path / "plan.png"
+    proc = run_cli("plan", str(hub_config(tmp_path, "Qwen/Qwen2.5-7B")), "--nproc", "1,2,8", "--nodes", "2",
+                   "--device-memory", "40GiB", "--png", str(png))
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Qwen/Qwen2.5-7B: 7.62B parameters")
+    header = lines[2].split()
+    assert header[:3] == ["ranks", "strategy", "params"]
+    # 2 nodes: HYBRID_SHARD is listed and shards within each node of 8.
+    hybrid = [line for line in lines if "HYBRID_SHARD" in line and line.strip().startswith("16")]
+    assert hybrid and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_state_bytes_match_live_tensors_counted_by_bench(tmp_path):
+    """plan's params + grads + optimizer bytes per rank equal what bench_probe counts in the running job."""
+    cfg = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 1})
+    out = tmp_path / "bench"
+    run_cli("bench", str(cfg), "--strategies", "FULL_SHARD,SHARD_GRAD_OP", "--nproc", "2", "--steps", "2",
+            "--out", str(out), timeout=900)
+    measured = {r["strategy"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    data = plan_json(str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD,SHARD_GRAD_OP")
+    for strategy, m in measured.items():
+        p = row(data, strategy, 2)
+        assert (p["params"], p["grads"], p["optimizer"]) == (m["param_bytes"], m["grad_bytes"], m["optim_bytes"])
