@@ -150,14 +150,21 @@ def validate(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export holds about one file's "
                    "worth of tensors in memory, so this also bounds its memory.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT_DIR if it holds an earlier hfsdp export (anything else in it is never removed).")
 def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
-               max_shard_size: str | None) -> None:
-    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter)."""
+               max_shard_size: str | None, overwrite: bool) -> None:
+    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter).
+
+    OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
+    and renamed when complete, so a failed export leaves nothing behind.
+    """
     from hfsdp.components.export import parse_size
     from hfsdp.export import export_checkpoint
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
-                                max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+                                max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
+                                overwrite=overwrite)
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 

@@ -11,25 +11,26 @@ from pathlib import Path
 
 from hfsdp.components import checkpoint
 from hfsdp.components.export import max_shard_size, model_metadata
+from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import load_config
-from hfsdp.errors import UserError
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
-                      max_shard_bytes: int | None = None) -> Path:
+                      max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+    """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
+    or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete."""
+    checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
+    check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
+    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides)
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
-    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides)
-    if out_dir.resolve() == checkpoint_dir.resolve():
-        raise UserError("export: OUT_DIR must differ from the checkpoint folder")
     model_dir = checkpoint_dir / "model"
     model_config = AutoConfig.from_pretrained(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     weights = checkpoint.CheckpointWeights(checkpoint_dir)
-    with max_shard_size(max_shard_bytes):
+    with max_shard_size(max_shard_bytes), staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
         host.first("hfsdp_export", state_dict=weights, model_config=model_config, tokenizer=tokenizer,
-                   out_dir=out_dir, generation_config=model_metadata(model_dir)["generation_config"], config=config)
+                   out_dir=tmp, generation_config=model_metadata(model_dir)["generation_config"], config=config)
     return out_dir

@@ -69,8 +69,9 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     """Write consolidated weights. The first plugin that returns a truthy value handles the export.
 
     ``state_dict`` maps names to full CPU tensors (as ``model.state_dict()`` of the unwrapped model would),
-    ``model_config`` is the transformers config, ``generation_config`` the base model's (or None).
-    Runs on the main process only. The built-in implementation
+    ``model_config`` is the transformers config, ``generation_config`` the base model's (or None). ``out_dir`` is an
+    empty temporary folder next to the destination: write the files there; hfsdp records them and renames the folder
+    into place when the hook returns (and removes it if the hook raises). Runs on the main process only. The built-in implementation
     writes a Hugging Face folder with safetensors shards and runs last.
     """
 

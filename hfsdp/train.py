@@ -26,6 +26,7 @@ from hfsdp import __version__, data, models
 from hfsdp.components import checkpoint, generation
 from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
+from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
     World, all_sum, any_rank, build_accelerator, local_parameter_bytes, optimizer_state_bytes,
@@ -125,6 +126,7 @@ class PreemptionFlag:
 
 
 def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
+    check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
     existing = [name for name in OUTPUTS if (output_dir / name).exists()]
     if existing and not opts.resume and not opts.overwrite:
         raise UserError(
@@ -509,8 +511,10 @@ def save_checkpoint(accelerator, run: Run, model_config) -> Path:
 def export_model(accelerator, model, run: Run, model_config, out_dir: Path) -> None:
     state_dict = accelerator.get_state_dict(model)  # collective: full tensors land on the main process
     if accelerator.is_main_process:
-        run.plugins.first("hfsdp_export", state_dict=state_dict, model_config=model_config, tokenizer=run.tokenizer,
-                          out_dir=out_dir, generation_config=run.extras["generation_config"], config=run.config)
+        with staged_export(out_dir, overwrite=True) as tmp:
+            run.plugins.first("hfsdp_export", state_dict=state_dict, model_config=model_config,
+                              tokenizer=run.tokenizer, out_dir=tmp, generation_config=run.extras["generation_config"],
+                              config=run.config)
     accelerator.wait_for_everyone()
 
 

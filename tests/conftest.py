@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,20 @@ def run_torchrun(nproc: int, *args: str, cwd: Path | None = None, env: dict[str,
         raise AssertionError(f"torchrun x{nproc} hfsdp {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:
+    """A complete-looking checkpoint folder of the tiny model without weights (add a weights file to export it):
+    the model's config and tokenizer under ``model/``, a run config and a completion record."""
+    from hfsdp.components import checkpoint
+
+    (folder / "model").mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, folder / "model" / f.name)
+    shutil.copy(tiny_config(folder.parent), folder / checkpoint.CONFIG_NAME)
+    (folder / checkpoint.RECORD).write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "x"}))
+    return folder
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:

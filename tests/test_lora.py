@@ -88,6 +88,28 @@ def test_adapter_loads_with_peft_and_matches_merged_export(single, tiny_model_di
 
 
 @pytest.mark.slow
+def test_adapter_export_never_replaces_what_it_did_not_write(single):
+    import json
+
+    from hfsdp.components.outputs import EXPORT_RECORD
+
+    adapter = single["adapter_ck"]
+    record = json.loads((adapter / EXPORT_RECORD).read_text())
+    assert "adapter_model.safetensors" in record["files"] and "adapter_config.json" in record["files"]
+    run = single["run"]
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    proc = run_cli("export", str(single["checkpoint"]), str(run), "--overwrite", check=False)
+    assert proc.returncode == 2 and "contains the checkpoint being exported" in proc.stderr, proc.stderr[-2000:]
+    (adapter / "notes.txt").write_text("mine")
+    proc = run_cli("export", str(single["checkpoint"]), str(adapter), "--overwrite", check=False)
+    assert proc.returncode == 2 and "the earlier export did not write (notes.txt)" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+    assert (adapter / "notes.txt").read_text() == "mine" and (adapter / "adapter_model.safetensors").is_file()
+    (adapter / "notes.txt").unlink()
+    run_cli("export", str(single["checkpoint"]), str(adapter), "--overwrite")  # an earlier export: replaced
+
+
+@pytest.mark.slow
 def test_two_ranks_save_the_same_adapter(single, tmp_path):
     import torch
     from safetensors.torch import load_file

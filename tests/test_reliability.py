@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config
 from hfsdp.components import checkpoint
 from hfsdp.components.export import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
@@ -234,14 +233,7 @@ class _Payload:
 
 
 def _fake_checkpoint(tmp_path: Path, tiny_model_dir: Path, name: str) -> Path:
-    ckpt = tmp_path / name
-    (ckpt / "model").mkdir(parents=True)
-    for f in tiny_model_dir.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, ckpt / "model" / f.name)
-    shutil.copy(tiny_config(tmp_path), ckpt / checkpoint.CONFIG_NAME)
-    (ckpt / checkpoint.RECORD).write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "x"}))
-    return ckpt
+    return fake_checkpoint(tmp_path / name, tiny_model_dir)
 
 
 def test_export_refuses_a_pickle_that_runs_code(tmp_path, tiny_model_dir):

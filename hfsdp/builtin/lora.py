@@ -34,7 +34,6 @@ FSDP pitfalls this plugin avoids:
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -175,7 +174,8 @@ def _meta_peft_model(model_config, config, section: LoraSection):
 
 
 def write_adapter(state_dict: Mapping[str, Any], model_config, tokenizer, out_dir: Path, config) -> Path:
-    """``adapter_model.safetensors`` + ``adapter_config.json`` (+ tokenizer) in peft's own format, verified."""
+    """``adapter_model.safetensors`` + ``adapter_config.json`` (+ tokenizer) in peft's own format, verified, written
+    into ``out_dir`` (the empty folder the ``hfsdp_export`` hook receives; hfsdp renames it into place)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
@@ -196,20 +196,15 @@ def write_adapter(state_dict: Mapping[str, Any], model_config, tokenizer, out_di
         raise UserError(f"lora export: the adapter does not match the model ({len(problems)} problem(s)): "
                         + "; ".join(problems[:4]))
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER_WEIGHTS),
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(out_dir / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    lora_cfg.save_pretrained(str(tmp))
+    lora_cfg.save_pretrained(str(out_dir))
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    reread = load_file(str(tmp / ADAPTER_WEIGHTS))
+        tokenizer.save_pretrained(str(out_dir))
+    reread = load_file(str(out_dir / ADAPTER_WEIGHTS))
     if set(reread) != set(expected) or any(t.numel() == 0 for t in reread.values()):
         raise UserError(f"lora export: {ADAPTER_WEIGHTS} did not read back complete")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return out_dir
 
 

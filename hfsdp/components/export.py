@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -174,21 +173,17 @@ def write_hf_folder(
     generation_config=None,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """A complete Hugging Face model folder, written next to ``out_dir`` and renamed into place when verified."""
+    """A complete, verified Hugging Face model folder written into ``out_dir`` (the empty folder the
+    ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards)."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     expected = expected_shapes(model_config)
     skip = _drop_tied(set(state_dict.keys()), model_config)
-    write_hf_weights(state_dict.items(), tmp, expected=expected, skip=skip, max_shard_bytes=max_shard_bytes)
-    model_config.save_pretrained(tmp)
+    write_hf_weights(state_dict.items(), out_dir, expected=expected, skip=skip, max_shard_bytes=max_shard_bytes)
+    model_config.save_pretrained(out_dir)
     if generation_config is not None:
-        generation_config.save_pretrained(tmp)
+        generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+        tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
