@@ -52,7 +52,7 @@ train:
   log_every: 1
   eval_at_start: false
   export_final: false
-  tensorboard: false
+  report_to: none
 fsdp:
   version: 2
   sharding_strategy: FULL_SHARD

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hfsdp.errors import ConfigError
 
@@ -149,6 +150,20 @@ class FSDPConfig(Section):
         return "bf16" if self.mixed_precision.param == "bfloat16" else "fp16" if self.mixed_precision.param == "float16" else "no"
 
 
+# Experiment trackers that Accelerate drives (its `log_with` names): the module each needs, and the pip package that
+# provides it. A tracker named but not installed is a config error (Accelerate itself would silently skip it).
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "comet_ml": ("comet_ml", "comet-ml"),
+    "aim": ("aim", "aim"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+}
+Tracker = Literal[tuple(TRACKERS)]
+
+
 class TrainConfig(Section):
     output_dir: str = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
     max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
@@ -173,11 +188,47 @@ class TrainConfig(Section):
     keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
     export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
     compile: bool = Field(False, description="torch.compile the model (through Accelerate).")
-    tensorboard: bool = Field(True, description="also write TensorBoard events to <output_dir>/tensorboard.")
+    report_to: list[Tracker] = Field(
+        ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
+        "replaces train.tensorboard (false: none).")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume).")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
     max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "tensorboard" in data:  # the key report_to replaced: old configs keep validating
+            legacy = data.pop("tensorboard")
+            if "report_to" in data:
+                raise ValueError("tensorboard is replaced by report_to: remove tensorboard")
+            if not isinstance(legacy, bool):
+                raise ValueError("tensorboard (deprecated) must be true or false; better: report_to")
+            data["report_to"] = ["tensorboard"] if legacy else []
+        value = data.get("report_to", ["tensorboard"])
+        if value is None or value == "none":
+            value = []
+        elif isinstance(value, str):
+            value = [value]
+        if isinstance(value, list) and "none" in value:
+            if len(value) > 1:
+                raise ValueError("report_to: 'none' cannot be combined with trackers")
+            value = []
+        data["report_to"] = value
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, value: list[str]) -> list[str]:
+        missing = [name for name in value if importlib.util.find_spec(TRACKERS[name][0]) is None]
+        if missing:
+            raise ValueError("; ".join(f"tracker '{name}' is not installed: pip install {TRACKERS[name][1]}"
+                                       for name in missing) + " (or remove it from train.report_to)")
+        return list(dict.fromkeys(value))
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,7 +52,7 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
     """The Accelerator with exactly the distributed type the config asks for, or a UserError saying why not."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, ProjectConfiguration
 
     plugin = build_fsdp_plugin(config.fsdp, layer_classes)
     parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size)
@@ -66,7 +67,10 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
         parallelism_config=None if rehearsal else parallelism,
         mixed_precision=autocast,
         gradient_accumulation_steps=1,  # hfsdp accumulates itself, normalising by the global token count
-        log_with=None,
+        # Trackers (train.report_to); those that keep local files (TensorBoard) write under <output_dir>/tensorboard.
+        log_with=config.train.report_to or None,
+        project_config=ProjectConfiguration(project_dir=config.train.output_dir,
+                                            logging_dir=str(Path(config.train.output_dir) / "tensorboard")),
         step_scheduler_with_optimizer=False,
     )
     if rehearsal:

@@ -39,7 +39,7 @@ from hfsdp.plugins import PluginHost
 # Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
-    "train.export_final", "train.tensorboard", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
+    "train.export_final", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
     "train.eval_at_start", "train.max_eval_batches", "generation_eval",
 )
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json")
@@ -350,7 +350,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
-        metrics = MetricsWriter(output_dir, enabled=is_main, tensorboard=config.train.tensorboard)
+        metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to))
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main)
         run.extras["generation_config"] = model_metadata(model_path)["generation_config"]
         gen_items = []
