@@ -75,9 +75,9 @@ def _probe_plugin() -> str:
 
 
 def _config_plugins(config: str | None, overrides: list[str]) -> list[str]:
-    from hfsdp.config import apply_overrides, read_yaml, resolve_config_path
+    from hfsdp.config import apply_overrides, read_config, resolve_config_path
 
-    raw = apply_overrides(read_yaml(resolve_config_path(config)), overrides)
+    raw = apply_overrides(read_config(resolve_config_path(config)), overrides)
     return list(raw.get("plugins") or [])
 
 

@@ -168,6 +168,26 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
+@cli.command(name="config-reference")
+@click.argument("section", required=False)
+@click.option("--enable", "enable", multiple=True, metavar="NAME",
+              help="Also load this plugin (name or dotted path) to print its section.")
+def config_reference(section: str | None, enable: tuple[str, ...]) -> None:
+    """Print the configuration reference (Markdown): every core section and the section of every installed plugin,
+    or only SECTION. Keys, types, defaults and meanings come from the schemas that validate the config."""
+    from hfsdp.plugins import PluginHost, installed_sections
+    from hfsdp.reference import core_reference, core_sections, plugin_reference
+
+    sections = installed_sections()
+    if enable:
+        sections.update(PluginHost(list(enable)).config_sections())
+    known = [*core_sections(), *sorted(sections)]
+    if section is not None and section not in known:
+        raise UserError(f"config-reference: no section '{section}' in the core or an installed plugin; sections: "
+                        f"{', '.join(known)} (a plugin loaded by dotted path needs --enable PATH)")
+    click.echo("\n".join(core_reference(section) + plugin_reference(sections, section)).rstrip())
+
+
 @cli.command()
 def presets() -> None:
     """List the bundled presets (usable as `hfsdp train NAME`)."""

@@ -1,23 +1,29 @@
 """The training config: YAML → overrides → validated pydantic objects.
 
-Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin
-declares; a section without an enabled plugin behind it is an error that says which plugin to enable.
+A config file may name a ``base:`` (a preset or another file) that it overrides key by key. Unknown keys are errors
+everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin declares; a section of an
+installed plugin that is not enabled is an error that says which plugin to enable. Every problem is reported at
+once: the core's, the plugin sections', the plugins' own checks (for the sections that validated) and ``data:``'s.
 This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import importlib.util
 import json
+import os
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from hfsdp.errors import ConfigError
+from hfsdp import plugins as plugin_host
+from hfsdp.errors import ConfigError, InvalidSectionRead
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
@@ -245,6 +251,10 @@ class GenerationEvalConfig(Section):
     show: int = Field(2, ge=0, description="examples printed before/after.")
 
 
+# Suffixes of the data files hfsdp reads (data.py maps each to its datasets loader).
+DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".csv", ".parquet")
+
+
 class HfsdpConfig(Section):
     model: ModelConfig
     data: DataConfig
@@ -325,7 +335,28 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _pydantic_problems(err: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The section model of field ``name`` (also inside ``X | None`` and other unions), if it is one."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _unknown_key(model: type[BaseModel], loc: list[str], reference: str) -> str:
+    """'unknown key', with the closest valid key of that (sub)section and the command that prints them all."""
+    for part in loc[:-1]:
+        model = _submodel(model, part) or model
+    close = difflib.get_close_matches(loc[-1], [k for k in model.model_fields if k != "plugin_config"], n=1)
+    maybe = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown key ({maybe}`{reference}` lists the valid keys)"
+
+
+def _pydantic_problems(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None,
+                       plugin: str | None = None) -> list[tuple[str, str]]:
     problems = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-after", "function-before"))]
@@ -334,7 +365,9 @@ def _pydantic_problems(err: ValidationError, prefix: str = "") -> list[tuple[str
         path = ".".join(filter(None, [prefix, *loc]))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `hfsdp validate --help` shows the reference)"
+            section = path.split(".")[0]
+            reference = f"hfsdp config-reference {section}" + (f" --enable {plugin}" if plugin else "")
+            msg = _unknown_key(model or HfsdpConfig, loc, reference)
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], dict):
@@ -343,58 +376,123 @@ def _pydantic_problems(err: ValidationError, prefix: str = "") -> list[tuple[str
     return problems
 
 
+class InvalidSection:
+    """Stands in for a section that failed validation (its problems are reported), so that plugin checks that do
+    not read it still run; reading it raises :class:`InvalidSectionRead`, which skips the check that did."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise InvalidSectionRead(self._name)
+
+    def __repr__(self) -> str:
+        return f"<invalid section {self._name}>"
+
+
+def _core_config(core: dict[str, Any]) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
+    """The core sections; a section with problems becomes an :class:`InvalidSection` (see there)."""
+    try:
+        return HfsdpConfig.model_validate(core), []
+    except ValidationError as err:
+        problems = _pydantic_problems(err)
+        broken = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    values: dict[str, Any] = {}
+    for name, field in HfsdpConfig.model_fields.items():
+        if name in broken:
+            values[name] = InvalidSection(name)
+        elif name in core:
+            values[name] = TypeAdapter(field.annotation).validate_python(core[name])
+        else:
+            values[name] = field.get_default(call_default_factory=True)
+    return HfsdpConfig.model_construct(**values), problems
+
+
 def validate_config(
-    raw: dict[str, Any], plugin_sections: dict[str, type[BaseModel]], source: str = "config",
-    owners: dict[str, str] | None = None,
-) -> HfsdpConfig:
-    """Validate raw YAML data. ``plugin_sections`` maps section name → schema for the enabled plugins;
-    ``owners`` maps section name → plugin name (named in the messages)."""
-    owners = owners or {}
-
-    def owned(name: str, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        return [(path, f"{msg} [section of plugin '{owners[name]}']") for path, msg in found] if name in owners else found
-
-    core = {k: v for k, v in raw.items() if k in CORE_SECTIONS}
+    raw: dict[str, Any], plugin_sections: dict[str, tuple[str, type[BaseModel]]],
+) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
+    """Validate raw YAML data: the config (sections with problems stand in as :class:`InvalidSection`) and the
+    problems. ``plugin_sections`` maps section name → (plugin, schema) for the enabled plugins."""
     problems: list[tuple[str, str]] = []
     plugin_config: dict[str, Any] = {}
-    for key, value in raw.items():
+    unknown = []
+    for name, (plugin, _) in list(plugin_sections.items()):
+        if name in CORE_SECTIONS or name == "plugin_config":
+            problems.append((name, f"plugin '{plugin}' declares section '{name}', which is a core section"))
+            plugin_sections = {k: v for k, v in plugin_sections.items() if k != name}
+    for key in raw:
         if key in CORE_SECTIONS:
             continue
         if key == "plugin_config":
             problems.append((key, "unknown key: plugin sections go at the top level under their own name"))
-        elif key in plugin_sections:
-            try:
-                plugin_config[key] = plugin_sections[key].model_validate(value or {})
-            except ValidationError as err:
-                problems += owned(key, _pydantic_problems(err, prefix=key))
-        else:
-            hint = "unknown section"
-            if key in KNOWN_PLUGIN_SECTIONS:
-                hint += f": it belongs to plugin '{KNOWN_PLUGIN_SECTIONS[key]}'; add it to `plugins:`"
+        elif key not in plugin_sections:
+            unknown.append(key)
+    if unknown:
+        owners = {name: plugin for name, (plugin, _) in plugin_host.installed_sections().items()}
+        for key in unknown:
+            if key in owners:
+                problems.append((key, f"section of plugin '{owners[key]}', which is not enabled: enable plugin "
+                                      f"'{owners[key]}' (add it to `plugins:`)"))
             else:
-                hint += f"; valid sections: {', '.join(sorted(CORE_SECTIONS | set(plugin_sections)))}"
-            problems.append((key, hint))
+                close = difflib.get_close_matches(key, sorted(CORE_SECTIONS | set(plugin_sections) | set(owners)), n=1)
+                problems.append((key, "unknown section" + (f" (did you mean '{close[0]}'?)" if close else "")
+                                 + f"; valid sections: {', '.join(sorted(CORE_SECTIONS | set(plugin_sections)))}"))
     # Enabled plugins with a section get their defaults even when the YAML omits the section.
-    for name, schema in plugin_sections.items():
-        if name not in raw:
-            try:
-                plugin_config[name] = schema.model_validate({})
-            except ValidationError as err:
-                problems += owned(name, _pydantic_problems(err, prefix=name))
-    try:
-        config = HfsdpConfig.model_validate(core)
-    except ValidationError as err:
-        problems = _pydantic_problems(err) + problems
-        config = None
-    if problems:
-        raise ConfigError(problems, source=source)
-    assert config is not None
+    for name, (plugin, schema) in plugin_sections.items():
+        try:
+            plugin_config[name] = schema.model_validate(raw.get(name) or {})
+        except ValidationError as err:
+            plugin_config[name] = InvalidSection(name)
+            problems += [(path, f"{msg} [section of plugin '{plugin}']")
+                         for path, msg in _pydantic_problems(err, prefix=name, model=schema, plugin=plugin)]
+    config, core_problems = _core_config({k: v for k, v in raw.items() if k in CORE_SECTIONS})
     config.plugin_config = plugin_config
-    return config
+    return config, core_problems + problems
 
 
-# Sections of first-party plugins that are not enabled by default, for a helpful "enable it" message.
-KNOWN_PLUGIN_SECTIONS = {"lora": "lora", "packing": "packing"}
+def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
+    """The key of the plugin reader for ``path``: a source prefix (``"mydb://"``) it starts with, or a file suffix
+    (``".tsv"``) it ends with (case-insensitive); None when no plugin reader claims it."""
+    keys = list(readers)
+    for key in keys:
+        if key.endswith("://") and path.startswith(key):
+            return key
+    suffix = Path(path).suffix.lower()
+    return next((key for key in keys if not key.endswith("://") and key.lower() == suffix), None)
+
+
+def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """``data.path`` / ``data.eval_path``: exists, is readable, and hfsdp or an enabled plugin reads its kind.
+    A plugin's own source (``prefix://``) is the plugin's to check; a name that is no local path is a datasets name,
+    loaded (and checked) with the data."""
+    readers = list(readers)
+    problems = []
+    for key in ("path", "eval_path"):
+        value = getattr(data, key)
+        if not value:
+            continue
+        claimed = data_reader_key(value, readers)
+        if claimed is not None and claimed.endswith("://"):
+            continue
+        local = Path(value).expanduser()
+        where = f"data.{key}"
+        if local.is_file():
+            if claimed is None and local.suffix.lower() not in DATA_SUFFIXES:
+                plugin_kinds = [k for k in readers if not k.endswith("://")]
+                problems.append((where, f"{local}: hfsdp reads {', '.join(DATA_SUFFIXES)} files"
+                                        + (f" (and enabled plugins {', '.join(plugin_kinds)})" if plugin_kinds else "")
+                                        + f", not '{local.suffix or local.name}': convert it, or enable a plugin "
+                                          "that reads it (hook hfsdp_data_readers)"))
+            elif not os.access(local, os.R_OK):
+                problems.append((where, f"cannot read {local}: permission denied"))
+        elif local.is_dir():
+            if not os.access(local, os.R_OK | os.X_OK):
+                problems.append((where, f"cannot read the folder {local}: permission denied"))
+        elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
+            problems.append((where, f"{local.resolve()} does not exist"))
+    return problems
 
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -428,23 +526,59 @@ def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
             data[key] = str((base / value).resolve())
 
 
-def load_config(name_or_path: str | None, overrides: list[str] = ()) -> tuple[HfsdpConfig, "PluginHost"]:
-    """Read, override and validate a config, enabling the plugins it names. Nothing heavy is imported."""
-    from hfsdp.plugins import PluginHost
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` over ``base``: mappings merge key by key, anything else (values, lists, null) replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
-    path = resolve_config_path(name_or_path)
+
+def read_config(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file as raw data, with its ``base:`` (a preset name, or a file relative to this one) merged under
+    it; data paths are anchored to the folder of the file that names them."""
     raw = read_yaml(path)
     _anchor_data_paths(raw, path.parent)
-    raw = apply_overrides(raw, list(overrides))
+    if "base" not in raw:
+        return raw
+    base = raw.pop("base")
+    chain = (*_chain, path.resolve())
+    if not isinstance(base, str) or not base:
+        raise ConfigError([("base", "give a preset name or a config file path")], source=str(path))
+    base_path = path.parent / base
+    if not base_path.is_file():
+        presets = list_presets()
+        if base not in presets:
+            raise ConfigError([("base", f"'{base}' is neither a config file ({base_path} does not exist) nor a "
+                                        f"preset; presets: {', '.join(presets)}")], source=str(path))
+        base_path = presets[base]
+    if base_path.resolve() in chain:
+        raise ConfigError([("base", "configs name each other as base: "
+                                    + " -> ".join(str(p) for p in (*chain, base_path.resolve())))], source=str(path))
+    return _merge(read_config(base_path, chain), raw)
+
+
+def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_data: bool = True
+                ) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
+    """Read, override and validate a config, enabling the plugins it names, and report every problem at once.
+    ``check_data``: also check that ``data.path`` / ``data.eval_path`` can be read (off for ``hfsdp export``, which
+    needs no data). Nothing heavy is imported."""
+    path = resolve_config_path(name_or_path)
+    raw = apply_overrides(read_config(path), list(overrides))
     enabled = raw.get("plugins") or []
     if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
         raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], str(path))
-    host = PluginHost(enabled)
-    config = validate_config(raw, host.config_sections(), source=str(path), owners=host.section_owners)
-    problems = [p for _, found in host.call("hfsdp_validate_config", config=config) for p in found]
+    host = plugin_host.PluginHost(enabled)
+    config, problems = validate_config(raw, host.config_sections())
+    problems += host.validation_problems(config)
     formats = host.dataset_formats()
-    if config.data.format not in formats:
-        problems.append(("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}"))
+    try:
+        if config.data.format not in formats:
+            problems.append(("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}"))
+        if check_data:
+            problems += data_path_problems(config.data, host.data_readers())
+    except InvalidSectionRead:
+        pass  # data: has problems of its own, reported above
     if problems:
         raise ConfigError(problems, source=str(path))
     return config, host

@@ -13,20 +13,46 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import DataConfig
-from hfsdp.errors import UserError
+from hfsdp.config import DATA_SUFFIXES, DataConfig, data_reader_key
+from hfsdp.errors import PluginError, UserError
 
-_LOADERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_LOADERS = dict(zip(DATA_SUFFIXES, ("text", "text", "json", "json", "csv", "parquet")))
+# A plugin's data reader: file suffix or source prefix -> (plugin, read(path, split, data_config)).
+Readers = Mapping[str, tuple[str, Callable[..., Any]]]
 
 
-def _load_split(path: str, cfg: DataConfig, split: str):
+def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read: Callable[..., Any]):
+    """Rows from a plugin's reader (list of dicts, dict of columns, or a Dataset) as a ``datasets.Dataset``."""
     import datasets
 
+    try:
+        rows = read(path, split, cfg)
+    except UserError:
+        raise
+    except Exception as err:
+        raise PluginError(plugin, "hfsdp_data_readers", err) from err
+    if isinstance(rows, datasets.Dataset):
+        return rows
+    if isinstance(rows, dict):
+        return datasets.Dataset.from_dict(rows)
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return datasets.Dataset.from_list(rows)
+    raise PluginError(plugin, "hfsdp_data_readers", TypeError(
+        f"the reader for {path} returned {type(rows).__name__}; return a list of dicts, a dict of column lists, "
+        "or a datasets.Dataset"))
+
+
+def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
+    import datasets
+
+    key = data_reader_key(path, readers)
+    if key is not None:
+        return _read_with_plugin(path, cfg, split, *readers[key])
     local = Path(path).expanduser()
     try:
         if local.is_file():
@@ -58,14 +84,16 @@ def _load_split(path: str, cfg: DataConfig, split: str):
         raise UserError(f"data: cannot read {path}: {detail}") from None
 
 
-def load_raw(cfg: DataConfig, seed: int):
-    """The raw train and eval splits (eval may be None)."""
-    train = _load_split(cfg.path, cfg, cfg.split)
+def load_raw(cfg: DataConfig, seed: int, readers: Readers | None = None):
+    """The raw train and eval splits (eval may be None). ``readers``: the enabled plugins' data readers, which
+    read the paths they claim (see ``hfsdp_data_readers``); hfsdp reads the rest."""
+    readers = readers or {}
+    train = _load_split(cfg.path, cfg, cfg.split, readers)
     eval_ = None
     if cfg.eval_path:
-        eval_ = _load_split(cfg.eval_path, cfg, cfg.split)
+        eval_ = _load_split(cfg.eval_path, cfg, cfg.split, readers)
     elif cfg.eval_split:
-        eval_ = _load_split(cfg.path, cfg, cfg.eval_split)
+        eval_ = _load_split(cfg.path, cfg, cfg.eval_split, readers)
     elif cfg.eval_fraction > 0:
         if len(train) < 2:
             raise UserError(f"data.eval_fraction: {cfg.path} has {len(train)} row(s), too few to hold some out")

@@ -18,6 +18,15 @@ class ConfigError(UserError):
         super().__init__("\n".join(lines))
 
 
+class InvalidSectionRead(Exception):
+    """A check read a config section that failed validation; that section's own problems are already reported, so
+    the check is skipped rather than reported twice (see ``hfsdp.config.InvalidSection``)."""
+
+    def __init__(self, section: str):
+        self.section = section
+        super().__init__(f"section '{section}' is invalid")
+
+
 class PluginError(Exception):
     """A plugin raised inside a hook; carries the plugin and hook names so every rank can report them."""
 

@@ -21,7 +21,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete."""
     checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
-    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides)
+    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -31,6 +31,6 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     weights = checkpoint.CheckpointWeights(checkpoint_dir)
     with max_shard_size(max_shard_bytes), staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
-        host.first("hfsdp_export", state_dict=weights, model_config=model_config, tokenizer=tokenizer,
-                   out_dir=tmp, generation_config=model_metadata(model_dir)["generation_config"], config=config)
+        host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp, destination=out_dir,
+                    generation_config=model_metadata(model_dir)["generation_config"], config=config)
     return out_dir

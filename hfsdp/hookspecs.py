@@ -5,8 +5,12 @@ through the ``hfsdp`` entry-point group (or name it by dotted path in the config
 
 Order: hfsdp calls implementations one plugin at a time, built-in plugins first, then the plugins in the order
 of the config's ``plugins:`` list. "Chained" hooks hand each plugin the previous plugin's result.
+hfsdp calls each implementation itself (so that a failure names its plugin), not through pluggy's ``pm.hook``:
+pluggy's ``firstresult`` and ``hookwrapper`` options have no effect here; ``trylast`` only orders ``hfsdp_export``.
 Ranks: unless a hook says otherwise it runs on every rank, and a plugin that raises on any rank stops all ranks
 with an error naming the plugin and the hook.
+Stability: hooks and arguments are only ever added. An implementation may accept any subset of a hook's
+arguments by name, so one written for fewer arguments keeps working when a hook gains one.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ def hfsdp_config_section():
 
     Return ``(section_name, PydanticModelClass)`` or None. The top-level YAML key ``section_name`` is validated
     with the model (use ``extra="forbid"``); the validated object is ``config.section(section_name)``.
-    Called once per process while the config is validated, before anything is loaded.
+    Called while the config is validated, before anything is loaded (also by ``hfsdp config-reference`` and, for
+    an installed plugin that is not enabled, to say "enable plugin X" when its section is used).
     """
 
 
@@ -30,7 +35,22 @@ def hfsdp_config_section():
 def hfsdp_validate_config(config):
     """Check the validated config as a whole. Return a list of ``(yaml_path, message)`` problems, or None.
 
-    Runs before any model or data is loaded; problems are reported together with the core's own.
+    Runs before any model or data is loaded; problems are reported together with the core's own. When a section
+    has problems of its own, reading it here skips this check (the user sees that section's problems instead).
+    """
+
+
+@hookspec
+def hfsdp_data_readers():
+    """Register readers of raw rows for file kinds or sources hfsdp does not read itself: ``{key: read}`` or None.
+
+    ``key`` is a file suffix (``".tsv"``, matched case-insensitively against the end of ``data.path`` /
+    ``data.eval_path``) or a source prefix ending in ``"://"`` (``"mydb://"``, matched against the start).
+    ``read(path, split, data_config)`` returns the rows of one split: a list of dicts, a dict of column lists, or a
+    ``datasets.Dataset``; a ``section`` parameter, if declared, receives this plugin's validated config section.
+    Validation checks that a local ``data.path`` exists, is readable, and has a reader (hfsdp's own or a plugin's);
+    a ``prefix://`` source is the plugin's to check in ``hfsdp_validate_config``. ``read`` runs on every rank
+    (the main process first) when the data is prepared; it must return the same rows for the same arguments.
     """
 
 
@@ -40,8 +60,10 @@ def hfsdp_dataset_formats():
 
     ``tokenize(batch, tokenizer, data_config) -> {"input_ids": [[int]], "labels": [[int]]}`` receives a batch of
     raw rows (a dict of column lists, as ``datasets.map(batched=True)`` gives) and returns one tokenized sample
-    per row; label -100 marks tokens without loss. Rows longer than ``data_config.max_seq_len`` are cut or dropped
-    by hfsdp afterwards, so return them whole. Two plugins registering one name is a config error.
+    per row; label ``hfsdp.IGNORE_INDEX`` (-100) marks tokens without loss. A ``section`` parameter, if declared,
+    receives this plugin's validated config section. Rows longer than ``data_config.max_seq_len`` are cut or
+    dropped by hfsdp afterwards, so return them whole. Two plugins registering one name is a config error.
+    Called while the config is validated (to check ``data.format``) and when the data is prepared.
     """
 
 
@@ -56,29 +78,52 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 
 
 @hookspec
-def hfsdp_modify_model(model, config, tokenizer):
+def hfsdp_before_model_load(config, world):
+    """The process group is up and the data is prepared; the model is about to be loaded. Every rank.
+
+    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``).
+    """
+
+
+@hookspec
+def hfsdp_modify_model(model, config, tokenizer, world):
     """Chained: change the model before it is sharded (e.g. add LoRA adapters, freeze layers).
 
     Runs on every rank, after loading and before ``accelerator.prepare``. Return the replacement model or None
     when the model was changed in place. Only parameters with ``requires_grad`` are given to the optimizer.
+    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``).
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config):
     """Write consolidated weights. The first plugin that returns a truthy value handles the export.
 
     ``state_dict`` maps names to full CPU tensors (as ``model.state_dict()`` of the unwrapped model would),
     ``model_config`` is the transformers config, ``generation_config`` the base model's (or None). ``out_dir`` is an
     empty temporary folder next to the destination: write the files there; hfsdp records them and renames the folder
-    into place when the hook returns (and removes it if the hook raises). Runs on the main process only. The built-in implementation
-    writes a Hugging Face folder with safetensors shards and runs last.
+    into place once the export hooks return (and removes it if one raises). Runs on the main process only. Add files
+    to someone else's export in ``hfsdp_on_export``. The built-in implementation writes a Hugging Face folder with
+    safetensors shards and runs last.
+    """
+
+
+@hookspec
+def hfsdp_on_export(out_dir, destination, config, written_by, model_config, tokenizer):
+    """An export is written in ``out_dir``; add files to it here. Main process only.
+
+    ``out_dir`` (a ``pathlib.Path``) is still the temporary folder: files added here become part of the export
+    (listed in its ``hfsdp_export.json``, replaced with it on ``--overwrite``), and the folder is renamed to
+    ``destination`` when this hook returns. Called after every export: the end of training (``<output_dir>/final``),
+    ``hfsdp export CHECKPOINT OUT``, LoRA adapter and merged exports alike. ``written_by`` names the plugin whose
+    ``hfsdp_export`` wrote the folder (``safetensors_export`` for the built-in one, ``lora`` for LoRA).
     """
 
 
 @hookspec
 def hfsdp_on_train_start(run):
-    """Training is about to start; ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, ...)."""
+    """Training is about to start; ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, optimizer,
+    world, ...)."""
 
 
 @hookspec
@@ -98,5 +143,6 @@ def hfsdp_on_checkpoint(run, step, path):
 
 @hookspec
 def hfsdp_on_train_end(run, metrics):
-    """Training reached its last step (after the final eval, export and summary; not called after a preemption
-    save or an error). ``metrics`` holds the final eval metrics, if any."""
+    """Training stops: it reached its last step (after the final eval, export and summary), or a preemption
+    (SIGTERM/SIGINT) checkpoint is complete and the process is about to exit. Not called after an error.
+    ``metrics`` holds the last eval metrics, if any."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
 import pluggy
 
 from hfsdp import hookspecs
-from hfsdp.errors import ConfigError, PluginError, UserError
+from hfsdp.errors import ConfigError, InvalidSectionRead, PluginError, UserError
 
 ENTRY_POINT_GROUP = "hfsdp"
 
@@ -90,7 +92,6 @@ class PluginHost:
     def __init__(self, enabled: list[str]):
         self.pm = pluggy.PluginManager("hfsdp")
         self.pm.add_hookspecs(hookspecs)
-        self.section_owners: dict[str, str] = {}
         available = discover()
         # Only hfsdp's own entry points are imported up front (to find the always-on ones); a third-party plugin is
         # imported when enabled, so a broken install of an unused plugin cannot stop other runs.
@@ -131,7 +132,7 @@ class PluginHost:
         try:
             # Like pluggy itself: an implementation may accept any subset of the spec's arguments.
             return impl.function(*[kwargs[name] for name in impl.argnames])
-        except (UserError, PluginError):  # a UserError is the user's to fix: reported as such (exit 2), not as a crash
+        except (UserError, PluginError, InvalidSectionRead):  # a UserError is the user's to fix: exit 2, not a crash
             raise
         except Exception as err:
             raise PluginError(plugin, hook, err) from err
@@ -145,16 +146,6 @@ class PluginHost:
                 results.append((plugin, result))
         return results
 
-    def first(self, hook: str, **kwargs: Any) -> Any:
-        """First truthy result; built-ins marked ``trylast`` (the default export) are asked last."""
-        impls = self._impls(hook)
-        ordered = [i for i in impls if not i[1].trylast] + [i for i in impls if i[1].trylast]
-        for plugin, impl in ordered:
-            result = self._call(plugin, hook, impl, kwargs)
-            if result:
-                return result
-        return None
-
     def chain(self, hook: str, value_arg: str, value: Any, **kwargs: Any) -> Any:
         """Pass ``value`` through every implementation; a None result keeps the value."""
         for plugin, impl in self._impls(hook):
@@ -165,26 +156,39 @@ class PluginHost:
 
     # Typed helpers for the hooks whose results need merging.
 
-    def config_sections(self) -> dict[str, Any]:
-        sections: dict[str, Any] = {}
-        owners: dict[str, str] = {}
+    def config_sections(self) -> dict[str, tuple[str, type]]:
+        """Section name → (plugin, pydantic model class) of the enabled plugins."""
         from pydantic import BaseModel
 
-        from hfsdp.config import CORE_SECTIONS
-
+        sections: dict[str, tuple[str, type]] = {}
         for plugin, declared in self.call("hfsdp_config_section"):
             if not (isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], str)
                     and isinstance(declared[1], type) and issubclass(declared[1], BaseModel)):
                 raise ConfigError([(f"plugins.{plugin}", "hfsdp_config_section must return (section_name, "
                                                          f"pydantic model class) or None, got {declared!r}")])
             name, schema = declared
-            if name in CORE_SECTIONS or name == "plugin_config":
-                raise ConfigError([(name, f"plugin '{plugin}' declares section '{name}', which is a core section")])
             if name in sections:
-                raise ConfigError([(name, f"section claimed by two plugins: '{owners[name]}' and '{plugin}'")])
-            sections[name], owners[name] = schema, plugin
-        self.section_owners = owners
+                raise ConfigError([(name, f"section claimed by two plugins: '{sections[name][0]}' and '{plugin}'")])
+            sections[name] = (plugin, schema)
         return sections
+
+    def section_of(self, plugin: str, config: Any) -> Any:
+        """The validated config section of ``plugin`` (None when it declares none)."""
+        names = [name for name, (owner, _) in self.config_sections().items() if owner == plugin]
+        return config.section(names[0]) if names else None
+
+    def validation_problems(self, config: Any) -> list[tuple[str, str]]:
+        """Every enabled plugin's ``hfsdp_validate_config`` problems; a plugin whose check reads a section that
+        failed validation is skipped (that section's problems are reported already)."""
+        problems: list[tuple[str, str]] = []
+        for plugin, impl in self._impls("hfsdp_validate_config"):
+            try:
+                problems += self._call(plugin, "hfsdp_validate_config", impl, {"config": config}) or []
+            except InvalidSectionRead:
+                continue
+            except ConfigError as err:
+                problems += err.problems
+        return problems
 
     def dataset_formats(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         formats: dict[str, tuple[str, Callable[..., Any]]] = {}
@@ -198,3 +202,66 @@ class PluginHost:
                 formats[name] = (plugin, fn)
         return formats
 
+    def tokenize_function(self, config: Any) -> tuple[str, Callable[..., Any]]:
+        """(plugin, tokenize) of ``data.format``, given its plugin's section if it takes ``section``."""
+        plugin, fn = self.dataset_formats()[config.data.format]
+        return plugin, WithSection(fn, self.section_of(plugin, config))
+
+    def data_readers(self, config: Any = None) -> dict[str, tuple[str, Callable[..., Any]]]:
+        """File suffix or source prefix → (plugin, read); with ``config``, each read gets its plugin's section."""
+        readers: dict[str, tuple[str, Callable[..., Any]]] = {}
+        for plugin, registered in self.call("hfsdp_data_readers"):
+            for key, fn in registered.items():
+                if not isinstance(key, str) or not (key.startswith(".") or key.endswith("://")) or not callable(fn):
+                    raise ConfigError([(f"plugins.{plugin}", f"hfsdp_data_readers: {key!r}: keys are file suffixes "
+                                                             "('.tsv') or source prefixes ('mydb://'), values functions")])
+                clash = next((k for k in readers if k.lower() == key.lower()), None)
+                if clash is not None:
+                    raise ConfigError([("data.path", f"'{key}' is read by two plugins: '{readers[clash][0]}' and "
+                                                     f"'{plugin}'; disable one of them")])
+                readers[key] = (plugin, WithSection(fn, self.section_of(plugin, config)) if config is not None else fn)
+        return readers
+
+    def export(self, *, out_dir: Any, destination: Any, config: Any, **kwargs: Any) -> str:
+        """``hfsdp_export`` into the staged folder ``out_dir`` (first truthy result; the built-in safetensors export,
+        marked ``trylast``, is asked last), then ``hfsdp_on_export`` on the written folder, before it is renamed to
+        ``destination``. Main process only. Returns the name of the plugin that wrote the export."""
+        impls = self._impls("hfsdp_export")
+        ordered = [i for i in impls if not i[1].trylast] + [i for i in impls if i[1].trylast]
+        for plugin, impl in ordered:
+            if self._call(plugin, "hfsdp_export", impl, {"out_dir": out_dir, "config": config, **kwargs}):
+                self.call("hfsdp_on_export", out_dir=Path(out_dir), destination=Path(destination), config=config,
+                          written_by=plugin, model_config=kwargs["model_config"], tokenizer=kwargs["tokenizer"])
+                return plugin
+        raise UserError("export: no plugin wrote the model (every hfsdp_export implementation returned nothing)")
+
+
+class WithSection:
+    """A plugin's tokenize function or data reader, called with the plugin's validated config section as
+    ``section=`` when it declares that parameter (older functions without it are called as before). Picklable, so
+    that ``datasets`` can run it in worker processes."""
+
+    def __init__(self, fn: Callable[..., Any], section: Any):
+        self.fn = fn
+        self.section = section
+        params = inspect.signature(fn).parameters.values()
+        self.wants_section = any(p.name == "section" or p.kind is p.VAR_KEYWORD for p in params)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args, section=self.section) if self.wants_section else self.fn(*args)
+
+
+def installed_sections() -> dict[str, tuple[str, type]]:
+    """Section name → (plugin, schema) of every installed plugin, enabled or not (for messages and the reference).
+    Plugins that fail to import are left out: this only informs, it never stops a run."""
+    sections: dict[str, tuple[str, type]] = {}
+    for name, ep in sorted(discover().items()):
+        try:
+            module = ep.load()
+            declare = getattr(module, "hfsdp_config_section", None)
+            declared = declare() if callable(declare) and hasattr(declare, "hfsdp_impl") else None
+        except Exception:  # noqa: BLE001 (a broken plugin is reported when it is enabled or listed)
+            continue
+        if isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], str):
+            sections.setdefault(declared[0], (name, declared[1]))
+    return sections

@@ -89,6 +89,8 @@ class Run:
     plugins: PluginHost
     is_main_process: bool
     extras: dict[str, Any] = field(default_factory=dict)
+    world: World | None = None
+    optimizer: Any = None  # as prepared by Accelerate (``.optimizer`` is the torch optimizer)
 
 
 @dataclass
@@ -308,8 +310,9 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
 
         # ---- model: load, let plugins modify it (LoRA), shard
         empty = config.fsdp.cpu_ram_efficient_loading and not is_main and not config.fsdp.runs_as_ddp
+        host.call("hfsdp_before_model_load", config=config, world=world)
         model = models.load_model(model_path, config.model, empty=empty)
-        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer)
+        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
         if config.fsdp.activation_checkpointing and config.fsdp.runs_as_ddp:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.fsdp.version == 1:
@@ -351,7 +354,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
         metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to))
-        run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main)
+        run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
+                  optimizer=optimizer)
         run.extras["generation_config"] = model_metadata(model_path)["generation_config"]
         gen_items = []
         if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
@@ -512,18 +516,16 @@ def export_model(accelerator, model, run: Run, model_config, out_dir: Path) -> N
     state_dict = accelerator.get_state_dict(model)  # collective: full tensors land on the main process
     if accelerator.is_main_process:
         with staged_export(out_dir, overwrite=True) as tmp:
-            run.plugins.first("hfsdp_export", state_dict=state_dict, model_config=model_config,
-                              tokenizer=run.tokenizer, out_dir=tmp, generation_config=run.extras["generation_config"],
-                              config=run.config)
+            run.plugins.export(state_dict=state_dict, model_config=model_config, tokenizer=run.tokenizer, out_dir=tmp,
+                               destination=out_dir, generation_config=run.extras["generation_config"], config=run.config)
     accelerator.wait_for_everyone()
 
 
 def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path):
     import datasets
 
-    formats = host.dataset_formats()
-    owner, tokenize_fn = formats[config.data.format]
-    raw_train, raw_eval = data.load_raw(config.data, config.train.seed)
+    owner, tokenize_fn = host.tokenize_function(config)
+    raw_train, raw_eval = data.load_raw(config.data, config.train.seed, host.data_readers(config))
     owner_version = next((p.version for p in host.plugins if p.name == owner), "?")
     transforms = ",".join(host.implementers("hfsdp_transform_dataset"))
     key = data.cache_key([raw_train._fingerprint, raw_eval._fingerprint if raw_eval is not None else ""],

@@ -1,38 +1,15 @@
-"""Print the configuration reference (Markdown) from the pydantic schema: python scripts/config_reference.py"""
+"""Print the configuration reference (Markdown) for the README: the core sections, then the sections of hfsdp's
+own plugins (lora, packing). Run: python scripts/config_reference.py  (`hfsdp config-reference` prints the same
+for the plugins installed where it runs)."""
 
-import typing
-
-from pydantic import BaseModel
-
-from hfsdp.config import HfsdpConfig
-
-
-def _type_name(annotation) -> str:
-    text = str(annotation).replace("typing.", "").replace("hfsdp.config.", "")
-    return text.replace("<class '", "").replace("'>", "").replace("NoneType", "null")
-
-
-def section(name: str, model: type[BaseModel]) -> list[str]:
-    lines = [f"#### `{name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, field in model.model_fields.items():
-        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        lines.append(f"| `{name}.{key}` | `{_type_name(field.annotation)}` | `{default}` | {field.description or ''} |")
-    return lines + [""]
+from hfsdp.plugins import installed_sections
+from hfsdp.reference import core_reference, plugin_reference
 
 
 def main() -> None:
-    out = []
-    for key, field in HfsdpConfig.model_fields.items():
-        if key == "plugin_config":
-            continue
-        annotation = field.annotation
-        model = next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
-                     annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None)
-        if model is not None:
-            out += section(key, model)
-        else:
-            out += [f"#### `{key}`", "", f"`{_type_name(annotation)}`: {field.description}", ""]
-    print("\n".join(out))
+    builtin = {name: owner for name, owner in installed_sections().items() if owner[1].__module__.startswith("hfsdp.")}
+    lines = core_reference() + ["### Sections of hfsdp's own plugins", ""] + plugin_reference(builtin)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

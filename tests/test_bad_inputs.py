@@ -71,7 +71,7 @@ CASES: dict[str, Case] = {
                        "'nonexistent_plugin_xyz' is neither an installed plugin nor an importable module"),
     "unknown format": (lambda d, s: ["train", _cfg(d, data={"format": "sharegpt"})], "unknown format 'sharegpt'"),
     "plugin section, plugin not enabled": (lambda d, s: ["train", _cfg(d, packing={})],
-                                           "it belongs to plugin 'packing'; add it to `plugins:`"),
+                                           "packing: section of plugin 'packing', which is not enabled: enable plugin 'packing'"),
     # --- data
     "missing dataset file": (lambda d, s: ["train", _cfg(d, data={"path": str(d / "nope.jsonl")})], "does not exist"),
     "unsupported file type": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.docx", "x"),

@@ -33,7 +33,7 @@ def _tiny_with(tmp_path: Path, **sections) -> Path:
 CASES = [
     ("unknown key", {"train": {"max_stepz": 3}}, "train.max_stepz", "unknown key"),
     ("unknown section", {"trainer": {"max_steps": 3}}, "trainer", "unknown section"),
-    ("plugin section without plugin", {"lora": {"r": 8}}, "lora", "belongs to plugin 'lora'"),
+    ("plugin section without plugin", {"lora": {"r": 8}}, "lora", "enable plugin 'lora' (add it to `plugins:`)"),
     ("wrong type int", {"train": {"max_steps": "many"}}, "train.max_steps", "valid integer"),
     ("wrong type bool", {"fsdp": {"cpu_offload": "sometimes"}}, "fsdp.cpu_offload", "valid boolean"),
     ("wrong type list", {"fsdp": {"transformer_layer_cls": "LlamaDecoderLayer"}}, "fsdp.transformer_layer_cls",
@@ -141,3 +141,63 @@ def test_cli_validate_override_ok(tmp_path):
     resolved = yaml.safe_load(proc.stdout)
     assert resolved["train"]["max_steps"] == 10
     assert resolved["fsdp"]["sharding_strategy"] == "FULL_SHARD"  # defaults filled in
+
+
+# ---- issue 12: a base to start from, problems shown at once, messages that point somewhere real
+
+
+def test_base_preset_is_overridden_key_by_key(tmp_path):
+    path = _write(tmp_path, "base: tiny\ntrain:\n  max_steps: 3\n  output_dir: out\n")
+    config, _ = load_config(str(path))
+    preset, _ = load_config("tiny")
+    assert config.train.max_steps == 3 and config.train.output_dir == "out"
+    assert config.train.learning_rate == preset.train.learning_rate  # the rest of train: comes from the preset
+    assert config.model == preset.model and config.data == preset.data  # data paths stay anchored to the preset
+
+
+def test_base_file_chain_anchors_each_files_data_paths(tmp_path):
+    (tmp_path / "common").mkdir()
+    data = tmp_path / "common" / "rows.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    common = yaml.safe_load(tiny_config(tmp_path / "common").read_text())
+    common["data"] = {"format": "text", "path": "rows.jsonl"}  # relative to common/
+    (tmp_path / "common" / "base.yaml").write_text(yaml.safe_dump(common))
+    middle = _write(tmp_path, "base: common/base.yaml\nfsdp:\n  version: 1\n")
+    top = tmp_path / "top.yaml"
+    top.write_text(f"base: {middle.name}\ntrain:\n  max_steps: 2\n")
+    config, _ = load_config(str(top))
+    assert config.data.path == str(data.resolve()) and config.fsdp.version == 1 and config.train.max_steps == 2
+    middle.write_text("base: ../" + tmp_path.name + "/top.yaml\n")
+    assert "configs name each other as base" in _problems(top)["base"]
+    middle.write_text("base: no_such_preset\n")
+    assert "neither a config file" in _problems(top)["base"]
+
+
+def test_unknown_key_suggests_and_points_to_config_reference(tmp_path):
+    problems = _problems(tiny_config(tmp_path, train={"max_step": 3}, fsdp={"mixed_precision": {"parm": "bfloat16"}},
+                                     plugins=["lora"], lora={"alpah": 4}))
+    assert problems["train.max_step"] == ("unknown key (did you mean 'max_steps'? `hfsdp config-reference train` "
+                                          "lists the valid keys)")
+    assert "did you mean 'param'?" in problems["fsdp.mixed_precision.parm"]
+    assert "did you mean 'alpha'?" in problems["lora.alpah"]
+    assert "`hfsdp config-reference lora --enable lora`" in problems["lora.alpah"]
+
+
+def test_every_problem_at_once_type_errors_and_plugin_checks(tmp_path):
+    # a type error in train: and in packing:, and the lora plugin's own checks (on fsdp: and on lora:): all at once
+    path = tiny_config(tmp_path, plugins=["lora", "packing"], train={"max_steps": "many"},
+                       fsdp={"version": 1, "use_orig_params": False}, lora={"target_modules": []}, packing={"window": 0})
+    problems = _problems(path)
+    assert set(problems) == {"train.max_steps", "packing.window", "fsdp.use_orig_params", "lora.target_modules"}
+    # a plugin check that reads a section with its own problems is skipped, not crashed or reported twice
+    problems = _problems(tiny_config(tmp_path, plugins=["packing"], data={"max_seq_len": "long"}, packing={"max_len": 8}))
+    assert set(problems) == {"data.max_seq_len"}, problems
+
+
+def test_config_reference_command(tmp_path):
+    proc = run_cli("config-reference", "lora", timeout=120)
+    assert proc.stdout.startswith("#### `lora` (plugin `lora`: enable with `plugins: [lora]`)")
+    assert "| `lora.r` | `int` | `8` | adapter rank |" in proc.stdout and "`train." not in proc.stdout
+    everything = run_cli("config-reference", timeout=120).stdout
+    assert all(f"#### `{name}`" in everything for name in ("model", "data", "train", "fsdp", "lora", "packing"))
+    assert "no section 'trainer'" in _cli_fails("config-reference", "trainer")

@@ -135,7 +135,7 @@ def test_lora_section_typo_names_the_plugin(tmp_path):
     assert proc.returncode == 2
     assert "lora.rank: unknown key" in proc.stderr and "[section of plugin 'lora']" in proc.stderr
     proc = run_cli("validate", str(tiny_config(tmp_path, lora={"r": 8})), check=False)
-    assert proc.returncode == 2 and "it belongs to plugin 'lora'; add it to `plugins:`" in proc.stderr
+    assert proc.returncode == 2 and "lora: section of plugin 'lora', which is not enabled: enable plugin 'lora'" in proc.stderr
 
 
 def test_default_targets_and_tied_embeddings(tiny_model_dir):

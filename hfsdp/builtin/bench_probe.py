@@ -98,20 +98,10 @@ def _distinct(tensors) -> int:
     return total
 
 
-def _optimizer(run) -> Any:
-    opt = getattr(run, "optimizer", None)
-    if opt is None:
-        opts = getattr(run.accelerator, "_optimizers", [])
-        opt = opts[0] if opts else None
-    return getattr(opt, "optimizer", opt)  # Accelerate's wrapper holds the torch optimizer
-
-
 @hookimpl
-def hfsdp_dataset_formats():
-    # Called when the config is validated and again just before the data and the model are loaded (torch,
-    # transformers, datasets imported, process group up): the last call is the pre-model baseline.
+def hfsdp_before_model_load():
+    # The pre-model baseline: torch, transformers and datasets imported, process group up, data prepared.
     _state["rss_before_load"] = _rss()
-    return None
 
 
 @hookimpl
@@ -139,7 +129,7 @@ def hfsdp_on_train_start(run):
         param_bytes_full=full, param_bytes=local, grad_bytes=None, optim_bytes=None,
         steps=[], step_times_s=[], tokens=[], memory_kind="cuda_allocated" if cuda else "rss",
     )
-    optimizer = _optimizer(run)
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # Accelerate's wrapper holds the torch optimizer
     if optimizer is not None:
         def before_step(opt, args, kwargs):
             if _state["grad_bytes"] is None:

@@ -51,11 +51,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 class LoraSection(Section):
     r: int = Field(8, gt=0, description="adapter rank")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; updates are scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
     target_modules: list[str] | None = Field(
         None, description="module names to adapt; default: every Linear inside the decoder blocks (not lm_head)"
     )
-    bias: Literal["none", "all", "lora_only"] = "none"
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained: none, all, or those of adapted modules")
     modules_to_save: list[str] | None = Field(None, description="modules trained in full next to the adapters")
     merge: bool = Field(False, description="export merged full weights instead of the adapter")
 
@@ -119,13 +119,13 @@ def _check_tied(model, targets: list[str], modules_to_save: list[str] | None) ->
 
 
 @hookimpl
-def hfsdp_modify_model(model, config, tokenizer):
+def hfsdp_modify_model(model, config, world):
     from peft import get_peft_model
 
     section: LoraSection = config.section("lora")
     targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
     _check_tied(model, targets, section.modules_to_save)
-    unsharded = int(os.environ.get("WORLD_SIZE", "1")) == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
+    unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
     if config.fsdp.version == 1 and unsharded and getattr(model.config, "tie_word_embeddings", False):
         # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
         # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
@@ -142,7 +142,7 @@ def hfsdp_modify_model(model, config, tokenizer):
     for p in peft_model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != base_dtype:
             p.data = p.data.to(base_dtype)
-    if os.environ.get("RANK", "0") == "0":
+    if world.rank == 0:
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())
         print(f"lora: r={section.r} alpha={section.alpha:g} on {', '.join(targets)}: {trainable:,} trainable of "

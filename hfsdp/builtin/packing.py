@@ -27,7 +27,7 @@ from hfsdp.errors import UserError
 
 class PackingSection(Section):
     max_len: int | None = Field(None, gt=1, description="tokens per packed row (default: data.max_seq_len)")
-    pack_eval: bool = False
+    pack_eval: bool = Field(False, description="also pack the eval split (same eval loss, faster)")
     window: int = Field(10000, gt=0, description="samples packed together (datasets.map batch size)")
 
 
