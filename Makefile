@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.hfsdp-installed
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench lint image clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/hadolint Dockerfile
+
+# The Dockerfile built with podman on a local Debian base (no registry needed; as root). See docs/gpu_hosts.md.
+image:
+	bash scripts/image.sh build
 
 clean:
 	rm -rf $(VENV) runs bench_out .pytest_cache
