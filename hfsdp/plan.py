@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from hfsdp.config import HfsdpConfig
+from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
+from hfsdp.fsdp import check_world, hybrid_mesh_shape, precision_parts
 
 GIB = 1024**3
 MIB = 1024**2
@@ -52,6 +53,7 @@ class ModelFacts:
     vocab_size: int
     num_layers: int
     tied_embeddings: bool
+    tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
 
     @property
     def total_params(self) -> int:
@@ -83,47 +85,76 @@ class Activations:
 
 @dataclass(frozen=True)
 class Setup:
-    """The knobs of one table row, from the config and the command line."""
+    """One table row's knobs: the config's ``fsdp`` section (varied by strategy and by suggested changes) and the
+    job's shape."""
 
-    strategy: str
+    fsdp: FSDPConfig
     nproc_per_node: int
     nodes: int
-    version: int
-    precision: str  # no | bf16 | fp16
-    activation_checkpointing: bool
-    cpu_offload: bool
     lora: bool
-    cpu_ram_efficient_loading: bool
-    hybrid_shard_size: int | None
-    prefetch: int  # layer units gathered ahead of the one computing (FSDP1 backward_prefetch, FSDP2 implicit: 1)
-    use_orig_params: bool
     accumulation: int
-    multi_tensor_adam: bool = True  # torch's AdamW default on GPUs; CPUs loop over parameters
+    multi_tensor_adam: bool = True  # torch's AdamW on GPUs; on CPUs it loops over parameters
+
+    def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
+        """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
+        section = FSDPConfig.model_validate({**self.fsdp.model_dump(), **(fsdp or {})}) if fsdp else self.fsdp
+        return replace(self, fsdp=section, **job)
 
     @property
     def world(self) -> int:
         return self.nproc_per_node * self.nodes
 
     @property
+    def strategy(self) -> str:
+        return self.fsdp.sharding_strategy
+
+    @property
+    def precision(self) -> str:
+        return self.fsdp.precision_name
+
+    @property
     def runs_as_ddp(self) -> bool:
-        return self.version == 2 and self.strategy == "NO_SHARD"
+        return self.fsdp.runs_as_ddp
+
+    @property
+    def prefetch(self) -> int:
+        """Layer units gathered ahead of the one computing: FSDP1 backward_prefetch (default BACKWARD_PRE), FSDP2's
+        implicit prefetch of the next unit."""
+        return 0 if self.fsdp.version == 1 and self.fsdp.backward_prefetch == "NONE" else 1
 
     def shard_group(self) -> int:
         if self.strategy == "NO_SHARD":
             return 1
-        if self.strategy == "HYBRID_SHARD":
-            return self.hybrid_shard_size or self.nproc_per_node
-        return self.world
+        mesh = hybrid_mesh_shape(self.fsdp, self.world, self.nproc_per_node)
+        return mesh[1] if mesh else self.world
+
+
+def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
+    base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, lora="lora" in config.plugins,
+                 accumulation=config.train.gradient_accumulation_steps)
+    return base.changed(fsdp={"sharding_strategy": strategy} if strategy != config.fsdp.sharding_strategy else None)
+
+
+def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
+    """Why this combination cannot run at all: the trainer's world checks and the lora plugin's refusal."""
+    problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
+    if problems:
+        return problems[0][1]
+    if setup.lora and setup.fsdp.version == 1 and facts.tied_embeddings and setup.shard_group() == 1:
+        return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
+    return None
 
 
 @dataclass
 class Estimate:
+    """Bytes per rank (the largest rank's) for one setup."""
+
     setup: Setup
     params: int
     grads: int
     optimizer: int
     gathered: int  # unsharded parameters FSDP holds at the peak (root unit + prefetched layer units, or all)
-    grad_buffers: int  # unsharded gradients of the unit being reduced; DDP's gradient buckets
+    grad_buffers: int  # unsharded gradients and their reduce-scatter copies; DDP's buckets; tied-weight sums
     activations: int
     loss_transient: int
     optimizer_step_temp: int
@@ -137,34 +168,6 @@ class Estimate:
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
-
-
-def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
-    fsdp = config.fsdp
-    prefetch = 0 if fsdp.version == 1 and fsdp.backward_prefetch == "NONE" else 1
-    return Setup(
-        strategy=strategy, nproc_per_node=nproc_per_node, nodes=nodes, version=fsdp.version,
-        precision=fsdp.precision_name, activation_checkpointing=fsdp.activation_checkpointing,
-        cpu_offload=fsdp.cpu_offload, lora="lora" in config.plugins,
-        cpu_ram_efficient_loading=fsdp.cpu_ram_efficient_loading, hybrid_shard_size=fsdp.hybrid_shard_size,
-        prefetch=prefetch, use_orig_params=fsdp.use_orig_params is not False,
-        accumulation=config.train.gradient_accumulation_steps,
-    )
-
-
-def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
-    """Why this combination cannot run at all (the rules the config, the trainer and the lora plugin apply)."""
-    if setup.strategy == "HYBRID_SHARD":
-        group = setup.shard_group()
-        if setup.world % group:
-            return f"{group} ranks per shard group do not divide {setup.world} ranks"
-        if setup.world // group < 2 and setup.hybrid_shard_size is None:
-            return "HYBRID_SHARD needs 2+ nodes or fsdp.hybrid_shard_size"
-    if setup.runs_as_ddp and setup.cpu_offload:
-        return "NO_SHARD under FSDP2 runs as DDP, which has no cpu_offload"
-    if setup.lora and setup.version == 1 and facts.tied_embeddings and (setup.world == 1 or setup.strategy == "NO_SHARD"):
-        return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
-    return None
 
 
 # ---- 1. the model on the meta device
@@ -230,6 +233,9 @@ def layer_classes(model_config, config: HfsdpConfig) -> list[str]:
 def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
     model = build_meta_model(model_config, config, lora, config.model.dtype)
     classes = layer_classes(model_config, config)
+    tied = bool(getattr(model_config, "tie_word_embeddings", False))
+    shared = model.get_input_embeddings().weight
+    tied_numel = shared.numel() if tied and shared.requires_grad else 0
     owner, units = _unit_of(model, set(classes), config.fsdp.wrap_policy, config.fsdp.min_num_params)
     params = tuple(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
                          trainable=p.requires_grad, unit=owner.get(id(p), 0))
@@ -237,7 +243,7 @@ def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
-                      tied_embeddings=bool(getattr(model_config, "tie_word_embeddings", False)))
+                      tied_embeddings=tied, tied_trainable_numel=tied_numel)
 
 
 # ---- 2. activations, traced on the meta device
@@ -391,8 +397,8 @@ def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], boo
     group = setup.shard_group()
     if setup.runs_as_ddp:
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
-    if setup.version == 1:
-        return _fsdp1_bytes(facts, group, select, setup.use_orig_params, whole_flat)
+    if setup.fsdp.version == 1:
+        return _fsdp1_bytes(facts, group, select, setup.fsdp.use_orig_params is not False, whole_flat)
     return _fsdp2_bytes(facts, group, select)
 
 
@@ -405,8 +411,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       it gathered through forward and backward) plus the largest layer unit times (1 + prefetch). SHARD_GRAD_OP:
       every unit stays gathered from its forward to its backward. NO_SHARD: a compute-dtype copy of the model when
       mixed precision casts it, nothing otherwise.
-    * grad buffers: the unsharded gradients of the root and of one layer unit before their reduce-scatter (the
-      reduce dtype, float32); DDP's gradient buckets (a second copy of every gradient).
+    * grad buffers: the root unit's unsharded gradients (alive from the lm_head's backward to the end) plus the
+      largest of: one layer unit's unsharded gradients and their reduce-scatter copy (reduce dtype), the root's
+      reduce-scatter copy, the tied embedding's second gradient before it is added to the first. DDP: its buckets
+      (a second copy of every gradient) plus the tied embedding's second gradient.
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
       recomputed layer. The loss adds transients of two float32 logits-sized tensors (upcast copy and its grad).
     * peak = parameters + optimizer + the largest of three moments: the start of backward (gathered + grad
@@ -428,23 +436,35 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
     group = setup.shard_group()
-    if setup.strategy == "NO_SHARD" or (setup.version == 1 and group == 1):
+    if setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
         gathered = full_compute
     else:
         gathered = root + largest * (1 + setup.prefetch)
-    trainable_full = sum(p.numel * 4 for p in facts.params if p.trainable)
+    parts = precision_parts(setup.fsdp)
+    reduce_size = _ITEMSIZE[parts.reduce] if parts else None
+
+    def unit_grads(unit: int, itemsize: int | None) -> int:
+        return sum(p.numel * (itemsize or p.itemsize) for p in facts.params if p.unit == unit and p.trainable)
+
     if setup.runs_as_ddp:
-        grad_buffers = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
-    elif group == 1 and setup.version == 1:
-        grad_buffers = 0
+        # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet once.
+        tied = facts.tied_trainable_numel * facts.params[0].itemsize
+        grad_buffers = sum(p.numel * p.itemsize for p in facts.params if p.trainable) + tied
     else:
-        grad_units = [sum(p.numel * 4 for p in facts.params if p.unit == u and p.trainable)
-                      for u in range(len(facts.units))]
-        grad_buffers = grad_units[0] + max(grad_units[1:], default=0)
-        grad_buffers = min(grad_buffers, trainable_full)
-    activations = acts.saved(setup.activation_checkpointing)
+        tied = facts.tied_trainable_numel * (compute or facts.params[0].itemsize)
+        if group == 1 and setup.fsdp.version == 1:  # FSDP1 reduces a single shard's flat gradient in place
+            grad_buffers = tied
+        else:
+            # The root's unsharded gradients live from the lm_head's backward to the end; meanwhile one layer unit's
+            # unsharded gradients and their reduce-scatter copy; at the end the root's copy, or the tied weight's
+            # second gradient before it is accumulated.
+            root = unit_grads(0, compute)
+            layer = max((unit_grads(u, compute) + unit_grads(u, reduce_size) for u in range(1, len(facts.units))),
+                        default=0)
+            grad_buffers = root + max(layer, unit_grads(0, reduce_size), tied)
+    activations = acts.saved(setup.fsdp.activation_checkpointing)
     loss_transient = 2 * acts.logits_bytes
     # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
     # per-parameter loop (CPUs) one parameter's worth.
@@ -452,7 +472,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
         (p.numel * p.itemsize // setup.shard_group() for p in facts.params if p.trainable), default=0)
     on_device_params, on_device_grads, on_device_optim = params, grads, optimizer
     host = 0
-    if setup.cpu_offload:
+    if setup.fsdp.cpu_offload:
         host = params + grads + optimizer
         on_device_params = on_device_grads = on_device_optim = step_temp = 0
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
@@ -461,11 +481,11 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     step = on_device_grads + step_temp
     peak = on_device_params + on_device_optim + max(backward_start, backward_end, step)
     full_load = sum(p.numel * p.itemsize for p in facts.params)
-    loaders = 1 if setup.cpu_ram_efficient_loading and not setup.runs_as_ddp else setup.nproc_per_node
+    loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and not setup.runs_as_ddp else setup.nproc_per_node
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
-                    host_load_per_node=loaders * full_load, problem=setup_problem(setup, facts))
+                    host_load_per_node=loaders * full_load)
 
 
 # ---- the plan: rows, fits, and the cheapest change that fits
@@ -493,6 +513,7 @@ class Planner:
             self._traces[key] = trace_activations(self.model_config, self.config, setup.lora, setup.precision)
         acts = self._traces[key]
         est = estimate(facts, acts, setup)
+        est.problem = setup_problem(setup, facts)
         if est.problem is None:
             est.fits = est.device_peak <= self.budget
         return est
@@ -500,30 +521,42 @@ class Planner:
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The first change, cheapest first, that makes ``setup`` fit: changes that keep the hardware and the
         training maths (FULL_SHARD, activation checkpointing), then precision (bf16), these together; then more
-        ranks per node, LoRA, CPU offload (slowest), each alone and then with the changes above."""
-        cheap = [(f"fsdp.sharding_strategy=FULL_SHARD", dict(strategy="FULL_SHARD"))] if setup.strategy != "FULL_SHARD" else []
-        if not setup.activation_checkpointing:
-            cheap.append(("fsdp.activation_checkpointing=true", dict(activation_checkpointing=True)))
+        ranks per node, LoRA, CPU offload (slowest), each alone and then with the changes above. Each is written
+        as the ``--set`` it takes and checked by the same estimate."""
+        cheap: list[dict[str, Any]] = []
+        if setup.strategy != "FULL_SHARD":
+            cheap.append({"sharding_strategy": "FULL_SHARD"})
+        if not setup.fsdp.activation_checkpointing:
+            cheap.append({"activation_checkpointing": True})
         if setup.precision == "no":
-            cheap.append(("fsdp.mixed_precision=bf16", dict(precision="bf16")))
-        candidates = list(cheap)
-        combined = (" ".join(label for label, _ in cheap), {k: v for _, c in cheap for k, v in c.items()})
+            cheap.append({"mixed_precision": "bf16"})
+        combined = {k: v for change in cheap for k, v in change.items()}
+        candidates: list[tuple[dict[str, Any], dict[str, Any]]] = [(change, {}) for change in cheap]
         if len(cheap) > 1:
-            candidates.append(combined)
-        costly = [(f"--nproc {n} ({n * setup.nodes} ranks)", dict(nproc_per_node=n))
-                  for n in sorted(set(more_ranks)) if n > setup.nproc_per_node]
+            candidates.append((combined, {}))
+        costly: list[tuple[dict[str, Any], dict[str, Any]]] = [
+            ({}, {"nproc_per_node": n}) for n in sorted(set(more_ranks)) if n > setup.nproc_per_node]
         if not setup.lora:
-            costly.append(("plugins=[lora]", dict(lora=True)))
-        if not setup.cpu_offload:
-            costly.append(("fsdp.cpu_offload=true", dict(cpu_offload=True)))
-        for label, change in costly:
-            candidates.append((label, change))
+            costly.append(({}, {"lora": True}))
+        if not setup.fsdp.cpu_offload:
+            costly.append(({"cpu_offload": True}, {}))
+        for fsdp_change, job_change in costly:
+            candidates.append((fsdp_change, job_change))
             if cheap:
-                candidates.append((f"{label} {combined[0]}", {**combined[1], **change}))
-        for label, change in candidates:
-            est = self.estimate(replace(setup, **change))
+                candidates.append(({**combined, **fsdp_change}, job_change))
+        for fsdp_change, job_change in candidates:
+            try:
+                candidate = setup.changed(fsdp=fsdp_change, **job_change)
+            except ValueError:  # e.g. cpu_offload with NO_SHARD under FSDP2
+                continue
+            est = self.estimate(candidate)
             if est.problem is None and est.fits:
-                return f"{label} -> {est.device_peak / GIB:.1f} GiB"
+                words = [f"fsdp.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fsdp_change.items()]
+                if "nproc_per_node" in job_change:
+                    words.insert(0, f"--nproc {candidate.nproc_per_node} ({candidate.world} ranks)")
+                if job_change.get("lora"):
+                    words.insert(0, "plugins=[lora]")
+                return f"{' '.join(words)} -> {est.device_peak / GIB:.1f} GiB"
         return None
 
 
@@ -598,7 +631,9 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
     out = []
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
-        d.update(asdict(e.setup), world=e.setup.world, runs_as_ddp=e.setup.runs_as_ddp, state=e.state)
+        d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
+                 world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.runs_as_ddp,
+                 lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
             "fsdp_units": len(facts.units), "device_budget_bytes": budget, "rows": out}

@@ -1,0 +1,279 @@
+"""How accurate is `hfsdp plan`? One run measures it against real jobs and writes DIR/plan_accuracy.md and .json.
+
+    python benchmarks/plan_accuracy.py [--out DIR] [--parts state,peak]
+
+1. state: parameter + gradient + optimizer bytes per rank that plan predicts, against the bytes `hfsdp bench`'s
+   bench_probe counts from live tensors, for FULL_SHARD / SHARD_GRAD_OP / NO_SHARD / HYBRID_SHARD x 1, 2, 4 ranks x
+   FSDP1 / FSDP2 x full fine-tune / LoRA on the shrunk SmolLM2 (`smollm2-tiny`). Target: within 1 %.
+   Combinations that cannot run are listed with the reason plan gives (FSDP1 HYBRID_SHARD needs a GPU; FSDP1 LoRA
+   on a single shard of a tied-embedding model is refused by the lora plugin).
+2. peak: predicted peak memory per rank against bench's measured peak during the steps, over max_seq_len {128, 256}
+   x micro-batch {1, 2} x activation checkpointing off/on x FULL_SHARD / NO_SHARD at 2 ranks on `smollm2-bench`
+   (75M parameters). Target: within 10 %. On CPU the measure is the peak RSS during the steps above the RSS before
+   the model is loaded (bench's "peak above base"), with glibc returning freed memory to the OS
+   (MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0), so that RSS follows live tensors; plan is asked for the
+   CPU optimizer (AdamW loops over parameters on CPU instead of its multi-tensor path).
+3. side by side, on the peak grid's configs and the LoRA ones: `accelerate estimate-memory`'s arithmetic (its own
+   functions: calculate_maximum_sizes + estimate_training_usage, the "Training using Adam" column) and DeepSpeed's
+   ZeRO-3 formula (estimate_zero3_model_states_mem_needs: 4 x largest layer + 18 x parameters / GPUs), against the
+   measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hfsdp.config import load_config  # noqa: E402
+from hfsdp.models import architecture_config  # noqa: E402
+from hfsdp.plan import GIB, MIB, Planner, setup_from_config  # noqa: E402
+
+DATA = REPO / "hfsdp" / "presets" / "data"
+REUSE = False  # --reuse: read measurements an earlier run left in --out, recompute only the predictions
+MALLOC_RETURNS = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def bench(config: Path, strategy: str, nproc: int, out: Path, sets: list[str], env: dict[str, str],
+          steps: int) -> dict | None:
+    """One `hfsdp bench` combination; its table row, or None with the log kept when it failed. With --reuse, a
+    combination measured by an earlier run into the same folder is read back instead of run again."""
+    if REUSE and (out / "bench.json").is_file():
+        return json.loads((out / "bench.json").read_text())["rows"][0]
+    cmd = [sys.executable, "-m", "hfsdp", "bench", str(config), "--strategies", strategy, "--nproc", str(nproc),
+           "--steps", str(steps), "--out", str(out)] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        (out / "failed.txt").write_text(proc.stdout[-3000:] + proc.stderr[-6000:])
+        return None
+    return json.loads((out / "bench.json").read_text())["rows"][0]
+
+
+def predict(config: Path, sets: list[str], strategy: str, nproc: int, on_cpu: bool):
+    cfg, _ = load_config(str(config), sets)
+    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget=1 << 50)
+    setup = setup_from_config(cfg, strategy, nproc, 1)
+    if on_cpu:
+        setup = setup.changed(multi_tensor_adam=False)
+    return planner.estimate(setup), planner
+
+
+# ---- 1. state bytes
+
+
+def state_grid(out: Path, env: dict[str, str]) -> list[dict]:
+    base = {
+        "model": {"name_or_path": "smollm2-tiny"},
+        "data": {"format": "chat", "path": str(DATA / "contacts_train.jsonl"), "max_seq_len": 96},
+        "train": {"output_dir": str(out / "unused"), "max_steps": 2, "per_device_batch_size": 2, "log_every": 1},
+    }
+    rows = []
+    for version in (1, 2):
+        for lora in (False, True):
+            config = write_yaml(out / f"fsdp{version}{'-lora' if lora else ''}.yaml",
+                                {**base, "fsdp": {"version": version}, "plugins": ["lora"] if lora else []})
+            for nproc in (1, 2, 4):
+                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+                    sets = [f"fsdp.hybrid_shard_size={max(1, nproc // 2)}"] if strategy == "HYBRID_SHARD" else []
+                    label = f"FSDP{version} {'LoRA' if lora else 'full'} {strategy} x{nproc}"
+                    est, planner = predict(config, [f"fsdp.sharding_strategy={strategy}", *sets], strategy, nproc,
+                                           True)
+                    row = {"label": label, "version": version, "lora": lora, "strategy": strategy, "nproc": nproc,
+                           "plan_params": est.params, "plan_grads": est.grads, "plan_optim": est.optimizer}
+                    reason = est.problem or ("FSDP1 HYBRID_SHARD needs a GPU (CPU rehearsal refuses it)"
+                                             if version == 1 and strategy == "HYBRID_SHARD" else None)
+                    if reason:
+                        rows.append({**row, "skipped": reason})
+                        print(f"state: {label}: not run ({reason})", flush=True)
+                        continue
+                    t0 = time.perf_counter()
+                    measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 2)
+                    if measured is None:
+                        rows.append({**row, "skipped": "the run failed (see failed.txt)"})
+                        continue
+                    row.update(bench_params=measured["param_bytes"], bench_grads=measured["grad_bytes"],
+                               bench_optim=measured["optim_bytes"])
+                    row["bench_state"] = row["bench_params"] + row["bench_grads"] + row["bench_optim"]
+                    row["ratio"] = est.state / row["bench_state"]
+                    row.update(others(planner, est))
+                    rows.append(row)
+                    print(f"state: {label}: plan/bench p+g+o {row['ratio']:.4f} ({time.perf_counter() - t0:.0f} s)",
+                          flush=True)
+    return rows
+
+
+# ---- 2. peak memory
+
+
+def long_text_data(path: Path, rows: int = 64, words: int = 600) -> Path:
+    """Rows long enough that every sample is truncated to max_seq_len, so every micro-batch is full."""
+    import random
+
+    rng = random.Random(0)
+    vocab = "the of and to in is was for on that with as by at from his her it an are this which be or".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(words))}) + "\n"
+                            for _ in range(rows)))
+    return path
+
+
+def peak_grid(out: Path, env: dict[str, str]) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    data = long_text_data(out / "long_text.jsonl")
+    config = write_yaml(out / "peak.yaml", {
+        "model": {"name_or_path": "smollm2-bench"},
+        "data": {"format": "text", "path": str(data), "max_seq_len": 128},
+        "train": {"output_dir": str(out / "unused"), "max_steps": 3, "per_device_batch_size": 1, "log_every": 1},
+        "fsdp": {"version": 2},
+    })
+    rows = []
+    for seq in (128, 256):
+        for batch in (1, 2):
+            for ac in (False, True):
+                for strategy in ("FULL_SHARD", "NO_SHARD"):
+                    sets = [f"data.max_seq_len={seq}", f"train.per_device_batch_size={batch}",
+                            f"fsdp.activation_checkpointing={str(ac).lower()}"]
+                    label = f"{strategy} seq {seq} mb {batch} AC {'on' if ac else 'off'}"
+                    est, planner = predict(config, [*sets, f"fsdp.sharding_strategy={strategy}"], strategy, 2, True)
+                    t0 = time.perf_counter()
+                    measured = bench(config, strategy, 2, out / "runs" / label.replace(" ", "_"), sets,
+                                     {**env, **MALLOC_RETURNS}, 3)
+                    row = {"label": label, "strategy": strategy, "seq": seq, "batch": batch, "ac": ac,
+                           "plan_peak": est.device_peak, "plan_state": est.state,
+                           "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered}
+                    if measured is None:
+                        rows.append({**row, "skipped": "the run failed (see failed.txt)"})
+                        continue
+                    row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
+                               measured_peak_abs=measured["mem_peak_mib"] * MIB,
+                               measured_state=measured["state_bytes"])
+                    row["ratio"] = row["plan_peak"] / row["measured_peak"]
+                    row.update(others(planner, est))
+                    rows.append(row)
+                    print(f"peak: {label}: plan {est.device_peak / MIB:.0f} MiB, measured "
+                          f"{row['measured_peak'] / MIB:.0f} MiB above base, ratio {row['ratio']:.3f} "
+                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+# ---- 3. the other estimators
+
+
+def others(planner: Planner, est) -> dict:
+    """accelerate estimate-memory's and DeepSpeed ZeRO-3's figures for the same model and world size."""
+    import torch
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(planner.model_config, dtype=torch.float32)
+    total_size, _ = calculate_maximum_sizes(model)
+    accelerate_adam = max(estimate_training_usage(total_size, "float32").values())
+    # DeepSpeed's largest layer: the most parameters any one module holds directly.
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    params = sum(p.numel() for p in model.parameters())
+    deepspeed_zero3 = 4 * largest + int(18 * params / est.setup.world)  # no offload
+    return {"accelerate": accelerate_adam, "deepspeed_zero3": deepspeed_zero3}
+
+
+# ---- report
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def report(state: list[dict], peak: list[dict]) -> str:
+    lines = ["# hfsdp plan accuracy", ""]
+    if state:
+        ran = [r for r in state if "ratio" in r]
+        worst = max((abs(r["ratio"] - 1) for r in ran), default=float("nan"))
+        lines += [f"## Parameters + gradients + optimizer bytes per rank (largest rank), plan vs live tensors",
+                  "", f"{len(ran)} combinations run; largest deviation {100 * worst:.3f} % (target 1 %).", "",
+                  "| combination | plan p / g / o MiB | bench p / g / o MiB | plan ÷ bench |", "|---|---|---|---|"]
+        for r in state:
+            p = f"{_mib(r['plan_params'])} / {_mib(r['plan_grads'])} / {_mib(r['plan_optim'])}"
+            if "ratio" in r:
+                b = f"{_mib(r['bench_params'])} / {_mib(r['bench_grads'])} / {_mib(r['bench_optim'])}"
+                lines.append(f"| {r['label']} | {p} | {b} | {r['ratio']:.4f} |")
+            else:
+                lines.append(f"| {r['label']} | {p} | not run: {r['skipped']} | - |")
+        lora = [r for r in ran if r["lora"] and r["strategy"] == "FULL_SHARD" and r["nproc"] > 1]
+        lines += ["", "LoRA model states against the other estimators (neither knows LoRA or FSDP1's padding):", "",
+                  "| combination | bench p+g+o MiB | hfsdp plan | accelerate estimate-memory (fp32 Adam) "
+                  "| DeepSpeed ZeRO-3 formula |", "|---|---|---|---|---|"]
+        for r in lora:
+            m = r["bench_state"]
+            lines.append(f"| {r['label']} | {_mib(m)} | {_mib(m * r['ratio'])} ({r['ratio']:.3f}x) | "
+                         f"{_mib(r['accelerate'])} ({r['accelerate'] / m:.1f}x) | "
+                         f"{_mib(r['deepspeed_zero3'])} ({r['deepspeed_zero3'] / m:.1f}x) |")
+        lines.append("")
+    if peak:
+        ran = [r for r in peak if "ratio" in r]
+        worst = max((abs(r["ratio"] - 1) for r in ran), default=float("nan"))
+        lines += ["## Peak memory per rank during the steps, 2 ranks, smollm2-bench (75M), FSDP2 fp32", "",
+                  f"{len(ran)} combinations; largest deviation {100 * worst:.1f} % (target 10 %). Measured: peak RSS "
+                  "during the steps above the RSS before the model is loaded, glibc returning freed memory.", "",
+                  "| combination | plan state / activations+loss / gathered MiB | plan peak MiB | measured peak MiB "
+                  "| plan ÷ measured |", "|---|---|---|---|---|"]
+        for r in peak:
+            parts = f"{_mib(r['plan_state'])} / {_mib(r['plan_activations'])} / {_mib(r['plan_gathered'])}"
+            if "ratio" in r:
+                lines.append(f"| {r['label']} | {parts} | {_mib(r['plan_peak'])} | {_mib(r['measured_peak'])} "
+                             f"| {r['ratio']:.3f} |")
+            else:
+                lines.append(f"| {r['label']} | {parts} | {_mib(r['plan_peak'])} | not run: {r['skipped']} | - |")
+        lines += ["", "## Side by side: the other estimators on the same runs", "",
+                  "| combination | measured p+g+o MiB | measured peak MiB | hfsdp plan peak | accelerate estimate-memory "
+                  "(fp32 Adam) | DeepSpeed ZeRO-3 formula |", "|---|---|---|---|---|---|"]
+        for r in ran:
+            m = r["measured_peak"]
+            lines.append(f"| {r['label']} | {_mib(r['measured_state'])} | {_mib(m)} | {_mib(r['plan_peak'])} "
+                         f"({r['plan_peak'] / m:.2f}x) | {_mib(r['accelerate'])} ({r['accelerate'] / m:.2f}x) | "
+                         f"{_mib(r['deepspeed_zero3'])} ({r['deepspeed_zero3'] / m:.2f}x) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("plan_accuracy"))
+    parser.add_argument("--parts", default="state,peak")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read back measurements an earlier run left in --out; recompute the predictions")
+    args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    parts = args.parts.split(",")
+    peak = peak_grid(args.out / "peak", env) if "peak" in parts else []
+    state = state_grid(args.out / "state", env) if "state" in parts else []
+    (args.out / "plan_accuracy.json").write_text(json.dumps({"state": state, "peak": peak}, indent=2))
+    text = report(state, peak)
+    (args.out / "plan_accuracy.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
