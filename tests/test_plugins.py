@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PRESET_DATA, REPO, base_env, run_cli, step_losses, tiny_config
+from conftest import PRESET_DATA, REPO, base_env, run_cli, run_torchrun, step_losses, tiny_config
 
 
 def _module(folder: Path, name: str, body: str) -> None:
@@ -126,30 +126,48 @@ def docs_minimal_plugin() -> dict[str, str]:
     return blocks
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> dict:
+def _install(tmp: Path, sources: list[Path]) -> Path:
     """pip-installs the packages into a folder of their own (real wheels, dist-info, entry points; no network, and the
     shared venv stays untouched) that the runs put on PYTHONPATH."""
-    tmp = tmp_path_factory.mktemp("installed")
+    site = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(site), *map(str, sources)], check=True, timeout=300,
+                   capture_output=True)
+    return site
+
+
+def _copy_packages(root: Path, tmp: Path, hello: dict[str, str]) -> list[Path]:
     sources = []
     for name in ("hfsdp-csv-qa", "hfsdp-eval-log"):
-        shutil.copytree(REPO / "plugins" / name, tmp / "src" / name)  # builds leave files next to the sources
+        shutil.copytree(root / name, tmp / "src" / name)  # builds leave files next to the sources
         sources.append(tmp / "src" / name)
-    hello = tmp / "src" / "hfsdp-hello"
-    hello.mkdir(parents=True)
-    for filename, content in docs_minimal_plugin().items():
-        (hello / filename).write_text(content)
-    sources.append(hello)
+    (tmp / "src" / "hfsdp-hello").mkdir(parents=True)
+    for filename, content in hello.items():
+        (tmp / "src" / "hfsdp-hello" / filename).write_text(content)
+    return [*sources, tmp / "src" / "hfsdp-hello"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """Today's examples (plugins/ and the guide's minimal plugin), plus a broken package."""
+    tmp = tmp_path_factory.mktemp("installed")
+    sources = _copy_packages(REPO / "plugins", tmp, docs_minimal_plugin())
     broken = tmp / "src" / "hfsdp-broken"
     broken.mkdir()
     (broken / "hfsdp_broken.py").write_text("raise RuntimeError('this plugin is broken on purpose')\n")
     (broken / "pyproject.toml").write_text(docs_minimal_plugin()["pyproject.toml"].replace("hfsdp-hello", "hfsdp-broken")
                                            .replace("hfsdp_hello", "hfsdp_broken").replace("hello =", "broken ="))
-    sources.append(broken)
-    site = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(site), *map(str, sources)], check=True, timeout=300,
-                   capture_output=True)
+    site = _install(tmp, [*sources, broken])
+    return {"env": base_env(PYTHONPATH=str(site)), "site": site}
+
+
+@pytest.fixture(scope="module")
+def installed_v1(tmp_path_factory) -> dict:
+    """The same examples as first published (tests/plugins_v1), written against the hooks of hfsdp 0.1.0."""
+    tmp = tmp_path_factory.mktemp("installed_v1")
+    v1 = REPO / "tests" / "plugins_v1"
+    hello = {f.name: f.read_text() for f in (v1 / "hfsdp-hello").iterdir()}
+    site = _install(tmp, _copy_packages(v1, tmp, hello))
     return {"env": base_env(PYTHONPATH=str(site)), "site": site}
 
 
@@ -161,8 +179,8 @@ def test_docs_minimal_plugin_is_short():
 def test_installed_plugins_are_listed_with_their_distribution(installed):
     proc = run_cli("plugins", env=installed["env"], check=False)
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line.startswith(" ")}
-    assert re.search(r"csv_qa\s+0\.1\.0\s+entry point \(hfsdp-csv-qa\)", rows["csv_qa"])
-    assert re.search(r"eval_log\s+0\.1\.0\s+entry point \(hfsdp-eval-log\)", rows["eval_log"])
+    assert re.search(r"csv_qa\s+0\.2\.0\s+entry point \(hfsdp-csv-qa\)", rows["csv_qa"])
+    assert re.search(r"eval_log\s+0\.2\.0\s+entry point \(hfsdp-eval-log\)", rows["eval_log"])
     assert re.search(r"hello\s+0\.1\.0\s+entry point \(hfsdp-hello\)", rows["hello"])
     assert "BROKEN" in rows["broken"] and "this plugin is broken on purpose" in rows["broken"]
     assert proc.returncode == 2  # a broken install is worth a non-zero exit of the listing
@@ -172,26 +190,49 @@ def test_installed_plugins_are_listed_with_their_distribution(installed):
     assert proc.returncode == 2 and "plugin 'broken' failed to import" in proc.stderr
 
 
-def _qa_csv(path: Path, rows: int) -> Path:
+def _qa_rows(rows: int) -> list[tuple[str, str]]:
+    out = []
+    for line in (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines()[:rows]:
+        messages = json.loads(line)["messages"]
+        out.append((messages[0]["content"], messages[1]["content"]))
+    return out
+
+
+def _qa_csv(path: Path, rows: int, delimiter: str = ",") -> Path:
     with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
+        writer = csv.writer(f, delimiter=delimiter)
         writer.writerow(["question", "answer"])
-        for line in (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines()[:rows]:
-            messages = json.loads(line)["messages"]
-            writer.writerow([messages[0]["content"], messages[1]["content"]])
+        writer.writerows(_qa_rows(rows))
     return path
 
 
-@pytest.mark.slow
-def test_installed_plugins_run_in_a_training(installed, tmp_path):
-    data_path = _qa_csv(tmp_path / "qa.csv", 200)
+def test_data_path_is_checked_in_validation_and_a_plugin_reads_its_own_kind(installed, tmp_path):
+    tsv = _qa_csv(tmp_path / "qa.tsv", 20, delimiter="\t")
+    data = {"format": "qa", "path": str(tsv), "eval_path": None}
+    proc = run_cli("validate", str(tiny_config(tmp_path, data={**data, "format": "chat"})), env=installed["env"],
+                   check=False)  # no plugin reads .tsv: refused before anything loads, naming the hook that would
+    assert proc.returncode == 2 and f"data.path: {tsv}: hfsdp reads .txt" in proc.stderr
+    assert "not '.tsv'" in proc.stderr and "hfsdp_data_readers" in proc.stderr
+    run_cli("validate", str(tiny_config(tmp_path, plugins=["csv_qa"], data=data)), env=installed["env"])
+    missing = {**data, "path": str(tmp_path / "nope.tsv"), "eval_path": str(tmp_path / "nope.jsonl")}
+    proc = run_cli("validate", str(tiny_config(tmp_path, plugins=["csv_qa"], data=missing)), env=installed["env"],
+                   check=False)
+    assert proc.returncode == 2 and "2 problem(s)" in proc.stderr
+    assert f"data.path: {tmp_path / 'nope.tsv'} does not exist" in proc.stderr
+    assert f"data.eval_path: {tmp_path / 'nope.jsonl'} does not exist" in proc.stderr
+
+
+def _example_run(env: dict, nproc: int, tmp_path: Path, data_path: Path, plugins: list[str], **sections):
     config = tiny_config(
-        tmp_path, plugins=["csv_qa", "eval_log", "hello"],
+        tmp_path, plugins=plugins,
         data={"format": "qa", "path": str(data_path), "eval_path": None, "eval_fraction": 0.1, "max_eval_samples": 8},
-        train={"max_steps": 4, "eval_every": 2, "learning_rate": 1e-2},
-        eval_log={"file": "evals.md", "style": "markdown"}, hello={"greeting": "hi"},
+        train={"max_steps": 4, "eval_every": 2, "learning_rate": 1e-2, "save_every": 4},
+        eval_log={"file": "evals.md", "style": "markdown"}, hello={"greeting": "hi"}, **sections,
     )
-    proc = run_cli("train", str(config), env=installed["env"])
+    if nproc == 1:
+        proc = run_cli("train", str(config), env=env)
+    else:
+        proc = run_torchrun(nproc, "train", str(config), env=env)
     run = tmp_path / "run"
     assert "data: train 180 rows" in proc.stdout + proc.stderr
     losses = step_losses(run)
@@ -202,6 +243,67 @@ def test_installed_plugins_run_in_a_training(installed, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert float(table[-1].split("|")[2]) == pytest.approx(summary["after"]["eval_loss"], rel=1e-5)
     assert (run / "hello.txt").read_text().startswith("hi after 4 steps, eval loss ")
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_first_published_example_plugins_still_train(installed_v1, tmp_path, nproc):
+    """Stability: the examples as written against hfsdp 0.1.0's hooks, unchanged, on one and two ranks."""
+    run = _example_run(installed_v1["env"], nproc, tmp_path, _qa_csv(tmp_path / "qa.csv", 200), ["csv_qa", "eval_log", "hello"])
+    assert not (run / "final" / "hello.txt").exists()  # the v1 plugins add nothing to exports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_example_plugins_train_read_tsv_and_add_files_to_every_export(installed, tmp_path, nproc):
+    """Today's examples: a .tsv read by csv_qa's reader, its section seen by tokenize, eval_log's table and hello's
+    greeting added to the end-of-training export (full weights on one rank, a LoRA adapter on two) and to the
+    merged export of `hfsdp export --merge-lora`; hfsdp_export.json lists the added files."""
+    plugins = ["csv_qa", "eval_log", "hello"] + (["lora"] if nproc == 2 else [])
+    tsv = _qa_csv(tmp_path / "qa.tsv", 200, delimiter="\t")
+    run = _example_run(installed["env"], nproc, tmp_path, tsv, plugins, csv_qa={"system": "Answer briefly."})
+    final = run / "final"
+    writer = "lora" if nproc == 2 else "safetensors_export"
+    assert (final / "hello.txt").read_text() == f"hi from {writer}\n"
+    assert (final / "evals.md").read_text() == (run / "evals.md").read_text()
+    assert (final / ("adapter_model.safetensors" if nproc == 2 else "model.safetensors")).is_file()
+    assert {"hello.txt", "evals.md"} <= set(json.loads((final / "hfsdp_export.json").read_text())["files"])
+    if nproc == 2:
+        merged = tmp_path / "merged"
+        run_cli("export", str(run / "checkpoints" / "step-4"), str(merged), "--merge-lora", env=installed["env"])
+        assert (merged / "hello.txt").read_text() == "hi from lora\n" and (merged / "model.safetensors").is_file()
+        assert (merged / "evals.md").is_file()
+
+
+def test_tokenize_and_reader_get_their_plugins_section(installed, tmp_path, tiny_model_dir):
+    """A tokenize function that declares `section` gets its plugin's validated section; one that does not (the
+    built-ins, first-published plugins) is called as before."""
+    import importlib
+
+    sys.path.insert(0, str(installed["site"]))
+    try:
+        from transformers import AutoTokenizer
+
+        from hfsdp.config import load_config
+
+        tsv = _qa_csv(tmp_path / "qa.tsv", 3, delimiter="\t")
+        config, host = load_config(str(tiny_config(tmp_path, plugins=["csv_qa"], csv_qa={"system": "Be brief."},
+                                                   data={"format": "qa", "path": str(tsv), "eval_path": None})))
+        owner, tokenize = host.tokenize_function(config)
+        assert owner == "csv_qa" and tokenize.section.system == "Be brief."
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        ids = tokenize({"question": ["Q?"], "answer": ["A."]}, tokenizer, config.data)["input_ids"][0]
+        assert "Be brief." in tokenizer.decode(ids)
+        (plugin, read), = host.data_readers(config).values()
+        assert plugin == "csv_qa" and read(str(tsv), "train", config.data)[0]["question"] == _qa_rows(1)[0][0]
+        chat_config, chat_host = load_config(str(tiny_config(tmp_path)))
+        assert chat_host.tokenize_function(chat_config)[1].wants_section is False  # the built-in chat format
+    finally:
+        sys.path.remove(str(installed["site"]))
+        for name in [m for m in sys.modules if m.startswith("hfsdp_")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
 
 
 def test_qa_format_trains_on_the_answer_only(tiny_model_dir):

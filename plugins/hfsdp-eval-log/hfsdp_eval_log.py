@@ -6,13 +6,16 @@ Config section ``eval_log:``::
       file: eval_log.csv      # relative to train.output_dir
       style: csv              # csv | markdown
       metrics: [eval_loss, eval_ppl]
+      export: true            # also put the table into every exported model folder
 
 One row per evaluation (before training, every ``train.eval_every`` steps, after training), written by the main
-process only; a resumed run appends to the same file.
+process only; a resumed run appends to the same file. With ``export: true`` the table as it stands when the model
+is exported (end of training, ``hfsdp export``, LoRA adapters alike) is copied into the export folder.
 """
 
 import csv
 import io
+import shutil
 import time
 from pathlib import Path
 from typing import Literal
@@ -21,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hfsdp import hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 class EvalLogConfig(BaseModel):
@@ -30,6 +33,7 @@ class EvalLogConfig(BaseModel):
     file: str = Field("eval_log.csv", description="table file, relative to train.output_dir")
     style: Literal["csv", "markdown"] = "csv"
     metrics: list[str] = Field(default_factory=lambda: ["eval_loss", "eval_ppl"], min_length=1)
+    export: bool = Field(True, description="copy the table into every exported model folder")
 
 
 @hookimpl
@@ -69,3 +73,11 @@ def hfsdp_on_eval(run, step, metrics):
     text += _line([str(step), *values, time.strftime("%Y-%m-%dT%H:%M:%S")], section.style)
     with open(path, "a") as f:
         f.write(text)
+
+
+@hookimpl
+def hfsdp_on_export(out_dir, config):
+    section = config.section("eval_log")
+    table = Path(config.train.output_dir) / section.file
+    if section.export and table.is_file():  # `hfsdp export` of a copied checkpoint may have no table next to it
+        shutil.copyfile(table, Path(out_dir) / Path(section.file).name)
