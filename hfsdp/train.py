@@ -27,6 +27,7 @@ from hfsdp.components import checkpoint, generation
 from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
+from hfsdp.components.safe_load import verify_checkpoint
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
     World, all_sum, any_rank, build_accelerator, local_parameter_bytes, optimizer_state_bytes,
@@ -346,6 +347,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                     say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
             if resumed_from is not None:
                 check_resume_record(checkpoint.read_record(resumed_from), config, world.size, resumed_from)
+                verify_checkpoint(resumed_from)  # every file Accelerate/DCP would unpickle: plain data only
                 accelerator.load_state(str(resumed_from))
                 say(f"resumed from {resumed_from} at step {state.step}")
             else:

@@ -91,6 +91,16 @@ def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:
     return folder
 
 
+class Payload:
+    """Unpickling this creates ``marker``: what a malicious checkpoint file would do to a loader that runs code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

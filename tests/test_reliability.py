@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config
 from hfsdp.components import checkpoint
 from hfsdp.components.export import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
@@ -222,28 +222,18 @@ def test_nan_on_one_rank_stops_both_ranks_with_the_step(tmp_path):
 # ---- safe loading and tensor checks (no training)
 
 
-class _Payload:
-    """Unpickling this creates a file: what a malicious checkpoint would do with weights_only=False."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
 def _fake_checkpoint(tmp_path: Path, tiny_model_dir: Path, name: str) -> Path:
     return fake_checkpoint(tmp_path / name, tiny_model_dir)
 
 
 def test_export_refuses_a_pickle_that_runs_code(tmp_path, tiny_model_dir):
     proof, marker = tmp_path / "proof-created", tmp_path / "pwned"
-    torch.save({"model.embed_tokens.weight": _Payload(proof)}, tmp_path / "proof.bin")
+    torch.save({"model.embed_tokens.weight": Payload(proof)}, tmp_path / "proof.bin")
     torch.load(tmp_path / "proof.bin", weights_only=False)  # the payload is live: an unsafe load runs it
     assert proof.exists()
 
     ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "evil")
-    torch.save({"model.embed_tokens.weight": _Payload(marker)}, ckpt / "pytorch_model_fsdp.bin")
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, ckpt / "pytorch_model_fsdp.bin")
     proc = run_cli("export", str(ckpt), str(tmp_path / "out"), check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     no_traceback(proc)
@@ -255,7 +245,7 @@ def test_export_refuses_a_pickle_that_runs_code(tmp_path, tiny_model_dir):
 def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
     ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "plain")
     with open(ckpt / "pytorch_model_fsdp.bin", "wb") as f:  # an old-style plain pickle, not torch.save's zip
-        pickle.dump({"w": _Payload(tmp_path / "pwned")}, f)
+        pickle.dump({"w": Payload(tmp_path / "pwned")}, f)
     with pytest.raises(UserError, match="refusing to load it"):
         checkpoint.CheckpointWeights(ckpt)
     torch.save({"w": torch.zeros(2), "n": 3}, ckpt / "pytorch_model_fsdp.bin")  # loads safely, but not all tensors

@@ -1,0 +1,141 @@
+"""Reading checkpoint files that may come from elsewhere without running code from them.
+
+A checkpoint holds pickles in three places, and plain unpickling runs whatever a crafted file asks for:
+
+* ``<dcp folder>/.metadata`` of a SHARDED checkpoint, which torch's DCP reads with ``pickle.load``: read here with
+  :class:`DcpMetadataUnpickler`, which admits only the classes DCP metadata is made of;
+* the non-tensor entries of a DCP folder (e.g. the optimizer's ``param_groups``), which DCP's default load planner
+  reads with ``torch.load(weights_only=False)``: each is checked here with ``weights_only=True`` first;
+* Accelerate's ``random_states_<rank>.pkl`` and ``custom_checkpoint_<i>.pkl`` (LR scheduler, trainer state, grad
+  scaler), ``torch.save`` files that Accelerate reads with ``weights_only=False`` (custom objects) or silently skips
+  when they fail to load (RNG states): checked here with ``weights_only=True`` and the numpy types Accelerate admits.
+
+:func:`verify_checkpoint` checks all of them before ``--resume`` lets Accelerate load the folder; ``hfsdp export``
+reads DCP metadata only through :func:`read_dcp_metadata`. Tensor files (``*.distcp`` tensors, ``*.bin``,
+``*.safetensors``) are read by torch/Accelerate with ``weights_only=True`` or by safetensors, which run no code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+from hfsdp.errors import UserError
+
+DCP_METADATA = ".metadata"
+_DCP_MODULES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout from its name (torch.strided)
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id
+}
+
+
+class UnsafeCheckpointError(UserError):
+    """A checkpoint file that hfsdp refuses to load because loading it could run code."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path}: refusing to load it: {why}; this file was not written by hfsdp/torch DCP as it "
+                         "is, or has been tampered with")
+
+
+class DcpMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: every global the stream names must be one of the DCP metadata
+    classes, ``torch.Size``, a ``torch.dtype``, a layout, or a posix path."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if name in _DCP_MODULES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it references {module}.{name}, which DCP checkpoint metadata never contains "
+                                     "(unpickling it could run code)")
+
+
+def read_dcp_metadata(folder: Path):
+    """The ``Metadata`` of a DCP folder, read with :class:`DcpMetadataUnpickler` and checked for shape: a
+    ``Metadata`` whose every entry is tensor or bytes metadata stored in a plain file of this folder."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata,
+    )
+
+    path = folder / DCP_METADATA
+    try:
+        with open(path, "rb") as f:
+            metadata = DcpMetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise UserError(f"{folder}: no {DCP_METADATA} file: not a complete DCP checkpoint folder") from None
+    except Exception as err:  # UnpicklingError from find_class, or any error of a malformed stream
+        raise UnsafeCheckpointError(path, str(err) or type(err).__name__) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise UnsafeCheckpointError(path, f"it holds a {type(metadata).__name__}, not DCP Metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise UnsafeCheckpointError(path, f"entry {key!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) \
+                or not isinstance(info.relative_path, str) or Path(info.relative_path).name != info.relative_path \
+                or info.relative_path in ("", ".", ".."):
+            raise UnsafeCheckpointError(path, f"storage entry {index!r} points outside its folder or is malformed")
+    return metadata
+
+
+def load_weights_only(path: Path, what: str = "a plain torch.save file", **load: Any) -> Any:
+    """``torch.load(path, weights_only=True)`` with numpy's array types admitted (as Accelerate does for RNG
+    states); a file that needs anything else is refused with one line naming it."""
+    import torch
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+    try:
+        with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, **load)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnsafeCheckpointError(path, f"not {what} (loaded with weights_only=True, which never runs code from a "
+                                          f"file: {first})") from None
+
+
+def _check_dcp_bytes(folder: Path) -> None:
+    """Every non-tensor entry of a DCP folder must load with ``weights_only=True`` (DCP itself would unpickle it
+    without restriction)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    byte_keys = {key for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_keys:
+            continue
+        path = folder / info.relative_path
+        if info.transform_descriptors:
+            raise UnsafeCheckpointError(path, f"entry {index.fqn!r} is stored transformed "
+                                              f"({', '.join(map(str, info.transform_descriptors))}), which hfsdp "
+                                              "cannot check before DCP unpickles it")
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except OSError as err:
+            raise UserError(f"{path}: cannot read entry {index.fqn!r}: {err}") from None
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UnsafeCheckpointError(path, f"entry {index.fqn!r} is not plain data (loaded with weights_only=True, "
+                                              f"which never runs code from a file: {first})") from None
+
+
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Check every file of a checkpoint that Accelerate or DCP would unpickle on ``load_state``, before it does.
+    Raises :class:`UnsafeCheckpointError` (exit 2) naming the first file that could run code; nothing is run."""
+    for metadata in sorted(checkpoint.glob(f"*/{DCP_METADATA}")):
+        _check_dcp_bytes(metadata.parent)
+    for state in sorted(checkpoint.glob("*.pkl")):
+        load_weights_only(state, "a plain state file")
