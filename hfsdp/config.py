@@ -201,6 +201,9 @@ class TrainConfig(Section):
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
     max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
+    collective_timeout_s: int = Field(
+        600, gt=0, description="seconds a rank waits in a collective for the others before the job fails "
+                               "(a hung or frozen rank); also bounds rank 0's first-time tokenization.")
 
     @model_validator(mode="before")
     @classmethod

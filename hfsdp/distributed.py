@@ -50,9 +50,11 @@ def rehearsal_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
 
 def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: World):
     """The Accelerator with exactly the distributed type the config asks for, or a UserError saying why not."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType, ProjectConfiguration
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
     plugin = build_fsdp_plugin(config.fsdp, layer_classes)
     parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size)
@@ -72,6 +74,8 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
         project_config=ProjectConfiguration(project_dir=config.train.output_dir,
                                             logging_dir=str(Path(config.train.output_dir) / "tensorboard")),
         step_scheduler_with_optimizer=False,
+        # A rank that died or froze inside a collective fails the others after this long, not torch's 30 minutes.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.train.collective_timeout_s))],
     )
     if rehearsal:
         # AcceleratorState keeps its own copy of PartialState's dict: both must change (the Accelerator reads the

@@ -41,7 +41,7 @@ from hfsdp.plugins import PluginHost
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
     "train.export_final", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
-    "train.eval_at_start", "train.max_eval_batches", "generation_eval",
+    "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "generation_eval",
 )
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json")
 
@@ -355,7 +355,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
-        metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to))
+        metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to),
+                                continue_from=state.step if opts.resume else None)
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer)
         run.extras["generation_config"] = model_metadata(model_path)["generation_config"]

@@ -10,7 +10,11 @@ a reference run and an interrupted run can share one config (the plugin list is 
   (before the completion record exists);
 * ``enospc_in_save`` / ``raise_in_save``: ``save_state`` for step STEP writes its files, then raises
   ``OSError(ENOSPC)`` / ``RuntimeError``;
-* ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK.
+* ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK;
+* ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP.
+
+Faults fire in a job's first attempt only: workers that ``torchrun --max-restarts`` started again
+(``TORCHELASTIC_RESTART_COUNT`` > 0) run clean.
 """
 
 import errno
@@ -30,6 +34,8 @@ def _faults(kind):
     """Steps at which fault ``kind`` fires on this rank."""
     rank = int(os.environ.get("RANK", "0"))
     steps = set()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return steps
     for item in filter(None, os.environ.get("HFSDP_TEST_FAULTS", "").split(",")):
         name, _, where = item.strip().partition("@")
         step, _, on_rank = where.partition(":")
@@ -80,3 +86,7 @@ def hfsdp_on_step_end(step):
         os.kill(os.getpid(), signal.SIGTERM)
     if step in _faults("sigint"):
         os.kill(os.getpid(), signal.SIGINT)
+    if step in _faults("sigkill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if step in _faults("sigstop"):
+        os.kill(os.getpid(), signal.SIGSTOP)
