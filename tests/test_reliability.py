@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -323,3 +324,80 @@ def test_failing_writer_leaves_the_previous_checkpoint(tmp_path, tiny_model_dir)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
     assert checkpoint.complete_checkpoints(ckpts) == [(1, good)]
     assert (good / "model.safetensors").read_bytes() == b"partial"  # untouched, not replaced
+
+
+class _WritingAccelerator(_FailingAccelerator):
+    """One process whose save_state writes a small DCP-like layout (a nested shard file and a state file)."""
+
+    def __init__(self, content: bytes):
+        super().__init__(False)
+        self.content = content
+
+    def save_state(self, output_dir, **kwargs):
+        Path(output_dir, "pytorch_model_fsdp_0").mkdir()
+        Path(output_dir, "pytorch_model_fsdp_0", "__0_0.distcp").write_bytes(self.content)
+        Path(output_dir, "custom_checkpoint_0.pkl").write_bytes(self.content)
+
+
+def _save_args(tiny_model_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    return (AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None,
+            "train: {}\n")
+
+
+def test_every_checkpoint_file_is_on_disk_before_the_record(tmp_path, tiny_model_dir, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpts = tmp_path / "checkpoints"
+    final = checkpoint.save(_WritingAccelerator(b"weights"), ckpts, 1, {"step": 1}, *_save_args(tiny_model_dir))
+    tmp = str(ckpts / ".tmp-step-1")
+    record_at = next(i for i, path in enumerate(synced) if path.endswith(checkpoint.RECORD + ".tmp"))
+    before_record = set(synced[:record_at])
+    paths = [p for p in final.rglob("*") if p.name != checkpoint.RECORD]
+    assert len(paths) > 5
+    for path in paths + [final]:  # every file and every folder, synced while still in the temporary folder
+        assert str(path).replace(str(final), tmp) in before_record, path
+    assert str(ckpts) in synced[record_at:]  # and the rename into place
+
+
+def test_a_resave_of_the_same_step_always_leaves_a_complete_copy(tmp_path, tiny_model_dir, monkeypatch):
+    ckpts = tmp_path / "checkpoints"
+    args = _save_args(tiny_model_dir)
+    checkpoint.save(_WritingAccelerator(b"old"), ckpts, 1, {"step": 1}, *args)
+    shard = ckpts / "step-1" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    seen: list[bytes] = []
+
+    def complete_after(fn):
+        def wrapped(*a, **k):
+            result = fn(*a, **k)
+            assert checkpoint.complete_checkpoints(ckpts) == [(1, ckpts / "step-1")], f"no complete step-1 after {fn}"
+            seen.append(shard.read_bytes())
+            return result
+        return wrapped
+
+    for name in ("replace", "rename"):
+        monkeypatch.setattr(os, name, complete_after(getattr(os, name)))
+    monkeypatch.setattr(shutil, "rmtree", complete_after(shutil.rmtree))
+    checkpoint.save(_WritingAccelerator(b"new"), ckpts, 1, {"step": 1}, *args)
+    assert shard.read_bytes() == b"new" and seen[0] == b"old" and seen[-1] == b"new"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+
+
+def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_model_dir, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is unavailable, the old copy is renamed aside first, then deleted."""
+    from hfsdp.components import outputs
+
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    ckpts = tmp_path / "checkpoints"
+    args = _save_args(tiny_model_dir)
+    checkpoint.save(_WritingAccelerator(b"old"), ckpts, 1, {"step": 1}, *args)
+    checkpoint.save(_WritingAccelerator(b"new"), ckpts, 1, {"step": 1}, *args)
+    assert (ckpts / "step-1" / "custom_checkpoint_0.pkl").read_bytes() == b"new"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]

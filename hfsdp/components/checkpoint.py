@@ -4,7 +4,8 @@ Layout: ``<output_dir>/checkpoints/step-<N>/`` holds Accelerate's ``save_state``
 registered objects such as the LR scheduler and the trainer state), ``model/`` (config and tokenizer, so that
 ``hfsdp export`` needs nothing else), and ``hfsdp_checkpoint.json``, the completion record, written last.
 A folder without the record is never resumed from or exported, and older checkpoints are pruned only after a
-newer one is complete (Accelerate's ``total_limit`` deletes first).
+newer one is complete (Accelerate's ``total_limit`` deletes first). Every file and folder is fsynced before the
+record is written, and a re-save of an existing step swaps the new folder in atomically before deleting the old one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from hfsdp.components.outputs import fsync_dir, fsync_tree, replace_folder
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
 
@@ -77,21 +79,27 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
+    def write() -> None:
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        fsync_tree(tmp)  # on every rank: its own files are on disk before the record can call them complete
+
     def finish() -> None:
         model_config.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         if generation_config is not None:
             generation_config.save_pretrained(tmp / "model")
         (tmp / CONFIG_NAME).write_text(run_config_yaml)
+        fsync_tree(tmp)  # every file and folder of the checkpoint, before the record
         _write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
-        if final.exists():  # a re-run of the same step replaces the old copy only now that the new one is complete
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(checkpoints)
+        fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step: swapped in, the old copy deleted only afterwards
+            replace_folder(tmp, final)
+        else:
+            os.replace(tmp, final)
+            fsync_dir(checkpoints)
 
     main = accelerator.is_main_process
-    for phase, action in (("start", start if main else None),
-                          ("save_state", lambda: accelerator.save_state(str(tmp), safe_serialization=True)),
+    for phase, action in (("start", start if main else None), ("save_state", write),
                           ("finish", finish if main else None)):
         error = _attempt(action) if action is not None else None
         if any_rank(accelerator, error is not None):  # also the barrier between the phases
@@ -128,7 +136,7 @@ def remove_incomplete(checkpoints: Path) -> list[Path]:
     Call only while no save is in progress."""
     removed = []
     if checkpoints.is_dir():
-        for path in checkpoints.glob(f".tmp-{PREFIX}*"):
+        for path in [*checkpoints.glob(f".tmp-{PREFIX}*"), *checkpoints.glob(f".{PREFIX}*.old-*")]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -141,14 +149,6 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):

@@ -106,13 +106,42 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists() and any(out_dir.iterdir()):  # an earlier export, checked to hold only its own files
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
+        replace_folder(tmp, out_dir)
     else:
         os.replace(tmp, out_dir)  # new, or an empty folder (rename replaces an empty directory)
-    fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
+
+
+def replace_folder(new: Path, old: Path) -> None:
+    """Put the complete folder ``new`` where the complete folder ``old`` is, then delete the old copy. Where the
+    kernel and file system can swap two names atomically (Linux ``renameat2(RENAME_EXCHANGE)``: ext4, xfs, btrfs,
+    tmpfs...), ``old``'s path names a complete folder at every moment; elsewhere the old copy is renamed aside first,
+    leaving one rename's time in which only the two hidden copies exist."""
+    if not _exchange(new, old):
+        aside = old.parent / f".{old.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.replace(old, aside)
+        os.replace(new, old)
+        new = aside
+    fsync_dir(old.parent)
+    shutil.rmtree(new)  # now the old copy
+    fsync_dir(old.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b``; False where that is not supported."""
+    import ctypes
+    import errno
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def fsync_dir(path: Path) -> None:
