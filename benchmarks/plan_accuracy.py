@@ -10,9 +10,11 @@
 2. peak: predicted peak memory per rank against bench's measured peak during the steps, over max_seq_len {128, 256}
    x micro-batch {1, 2} x activation checkpointing off/on x FULL_SHARD / NO_SHARD at 2 ranks on `smollm2-bench`
    (75M parameters). Target: within 10 %. On CPU the measure is the peak RSS during the steps above the RSS before
-   the model is loaded (bench's "peak above base"), with glibc returning freed memory to the OS
-   (MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0), so that RSS follows live tensors; plan is asked for the
+   the model is loaded (bench's "peak above base"), with glibc returning freed memory to the OS (bench's
+   MALLOC_RETURNS_FREED settings on CPU), so that RSS follows live tensors; plan is asked for the
    CPU optimizer (AdamW loops over parameters on CPU instead of its multi-tensor path).
+   On a GPU host, `--parts gpu` runs the same grid on one GPU (SmolLM2-135M-Instruct, bf16 mixed precision,
+   max_seq_len {1024, 2048}) against `torch.cuda.max_memory_allocated`.
 3. side by side, on the peak grid's configs and the LoRA ones: `accelerate estimate-memory`'s arithmetic (its own
    functions: calculate_maximum_sizes + estimate_training_usage, the "Training using Adam" column) and DeepSpeed's
    ZeRO-3 formula (estimate_zero3_model_states_mem_needs: 4 x largest layer + 18 x parameters / GPUs), against the
@@ -34,11 +36,10 @@ sys.path.insert(0, str(REPO))
 
 from hfsdp.config import load_config  # noqa: E402
 from hfsdp.models import architecture_config  # noqa: E402
-from hfsdp.plan import GIB, MIB, Planner, setup_from_config  # noqa: E402
+from hfsdp.plan import MIB, Planner, setup_from_config  # noqa: E402
 
 DATA = REPO / "hfsdp" / "presets" / "data"
 REUSE = False  # --reuse: read measurements an earlier run left in --out, recompute only the predictions
-MALLOC_RETURNS = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def cache_dir() -> Path:
@@ -68,9 +69,17 @@ def bench(config: Path, strategy: str, nproc: int, out: Path, sets: list[str], e
     return json.loads((out / "bench.json").read_text())["rows"][0]
 
 
+_PLANNERS: dict[tuple, Planner] = {}
+
+
 def predict(config: Path, sets: list[str], strategy: str, nproc: int, on_cpu: bool):
     cfg, _ = load_config(str(config), sets)
-    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget=1 << 50)
+    # One planner (meta model and traces) per config that differs in more than its fsdp section.
+    key = (str(config), tuple(s for s in sets if not s.startswith("fsdp.")))
+    if key not in _PLANNERS:
+        _PLANNERS[key] = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg,
+                                 budget=1 << 50)
+    planner = _PLANNERS[key]
     setup = setup_from_config(cfg, strategy, nproc, 1)
     if on_cpu:
         setup = setup.changed(multi_tensor_adam=False)
@@ -135,33 +144,37 @@ def long_text_data(path: Path, rows: int = 64, words: int = 600) -> Path:
     return path
 
 
-def peak_grid(out: Path, env: dict[str, str]) -> list[dict]:
+def peak_grid(out: Path, env: dict[str, str], on_cpu: bool = True) -> list[dict]:
+    """On CPU: 2 ranks of smollm2-bench in fp32. On a GPU (`--parts gpu`, one GPU): 1 rank of the real
+    SmolLM2-135M-Instruct with bf16 mixed precision, against torch.cuda.max_memory_allocated."""
     out.mkdir(parents=True, exist_ok=True)
-    data = long_text_data(out / "long_text.jsonl")
+    data = long_text_data(out / "long_text.jsonl", words=3000 if not on_cpu else 600)
     config = write_yaml(out / "peak.yaml", {
-        "model": {"name_or_path": "smollm2-bench"},
+        "model": {"name_or_path": "smollm2-bench" if on_cpu else "smollm2-135m-instruct"},
         "data": {"format": "text", "path": str(data), "max_seq_len": 128},
         "train": {"output_dir": str(out / "unused"), "max_steps": 3, "per_device_batch_size": 1, "log_every": 1},
-        "fsdp": {"version": 2},
+        "fsdp": {"version": 2, "mixed_precision": "no" if on_cpu else "bf16"},
     })
+    nproc, seqs = (2, (128, 256)) if on_cpu else (1, (1024, 2048))
     rows = []
-    for seq in (128, 256):
+    for seq in seqs:
         for batch in (1, 2):
             for ac in (False, True):
                 for strategy in ("FULL_SHARD", "NO_SHARD"):
                     sets = [f"data.max_seq_len={seq}", f"train.per_device_batch_size={batch}",
                             f"fsdp.activation_checkpointing={str(ac).lower()}"]
                     label = f"{strategy} seq {seq} mb {batch} AC {'on' if ac else 'off'}"
-                    est, planner = predict(config, [*sets, f"fsdp.sharding_strategy={strategy}"], strategy, 2, True)
+                    est, planner = predict(config, [*sets, f"fsdp.sharding_strategy={strategy}"], strategy, nproc,
+                                           on_cpu)
                     t0 = time.perf_counter()
-                    measured = bench(config, strategy, 2, out / "runs" / label.replace(" ", "_"), sets,
-                                     {**env, **MALLOC_RETURNS}, 3)
+                    measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 3)
                     row = {"label": label, "strategy": strategy, "seq": seq, "batch": batch, "ac": ac,
                            "plan_peak": est.device_peak, "plan_state": est.state,
                            "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered}
                     if measured is None:
                         rows.append({**row, "skipped": "the run failed (see failed.txt)"})
                         continue
+                    # CPU: peak RSS above the pre-load RSS; GPU: max_memory_allocated (bench's same column).
                     row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
                                measured_peak_abs=measured["mem_peak_mib"] * MIB,
                                measured_state=measured["state_bytes"])
@@ -207,7 +220,7 @@ def report(state: list[dict], peak: list[dict]) -> str:
     if state:
         ran = [r for r in state if "ratio" in r]
         worst = max((abs(r["ratio"] - 1) for r in ran), default=float("nan"))
-        lines += [f"## Parameters + gradients + optimizer bytes per rank (largest rank), plan vs live tensors",
+        lines += ["## Parameters + gradients + optimizer bytes per rank (largest rank), plan vs live tensors",
                   "", f"{len(ran)} combinations run; largest deviation {100 * worst:.3f} % (target 1 %).", "",
                   "| combination | plan p / g / o MiB | bench p / g / o MiB | plan ÷ bench |", "|---|---|---|---|"]
         for r in state:
@@ -230,9 +243,11 @@ def report(state: list[dict], peak: list[dict]) -> str:
     if peak:
         ran = [r for r in peak if "ratio" in r]
         worst = max((abs(r["ratio"] - 1) for r in ran), default=float("nan"))
-        lines += ["## Peak memory per rank during the steps, 2 ranks, smollm2-bench (75M), FSDP2 fp32", "",
-                  f"{len(ran)} combinations; largest deviation {100 * worst:.1f} % (target 10 %). Measured: peak RSS "
-                  "during the steps above the RSS before the model is loaded, glibc returning freed memory.", "",
+        lines += ["## Peak memory per rank during the steps", "",
+                  f"{len(ran)} combinations; largest deviation {100 * worst:.1f} % (target 10 %). CPU rows (seq 128 "
+                  "and 256): 2 ranks of smollm2-bench (75M), FSDP2 fp32, peak RSS during the steps above the RSS "
+                  "before the model is loaded, glibc returning freed memory. GPU rows (seq 1024 and 2048): 1 rank of "
+                  "SmolLM2-135M-Instruct, bf16 mixed precision, torch.cuda.max_memory_allocated.", "",
                   "| combination | plan state / activations+loss / gathered MiB | plan peak MiB | measured peak MiB "
                   "| plan ÷ measured |", "|---|---|---|---|---|"]
         for r in peak:
@@ -257,7 +272,7 @@ def report(state: list[dict], peak: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("plan_accuracy"))
-    parser.add_argument("--parts", default="state,peak")
+    parser.add_argument("--parts", default="state,peak", help="state, peak (CPU), gpu (one CUDA GPU)")
     parser.add_argument("--reuse", action="store_true",
                         help="read back measurements an earlier run left in --out; recompute the predictions")
     args = parser.parse_args()
@@ -268,6 +283,8 @@ def main() -> None:
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     parts = args.parts.split(",")
     peak = peak_grid(args.out / "peak", env) if "peak" in parts else []
+    if "gpu" in parts:
+        peak += peak_grid(args.out / "gpu", env, on_cpu=False)
     state = state_grid(args.out / "state", env) if "state" in parts else []
     (args.out / "plan_accuracy.json").write_text(json.dumps({"state": state, "peak": peak}, indent=2))
     text = report(state, peak)

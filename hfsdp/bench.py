@@ -53,6 +53,14 @@ COLUMNS = [
     ("peak_vs_1proc", "peak ÷ 1 proc", "{:.3f}"),
     ("tokens_per_s_vs_1proc", "tokens/s ÷ 1 proc", "{:.2f}"),
 ]
+# The printed and bench.md table (``--wide``: every column; bench.csv and bench.json always have every figure):
+# the seeds' columns (model, ranks, strategy, memory per rank, throughput) and the ratios a reader compares.
+NARROW = ["model", "world_size", "strategy", "fsdp_version", "state_mib", "mem_peak_above_base_mib", "tokens_per_s",
+          "state_vs_no_shard", "peak_above_base_vs_no_shard", "peak_vs_no_shard", "tokens_per_s_vs_no_shard"]
+# CPU runs: glibc otherwise keeps freed memory (the full model loaded before sharding, FSDP's per-unit all-gather
+# and reduce-scatter buffers) in the heap, so RSS would show the largest buffer ever used instead of what a rank
+# holds. Large allocations are mmapped (and unmapped when freed) and the heap is trimmed on every free.
+MALLOC_RETURNS_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 @dataclass
@@ -65,6 +73,7 @@ class BenchOptions:
     overrides: list[str]
     warmup: int = 1
     timeout: float = 1800
+    wide: bool = False
 
 
 def _probe_plugin() -> str:
@@ -196,18 +205,24 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
         return str(value)
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    headers = [h for _, h, _ in COLUMNS]
+def _columns(wide: bool) -> list[tuple[str, str, str]]:
+    return COLUMNS if wide else [c for key in NARROW for c in COLUMNS if c[0] == key]
+
+
+def markdown_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    columns = _columns(wide)
+    headers = [h for _, h, _ in columns]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row, k, f) for k, _, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(row, k, f) for k, _, f in columns) + " |")
     return "\n".join(lines)
 
 
-def text_table(rows: list[dict[str, Any]]) -> str:
-    cells = [[h for _, h, _ in COLUMNS]] + [[_cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(COLUMNS))) for c in cells)
+def text_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    columns = _columns(wide)
+    cells = [[h for _, h, _ in columns]] + [[_cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) for c in cells)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -265,6 +280,8 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     if not gpus:
         # CPU rehearsal: one compute thread per rank unless the caller chose otherwise; ranks share the cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(opts.nprocs))))
+        for key, value in MALLOC_RETURNS_FREED.items():
+            env.setdefault(key, value)
     for key in [k for k in env if k.startswith(("FSDP_", "ACCELERATE_"))]:
         env.pop(key)
     rows, raw = [], []
@@ -286,7 +303,7 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
                                                      default=str))
     if not plot(rows, opts.out / "bench.png"):
         echo("bench: matplotlib is not installed (pip install 'hfsdp[bench]'): no bench.png")
-    echo(text_table(rows))
+    echo(text_table(rows, opts.wide))
     echo(f"bench: wrote {opts.out}/bench.md, bench.csv, bench.json, bench.png")
     return rows
 
@@ -295,10 +312,13 @@ def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) 
     device = f"{gpus} CUDA GPU(s), NCCL" if gpus else f"CPU ({os.cpu_count()} cores), gloo"
     mem = ("peak = torch.cuda.max_memory_allocated during the steps" if gpus else
            "peak = peak RSS during the steps (kernel high-water mark reset after prepare); "
-           "base = RSS before the model is loaded (interpreter, libraries, tokenizer, data)")
+           "base = RSS before the model is loaded (interpreter, libraries, tokenizer, data); "
+           "peak above base is the CPU analogue of max_memory_allocated; glibc returns freed memory to the OS "
+           "(" + " ".join(f"{k}={v}" for k, v in MALLOC_RETURNS_FREED.items()) + ")")
     return (f"# hfsdp bench\n\nconfig `{opts.config or 'default'}`, {opts.steps} steps (first {opts.warmup} not "
             f"timed), {device}. Bytes are counted from live tensors (DTensor local shards, FSDP1 flat-parameter "
-            f"views, plain tensors); per-rank figures are the largest rank's; {mem}.\n\n" + markdown_table(rows))
+            f"views, plain tensors); per-rank figures are the largest rank's; {mem}. Every figure is in bench.csv and "
+            f"bench.json.\n\n" + markdown_table(rows, opts.wide))
 
 
 def parse_list(text: str, kind=str) -> list:

@@ -238,8 +238,9 @@ def plugins(enable: tuple[str, ...]) -> None:
 @click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(path_type=Path),
               help="Folder for bench.md/.csv/.json/.png and the runs.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--wide", is_flag=True, help="Print and write every column (bench.csv/json always have them all).")
 def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: int, out_dir: Path,
-          overrides: tuple[str, ...]) -> None:
+          overrides: tuple[str, ...], wide: bool) -> None:
     """Compare sharding strategies and process counts on CONFIG (default: the `bench` preset).
 
     Each combination is a real `torchrun -m hfsdp train` job (gloo on CPU, NCCL on GPUs). Writes a table of
@@ -253,7 +254,7 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
     try:
         run_bench(BenchOptions(config=config or "bench", strategies=parse_list(strategies),
                                nprocs=parse_list(nprocs, int), steps=steps, warmup=warmup, out=out_dir,
-                               overrides=list(overrides)), echo=click.echo)
+                               overrides=list(overrides), wide=wide), echo=click.echo)
     except (ValueError, RuntimeError) as err:
         raise UserError(str(err)) from None
 

@@ -417,10 +417,11 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       (a second copy of every gradient) plus the tied embedding's second gradient.
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
       recomputed layer. The loss adds transients of two float32 logits-sized tensors (upcast copy and its grad).
-    * peak = parameters + optimizer + the largest of three moments: the start of backward (gathered + grad
-      buffers + activations + loss transients + the gradients of earlier micro-batches of an accumulation), the end
-      of backward (gathered + grad buffers + gradients), the optimizer step (gradients + AdamW's temporaries: one
-      state-sized tensor on GPUs, where it runs multi-tensor; one parameter's worth on CPUs).
+    * peak = parameters + optimizer + the largest of three moments: backward (gathered + the root's and one
+      layer's gradient buffers + activations + loss transients + the gradients of earlier micro-batches of an
+      accumulation), the end of backward (gathered + the root's buffers + gradients), the optimizer step (gradients
+      + AdamW's temporaries: one state-sized tensor on GPUs, where it runs multi-tensor; one parameter's worth on
+      CPUs).
     * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
     * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
       cpu_ram_efficient_loading (FSDP only).
@@ -448,22 +449,25 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     def unit_grads(unit: int, itemsize: int | None) -> int:
         return sum(p.numel * (itemsize or p.itemsize) for p in facts.params if p.unit == unit and p.trainable)
 
+    # Gradient buffers beside the (sharded) gradients: during backward, and at its end, when the root unit's
+    # gradients are complete.
     if setup.runs_as_ddp:
-        # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet once.
-        tied = facts.tied_trainable_numel * facts.params[0].itemsize
-        grad_buffers = sum(p.numel * p.itemsize for p in facts.params if p.trainable) + tied
+        # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet at the end.
+        buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
+        during, at_end = buckets, buckets + facts.tied_trainable_numel * facts.params[0].itemsize
     else:
         tied = facts.tied_trainable_numel * (compute or facts.params[0].itemsize)
         if group == 1 and setup.fsdp.version == 1:  # FSDP1 reduces a single shard's flat gradient in place
-            grad_buffers = tied
+            during, at_end = 0, tied
         else:
-            # The root's unsharded gradients live from the lm_head's backward to the end; meanwhile one layer unit's
-            # unsharded gradients and their reduce-scatter copy; at the end the root's copy, or the tied weight's
-            # second gradient before it is accumulated.
+            # The root's unsharded gradients live from the lm_head's backward to the end; meanwhile one layer
+            # unit's unsharded gradients and their reduce-scatter copy; at the end the root's reduce-scatter copy,
+            # or before it the tied weight's second gradient, not yet added to the first.
             root = unit_grads(0, compute)
             layer = max((unit_grads(u, compute) + unit_grads(u, reduce_size) for u in range(1, len(facts.units))),
                         default=0)
-            grad_buffers = root + max(layer, unit_grads(0, reduce_size), tied)
+            during, at_end = root + layer, root + max(unit_grads(0, reduce_size), tied)
+    grad_buffers = max(during, at_end)
     activations = acts.saved(setup.fsdp.activation_checkpointing)
     loss_transient = 2 * acts.logits_bytes
     # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
@@ -476,8 +480,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
         host = params + grads + optimizer
         on_device_params = on_device_grads = on_device_optim = step_temp = 0
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
-    backward_start = gathered + grad_buffers + activations + loss_transient + earlier_grads
-    backward_end = gathered + grad_buffers + on_device_grads
+    backward_start = gathered + during + activations + loss_transient + earlier_grads
+    backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
     peak = on_device_params + on_device_optim + max(backward_start, backward_end, step)
     full_load = sum(p.numel * p.itemsize for p in facts.params)
