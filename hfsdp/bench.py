@@ -301,10 +301,13 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     (opts.out / "bench.json").write_text(json.dumps({"rows": rows, "runs": raw, "gpus": gpus,
                                                       "steps": opts.steps, "warmup": opts.warmup}, indent=2,
                                                      default=str))
-    if not plot(rows, opts.out / "bench.png"):
+    written = ["bench.md", "bench.csv", "bench.json"]
+    if plot(rows, opts.out / "bench.png"):
+        written.append("bench.png")
+    else:
         echo("bench: matplotlib is not installed (pip install 'hfsdp[bench]'): no bench.png")
     echo(text_table(rows, opts.wide))
-    echo(f"bench: wrote {opts.out}/bench.md, bench.csv, bench.json, bench.png")
+    echo(f"bench: wrote {opts.out}/{', '.join(written)}")
     return rows
 
 

@@ -17,8 +17,19 @@ from hfsdp.errors import PluginError, UserError
 from hfsdp.launch import free_port
 
 # Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
-_LAUNCHER_PREFIXES = ("FSDP_",)
-_LAUNCHER_KEYS = ("ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
+# Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks
+# and CPU affinity (read from accelerate's source: state.py, accelerator.py, utils/dataclasses.py, utils/launch.py,
+# big_modeling.py). The ones that change the math include ACCELERATE_GRADIENT_ACCUMULATION_STEPS (backward()
+# divides the loss by it), ACCELERATE_MIXED_PRECISION, ACCELERATE_DYNAMO_* (torch.compile), ACCELERATE_USE_CPU,
+# ACCELERATE_TORCH_DEVICE, ACCELERATE_USE_PARALLELISM_CONFIG with PARALLELISM_CONFIG_* (the device mesh),
+# ACCELERATE_INIT_INCLUDE_BUFFERS, ACCELERATE_FP8_*, ACCELERATE_DOWNCAST_BF16 and the DeepSpeed/Megatron switches.
+_LAUNCHER_PREFIXES = ("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")
+_HARMLESS_ACCELERATE = ("ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE", "ACCELERATE_CPU_AFFINITY",
+                        "ACCELERATE_ENABLE_RICH", "ACCELERATE_DEBUG_RDV_FILE")
+# Values launchers export when nothing was chosen (`accelerate launch` writes every dynamo key, "no" precision...).
+_NEUTRAL_VALUES = ("", "no", "false", "0", "default", "none")
+_NEUTRAL = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1",
+            "FSDP_CPU_RAM_EFFICIENT_LOADING": None}  # None: any value (Accelerate's plugin sets it itself)
 
 
 def _cache_dir() -> Path:
@@ -45,15 +56,16 @@ def _world_from_env():
     )
 
 
-def _take_launcher_settings(config) -> list[str]:
-    """Remove FSDP settings a launcher put in the environment, and say which hfsdp value wins over each."""
+def _take_launcher_settings(config, on_cpu: bool) -> list[str]:
+    """Remove FSDP and Accelerate settings a launcher put in the environment, and say which hfsdp value wins."""
     notes = []
+    # hfsdp runs on the CPU exactly when no GPU is visible: a launcher saying the same changes nothing.
+    agrees = {**_NEUTRAL, "ACCELERATE_USE_CPU": "true" if on_cpu else "false"}
     for key in sorted(os.environ):
-        if key.startswith(_LAUNCHER_PREFIXES) or key in _LAUNCHER_KEYS:
+        if key.startswith(_LAUNCHER_PREFIXES) and key not in _HARMLESS_ACCELERATE:
             value = os.environ.pop(key)
-            # Launchers export these even when nothing was chosen, and Accelerate re-derives them from the plugin.
-            unset = value.lower() in ("", "no", "false") or (key == "ACCELERATE_USE_FSDP" and value.lower() == "true")
-            if unset or key == "FSDP_CPU_RAM_EFFICIENT_LOADING":
+            neutral = agrees.get(key, "")
+            if value.lower() in _NEUTRAL_VALUES or neutral is None or value.lower() == neutral:
                 continue
             notes.append(f"launcher setting {key}={value} ignored: the hfsdp config decides "
                          f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
@@ -108,8 +120,12 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.config import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
-    notes = _take_launcher_settings(cfg)
-    world = _world_from_env()
+    world = _world_from_env()  # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
+    notes = _take_launcher_settings(cfg, world.on_cpu)
+    from hfsdp.distributed import runtime_env
+
+    for key, value in runtime_env(cfg, world).items():
+        os.environ.setdefault(key, value)  # a value the user chose stays
     if world.rank == 0:
         for note in notes:
             click.echo(f"hfsdp: {note}", err=True)

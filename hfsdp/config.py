@@ -103,8 +103,9 @@ class FSDPConfig(Section):
     )
     min_num_params: int | None = Field(None, gt=0, description="size policy: parameters per unit.")
     mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = Field(
-        "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes.")
-    cpu_offload: bool = Field(False, description="keep parameters (and optimizer state) in host memory; GPU only.")
+        "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes (buffer: FSDP1 "
+              "only; NO_SHARD under FSDP2 runs as DDP and reduces in float32).")
+    cpu_offload: bool = Field(False, description="keep parameters (and optimizer state) in host memory; GPU only (NCCL + gloo).")
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
         "SHARDED_STATE_DICT", description="checkpoint layout: one gathered file, or per-rank shards (DCP).")
     activation_checkpointing: bool = Field(False, description="recompute layer activations in backward.")
@@ -138,8 +139,16 @@ class FSDPConfig(Section):
             problems.append("hybrid_shard_size only applies to sharding_strategy HYBRID_SHARD")
         if self.version == 1 and self.cpu_ram_efficient_loading and self.sync_module_states is False:
             problems.append("cpu_ram_efficient_loading needs sync_module_states (ranks > 0 start empty)")
-        if self.version == 2 and self.sharding_strategy == "NO_SHARD" and self.cpu_offload:
-            problems.append("NO_SHARD with FSDP2 runs as DDP, which has no cpu_offload: use FULL_SHARD or version 1")
+        if self.runs_as_ddp:
+            ddp = "NO_SHARD with FSDP2 runs as DDP, which"
+            if self.cpu_offload:
+                problems.append(f"{ddp} has no cpu_offload: use FULL_SHARD or version 1")
+            if self.cpu_ram_efficient_loading:
+                problems.append(f"{ddp} loads the weights on every rank (no cpu_ram_efficient_loading): "
+                                "use FULL_SHARD or version 1")
+            if isinstance(self.mixed_precision, MixedPrecisionParts) and self.mixed_precision.reduce != "float32":
+                problems.append(f"{ddp} reduces gradients in float32 (the master weights' dtype), so "
+                                "mixed_precision.reduce must be float32: use FULL_SHARD or version 1")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -193,11 +202,10 @@ class TrainConfig(Section):
     save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
     keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
     export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
-    compile: bool = Field(False, description="torch.compile the model (through Accelerate).")
     report_to: list[Tracker] = Field(
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
         "replaces train.tensorboard (false: none).")
-    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume).")
+    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also CUBLAS_WORKSPACE_CONFIG).")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
     max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
@@ -256,6 +264,8 @@ class GenerationEvalConfig(Section):
 
 # Suffixes of the data files hfsdp reads (data.py maps each to its datasets loader).
 DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".csv", ".parquet")
+# The formats whose rows generation_eval can split into a prompt and a reference answer.
+GENERATION_FORMATS = ("chat", "instruction")
 
 
 class HfsdpConfig(Section):
@@ -263,7 +273,7 @@ class HfsdpConfig(Section):
     data: DataConfig
     train: TrainConfig
     fsdp: FSDPConfig = FSDPConfig()
-    generation_eval: GenerationEvalConfig | None = Field(None, description="off unless the section is given.")
+    generation_eval: GenerationEvalConfig | None = Field(None, description="off unless the section is given; chat and instruction formats.")
     plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
     plugin_config: dict[str, Any] = Field(
         default_factory=dict, description="validated plugin sections (filled by load_config, not set in YAML)."
@@ -295,10 +305,19 @@ CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError([("", f"{path} is a folder, not a config file (give a YAML file or a preset name)")])
     if not path.is_file():
         raise ConfigError([("", f"config file not found: {path} (give a YAML file or a preset name, see `hfsdp presets`)")])
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError([("", f"not a text file: byte {err.start} is not UTF-8; a config is a YAML text file")],
+                          source=str(path)) from None
+    except OSError as err:
+        raise ConfigError([("", f"cannot read the config file: {err.strerror}")], source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -455,6 +474,22 @@ def validate_config(
     return config, core_problems + problems
 
 
+def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
+    """Combinations of keys from different sections that cannot do what they say."""
+    problems = []
+    parts = config.fsdp.mixed_precision
+    if (isinstance(parts, MixedPrecisionParts) and "buffer" in parts.model_fields_set and config.fsdp.version == 2
+            and parts.buffer != config.model.dtype):
+        problems.append(("fsdp.mixed_precision.buffer",
+                         f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
+                         f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
+                         "or use fsdp.version 1"))
+    if config.generation_eval is not None and config.data.format not in GENERATION_FORMATS:
+        problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
+                                            f"and a reference answer), not '{config.data.format}': remove the section"))
+    return problems
+
+
 def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
     """The key of the plugin reader for ``path``: a source prefix (``"mydb://"``) it starts with, or a file suffix
     (``".tsv"``) it ends with (case-insensitive); None when no plugin reader claims it."""
@@ -494,7 +529,7 @@ def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[
             if not os.access(local, os.R_OK | os.X_OK):
                 problems.append((where, f"cannot read the folder {local}: permission denied"))
         elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
-            problems.append((where, f"{local.resolve()} does not exist"))
+            problems.append((where, f"{local.resolve()} does not exist ({RELATIVE_DATA_PATHS})"))
     return problems
 
 
@@ -518,14 +553,25 @@ def resolve_config_path(name_or_path: str | None) -> Path:
     raise ConfigError([("", f"'{name_or_path}' is neither a config file nor a preset; presets: {', '.join(presets)}")])
 
 
+# The one rule for relative data paths, named wherever a missing path is reported.
+RELATIVE_DATA_PATHS = ("a relative path in a config file is taken from the config file's folder; one given with "
+                       "--set, from the working directory")
+
+
 def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
-    """Data paths in a config file are relative to that file, when the file they name exists there."""
+    """The one rule for relative data paths written in a config file: they are relative to that file's folder
+    (never to the working directory). A relative value that names nothing there and does not look like a file
+    (no data suffix, no leading ``.``/``~``, nothing of that name in the working directory either) is left as it
+    is: a datasets name. Paths given with ``--set`` are applied after this, relative to the working directory."""
     data = raw.get("data")
     if not isinstance(data, dict):
         return
     for key in ("path", "eval_path"):
         value = data.get(key)
-        if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES
+        if (base / value).exists() or looks_local or Path(value).exists():
             data[key] = str((base / value).resolve())
 
 
@@ -578,6 +624,7 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     try:
         if config.data.format not in formats:
             problems.append(("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}"))
+        problems += cross_section_problems(config)
         if check_data:
             problems += data_path_problems(config.data, host.data_readers())
     except InvalidSectionRead:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import DATA_SUFFIXES, DataConfig, data_reader_key
+from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, data_reader_key
 from hfsdp.errors import PluginError, UserError
 
 _LOADERS = dict(zip(DATA_SUFFIXES, ("text", "text", "json", "json", "csv", "parquet")))
@@ -69,7 +69,7 @@ def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
         if local.is_dir():  # a folder of data files
             return datasets.load_dataset(str(local), cfg.name, split=split)
         if path.startswith((".", "/", "~")) or local.suffix.lower() in _LOADERS:
-            raise UserError(f"data.path: {path} does not exist")
+            raise UserError(f"data.path: {local.resolve()} does not exist ({RELATIVE_DATA_PATHS})")
         return datasets.load_dataset(path, cfg.name, split=split)
     except UserError:
         raise
@@ -230,6 +230,25 @@ class BatchPlan:
         return step * self.global_batch / self.num_rows
 
 
+def identity(dataset) -> dict[str, Any]:
+    """What a checkpoint records of the training rows it was trained on: their number and a hash of their tokens
+    (every column, in order), so that a resume on other data, or the same file changed, is refused."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")[:]
+    digest = hashlib.sha256()
+    for name in sorted(table.column_names):
+        column = table[name]
+        digest.update(name.encode())
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+            digest.update(pc.list_flatten(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+        else:
+            digest.update(json.dumps(column.to_pylist(), default=str).encode())
+    return {"train_rows": len(dataset), "train_fingerprint": digest.hexdigest()[:16]}
+
+
 def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a micro-batch; padding has label -100 and attention mask 0."""
     width = max(len(r["input_ids"]) for r in rows)
@@ -266,6 +285,38 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         inputs.pop("attention_mask", None)
         inputs["use_cache"] = False
     return inputs
+
+
+@torch.no_grad()
+def check_packed_attention(model, vocab_size: int, device) -> None:
+    """Packed rows are only correct if the model keeps each sample's attention to itself. Probe it on the real
+    (wrapped) model before training: a sample's logits inside a packed row must equal its logits alone. Refuses
+    (UserError) when the packed logits are closer to those of the sample *after* the other one (what attending
+    across the boundary gives) than a tenth of the way. Every rank runs the same forwards (FSDP collectives)."""
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (7, 6))
+
+    def logits_of_second(rows: dict[str, list[int]]) -> torch.Tensor:
+        batch = {k: v.to(device) for k, v in collate([{**rows, "labels": rows["input_ids"]}], pad_id=0).items()}
+        return model(**model_inputs(batch)).logits[0, -len(second):].float().cpu()
+
+    was_training = model.training
+    model.eval()
+    try:
+        alone = logits_of_second({"input_ids": second})
+        packed = logits_of_second({"input_ids": first + second,
+                                   "position_ids": list(range(len(first))) + list(range(len(second)))})
+        attending = logits_of_second({"input_ids": first + second})
+    finally:
+        model.train(was_training)
+    leak, context = float((packed - alone).abs().max()), float((attending - alone).abs().max())
+    if leak > 0.1 * context:
+        raise UserError(
+            f"packing: this model lets packed samples attend to each other (a probe's logits changed by {leak:.3g} "
+            f"when packed after another sample; attending to it changes them by {context:.3g}). Its attention does "
+            "not follow the position_ids restarts that hfsdp relies on (transformers' packed-sequence detection): "
+            "remove the packing plugin for this model"
+        )
 
 
 def padding_fraction(lengths, batch_size: int, seed: int) -> float:

@@ -48,6 +48,24 @@ def rehearsal_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
     ]
 
 
+def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
+    """The torch.distributed backend hfsdp asks Accelerate for (None on CPU: Accelerate's gloo).
+
+    FSDP with CPU offload, or gathering FULL_STATE_DICTs into host memory, runs collectives on CPU tensors, which
+    NCCL cannot: those get ``cuda:nccl,cpu:gloo``. Accelerate derives the same from FSDP_* variables, which the CLI
+    removes (the YAML decides), so it is requested explicitly here."""
+    if world.on_cpu:
+        return None
+    cpu_collectives = config.fsdp.cpu_offload or config.fsdp.state_dict_type == "FULL_STATE_DICT"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives and not config.fsdp.runs_as_ddp else "nccl"
+
+
+def runtime_env(config: HfsdpConfig, world: World) -> dict[str, str]:
+    """Environment variables that torch needs for what the config asks, set by the CLI before CUDA starts:
+    ``train.deterministic`` on CUDA needs a fixed cuBLAS workspace (torch raises on cuBLAS calls without it)."""
+    return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if config.train.deterministic and not world.on_cpu else {}
+
+
 def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: World):
     """The Accelerator with exactly the distributed type the config asks for, or a UserError saying why not."""
     from datetime import timedelta
@@ -57,6 +75,7 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
     plugin = build_fsdp_plugin(config.fsdp, layer_classes)
+    backend = process_group_backend(config, world)
     parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size)
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
     autocast = config.fsdp.precision_name if plugin is None else "no"
@@ -75,7 +94,8 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
                                             logging_dir=str(Path(config.train.output_dir) / "tensorboard")),
         step_scheduler_with_optimizer=False,
         # A rank that died or froze inside a collective fails the others after this long, not torch's 30 minutes.
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.train.collective_timeout_s))],
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend,  # None on CPU: Accelerate's gloo
+                                                timeout=timedelta(seconds=config.train.collective_timeout_s))],
     )
     if rehearsal:
         # AcceleratorState keeps its own copy of PartialState's dict: both must change (the Accelerator reads the
@@ -99,8 +119,7 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
         raise UserError(
             f"the launcher gave distributed type {accelerator.distributed_type.value}, but the config asks for "
             f"{expected.value} (fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}). Launch with "
-            "`accelerate launch -m hfsdp train`, `torchrun -m hfsdp train`, or plain `hfsdp train`, and do not "
-            "set ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_MEGATRON_LM"
+            "`accelerate launch -m hfsdp train`, `torchrun -m hfsdp train`, or plain `hfsdp train`"
         )
     return accelerator
 
@@ -171,6 +190,16 @@ def wrapped_units(model: torch.nn.Module) -> int:
     # One fully_shard call on several modules (Accelerate groups final norm, embedding and lm_head) is one unit.
     fsdp2 = len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
     return fsdp2 or len(FSDP.fsdp_modules(model))
+
+
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """Layers whose activations are recomputed in backward: FSDP's checkpoint wrappers (Accelerate applies them for
+    fsdp.activation_checkpointing) or transformers' gradient checkpointing (the DDP path)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, CheckpointWrapper) or (isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
+               for m in model.modules())
 
 
 def any_rank(accelerator, flag: bool) -> bool:

@@ -169,8 +169,8 @@ def load_model_config(path: str, cfg: ModelConfig):
 
     try:
         return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except OSError as err:
-        raise UserError(f"model.name_or_path: cannot load '{path}': {err}") from None
+    except (OSError, ValueError, KeyError) as err:  # unreadable/invalid config.json, unknown model_type
+        raise UserError(f"model.name_or_path: cannot load the config of '{path}': {err}") from None
 
 
 def default_layer_classes(model_config: Any) -> list[str]:
@@ -187,7 +187,10 @@ def default_layer_classes(model_config: Any) -> list[str]:
 def load_tokenizer(path: str, cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError... for a missing/broken tokenizer
+        raise UserError(f"model.name_or_path: cannot load the tokenizer of '{path}': {type(err).__name__}: {err}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -222,7 +225,10 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
                                                                   requires_grad=param.requires_grad)
                     module._parameters[name] = allocated[id(param)]
         return model
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-        attn_implementation=cfg.attn_implementation,
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation,
+        )
+    except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
+        raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None

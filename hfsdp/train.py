@@ -30,8 +30,8 @@ from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.components.safe_load import verify_checkpoint
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
-    World, all_sum, any_rank, build_accelerator, local_parameter_bytes, optimizer_state_bytes,
-    rehearsal_problems, wrapped_units,
+    World, all_sum, any_rank, build_accelerator, checkpointed_layers, local_parameter_bytes,
+    optimizer_state_bytes, rehearsal_problems, wrapped_units,
 )
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import check_world, hybrid_mesh_shape
@@ -129,6 +129,10 @@ class PreemptionFlag:
 
 
 def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
+    blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
+                        "set train.output_dir to a folder (it is created if missing)")
     check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
     existing = [name for name in OUTPUTS if (output_dir / name).exists()]
     if existing and not opts.resume and not opts.overwrite:
@@ -142,7 +146,14 @@ def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         for stale in output_dir.glob("startup_rank*.json"):
             stale.unlink()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".hfsdp-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"train.output_dir {output_dir}: cannot write there ({err.strerror}); "
+                        "choose a folder you can write to") from None
 
 
 def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
@@ -154,8 +165,20 @@ def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def check_resume_record(record: dict[str, Any], config: HfsdpConfig, world_size: int, path: Path) -> None:
+def check_resume_record(record: dict[str, Any], config: HfsdpConfig, world_size: int, path: Path,
+                        identity: dict[str, Any]) -> None:
+    """``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps them
+    (records written before they were recorded are not checked for them)."""
     problems = []
+    saved_steps = record.get("max_steps", identity["max_steps"])
+    if saved_steps != identity["max_steps"] and config.train.lr_scheduler != "constant":
+        problems.append(f"its {config.train.lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
+                        f"{identity['max_steps']} (train.max_steps/train.epochs changed), so the learning rate would "
+                        "jump: resume with the run's length, or use lr_scheduler: constant to extend a run")
+    if any(key in record and record[key] != identity[key] for key in ("train_rows", "train_fingerprint")):
+        problems.append(f"it was trained on other data ({record.get('train_rows')} rows, fingerprint "
+                        f"{record.get('train_fingerprint')}; this run's data: {identity['train_rows']} rows, "
+                        f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
     if record["world_size"] != world_size:
         problems.append(f"it was saved on {record['world_size']} rank(s), this run has {world_size}; the data order "
                         "and sharded state depend on the world size: resume with the same number of processes")
@@ -222,12 +245,14 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
     report = {
         "world_size": world.size,
         "distributed_type": accelerator.distributed_type.value,
+        "process_group_backend": str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else None,
         "device": "cpu (rehearsal, gloo)" if world.on_cpu else str(accelerator.device),
         "fsdp_version": fsdp.version,
         "strategy": fsdp.sharding_strategy + (" (runs as DDP)" if fsdp.runs_as_ddp else "")
                     + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
+        "checkpointed_layers": checkpointed_layers(model),
         "mixed_precision": fsdp.precision_name,
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
@@ -305,9 +330,14 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         say(f"data: train {data_report['train']}; eval {data_report.get('eval', 'none')}; {data_report['padding']}; "
             f"preprocessing {data_report['preprocess_s']:.2f} s"
             f"{' (preprocessing cache hit)' if data_report['cache_hit'] else ''}")
+        gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
+        if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
+            gen_items = generation.prompts_and_references(raw_eval, config.data, tokenizer,
+                                                          config.generation_eval.num_samples)
         plan = data.BatchPlan(len(train_set), config.train.per_device_batch_size, world.size,
                               config.train.gradient_accumulation_steps, config.train.seed)
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
+        identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
 
         # ---- model: load, let plugins modify it (LoRA), shard
         empty = config.fsdp.cpu_ram_efficient_loading and not is_main and not config.fsdp.runs_as_ddp
@@ -323,6 +353,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         else:
             model, optimizer = accelerator.prepare(model, build_optimizer(model, config.train))
         unwrapped = accelerator.unwrap_model(model)
+        if "position_ids" in train_set.column_names:  # packed rows: prove attention stays inside each sample
+            data.check_packed_attention(model, unwrapped.config.vocab_size, accelerator.device)
         report = startup_report(config, accelerator, model, world)
         say(format_report(report))
         write_rank_report(output_dir, world.rank, report)
@@ -346,7 +378,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 for stale in checkpoint.remove_incomplete(output_dir / "checkpoints"):
                     say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
             if resumed_from is not None:
-                check_resume_record(checkpoint.read_record(resumed_from), config, world.size, resumed_from)
+                check_resume_record(checkpoint.read_record(resumed_from), config, world.size, resumed_from, identity)
                 verify_checkpoint(resumed_from)  # every file Accelerate/DCP would unpickle: plain data only
                 accelerator.load_state(str(resumed_from))
                 say(f"resumed from {resumed_from} at step {state.step}")
@@ -360,10 +392,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer)
         run.extras["generation_config"] = model_metadata(model_path)["generation_config"]
-        gen_items = []
-        if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
-            gen_items = generation.prompts_and_references(raw_eval, config.data, tokenizer,
-                                                          config.generation_eval.num_samples)
+        run.extras["resume_identity"] = identity
 
         def run_eval(step: int, label: str) -> dict[str, Any]:
             results: dict[str, Any] = {}
@@ -505,6 +534,7 @@ def save_checkpoint(accelerator, run: Run, model_config) -> Path:
                      "transformers": version("transformers")},
         "plugins": {p.name: p.version for p in run.plugins.plugins},
         "state_dict_type": run.config.fsdp.state_dict_type,
+        **run.extras["resume_identity"],
     }
     checkpoints_dir = run.output_dir / "checkpoints"
     path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, model_config, run.tokenizer,

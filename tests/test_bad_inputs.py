@@ -125,7 +125,109 @@ CASES: dict[str, Case] = {
     "export an incomplete checkpoint": (
         lambda d, s: ["export", str(_fake_checkpoint(d / "run", _cfg(d), complete=False)), str(d / "out")],
         "is not a complete hfsdp checkpoint"),
+    # --- issue 15: config files that are not YAML text, keys that would do something else than they say
+    "binary config file": (lambda d, s: ["train", _write(d / "c.yaml", b"\x89PNG\r\n\x1a\n\x00\xff\xfe")],
+                           "not a text file: byte 0 is not UTF-8"),
+    "config path is a folder": (lambda d, s: ["train", str(d)], "is a folder, not a config file"),
+    "config with a NUL character": (lambda d, s: ["train", _write(d / "c.yaml", "model:\x00 x\n")], "malformed YAML"),
+    "train.compile (removed: it did nothing)": (lambda d, s: ["train", _cfg(d, train={"compile": True})],
+                                                "train.compile: unknown key"),
+    "fsdp2 with a buffer dtype": (
+        lambda d, s: ["train", _cfg(d, fsdp={"mixed_precision": {"param": "bf16", "buffer": "bf16"}})],
+        "fsdp.mixed_precision.buffer: bfloat16: only FSDP1 casts buffers"),
+    "NO_SHARD as DDP with a reduce dtype": (
+        lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "NO_SHARD",
+                                             "mixed_precision": {"param": "bf16", "reduce": "bf16"}})],
+        "runs as DDP, which reduces gradients in float32"),
+    "NO_SHARD as DDP with cpu_ram_efficient_loading": (
+        lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "NO_SHARD", "cpu_ram_efficient_loading": True})],
+        "loads the weights on every rank (no cpu_ram_efficient_loading)"),
+    "generation_eval on the text format": (
+        lambda d, s: ["train", _cfg(d, data={"format": "text", "path": _write(d / "t.txt", "a b c\n\nd e f\n"),
+                                             "eval_path": None}, generation_eval={})],
+        "generation_eval: needs data.format chat or instruction"),
+    # --- --set values
+    "--set a section to a scalar": (lambda d, s: ["train", _cfg(d), "--set", "train=5"],
+                                    "train: Input should be a valid dictionary"),
+    "--set below a scalar": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps.x=1"],
+                             "'max_steps' is not a section"),
+    "--set with an empty key": (lambda d, s: ["train", _cfg(d), "--set", "=3"], "overrides look like --set"),
+    "--set an unknown section": (lambda d, s: ["train", _cfg(d), "--set", "trainer.steps=1"], "unknown section"),
+    # --- data files and rows
+    "relative data path missing next to the config": (
+        lambda d, s: (_write(d / "rows.jsonl", CHAT.read_text()),  # in the working directory, not next to the config
+                      ["train", str(tiny_config((d / "sub").mkdir() or d / "sub", data={"path": "rows.jsonl"}))])[1],
+        "data.path: {d}/sub/rows.jsonl does not exist (a relative path in a config file is taken from the config "
+        "file's folder"),
+    "chat rows whose messages are not a list": (
+        lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": "hello"}\n'),
+                                             "eval_path": None})],
+        "data.format 'chat': could not tokenize rows 0-0"),
+    "text file that is not UTF-8": (
+        lambda d, s: ["train", _cfg(d, data={"format": "text", "path": _write(d / "t.txt", b"\xff\xfe\x00abc" * 50),
+                                             "eval_path": None})],
+        "data: cannot read"),
+    "chat eval row without an assistant turn": (
+        lambda d, s: ["train", _cfg(d, data={"eval_path": _write(d / "eval.jsonl", CHAT.read_text().splitlines()[0]
+                                                 + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+                                                 + "\n")}, generation_eval={"num_samples": 2})],
+        "generation_eval: eval row 1 has no assistant turn"),
+    # --- model folders
+    "model config.json is not JSON": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(s, d, {"config.json": "{"}))})],
+        "model.name_or_path: cannot load the config of"),
+    "model config.json of an unknown model_type": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(
+            s, d, {"config.json": json.dumps({"model_type": "no-such-architecture"})}))})],
+        "model.name_or_path: cannot load the config of"),
+    "model folder without weights": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(s, d, {"model.safetensors": None}))})],
+        "model.name_or_path: cannot load the weights of"),
+    "model weights file damaged": (
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(s, d, {"model.safetensors": b"\x00" * 64}))})],
+        "model.name_or_path: cannot load the weights of"),
+    # --- output and checkpoint paths, resume and export arguments
+    "output_dir is an existing file": (
+        lambda d, s: ["train", _cfg(d, train={"output_dir": _write(d / "out", "not a folder")})],
+        "train.output_dir {d}/out: {d}/out is a file, not a folder"),
+    "output_dir below a file": (
+        lambda d, s: ["train", _cfg(d, train={"output_dir": str(Path(_write(d / "out", "x")) / "run")})],
+        "train.output_dir {d}/out/run: {d}/out is a file, not a folder"),
+    "resume from a path that does not exist": (lambda d, s: ["train", _cfg(d), "--resume", str(d / "nope")],
+                                               "is not a complete hfsdp checkpoint"),
+    "resume from a damaged record": (
+        lambda d, s: ["train", _cfg(d), "--resume", str(_damaged(_fake_checkpoint(d / "other", _cfg(d))))],
+        "hfsdp_checkpoint.json is damaged (not a JSON record"),
+    "export a checkpoint that does not exist": (lambda d, s: ["export", str(d / "nope"), str(d / "out")],
+                                                "is not a complete hfsdp checkpoint"),
+    "export with a bad --max-shard-size": (
+        lambda d, s: ["export", str(d / "nope"), str(d / "out"), "--max-shard-size", "lots"], "size 'lots'"),
+    "export --set of an unknown key": (
+        lambda d, s: ["export", str(_with_config(_fake_checkpoint(d / "run", _cfg(d)), d)), str(d / "out"),
+                      "--set", "train.max_stepz=1"],
+        "train.max_stepz: unknown key"),
 }
+
+
+def _model_copy(shared: dict, case: Path, replace: dict) -> Path:
+    """A copy of the tiny model folder with files replaced (text/bytes) or removed (None)."""
+    folder = case / "model"
+    shutil.copytree(shared["model"], folder)
+    for name, content in replace.items():
+        (folder / name).unlink(missing_ok=True)
+        if content is not None:
+            _write(folder / name, content)
+    return folder
+
+
+def _damaged(ckpt: Path) -> Path:
+    (ckpt / checkpoint.RECORD).write_text('{"step": 2, "world_')
+    return ckpt
+
+
+def _with_config(ckpt: Path, case: Path) -> Path:
+    shutil.copy(case / "config.yaml", ckpt / checkpoint.CONFIG_NAME)
+    return ckpt
 
 
 def _run(case: str, shared: dict) -> subprocess.CompletedProcess:
@@ -149,13 +251,13 @@ def results(tmp_path_factory, tiny_model_dir):
     raw = json.loads(tok_cfg.read_text())
     raw.pop("chat_template", None)
     tok_cfg.write_text(json.dumps(raw))
-    shared = {"root": root, "no_template": str(no_template)}
+    shared = {"root": root, "no_template": str(no_template), "model": tiny_model_dir}
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(CASES, pool.map(lambda c: _run(c, shared), CASES)))
 
 
 def test_table_is_large_enough():
-    assert len(CASES) >= 25
+    assert len(CASES) >= 60
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -59,3 +59,17 @@ def test_help_does_not_import_torch():
     code = "import sys, hfsdp.cli; sys.argv=['hfsdp','bench','--help']\ntry:\n hfsdp.cli.main()\nexcept SystemExit: pass\n" \
            "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=base_env(), capture_output=True)
+
+
+def test_bench_without_matplotlib_does_not_claim_a_chart(tmp_path):
+    """Without matplotlib (an import that fails, as when it is not installed) no bench.png is written or claimed."""
+    blocker = tmp_path / "no_matplotlib"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "1", "--steps", "2", "--out", str(out),
+                   "--set", "model.name_or_path=smollm2-tiny", "--set", "data.max_seq_len=64",
+                   env=base_env(PYTHONPATH=str(blocker)), timeout=300)
+    assert not (out / "bench.png").exists()
+    assert "matplotlib is not installed" in proc.stdout and "bench.png" not in proc.stdout.splitlines()[-1]
+    assert proc.stdout.splitlines()[-1] == f"bench: wrote {out}/bench.md, bench.csv, bench.json"

@@ -58,6 +58,16 @@ CASES = [
     ("missing required key", {"model": {"dtype": "bf16"}}, "model.name_or_path", "required key is missing"),
     ("unknown data format", {"data": {"format": "sharegpt"}}, "data.format", "unknown format 'sharegpt'"),
     ("unknown plugin", {"plugins": ["no_such_plugin_xyz"]}, "plugins", "neither an installed plugin"),
+    # issue 15: keys that would silently do something other than they say
+    ("train.compile was a no-op", {"train": {"compile": True}}, "train.compile", "unknown key"),
+    ("fsdp2 ignores buffer dtype", {"fsdp": {"version": 2, "mixed_precision": {"param": "bf16", "buffer": "bf16"}}},
+     "fsdp.mixed_precision.buffer", "only FSDP1 casts buffers"),
+    ("ddp ignores reduce dtype", {"fsdp": {"sharding_strategy": "NO_SHARD", "mixed_precision": {"reduce": "bf16"}}},
+     "fsdp", "reduces gradients in float32"),
+    ("ddp ignores ram-efficient loading", {"fsdp": {"sharding_strategy": "NO_SHARD", "cpu_ram_efficient_loading": True}},
+     "fsdp", "no cpu_ram_efficient_loading"),
+    ("generation eval on text", {"data": {"format": "text"}, "generation_eval": {}}, "generation_eval",
+     "needs data.format chat or instruction"),
 ]
 
 
@@ -201,3 +211,50 @@ def test_config_reference_command(tmp_path):
     everything = run_cli("config-reference", timeout=120).stdout
     assert all(f"#### `{name}`" in everything for name in ("model", "data", "train", "fsdp", "lora", "packing"))
     assert "no section 'trainer'" in _cli_fails("config-reference", "trainer")
+
+
+@pytest.mark.parametrize("command", ["validate", "plugins"])
+def test_validate_and_plugins_do_not_import_torch(tmp_path, command):
+    """The CLI promises that `validate` and `plugins` answer without torch (issue 15 item 7)."""
+    import subprocess
+    import sys
+
+    from conftest import base_env
+
+    argv = ["validate", str(tiny_config(tmp_path))] if command == "validate" else ["plugins"]
+    script = ("import sys\nfrom hfsdp.cli import cli\ntry:\n    cli(%r, prog_name='hfsdp')\nexcept SystemExit as e:\n"
+              "    assert not e.code, e.code\nheavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
+              "print('HEAVY', heavy)\n" % (argv,))
+    proc = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HEAVY []" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_precision_keys_that_are_honoured_still_validate(tmp_path):
+    """The rejections above are narrow: FSDP1 casts buffers, FSDP2 may name model.dtype, DDP reduces in float32."""
+    for fsdp in ({"version": 1, "mixed_precision": {"param": "bf16", "buffer": "bf16"}},
+                 {"version": 2, "mixed_precision": {"param": "bf16", "buffer": "float32"}},
+                 {"version": 2, "sharding_strategy": "NO_SHARD", "mixed_precision": {"param": "bf16"}},
+                 {"version": 1, "sharding_strategy": "NO_SHARD", "mixed_precision": {"reduce": "bf16"}}):
+        load_config(str(tiny_config(tmp_path, fsdp=fsdp)))
+
+
+def test_relative_data_paths_are_taken_from_the_config_folder(tmp_path, monkeypatch):
+    """One rule: relative to the config file's folder, never the working directory; --set paths: the working
+    directory (issue 15 item 11)."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "rows.jsonl").write_text("{}\n")
+    (tmp_path / "cwd_rows.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    path = tiny_config(sub, data={"path": "rows.jsonl", "eval_path": "cwd_rows.jsonl"})
+    config, _ = load_config(str(path), check_data=False)
+    assert config.data.path == str(sub / "rows.jsonl")
+    assert config.data.eval_path == str(sub / "cwd_rows.jsonl")  # not the working directory's file
+    assert _problems(path)["data.eval_path"] == (
+        f"{sub / 'cwd_rows.jsonl'} does not exist (a relative path in a config file is taken from the config file's "
+        "folder; one given with --set, from the working directory)")
+    config, _ = load_config(str(path), ["data.eval_path=cwd_rows.jsonl"])
+    assert config.data.eval_path == "cwd_rows.jsonl"
+    config, _ = load_config(str(tiny_config(sub, data={"path": "org/dataset-name"})))
+    assert config.data.path == "org/dataset-name"  # a datasets name stays a name

@@ -52,6 +52,10 @@ def test_plugin_fields(version, strategy, precision, offload, state_dict):
         with pytest.raises(ValidationError, match="runs as DDP, which has no cpu_offload"):
             _cfg(version, strategy, precision, offload, state_dict)
         return
+    if version == 2 and strategy == "NO_SHARD" and precision == "parts":  # DDP cannot honour reduce: float16
+        with pytest.raises(ValidationError, match="runs as DDP, which reduces gradients in float32"):
+            _cfg(version, strategy, precision, offload, state_dict)
+        return
     cfg = _cfg(version, strategy, precision, offload, state_dict)
     plugin = build_fsdp_plugin(cfg, LAYERS)
     if version == 2 and strategy == "NO_SHARD":
@@ -174,3 +178,28 @@ def test_check_world_and_hybrid_mesh_share_one_shard_size():
     assert [p for p, _ in check_world(sized, 4, 4)] == ["fsdp.hybrid_shard_size"]
     assert check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), 4, 4) == []
     assert check_world(FSDPConfig(), 3, 3) == [] and hybrid_mesh_shape(FSDPConfig(), 3, 3) is None
+
+
+@pytest.mark.parametrize("offload,state_dict,strategy,backend", [
+    (False, "SHARDED_STATE_DICT", "FULL_SHARD", "nccl"),
+    (True, "SHARDED_STATE_DICT", "FULL_SHARD", "cuda:nccl,cpu:gloo"),  # offloaded parameters: CPU collectives
+    (False, "FULL_STATE_DICT", "FULL_SHARD", "cuda:nccl,cpu:gloo"),  # full state dicts gathered to host memory
+    (False, "FULL_STATE_DICT", "NO_SHARD", "nccl"),  # FSDP2 NO_SHARD is DDP: no FSDP state dict gathers
+])
+def test_process_group_backend_and_cublas_workspace_are_requested_from_the_config(offload, state_dict, strategy,
+                                                                                  backend):
+    """What hfsdp asks of torch/Accelerate on CUDA, from the YAML alone (issue 15 item 9); the GPU checks run it."""
+    from hfsdp.config import HfsdpConfig
+    from hfsdp.distributed import World, process_group_backend, runtime_env
+
+    def config(deterministic=False):
+        return HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"},
+                           train={"output_dir": "x", "max_steps": 1, "deterministic": deterministic},
+                           fsdp=FSDPConfig(version=2, sharding_strategy=strategy, cpu_offload=offload,
+                                           state_dict_type=state_dict))
+
+    gpu, cpu = World(rank=0, size=2, local_size=2, on_cpu=False), World(rank=0, size=2, local_size=2, on_cpu=True)
+    assert process_group_backend(config(), gpu) == backend
+    assert process_group_backend(config(), cpu) is None  # Accelerate's gloo
+    assert runtime_env(config(deterministic=True), gpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert runtime_env(config(deterministic=True), cpu) == {} and runtime_env(config(), gpu) == {}

@@ -18,7 +18,8 @@ pytestmark = [
 CASES = {
     "fsdp2_bf16_sharded": {"version": 2, "sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16",
                            "state_dict_type": "SHARDED_STATE_DICT"},
-    "fsdp2_offload": {"version": 2, "sharding_strategy": "FULL_SHARD", "cpu_offload": True},
+    "fsdp2_offload": {"version": 2, "sharding_strategy": "FULL_SHARD", "cpu_offload": True,
+                      "state_dict_type": "SHARDED_STATE_DICT"},
     "fsdp1_bf16_full": {"version": 1, "sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16",
                         "state_dict_type": "FULL_STATE_DICT"},
     "fsdp1_offload_sharded": {"version": 1, "sharding_strategy": "FULL_SHARD", "cpu_offload": True,
@@ -35,6 +36,9 @@ def test_trains_on_nccl_and_checkpoint_exports_the_final_weights(tmp_path, name)
     run = tmp_path / "run"
     report = json.loads((run / "startup_rank0.json").read_text())
     assert report["distributed_type"] == "FSDP" and "cuda" in report["device"], report
+    # CPU offload and FULL_STATE_DICT gathers need gloo next to NCCL, requested from the YAML (not FSDP_* variables)
+    cpu_collectives = CASES[name].get("cpu_offload") or CASES[name]["state_dict_type"] == "FULL_STATE_DICT"
+    assert report["process_group_backend"] == ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"), report
     summary = json.loads((run / "summary.json").read_text())
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"], proc.stdout
     run_cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / "exported"))
@@ -51,3 +55,19 @@ def test_short_bench_on_gpu(tmp_path):
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert {r["strategy"].split()[0] for r in rows} == {"FULL_SHARD", "NO_SHARD"}
     assert all(r["mem_peak_mib"] > 0 for r in rows), rows  # CUDA max_memory_allocated on GPU
+
+
+def test_deterministic_training_on_cuda_repeats_bit_for_bit(tmp_path):
+    """train.deterministic on CUDA: the CLI sets CUBLAS_WORKSPACE_CONFIG (without it torch raises on the first cuBLAS
+    matmul under use_deterministic_algorithms), and two runs give the same losses bit for bit."""
+    from conftest import base_env, step_losses
+
+    losses = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = tiny_config(folder, train={"max_steps": 3, "deterministic": True, "eval_at_start": False})
+        env = {k: v for k, v in base_env().items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+        run_cli("train", str(config), env=env)
+        losses.append(step_losses(folder / "run"))
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

@@ -119,3 +119,47 @@ def test_packing_run_and_preprocessing_cache(tmp_path, tiny_model_dir):
           f"(ratio {ratio:.2f})")
     assert ratio < 1.0
     shutil.rmtree(cache / "datasets", ignore_errors=True)
+
+
+def _opt_model_dir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A real (randomly initialised) OPT model with the tiny model's tokenizer: OPT computes its positions from the
+    attention mask and ignores position_ids, so packed samples attend to each other."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "tiny-opt"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = AutoConfig.for_model("opt", num_hidden_layers=2, num_attention_heads=2, hidden_size=32, ffn_dim=64,
+                                  word_embed_proj_dim=32, vocab_size=len(tokenizer), max_position_embeddings=256,
+                                  pad_token_id=tokenizer.pad_token_id or 0, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_packing_probe_passes_on_llama_and_refuses_a_model_that_leaks(tmp_path, tiny_model_dir):
+    """The start-up probe (issue 15 item 10), on real models in this process: SmolLM2 (Llama) keeps packed samples
+    apart under sdpa and eager; OPT does not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.errors import UserError
+
+    for attn in ("sdpa", "eager"):
+        llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn, dtype=torch.float32)
+        data.check_packed_attention(llama, llama.config.vocab_size, "cpu")
+    opt = AutoModelForCausalLM.from_pretrained(_opt_model_dir(tmp_path, tiny_model_dir))
+    with pytest.raises(UserError, match="packing: this model lets packed samples attend to each other"):
+        data.check_packed_attention(opt, opt.config.vocab_size, "cpu")
+
+
+@pytest.mark.slow
+def test_packing_run_on_a_model_that_leaks_is_refused_before_training(tmp_path, tiny_model_dir):
+    config = tiny_config(tmp_path, model={"name_or_path": str(_opt_model_dir(tmp_path, tiny_model_dir))},
+                         plugins=["packing"], packing={})
+    proc = run_cli("train", str(config), check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "packing: this model lets packed samples attend to each other" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

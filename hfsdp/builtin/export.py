@@ -3,12 +3,13 @@
 from pathlib import Path
 
 from hfsdp import hookimpl
-from hfsdp.components.export import write_hf_folder
 
 ALWAYS_ON = True
 
 
 @hookimpl(trylast=True)
 def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config):
+    from hfsdp.components.export import write_hf_folder  # imports torch: not at module level (validate, plugins)
+
     write_hf_folder(state_dict, model_config, tokenizer, Path(out_dir), generation_config=generation_config)
     return True

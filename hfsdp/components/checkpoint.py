@@ -46,7 +46,14 @@ def read_record(path: Path) -> dict[str, Any]:
     record = path / RECORD
     if not record.is_file():
         raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); it was not finished or not ours")
-    return json.loads(record.read_text())
+    try:
+        data = json.loads(record.read_bytes().decode("utf-8"))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{record} is damaged (not a JSON record: {err}); resume from or export another "
+                        "checkpoint") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{record} is damaged (not an hfsdp checkpoint record); resume from or export another checkpoint")
+    return data
 
 
 class CheckpointError(UserError):

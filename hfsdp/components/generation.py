@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hfsdp.components.prompts import render_prompt
+from hfsdp.errors import UserError
 
 
 @dataclass
@@ -24,10 +25,14 @@ class GenerationResult:
 def prompts_and_references(raw_eval, data_config, tokenizer, limit: int) -> list[tuple[str, str, str]]:
     """(model input text, short prompt for display, reference answer) for the first ``limit`` eval rows."""
     rows = []
-    for row in raw_eval.select(range(min(limit, len(raw_eval)))):
+    for index, row in enumerate(raw_eval.select(range(min(limit, len(raw_eval))))):
         if data_config.format == "chat":
             messages = row[data_config.messages_field]
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if not answers:
+                raise UserError(f"generation_eval: eval row {index} has no assistant turn to compare with; give every "
+                                "eval conversation an assistant answer, or remove the generation_eval section")
+            last = answers[-1]
             text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
             shown = messages[last - 1]["content"] if last else ""
             rows.append((text, shown, messages[last]["content"]))
