@@ -76,7 +76,7 @@ CASES: dict[str, Case] = {
     "missing dataset file": (lambda d, s: ["train", _cfg(d, data={"path": str(d / "nope.jsonl")})], "does not exist"),
     "unsupported file type": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.docx", "x"),
                                                                   "eval_path": None})],
-                              "use one of .txt, .text, .json, .jsonl, .csv, .parquet"),
+                              "hfsdp reads .txt, .text, .json, .jsonl, .csv, .parquet files, not '.docx'"),
     "unreadable parquet": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.parquet", b"\x00garbage" * 64),
                                                                "eval_path": None})], "rows.parquet: Parquet magic bytes not found"),
     "malformed jsonl": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": [\n'),
