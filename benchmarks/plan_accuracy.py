@@ -39,7 +39,7 @@ from hfsdp.models import architecture_config  # noqa: E402
 from hfsdp.plan import MIB, Planner, setup_from_config  # noqa: E402
 
 DATA = REPO / "hfsdp" / "presets" / "data"
-REUSE = False  # --reuse: read measurements an earlier run left in --out, recompute only the predictions
+REUSE = False  # --reuse: run nothing, read back what an earlier run measured into --out
 
 
 def cache_dir() -> Path:
@@ -56,10 +56,11 @@ def write_yaml(path: Path, data: dict) -> Path:
 
 def bench(config: Path, strategy: str, nproc: int, out: Path, sets: list[str], env: dict[str, str],
           steps: int) -> dict | None:
-    """One `hfsdp bench` combination; its table row, or None with the log kept when it failed. With --reuse, a
-    combination measured by an earlier run into the same folder is read back instead of run again."""
-    if REUSE and (out / "bench.json").is_file():
-        return json.loads((out / "bench.json").read_text())["rows"][0]
+    """One `hfsdp bench` combination; its table row, or None with the log kept when it failed. With --reuse,
+    nothing runs: what an earlier run measured into the same folder is read back (None where it measured nothing)."""
+    if REUSE:
+        done = out / "bench.json"
+        return json.loads(done.read_text())["rows"][0] if done.is_file() else None
     cmd = [sys.executable, "-m", "hfsdp", "bench", str(config), "--strategies", strategy, "--nproc", str(nproc),
            "--steps", str(steps), "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -117,7 +118,7 @@ def state_grid(out: Path, env: dict[str, str]) -> list[dict]:
                     t0 = time.perf_counter()
                     measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 2)
                     if measured is None:
-                        rows.append({**row, "skipped": "the run failed (see failed.txt)"})
+                        rows.append({**row, "skipped": "not measured" if REUSE else "the run failed (see failed.txt)"})
                         continue
                     row.update(bench_params=measured["param_bytes"], bench_grads=measured["grad_bytes"],
                                bench_optim=measured["optim_bytes"])
@@ -172,7 +173,7 @@ def peak_grid(out: Path, env: dict[str, str], on_cpu: bool = True) -> list[dict]
                            "plan_peak": est.device_peak, "plan_state": est.state,
                            "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered}
                     if measured is None:
-                        rows.append({**row, "skipped": "the run failed (see failed.txt)"})
+                        rows.append({**row, "skipped": "not measured" if REUSE else "the run failed (see failed.txt)"})
                         continue
                     # CPU: peak RSS above the pre-load RSS; GPU: max_memory_allocated (bench's same column).
                     row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
@@ -274,7 +275,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("plan_accuracy"))
     parser.add_argument("--parts", default="state,peak", help="state, peak (CPU), gpu (one CUDA GPU)")
     parser.add_argument("--reuse", action="store_true",
-                        help="read back measurements an earlier run left in --out; recompute the predictions")
+                        help="run nothing: read back the measurements an earlier run left in --out and recompute "
+                             "the predictions and the report")
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse

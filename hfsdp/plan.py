@@ -416,12 +416,14 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       reduce-scatter copy, the tied embedding's second gradient before it is added to the first. DDP: its buckets
       (a second copy of every gradient) plus the tied embedding's second gradient.
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
-      recomputed layer. The loss adds transients of two float32 logits-sized tensors (upcast copy and its grad).
-    * peak = parameters + optimizer + the largest of three moments: backward (gathered + the root's and one
-      layer's gradient buffers + activations + loss transients + the gradients of earlier micro-batches of an
-      accumulation), the end of backward (gathered + the root's buffers + gradients), the optimizer step (gradients
-      + AdamW's temporaries: one state-sized tensor on GPUs, where it runs multi-tensor; one parameter's worth on
-      CPUs).
+      recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
+      logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient).
+    * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
+      loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
+      logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
+      (gradients + AdamW's temporaries: one state-sized tensor on GPUs, where it runs multi-tensor; one
+      parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
+      during forward and backward too.
     * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
     * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
       cpu_ram_efficient_loading (FSDP only).
@@ -480,10 +482,13 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
         host = params + grads + optimizer
         on_device_params = on_device_grads = on_device_optim = step_temp = 0
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
-    backward_start = gathered + during + activations + loss_transient + earlier_grads
+    # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
+    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time.
+    forward_end = gathered + activations + loss_transient + earlier_grads
+    backward = gathered + during + activations + acts.logits_bytes + earlier_grads
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
-    peak = on_device_params + on_device_optim + max(backward_start, backward_end, step)
+    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
     full_load = sum(p.numel * p.itemsize for p in facts.params)
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and not setup.runs_as_ddp else setup.nproc_per_node
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
