@@ -3,6 +3,9 @@
 Sources: the ``hfsdp`` entry-point group (hfsdp's own built-ins are registered there too) and dotted module paths
 named in the config's ``plugins:`` list. Built-ins marked ``ALWAYS_ON = True`` (the text/instruction/chat formats
 and the safetensors export) are always enabled; every other plugin is enabled by naming it in ``plugins:``.
+pluggy registers and validates the implementations; :class:`PluginHost` calls them itself, one plugin at a time,
+so that a failure names its plugin and hook (pluggy's ``pm.hook`` calling options therefore do not apply).
+This module knows nothing of the config schema: ``hfsdp.config`` asks it for the plugins' sections.
 """
 
 from __future__ import annotations
@@ -244,7 +247,10 @@ class WithSection:
     def __init__(self, fn: Callable[..., Any], section: Any):
         self.fn = fn
         self.section = section
-        params = inspect.signature(fn).parameters.values()
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # no introspectable signature: call it the way hfsdp always did
+            params = []
         self.wants_section = any(p.name == "section" or p.kind is p.VAR_KEYWORD for p in params)
 
     def __call__(self, *args: Any) -> Any:

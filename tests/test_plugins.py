@@ -190,6 +190,16 @@ def test_installed_plugins_are_listed_with_their_distribution(installed):
     assert proc.returncode == 2 and "plugin 'broken' failed to import" in proc.stderr
 
 
+def test_installed_plugins_section_is_named_and_printed_without_enabling_it(installed, tmp_path):
+    proc = run_cli("validate", str(tiny_config(tmp_path, eval_log={"style": "markdown"})), env=installed["env"],
+                   check=False)
+    assert proc.returncode == 2
+    assert "eval_log: section of plugin 'eval_log', which is not enabled: enable plugin 'eval_log'" in proc.stderr
+    reference = run_cli("config-reference", "eval_log", env=installed["env"]).stdout
+    assert reference.startswith("#### `eval_log` (plugin `eval_log`: enable with `plugins: [eval_log]`)")
+    assert "| `eval_log.file` | `str` | `'eval_log.csv'` | table file, relative to train.output_dir |" in reference
+
+
 def _qa_rows(rows: int) -> list[tuple[str, str]]:
     out = []
     for line in (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines()[:rows]:
