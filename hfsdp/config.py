@@ -621,14 +621,20 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     config, problems = validate_config(raw, host.config_sections())
     problems += host.validation_problems(config)
     formats = host.dataset_formats()
-    try:
-        if config.data.format not in formats:
-            problems.append(("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}"))
-        problems += cross_section_problems(config)
-        if check_data:
-            problems += data_path_problems(config.data, host.data_readers())
-    except InvalidSectionRead:
-        pass  # data: has problems of its own, reported above
+
+    def format_problems() -> list[tuple[str, str]]:
+        if config.data.format in formats:
+            return []
+        return [("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}")]
+
+    checks = [format_problems, lambda: cross_section_problems(config)]
+    if check_data:
+        checks.append(lambda: data_path_problems(config.data, host.data_readers()))
+    for check in checks:
+        try:
+            problems += check()
+        except InvalidSectionRead:
+            continue  # it reads a section that has problems of its own, reported above
     if problems:
         raise ConfigError(problems, source=str(path))
     return config, host

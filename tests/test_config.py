@@ -258,3 +258,10 @@ def test_relative_data_paths_are_taken_from_the_config_folder(tmp_path, monkeypa
     assert config.data.eval_path == "cwd_rows.jsonl"
     config, _ = load_config(str(tiny_config(sub, data={"path": "org/dataset-name"})))
     assert config.data.path == "org/dataset-name"  # a datasets name stays a name
+
+
+def test_core_checks_run_for_the_sections_that_validated(tmp_path):
+    # fsdp: has a type error, so the fsdp/model cross-check is skipped; data: validated, so its checks still run
+    problems = _problems(tiny_config(tmp_path, fsdp={"version": "three"},
+                                     data={"format": "sharegpt", "path": str(tmp_path / "nope.jsonl")}))
+    assert set(problems) == {"fsdp.version", "data.format", "data.path"}, problems
