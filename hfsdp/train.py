@@ -340,7 +340,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        empty = config.fsdp.cpu_ram_efficient_loading and not is_main and not config.fsdp.runs_as_ddp
+        empty = config.fsdp.cpu_ram_efficient_loading and not is_main  # never with DDP: the config refuses that
         host.call("hfsdp_before_model_load", config=config, world=world)
         model = models.load_model(model_path, config.model, empty=empty)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
