@@ -132,11 +132,17 @@ class Setup:
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, lora="lora" in config.plugins,
                  accumulation=config.train.gradient_accumulation_steps)
-    return base.changed(fsdp={"sharding_strategy": strategy} if strategy != config.fsdp.sharding_strategy else None)
+    # Not validated here: a strategy the rest of the section rules out becomes a row saying why (setup_problem).
+    return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
 
 def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
-    """Why this combination cannot run at all: the trainer's world checks and the lora plugin's refusal."""
+    """Why this combination cannot run at all: the config's own rules, the trainer's world checks and the lora
+    plugin's refusal."""
+    try:
+        FSDPConfig.model_validate(setup.fsdp.model_dump())
+    except ValueError as err:
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
     problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
     if problems:
         return problems[0][1]

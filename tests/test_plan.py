@@ -56,9 +56,12 @@ def test_llama_8b_on_8_gpus_offline_from_the_shipped_config(tmp_path):
 def test_activation_checkpointing_and_offload_move_memory_where_they_should(tmp_path):
     plain = row(plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B")), "--nproc", "8",
                           "--strategies", "FULL_SHARD"), "FULL_SHARD", 8)
-    ckpt = row(plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B", activation_checkpointing=True,
-                                        cpu_offload=True, cpu_ram_efficient_loading=True)),
-                         "--nproc", "8", "--strategies", "FULL_SHARD"), "FULL_SHARD", 8)
+    data = plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B", activation_checkpointing=True,
+                                    cpu_offload=True, cpu_ram_efficient_loading=True)),
+                     "--nproc", "8", "--strategies", "FULL_SHARD,NO_SHARD")
+    ckpt = row(data, "FULL_SHARD", 8)
+    # A strategy the rest of the config rules out is a row saying why, not a crash.
+    assert "cpu_ram_efficient_loading" in row(data, "NO_SHARD", 8)["problem"]
     # Checkpointing keeps each layer's input (1 x 2048 x 4096 bf16 = 16 MiB) plus one layer, not all 32 layers.
     assert ckpt["activations"] < plain["activations"] / 4
     assert ckpt["host_per_rank"] == plain["params"] + plain["grads"] + plain["optimizer"]
