@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import yaml
 
 from hfsdp import __version__, data, models
-from hfsdp.components import checkpoint, generation
+from hfsdp.components import checkpoint, generation, resume
 from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
@@ -165,8 +165,13 @@ def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def check_resume_record(record: dict[str, Any], config: HfsdpConfig, world_size: int, path: Path,
-                        identity: dict[str, Any]) -> None:
+def run_fingerprint(config: HfsdpConfig) -> str:
+    """What a checkpoint records of its config: the keys that change the run (the batch keys are checked through
+    the global batch, :mod:`hfsdp.components.resume`)."""
+    return config.fingerprint(exclude=RESUMABLE_CHANGES + resume.BATCH_KEYS)
+
+
+def check_resume_record(record: dict[str, Any], config: HfsdpConfig, path: Path, identity: dict[str, Any]) -> None:
     """``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps them
     (records written before they were recorded are not checked for them)."""
     problems = []
@@ -179,10 +184,7 @@ def check_resume_record(record: dict[str, Any], config: HfsdpConfig, world_size:
         problems.append(f"it was trained on other data ({record.get('train_rows')} rows, fingerprint "
                         f"{record.get('train_fingerprint')}; this run's data: {identity['train_rows']} rows, "
                         f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
-    if record["world_size"] != world_size:
-        problems.append(f"it was saved on {record['world_size']} rank(s), this run has {world_size}; the data order "
-                        "and sharded state depend on the world size: resume with the same number of processes")
-    if record["config_hash"] != config.fingerprint(exclude=RESUMABLE_CHANGES):
+    if record["config_hash"] != run_fingerprint(config):
         problems.append("the config changed in keys that change the run (model, data, optimizer, fsdp, batch); "
                         f"only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
     if problems:
@@ -334,6 +336,13 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
             gen_items = generation.prompts_and_references(raw_eval, config.data, tokenizer,
                                                           config.generation_eval.num_samples)
+        # A checkpoint of another world size resumes with the accumulation that keeps its global batch.
+        resumed_from = find_resume_checkpoint(output_dir, opts.resume) if opts.resume else None
+        if resumed_from is not None:
+            config, note = resume.keep_global_batch(checkpoint.read_record(resumed_from), config, world.size,
+                                                    resumed_from)
+            if note:
+                say(note)
         plan = data.BatchPlan(len(train_set), config.train.per_device_batch_size, world.size,
                               config.train.gradient_accumulation_steps, config.train.seed)
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
@@ -371,14 +380,12 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
             accelerator.register_for_checkpointing(scaler)
 
         # ---- resume
-        resumed_from = None
         if opts.resume:
-            resumed_from = find_resume_checkpoint(output_dir, opts.resume)
             if is_main:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
                 for stale in checkpoint.remove_incomplete(output_dir / "checkpoints"):
                     say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
             if resumed_from is not None:
-                check_resume_record(checkpoint.read_record(resumed_from), config, world.size, resumed_from, identity)
+                check_resume_record(checkpoint.read_record(resumed_from), config, resumed_from, identity)
                 verify_checkpoint(resumed_from)  # every file Accelerate/DCP would unpickle: plain data only
                 accelerator.load_state(str(resumed_from))
                 say(f"resumed from {resumed_from} at step {state.step}")
@@ -423,6 +430,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
+                resume.seed_step(config.train.seed, state.step, accelerator.process_index)
                 batches = micro_batches(train_set, plan, state.step, accelerator.process_index,
                                         tokenizer.pad_token_id, accelerator.device)
                 local_labels = sum(int((b["labels"][:, 1:] != data.IGNORE_INDEX).sum()) for b in batches)
@@ -529,7 +537,8 @@ def save_checkpoint(accelerator, run: Run, model_config) -> Path:
     record = {
         "step": run.state.step,
         "world_size": accelerator.num_processes,
-        "config_hash": run.config.fingerprint(exclude=RESUMABLE_CHANGES),
+        "config_hash": run_fingerprint(run.config),
+        "global_batch": resume.global_batch(run.config, accelerator.num_processes),
         "versions": {"hfsdp": __version__, "torch": torch.__version__, "accelerate": version("accelerate"),
                      "transformers": version("transformers")},
         "plugins": {p.name: p.version for p in run.plugins.plugins},

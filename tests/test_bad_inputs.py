@@ -17,7 +17,7 @@ import yaml
 from conftest import PRESET_DATA, base_env, tiny_config
 from hfsdp.components import checkpoint
 from hfsdp.config import load_config
-from hfsdp.train import RESUMABLE_CHANGES
+from hfsdp.train import run_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +28,15 @@ def _cfg(case: Path, **sections) -> str:
     return str(tiny_config(case, **sections))
 
 
-def _fake_checkpoint(run: Path, config: str, *, world_size: int = 1, complete: bool = True) -> Path:
+def _fake_checkpoint(run: Path, config: str, *, world_size: int = 1, complete: bool = True, **record) -> Path:
     """A checkpoint folder whose record matches ``config`` (only the record is read before the refusal)."""
     ckpt = run / "checkpoints" / "step-2"
     ckpt.mkdir(parents=True)
     if complete:
         cfg, _ = load_config(config)
         (ckpt / checkpoint.RECORD).write_text(json.dumps(
-            {"step": 2, "world_size": world_size, "config_hash": cfg.fingerprint(exclude=RESUMABLE_CHANGES)}))
+            {"step": 2, "world_size": world_size,
+             "config_hash": run_fingerprint(cfg), **record}))
     return ckpt
 
 
@@ -122,6 +123,11 @@ CASES: dict[str, Case] = {
     "resume on another world size": (
         lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d), world_size=2), ["train", c, "--resume"])[1],
         "it was saved on 2 rank(s), this run has 1"),
+    "resume on a world size that cannot keep the global batch": (
+        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d), world_size=3, global_batch=3), ["train", c, "--resume"])[1],
+        "its global batch is 3 samples per step and 2 per device x 1 accumulation x 1 ranks makes 2; set one of: "
+        "per_device_batch_size 1 with gradient_accumulation_steps 3; per_device_batch_size 3 with "
+        "gradient_accumulation_steps 1"),
     "export an incomplete checkpoint": (
         lambda d, s: ["export", str(_fake_checkpoint(d / "run", _cfg(d), complete=False)), str(d / "out")],
         "is not a complete hfsdp checkpoint"),
