@@ -2,29 +2,37 @@
 # Build and run the repository's Dockerfile with podman on a machine without an image registry
 # (what `make image` and tests/test_image.py use). Everything specific to this kind of host lives here,
 # never in the Dockerfile:
-#   - the base image is a local Debian (mmdebstrap + `podman import`) passed as BASE_IMAGE; its tarball is
-#     cached under $HFSDP_CACHE_DIR/image so that it is made once per cache;
+#   - the base image is a local Debian (mmdebstrap + `podman import`) passed as BASE_IMAGE;
 #   - pip inside the build uses the host's pip configuration, the local package folders it names and the CA
 #     bundle, mounted read-only into the RUN steps (the image keeps none of them);
-#   - podman runs with runc, cgroupfs and no default ulimits (crun and the default RLIMIT_NOFILE fail here).
+#   - podman runs with runc, cgroupfs and no default ulimits (crun and the default RLIMIT_NOFILE fail here);
+#   - podman's storage (base, layers, volumes) lives in $HFSDP_CACHE_DIR/image/storage: a kept cache makes a
+#     rebuild redo only the layers whose inputs changed, on any machine.
 #
 #   scripts/image.sh build            build localhost/hfsdp:local, print build time and image size
-#   scripts/image.sh podman ARGS...   podman with the same settings, e.g. `scripts/image.sh podman run --rm
-#                                     localhost/hfsdp:local hfsdp --version`
+#   scripts/image.sh podman ARGS...   podman with the same settings and storage, e.g.
+#                                     `scripts/image.sh podman run --rm localhost/hfsdp:local hfsdp --version`
 #
 # Needs root and the Debian packages podman, buildah, runc, mmdebstrap.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-IMAGE="${HFSDP_IMAGE:-localhost/hfsdp:local}"
+IMAGE="localhost/hfsdp:local"
 BASE="localhost/hfsdp-base:bookworm"
 CACHE="${HFSDP_CACHE_DIR:-$HOME/.cache/hfsdp}/image"
-BASE_TAR="$CACHE/debian-bookworm-python3.tar"
+# Run-time state (locks, mount counts) stays on this machine, one folder per storage.
+RUNROOT="/run/hfsdp-image/$(printf '%s' "$CACHE" | sha256sum | cut -c1-16)"
 
 podman_() {
+    local rc=0
     mkdir -p "$CACHE"
     printf '[containers]\ndefault_ulimits = []\n' > "$CACHE/containers.conf"
-    CONTAINERS_CONF="$CACHE/containers.conf" podman --runtime runc --cgroup-manager cgroupfs "$@"
+    CONTAINERS_CONF="$CACHE/containers.conf" podman --root "$CACHE/storage" --runroot "$RUNROOT" \
+        --tmpdir "$RUNROOT/libpod" --runtime runc --cgroup-manager cgroupfs "$@" || rc=$?
+    # podman leaves its overlay folder bind-mounted; release it so that the cache folder can be deleted
+    # (best effort: a container's cleanup process may have released it already).
+    umount "$CACHE/storage/overlay" 2> /dev/null || true
+    return $rc
 }
 
 # `-v SRC:SRC:ro` for every pip configuration file that exists and every local path its settings name
@@ -59,16 +67,15 @@ EOF
 }
 
 base_image() {
+    local tar="$CACHE/base-rootfs.tar"
     if podman_ image exists "$BASE"; then
         return
     fi
-    if [ ! -s "$BASE_TAR" ]; then
-        echo "making the Debian base $BASE_TAR (mmdebstrap, once per cache)"
-        mmdebstrap --quiet --format=tar --variant=minbase --include=python3,python3-venv,ca-certificates \
-            bookworm "$BASE_TAR.partial"
-        mv "$BASE_TAR.partial" "$BASE_TAR"
-    fi
-    podman_ import --quiet "$BASE_TAR" "$BASE" > /dev/null
+    echo "making the Debian base $BASE with mmdebstrap (once per cache)"
+    mmdebstrap --quiet --format=tar --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$tar"
+    podman_ import --quiet "$tar" "$BASE" > /dev/null
+    rm "$tar"
 }
 
 build() {
@@ -79,6 +86,7 @@ build() {
     podman_ build --format docker --pull=never --network host $(pip_mounts) --build-arg BASE_IMAGE="$BASE" \
         -t "$IMAGE" -f "$ROOT/Dockerfile" "$ROOT"
     seconds=$((SECONDS - start))
+    podman_ image prune --force > /dev/null  # layers of earlier builds that no tag uses any more
     size="$(podman_ image inspect --format '{{.Size}}' "$IMAGE")"
     echo "built $IMAGE in ${seconds} s (base $BASE), image size $((size / 1000000)) MB"
 }

@@ -22,19 +22,15 @@ from conftest import REPO, base_env, step_losses
 pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "scripts" / "image.sh"
-IMAGE = "localhost/hfsdp:test"
-# Outlives the test run, like the `-v hfsdp-cache:/cache` of docs/gpu_hosts.md: the built-in models are made
-# in it once per machine.
+IMAGE = "localhost/hfsdp:local"  # what scripts/image.sh builds
+# Outlives the test run (in the podman storage under $HFSDP_CACHE_DIR), like the `-v hfsdp-cache:/cache` of
+# docs/gpu_hosts.md: the built-in models are made in it once per cache.
 CACHE_VOLUME = "hfsdp-test-cache"
 TOOLS = ("podman", "runc", "mmdebstrap")
 
 
-def _image_env() -> dict[str, str]:
-    return base_env(HFSDP_IMAGE=IMAGE)
-
-
 def _podman(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), "podman", *args], env=_image_env(), capture_output=True, text=True,
+    return subprocess.run(["bash", str(SCRIPT), "podman", *args], env=base_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -47,7 +43,7 @@ def image_user() -> tuple[int, int]:
                     "(apt-get install podman buildah runc mmdebstrap)")
     if os.getuid() != 0:
         pytest.skip("scripts/image.sh runs rootful podman, and this test is not running as root")
-    build = subprocess.run(["bash", str(SCRIPT), "build"], env=_image_env(), capture_output=True, text=True,
+    build = subprocess.run(["bash", str(SCRIPT), "build"], env=base_env(), capture_output=True, text=True,
                            timeout=3600)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-6000:]
     print(build.stdout.splitlines()[-1])
