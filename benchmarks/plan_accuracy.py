@@ -73,6 +73,14 @@ def bench(config: Path, strategy: str, nproc: int, out: Path, sets: list[str], e
 _PLANNERS: dict[tuple, Planner] = {}
 
 
+def _why_not(run: Path) -> str:
+    if (run / "failed.txt").is_file():
+        errors = [line.split("]: ", 1)[-1] for line in (run / "failed.txt").read_text().splitlines()
+                  if "Error: " in line and "ChildFailedError" not in line and "bench run" not in line]
+        return "the run failed: " + (errors[-1][:200] if errors else "see failed.txt")
+    return "not measured"
+
+
 def predict(config: Path, sets: list[str], strategy: str, nproc: int, on_cpu: bool):
     cfg, _ = load_config(str(config), sets)
     # One planner (meta model and traces) per config that differs in more than its fsdp section.
@@ -118,7 +126,7 @@ def state_grid(out: Path, env: dict[str, str]) -> list[dict]:
                     t0 = time.perf_counter()
                     measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 2)
                     if measured is None:
-                        rows.append({**row, "skipped": "not measured" if REUSE else "the run failed (see failed.txt)"})
+                        rows.append({**row, "skipped": _why_not(out / "runs" / label.replace(" ", "_"))})
                         continue
                     row.update(bench_params=measured["param_bytes"], bench_grads=measured["grad_bytes"],
                                bench_optim=measured["optim_bytes"])
@@ -169,11 +177,12 @@ def peak_grid(out: Path, env: dict[str, str], on_cpu: bool = True) -> list[dict]
                                            on_cpu)
                     t0 = time.perf_counter()
                     measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 3)
-                    row = {"label": label, "strategy": strategy, "seq": seq, "batch": batch, "ac": ac,
+                    row = {"label": label, "device": "cpu" if on_cpu else "gpu", "strategy": strategy, "seq": seq,
+                           "batch": batch, "ac": ac,
                            "plan_peak": est.device_peak, "plan_state": est.state,
                            "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered}
                     if measured is None:
-                        rows.append({**row, "skipped": "not measured" if REUSE else "the run failed (see failed.txt)"})
+                        rows.append({**row, "skipped": _why_not(out / "runs" / label.replace(" ", "_"))})
                         continue
                     # CPU: peak RSS above the pre-load RSS; GPU: max_memory_allocated (bench's same column).
                     row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
@@ -247,8 +256,9 @@ def report(state: list[dict], peak: list[dict]) -> str:
         lines += ["## Peak memory per rank during the steps", "",
                   f"{len(ran)} combinations; largest deviation {100 * worst:.1f} % (target 10 %). CPU rows (seq 128 "
                   "and 256): 2 ranks of smollm2-bench (75M), FSDP2 fp32, peak RSS during the steps above the RSS "
-                  "before the model is loaded, glibc returning freed memory. GPU rows (seq 1024 and 2048): 1 rank of "
-                  "SmolLM2-135M-Instruct, bf16 mixed precision, torch.cuda.max_memory_allocated.", "",
+                  "before the model is loaded, glibc returning freed memory."
+                  + (" GPU rows (seq 1024 and 2048): 1 rank of SmolLM2-135M-Instruct, bf16 mixed precision, "
+                     "torch.cuda.max_memory_allocated." if any(r.get("device") == "gpu" for r in peak) else ""), "",
                   "| combination | plan state / activations+loss / gathered MiB | plan peak MiB | measured peak MiB "
                   "| plan ÷ measured |", "|---|---|---|---|---|"]
         for r in peak:
