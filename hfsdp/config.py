@@ -205,6 +205,8 @@ class TrainConfig(Section):
     report_to: list[Tracker] = Field(
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
         "replaces train.tensorboard (false: none).")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the README's table of known GPUs.")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also CUBLAS_WORKSPACE_CONFIG).")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")

@@ -217,3 +217,10 @@ def all_sum(accelerator, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
     torch.distributed.all_reduce(t)
     return t.tolist()
+
+
+def per_rank(accelerator, value: float) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    values = [0.0] * accelerator.num_processes
+    values[accelerator.process_index] = value
+    return all_sum(accelerator, values)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import yaml
 
 from hfsdp import __version__, data, models
-from hfsdp.components import checkpoint, generation, resume
+from hfsdp.components import checkpoint, generation, plots, resume, throughput
 from hfsdp.components.export import model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
@@ -31,7 +31,7 @@ from hfsdp.components.safe_load import verify_checkpoint
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
     World, all_sum, any_rank, build_accelerator, checkpointed_layers, local_parameter_bytes,
-    optimizer_state_bytes, rehearsal_problems, wrapped_units,
+    optimizer_state_bytes, per_rank, rehearsal_problems, wrapped_units,
 )
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import check_world, hybrid_mesh_shape
@@ -43,7 +43,7 @@ RESUMABLE_CHANGES = (
     "train.export_final", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
     "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "generation_eval",
 )
-OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json")
+OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
 
 
 class NonFiniteLoss(UserError):
@@ -353,6 +353,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         host.call("hfsdp_before_model_load", config=config, world=world)
         model = models.load_model(model_path, config.model, empty=empty)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
+        flops = throughput.FlopsModel.of(model, model_config)  # counted before sharding
         if config.fsdp.activation_checkpointing and config.fsdp.runs_as_ddp:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.fsdp.version == 1:
@@ -425,6 +426,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         preemption = PreemptionFlag()
         preemption.install()
         progress = _progress(is_main, state.step, max_steps)
+        meter = throughput.StepMeter.for_run(flops, config, accelerator)
         model.train()
         last_eval: dict[str, Any] = {}
         try:
@@ -434,8 +436,9 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 batches = micro_batches(train_set, plan, state.step, accelerator.process_index,
                                         tokenizer.pad_token_id, accelerator.device)
                 local_labels = sum(int((b["labels"][:, 1:] != data.IGNORE_INDEX).sum()) for b in batches)
-                local_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-                global_labels, global_tokens = all_sum(accelerator, [local_labels, local_tokens])
+                local_tokens, local_sq_lengths = throughput.row_lengths(batches)
+                global_labels, global_tokens, global_sq_lengths = all_sum(
+                    accelerator, [local_labels, local_tokens, local_sq_lengths])
                 loss_sum = torch.zeros((), dtype=torch.float64)
                 for batch in batches:
                     part, _ = token_loss_sums(model, batch)
@@ -480,13 +483,14 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 elapsed = time.perf_counter() - t0
                 step_metrics = {
                     "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+                    "tokens": int(global_tokens), "step_time_s": elapsed,
+                    **meter.step(global_tokens, global_sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
                 }
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{step_metrics['lr']:.2e}",
-                                         tok_s=f"{step_metrics['tokens_per_s']:.0f}")
+                                         **meter.postfix(step_metrics))
                 if state.step % config.train.log_every == 0 or state.step == max_steps or state.step == 1:
                     metrics.write(state.step, step_metrics)
                 host.call("hfsdp_on_step_end", run=run, step=state.step, metrics=step_metrics)
@@ -506,12 +510,13 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 progress.close()
 
         # ---- finish: final eval, export, summary
+        speed = meter.summary(per_rank(accelerator, throughput.peak_memory_gib(accelerator.device)))
         after = run_eval(state.step, "after") if (eval_set is not None or gen_items) else last_eval
         if config.train.export_final:
             export_model(accelerator, model, run, model_config, output_dir / "final")
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
-                   "data": data_report}
+                   "data": data_report, "throughput": speed}
         if is_main:
             import json
 
@@ -519,6 +524,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         host.call("hfsdp_on_train_end", run=run, metrics=after)
         metrics.close()
         say(format_summary(summary, run.extras, config))
+        if is_main:
+            say(plots.run_plot(output_dir))
         return summary
     finally:
         if accelerator is not None:
@@ -624,7 +631,8 @@ def _progress(is_main: bool, start: int, total: int):
 def format_summary(summary: dict[str, Any], extras: dict[str, Any], config: HfsdpConfig) -> str:
     before, after = summary["before"], summary["after"]
     lines = [f"done: {summary['steps']} steps, {summary['tokens_seen']} tokens"
-             + (f", {summary['skipped_steps']} skipped" if summary["skipped_steps"] else "")]
+             + (f", {summary['skipped_steps']} skipped" if summary["skipped_steps"] else ""),
+             throughput.format_throughput(summary["throughput"])]
     if "eval_loss" in before and "eval_loss" in after:
         lines.append(f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f} "
                      f"(perplexity {before['eval_ppl']:.2f} -> {after['eval_ppl']:.2f})")

@@ -41,6 +41,10 @@ def test_trains_on_nccl_and_checkpoint_exports_the_final_weights(tmp_path, name)
     assert report["process_group_backend"] == ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"), report
     summary = json.loads((run / "summary.json").read_text())
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"], proc.stdout
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert all(0 < r["mem_max_allocated_gib"] <= r["mem_max_reserved_gib"] for r in steps), steps
+    if torch.cuda.get_device_name().startswith("NVIDIA H"):  # in the peak table: MFU per step and in the summary
+        assert all(0 < r["mfu_pct"] < 100 for r in steps) and "MFU" in proc.stdout, steps
     run_cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / "exported"))
     final, exported = load_file(str(run / "final" / "model.safetensors")), load_file(
         str(tmp_path / "exported" / "model.safetensors"))

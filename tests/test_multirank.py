@@ -324,3 +324,9 @@ def test_lora_adapter_under_fsdp1_on_two_ranks_equals_one_process(tmp_path):
     for key in b:
         torch.testing.assert_close(a[key], b[key], atol=WEIGHT_ATOL, rtol=0, msg=key)
     assert step_losses(two) == pytest.approx(step_losses(one), rel=LOSS_REL)
+
+
+def test_summary_reports_each_ranks_peak_memory_and_per_device_throughput(runs):
+    summary = json.loads((runs["fsdp2_full"] / "summary.json").read_text())["throughput"]
+    assert len(summary["peak_memory_gib_per_rank"]) == 2 and min(summary["peak_memory_gib_per_rank"]) > 0.05
+    assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 2)
