@@ -36,12 +36,32 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
 
 
-def _world_from_env():
-    """The process's place in the job. A plain ``hfsdp train`` becomes a one-rank job, so that one process runs
-    the same FSDP code path as many."""
-    from hfsdp.distributed import World
+def _keep_fsdp_to_resume(config, resume: str | None):
+    """One process resuming a checkpoint that FSDP saved (another world size, or ``single_process: fsdp``) keeps
+    FSDP: only FSDP reads FSDP's checkpoint layouts."""
+    if not resume or int(os.environ.get("WORLD_SIZE", "1")) != 1 or config.fsdp.single_process == "fsdp":
+        return config
+    from hfsdp.components.checkpoint import saved_by_fsdp
+    from hfsdp.train import find_resume_checkpoint
 
-    if "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
+    found = find_resume_checkpoint(Path(config.train.output_dir), resume)
+    if found is None or not saved_by_fsdp(found):
+        return config
+    return config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
+
+
+def _world_from_env(config):
+    """The process's place in the job. One process whose model needs no wrapper (``fsdp.wraps_model``) drops a
+    launcher's rank variables (a one-process torchrun), so that Accelerate builds no process group and wraps
+    nothing; one that keeps FSDP (``cpu_offload``, ``fsdp.single_process: fsdp``) becomes a one-rank job, so that
+    it runs the same FSDP code path as many."""
+    from hfsdp.distributed import World
+    from hfsdp.fsdp import wraps_model
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not wraps_model(config.fsdp, 1):
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    elif "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -136,7 +156,8 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.config import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
-    world = _world_from_env()  # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
+    cfg = _keep_fsdp_to_resume(cfg, resume)
+    world = _world_from_env(cfg)  # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
     notes = _take_launcher_settings(cfg, world.on_cpu)
     from hfsdp.distributed import runtime_env
 

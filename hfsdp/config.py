@@ -113,6 +113,9 @@ class FSDPConfig(Section):
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="HYBRID_SHARD: ranks per shard group (default: processes per node)."
     )
+    single_process: Literal["auto", "fsdp"] = Field(
+        "auto", description="one process: auto runs the model without a wrapper unless an option needs FSDP "
+                            "(cpu_offload); fsdp wraps it anyway, as N ranks would.")
     # FSDP1-only knobs: None means "not set", so setting one under version 2 can be reported.
     forward_prefetch: bool | None = Field(None, description="FSDP1: issue the next all-gather early (default false).")
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = Field(
@@ -185,6 +188,9 @@ class TrainConfig(Section):
     epochs: float | None = Field(None, gt=0, description="passes over the train set (when max_steps is unset).")
     per_device_batch_size: int = Field(1, gt=0, description="samples per micro-batch per rank.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    group_by_length: bool = Field(
+        False, description="put rows of similar length into the same micro-batches (less padding); the order "
+                           "stays a function of seed and step.")
     learning_rate: float = Field(2e-5, gt=0, description="peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decay on matrices (not norms/biases).")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, data_reader_key
@@ -198,15 +199,49 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
     return datasets.load_from_disk(str(target)), False
 
 
-class BatchPlan:
-    """Which rows each rank trains on at each optimizer step, as a pure function of (seed, step)."""
+# Grouping by length sorts spans of this many global batches at a time (as transformers' LengthGroupedSampler
+# sorts "megabatches" of 50): long enough to find rows of similar length, short enough to keep batches varied.
+GROUP_SPAN = 64
 
-    def __init__(self, num_rows: int, per_device_batch: int, world_size: int, accumulation: int, seed: int):
+
+def group_by_length(order: list[int], lengths, batch: int, generator: torch.Generator) -> list[int]:
+    """``order`` rearranged so that each run of ``batch`` positions holds rows of similar length: every span of
+    ``GROUP_SPAN`` batches is sorted longest first and cut into batches, and the full batches of a span are shuffled
+    (a last, partial batch stays last, so that the batches after it keep their boundaries)."""
+    out: list[int] = []
+    span = GROUP_SPAN * batch
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start:start + span], key=lambda i: -lengths[i])  # stable: ties keep the seeded order
+        full = len(chunk) // batch
+        for k in torch.randperm(full, generator=generator).tolist():
+            out.extend(chunk[k * batch:(k + 1) * batch])
+        out.extend(chunk[full * batch:])
+    return out
+
+
+def row_lengths(dataset):
+    """Tokens per row of a tokenized dataset (read from its Arrow column, without decoding the rows)."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
+
+
+class BatchPlan:
+    """Which rows each rank trains on at each optimizer step, as a pure function of (seed, step).
+
+    With ``lengths`` (``train.group_by_length``) each epoch's seeded order is regrouped so that every global batch
+    holds rows of similar length, sorted longest first, so that each micro-batch (a consecutive slice of it) pads
+    little. A global batch still depends only on (seed, step) and the global batch size, never on how it is split
+    over ranks and micro-batches: N ranks keep training on exactly the global batches of one process."""
+
+    def __init__(self, num_rows: int, per_device_batch: int, world_size: int, accumulation: int, seed: int,
+                 lengths=None):
         self.num_rows = num_rows
         self.per_device_batch = per_device_batch
         self.world_size = world_size
         self.accumulation = accumulation
         self.seed = seed
+        self.lengths = lengths
         self._epoch_cache: tuple[int, list[int]] | None = None
 
     @property
@@ -219,7 +254,12 @@ class BatchPlan:
     def _order(self, epoch: int) -> list[int]:
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch_cache = (epoch, torch.randperm(self.num_rows, generator=generator).tolist())
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+            if self.lengths is not None:
+                # Global batches run on across epochs: group from this epoch's first batch boundary on.
+                head = -epoch * self.num_rows % self.global_batch
+                order = order[:head] + group_by_length(order[head:], self.lengths, self.global_batch, generator)
+            self._epoch_cache = (epoch, order)
         return self._epoch_cache[1]
 
     def rows(self, step: int, micro_step: int, rank: int) -> list[int]:
@@ -272,7 +312,9 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Te
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the model gets from a collated batch: everything but the labels.
+    """What the model gets from a collated batch: everything but the labels, and no attention mask where it masks
+    nothing (rows of one length): the model then takes its causal path (SDPA's ``is_causal`` kernel) without
+    building or checking a mask, which on a GPU is a host sync per forward.
 
     Packed rows (with ``position_ids``) go without the 2D attention mask and without a KV cache: given neither,
     transformers builds a block-diagonal causal mask from where ``position_ids`` restart at 0
@@ -284,6 +326,8 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "position_ids" in inputs:
         inputs.pop("attention_mask", None)
         inputs["use_cache"] = False
+    elif "attention_mask" in inputs and bool(inputs["attention_mask"].all()):
+        inputs.pop("attention_mask")
     return inputs
 
 
@@ -319,14 +363,64 @@ def check_packed_attention(model, vocab_size: int, device) -> None:
         )
 
 
-def padding_fraction(lengths, batch_size: int, seed: int) -> float:
-    """Share of padding in micro-batches of ``batch_size`` rows drawn in a seeded random order."""
+@dataclass
+class MicroBatch:
+    """A collated micro-batch on its device, with the counts the loss normalisation needs, taken on the host."""
+
+    inputs: dict[str, Any]  # what the model gets (``model_inputs``, maybe ``logits_to_keep``)
+    targets: torch.Tensor  # the next-token label of each logit the model returns (IGNORE_INDEX: no loss there)
+    lengths: list[int]  # real (non-padding) tokens of each row
+    num_targets: int  # labelled positions: what the loss sums over
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def micro_batch(rows: list[dict[str, list[int]]], pad_id: int, device, select_logits: bool = False) -> MicroBatch:
+    """Collate ``rows``, choose the model inputs and count tokens on the CPU, then move the tensors to ``device``:
+    nothing here waits for the device.
+
+    ``select_logits`` (for models whose forward takes ``logits_to_keep``): the model computes logits only at the
+    positions where some row has a next-token label. The LM head (a vocabulary-sized projection) and the cross
+    entropy then skip prompts and padding, which are most positions of instruction and chat data; the loss is the
+    same sum over the same labelled positions."""
+    batch = collate(rows, pad_id)
+    inputs = model_inputs(batch)
+    shifted = batch["labels"][:, 1:]
+    labelled = shifted != IGNORE_INDEX
+    targets = F.pad(shifted, (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1; the last predicts none
+    if select_logits:  # never the last position (it predicts nothing); one logit, without loss, if none has a label
+        keep = labelled.any(0).nonzero().flatten() if labelled.any() else torch.zeros(1, dtype=torch.long)
+        inputs["logits_to_keep"] = keep
+        targets = targets[:, keep]
+
+    def move(value):
+        return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+    return MicroBatch(inputs={k: move(v) for k, v in inputs.items()}, targets=move(targets),
+                      lengths=[len(r["input_ids"]) for r in rows], num_targets=int(labelled.sum()))
+
+
+def micro_batches(dataset, plan: "BatchPlan", step: int, rank: int, pad_id: int, device,
+                  select_logits: bool = False) -> list[MicroBatch]:
+    """This rank's micro-batches of optimizer step ``step``."""
+    return [micro_batch([dataset[i] for i in plan.rows(step, m, rank)], pad_id, device, select_logits)
+            for m in range(plan.accumulation)]
+
+
+def padding_fraction(lengths, batch_size: int, seed: int, grouped: bool = False) -> float:
+    """Share of padding in micro-batches of ``batch_size`` rows drawn in a seeded random order (``grouped``: then
+    grouped by length, as ``train.group_by_length`` does)."""
     import numpy as np
 
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         return 0.0
-    lengths = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+    order = np.random.default_rng(seed).permutation(lengths.size)
+    if grouped:
+        order = np.asarray(group_by_length(order.tolist(), lengths, batch_size, torch.Generator().manual_seed(seed)))
+    lengths = lengths[order]
     full = lengths.size // batch_size * batch_size
     padded = int(lengths[:full].reshape(-1, batch_size).max(axis=1).sum()) * batch_size
     if full < lengths.size:
@@ -334,16 +428,16 @@ def padding_fraction(lengths, batch_size: int, seed: int) -> float:
     return 1.0 - float(lengths.sum()) / padded
 
 
-def padding_report(dataset, batch_size: int, seed: int) -> str:
+def padding_report(dataset, batch_size: int, seed: int, grouped: bool = False) -> str:
     """Padding of the training micro-batches; for packed rows (with ``position_ids``) also before packing."""
     import numpy as np
     import pyarrow.compute as pc
 
-    table = dataset.with_format("arrow")
-    rows = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
-    after = padding_fraction(rows, batch_size, seed)
+    rows = row_lengths(dataset)
+    after = padding_fraction(rows, batch_size, seed, grouped)
     if "position_ids" not in dataset.column_names:
-        return f"padding {after:.1%}"
+        return f"padding {after:.1%}" + (" (grouped by length)" if grouped else "")
+    table = dataset.with_format("arrow")
     flat = pc.list_flatten(table["position_ids"]).to_numpy(zero_copy_only=False)
     starts = np.flatnonzero(flat == 0)
     samples = np.diff(np.append(starts, flat.size))

@@ -21,7 +21,7 @@ import torch
 
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config
+from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, wraps_model
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 _GPU_ONLY = {
@@ -74,9 +74,9 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-    plugin = build_fsdp_plugin(config.fsdp, layer_classes)
+    plugin = build_fsdp_plugin(config.fsdp, layer_classes) if uses_fsdp(config, world.size) else None
     backend = process_group_backend(config, world)
-    parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size)
+    parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size) if plugin is not None else None
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
     autocast = config.fsdp.precision_name if plugin is None else "no"
     rehearsal = world.on_cpu and plugin is not None
@@ -112,9 +112,12 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
             state.parallelism_config = parallelism
             state.device_mesh = parallelism.get_device_mesh("cpu")
             parallelism._validate_accelerator(accelerator)
-    expected = DistributedType.FSDP if plugin is not None else (
-        DistributedType.MULTI_CPU if world.on_cpu else DistributedType.MULTI_GPU
-    )
+    if plugin is not None:
+        expected = DistributedType.FSDP
+    elif world.size == 1:  # the model runs as it is: no process group, no wrapper
+        expected = DistributedType.NO
+    else:
+        expected = DistributedType.MULTI_CPU if world.on_cpu else DistributedType.MULTI_GPU
     if accelerator.distributed_type != expected:
         raise UserError(
             f"the launcher gave distributed type {accelerator.distributed_type.value}, but the config asks for "
@@ -145,6 +148,20 @@ def _fsdp1_keep_cpu_gathers() -> None:
 
     to_cpu._hfsdp_cpu_noop = True
     FlatParamHandle.to_cpu = to_cpu
+
+
+def uses_fsdp(config: HfsdpConfig, world_size: int) -> bool:
+    """FSDP wraps the model (else DDP on several ranks, or nothing on one process: see ``fsdp.wraps_model``)."""
+    return wraps_model(config.fsdp, world_size)
+
+
+def wrapper_note(config: HfsdpConfig, world_size: int) -> str:
+    """What the start-up report adds to the strategy when FSDP does not wrap the model."""
+    if uses_fsdp(config, world_size):
+        return ""
+    if world_size > 1:
+        return " (runs as DDP)"
+    return " (one process: runs without a wrapper, nothing to shard; fsdp.single_process: fsdp keeps FSDP)"
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -200,6 +217,20 @@ def checkpointed_layers(model: torch.nn.Module) -> int:
 
     return sum(isinstance(m, CheckpointWrapper) or (isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
                for m in model.modules())
+
+
+def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The total gradient norm over all ranks, after clipping the gradients to ``max_norm`` when it is set.
+
+    Without clipping only the norm is computed (for the metrics and the non-finite check): torch's clip with an
+    infinite bound would still multiply every gradient by 1. Under FSDP Accelerate's clip, which also reduces the
+    sharded norms across ranks, does both.
+    """
+    from accelerate.utils import DistributedType
+
+    if max_norm is not None or accelerator.distributed_type == DistributedType.FSDP:
+        return accelerator.clip_grad_norm_(parameters, max_norm or float("inf"))
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
 
 
 def any_rank(accelerator, flag: bool) -> bool:

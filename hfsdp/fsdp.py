@@ -42,6 +42,18 @@ def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
     return _PRECISION_SHORTHANDS.get(cfg.mixed_precision)
 
 
+def wraps_model(cfg: FSDPConfig, world_size: int) -> bool:
+    """Whether FSDP wraps the model; otherwise DDP does (FSDP2 NO_SHARD on several ranks) or nothing (one process).
+
+    One process has nothing to shard, and a one-rank FSDP still copies every parameter into and out of its
+    all-gather buffers, reduce-scatters every gradient and runs the optimizer on DTensors. So one process runs the
+    model as it is, unless an option needs FSDP (``cpu_offload``) or ``single_process: fsdp`` asks for it.
+    """
+    if cfg.runs_as_ddp:
+        return False
+    return world_size > 1 or cfg.cpu_offload or cfg.single_process == "fsdp"
+
+
 def _mixed_precision_policy(cfg: FSDPConfig):
     parts = precision_parts(cfg)
     if parts is None:

@@ -232,3 +232,12 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
         )
     except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
         raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward can compute logits at chosen positions only (``logits_to_keep``, a tensor of
+    positions: transformers' models since 4.50); a LoRA model is asked about its base model."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(type(base).forward).parameters

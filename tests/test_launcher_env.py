@@ -8,7 +8,8 @@ from conftest import base_env, run_cli, tiny_config
 
 @pytest.mark.slow
 def test_conflicting_launcher_settings_are_reported_and_ignored(tmp_path):
-    config = tiny_config(tmp_path, train={"max_steps": 1, "eval_at_start": False}, fsdp={"version": 2})
+    config = tiny_config(tmp_path, train={"max_steps": 1, "eval_at_start": False},
+                         fsdp={"version": 2, "single_process": "fsdp"})
     env = base_env(FSDP_SHARDING_STRATEGY="NO_SHARD", FSDP_VERSION="1", ACCELERATE_MIXED_PRECISION="bf16",
                    ACCELERATE_USE_FSDP="true")
     proc = run_cli("train", str(config), env=env)

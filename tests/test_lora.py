@@ -156,7 +156,8 @@ def test_default_targets_and_tied_embeddings(tiny_model_dir):
 
 @pytest.mark.slow
 def test_lora_fsdp1_single_shard_with_tied_embeddings_is_refused(tmp_path):
-    config = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 1}, train={"eval_at_start": False})
+    config = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 1, "single_process": "fsdp"},
+                         train={"eval_at_start": False})
     proc = run_cli("train", str(config), check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "fsdp.version: LoRA on a model with tied embeddings under FSDP1 with a single shard" in proc.stderr

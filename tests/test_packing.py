@@ -50,7 +50,7 @@ def test_packed_loss_equals_separate_losses(tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfsdp.builtin.chat import tokenize_conversation
-    from hfsdp.train import token_loss_sums
+    from hfsdp.train import token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn, dtype=torch.float32).eval()
@@ -63,13 +63,15 @@ def test_packed_loss_equals_separate_losses(tiny_model_dir, attn):
     packed = pack(ids, labels, max_len=sum(map(len, ids)) - len(ids[-1]))  # two rows of different length
     assert len(packed["input_ids"]) == 2 and len(packed["input_ids"][0]) != len(packed["input_ids"][1])
     with torch.no_grad():
-        batch = data.collate([{k: packed[k][i] for k in packed} for i in range(2)], tokenizer.pad_token_id)
-        packed_sum, packed_n = token_loss_sums(model, batch)
+        packed_rows = [{k: packed[k][i] for k in packed} for i in range(2)]
+        packed_batch = data.micro_batch(packed_rows, tokenizer.pad_token_id, "cpu")
+        packed_sum, packed_n = token_loss_sum(model, packed_batch), packed_batch.num_targets
         separate_sum, separate_n = 0.0, 0
         for i, l in zip(ids, labels):
-            part, n = token_loss_sums(model, data.collate([{"input_ids": i, "labels": l}], tokenizer.pad_token_id))
-            separate_sum += float(part)
-            separate_n += n
+            single = data.micro_batch([{"input_ids": i, "labels": l}], tokenizer.pad_token_id, "cpu")
+            separate_sum += float(token_loss_sum(model, single))
+            separate_n += single.num_targets
+        batch = data.collate(packed_rows, tokenizer.pad_token_id)
     assert packed_n == separate_n
     assert float(packed_sum) == pytest.approx(separate_sum, rel=1e-5)
     # and without the block-diagonal mask (a plain 2D mask) the samples would see each other: the test has teeth

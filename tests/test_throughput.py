@@ -46,9 +46,11 @@ def test_step_flops_is_6n_per_token_plus_the_causal_attention_term():
     assert flops.step_flops(tokens=12, sum_sq_lengths=3 * 16) == 6 * 1000 * 12 + 6 * 2 * 8 * 4 * 12
 
 
-def test_row_lengths_from_attention_masks():
-    batches = [{"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])},
-               {"attention_mask": torch.tensor([[1, 1, 1, 1]])}]
+def test_row_lengths_of_micro_batches():
+    from hfsdp import data
+
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    batches = [data.micro_batch(rows, 0, "cpu"), data.micro_batch([{"input_ids": [6] * 4, "labels": [6] * 4}], 0, "cpu")]
     assert row_lengths(batches) == (9, 9 + 4 + 16)
 
 

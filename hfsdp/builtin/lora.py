@@ -19,9 +19,9 @@ FSDP pitfalls this plugin avoids:
 
 * FSDP1 flattens a unit's parameters into one flat parameter, which then needs one ``requires_grad`` and one dtype:
   frozen base weights next to trainable adapters only work with ``use_orig_params: true`` (a config error otherwise).
-* FSDP1 with a single shard (one process, or NO_SHARD) of a model with tied embeddings trips a torch assertion once
-  the flat parameter holding the tied weights is frozen; that combination is refused with a pointer to FSDP2 (FSDP1
-  on two or more ranks works).
+* FSDP1 with a single shard (one process with ``fsdp.single_process: fsdp``, or NO_SHARD) of a model with tied
+  embeddings trips a torch assertion once the flat parameter holding the tied weights is frozen; that combination is
+  refused with a pointer to FSDP2 (FSDP1 on two or more ranks works, and one process runs unwrapped by default).
 * peft upcasts adapters of a bf16/fp16 base to fp32 by default; FSDP (1 and 2) refuse units with mixed parameter
   dtypes. Adapters here always take the base weights' dtype; keep ``model.dtype: float32`` with
   ``fsdp.mixed_precision: bf16`` for fp32 master adapters with bf16 compute.
@@ -125,8 +125,11 @@ def hfsdp_modify_model(model, config, world):
     section: LoraSection = config.section("lora")
     targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
     _check_tied(model, targets, section.modules_to_save)
+    from hfsdp.fsdp import wraps_model
+
     unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
-    if config.fsdp.version == 1 and unsharded and getattr(model.config, "tie_word_embeddings", False):
+    if (config.fsdp.version == 1 and unsharded and wraps_model(config.fsdp, world.size)
+            and getattr(model.config, "tie_word_embeddings", False)):
         # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
         # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
         raise ConfigError([("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "

@@ -56,6 +56,11 @@ def read_record(path: Path) -> dict[str, Any]:
     return data
 
 
+def saved_by_fsdp(path: Path) -> bool:
+    """Whether FSDP wrote the checkpoint's model (its SHARDED or FULL layout), not a plain or DDP model."""
+    return (path / "pytorch_model_fsdp_0").is_dir() or (path / "pytorch_model_fsdp.bin").is_file()
+
+
 class CheckpointError(UserError):
     """A checkpoint could not be written (disk full, failing writer). The previous complete checkpoint is intact."""
 

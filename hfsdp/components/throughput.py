@@ -75,14 +75,10 @@ class FlopsModel:
         return (4 * self.params + 2 * self.trainable) * tokens + 6 * self.layers * self.attention_width * sum_sq_lengths
 
 
-def row_lengths(batches: list[dict[str, Any]]) -> tuple[int, int]:
-    """(tokens, sum of squared row lengths) of a step's micro-batches, from their attention masks."""
-    tokens = squares = 0
-    for batch in batches:
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        tokens += sum(lengths)
-        squares += sum(n * n for n in lengths)
-    return int(tokens), int(squares)
+def row_lengths(batches: list[Any]) -> tuple[int, int]:
+    """(tokens, sum of squared row lengths) of a step's micro-batches (``data.MicroBatch``, counted on the host)."""
+    lengths = [n for batch in batches for n in batch.lengths]
+    return sum(lengths), sum(n * n for n in lengths)
 
 
 def compute_precision(mixed_precision: str, model_dtype: str) -> str:
