@@ -1,9 +1,10 @@
 """The baseline for hfsdp's per-step overhead: a bare, hand-written Accelerate training loop.
 
-Same model, same tokenized rows and batch order (hfsdp's own cache and BatchPlan), the same FSDP plugin
-(hfsdp.fsdp.build_fsdp_plugin via hfsdp.distributed.build_accelerator, which also applies the CPU adaptation),
-the same AdamW hyper-parameters and gradient clipping, and nothing else: no metrics, no hooks, no progress bar,
-no per-step collectives beyond FSDP's own. Batches are collated before the loop starts.
+Same model, same tokenized rows and batch order (hfsdp's own cache and BatchPlan), the same wrapper (one process:
+none; several: the FSDP plugin from hfsdp.fsdp.build_fsdp_plugin via hfsdp.distributed.build_accelerator, which
+also applies the CPU adaptation), the same AdamW (fused, as hfsdp and TRL's SFTTrainer use it) and gradient
+clipping, the model's own loss on the collated batch with its attention mask, and nothing else: no metrics, no
+hooks, no progress bar, no per-step collectives beyond FSDP's own. Batches are collated before the loop starts.
 
     torchrun --nproc-per-node 2 benchmarks/bare_accelerate_loop.py bench --steps 8 --json out.json \\
         --set fsdp.sharding_strategy=FULL_SHARD
@@ -52,22 +53,26 @@ def main() -> None:
         for step in range(args.steps)
     ]
 
+    step_tokens = [sum(len(train_set[i]["input_ids"]) for r in range(world.size) for i in plan.rows(step, 0, r))
+                   for step in range(args.steps)]
+
     model = models.load_model(path, cfg.model)
     t = cfg.train
-    if cfg.fsdp.version == 1:
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                 weight_decay=t.weight_decay, fused=True)
+
+    if cfg.fsdp.version == 1 and accelerator.distributed_type.value == "FSDP":
         model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=t.learning_rate,
-                                                          betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-                                                          weight_decay=t.weight_decay))
+        optimizer = accelerator.prepare(adamw(model.parameters()))
     else:
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(
-            model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-            weight_decay=t.weight_decay))
+        model, optimizer = accelerator.prepare(model, adamw(model.parameters()))
     cuda = accelerator.device.type == "cuda"
     model.train()
     times, tokens = [], []
     last = time.perf_counter()
-    for batch in batches:
+    for step, batch in enumerate(batches):
         loss = model(**batch).loss
         accelerator.backward(loss)
         if t.max_grad_norm:
@@ -78,7 +83,7 @@ def main() -> None:
             torch.cuda.synchronize()
         now = time.perf_counter()
         times.append(now - last)
-        tokens.append(int(batch["attention_mask"].sum()) * world.size)
+        tokens.append(step_tokens[step])
         last = now
     if accelerator.is_main_process:
         args.json.parent.mkdir(parents=True, exist_ok=True)

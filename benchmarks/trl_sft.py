@@ -1,0 +1,95 @@
+"""TRL's ``SFTTrainer`` on exactly the work of an ``hfsdp train`` run, for ``benchmarks/peers.py``.
+
+The same model folder (hfsdp's cache of the built-in model), the same tokenized rows with the same labels (hfsdp's
+preprocessing, passed as a pre-tokenized dataset with a ``labels`` column, which TRL uses as is), the same rows in
+the same order per step (hfsdp's ``BatchPlan``, read sequentially), the same AdamW hyper-parameters, LR schedule and
+gradient clipping, fp32 without gradient checkpointing, no eval, no checkpoints. TRL keeps its own defaults
+otherwise (its fused AdamW, its chunked LM head, its per-step entropy and token-accuracy metrics).
+
+    python benchmarks/trl_sft.py CONFIG --steps 10 --json out.json [--set KEY=VALUE ...]
+
+Writes the wall time of every iteration (one step end to the next, as hfsdp's bench_probe measures) and its tokens.
+Needs TRL: ``pip install -e '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?", default="default")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from hfsdp import data, models
+    from hfsdp.cli import _cache_dir
+    from hfsdp.config import load_config
+    from hfsdp.train import prepare_datasets
+
+    cfg, host = load_config(args.config, args.overrides)
+    t = cfg.train
+    if t.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no":
+        raise SystemExit("trl_sft.py compares one process, fp32, without gradient accumulation")
+    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
+    tokenizer = models.load_tokenizer(path, cfg.model)
+    train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    plan = data.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed,
+                          lengths=data.row_lengths(train_set) if t.group_by_length else None)
+    rows = [train_set[i] for step in range(args.steps) for i in plan.rows(step, 0, 0)]
+    ordered = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    step_tokens = [sum(len(r["input_ids"]) for r in rows[s * t.per_device_batch_size:(s + 1) * t.per_device_batch_size])
+                   for s in range(args.steps)]
+
+    class InPlanOrder(SFTTrainer):
+        def _get_train_sampler(self, *unused, **unused_kw):
+            return SequentialSampler(self.train_dataset)
+
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            times.append(now - self.last)
+            self.last = now
+
+    torch.manual_seed(t.seed)
+    model = models.load_model(path, cfg.model)
+    with tempfile.TemporaryDirectory() as out:
+        sft = SFTConfig(
+            output_dir=out, per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=1,
+            max_steps=args.steps, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler if
+            t.lr_scheduler != "constant" else "constant_with_warmup", warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+            adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm or 0.0, seed=t.seed,
+            logging_steps=t.log_every, save_strategy="no", eval_strategy="no", report_to="none",
+            bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0, max_length=None, packing=False,
+        )
+        trainer = InPlanOrder(model=model, args=sft, train_dataset=ordered, processing_class=tokenizer,
+                              callbacks=[StepTimes()])
+        trainer.train()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"step_times_s": times, "tokens": step_tokens[:len(times)], "world_size": 1,
+                                     "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()
