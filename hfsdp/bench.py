@@ -154,7 +154,8 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "world_size": r0["world_size"],
         "strategy": r0["strategy"],
         "runs_as": r0["distributed_type"],
-        "fsdp_version": r0["fsdp_version"] if r0["distributed_type"] == "FSDP" else "- (DDP)",
+        "fsdp_version": r0["fsdp_version"] if r0["distributed_type"] == "FSDP" else
+                        "- (no wrapper)" if r0["distributed_type"] == "NO" else "- (DDP)",
         "precision": r0["precision"],
         "device": r0["device"],
         "memory_kind": r0["memory_kind"],
