@@ -89,12 +89,12 @@ def goal_preprocess(config: str) -> dict:
 
 
 def goal_export(work: Path, config: str, max_shard: str) -> dict:
-    from hfsdp.bench import _free_port
+    from hfsdp.launch import free_port
 
     run = work / "export-run"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "hfsdp", "train", config, "--set", f"train.output_dir={run}",
+           f"--master-port={free_port()}", "-m", "hfsdp", "train", config, "--set", f"train.output_dir={run}",
            "--set", "train.max_steps=1", "--set", "train.save_every=1", "--set", "train.export_final=false",
            "--set", "fsdp.sharding_strategy=FULL_SHARD", "--set", "fsdp.state_dict_type=SHARDED_STATE_DICT"]
     subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,7 +115,8 @@ def goal_export(work: Path, config: str, max_shard: str) -> dict:
 
 
 def goal_overhead(work: Path, config: str, nproc: int, steps: int, rounds: int, strategy: str) -> dict:
-    from hfsdp.bench import BenchOptions, _free_port, _probe_plugin, run_one
+    from hfsdp.bench import BenchOptions, _probe_plugin, run_one
+    from hfsdp.launch import free_port
 
     hf, bare = [], []
     opts = BenchOptions(config=config, strategies=[strategy], nprocs=[nproc], steps=steps, out=work / "overhead",
@@ -126,7 +127,7 @@ def goal_overhead(work: Path, config: str, nproc: int, steps: int, rounds: int, 
         hf += [max(ts) for ts in zip(*rank_times)][1:]
         out = work / "overhead" / f"bare-{r}.json"
         subprocess.run([PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-                        f"--master-port={_free_port()}", str(REPO / "benchmarks" / "bare_accelerate_loop.py"), config,
+                        f"--master-port={free_port()}", str(REPO / "benchmarks" / "bare_accelerate_loop.py"), config,
                         "--steps", str(steps), "--json", str(out), "--set", f"fsdp.sharding_strategy={strategy}"],
                        check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         bare += json.loads(out.read_text())["step_times_s"][1:]

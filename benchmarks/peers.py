@@ -42,10 +42,10 @@ def _env() -> dict[str, str]:
 def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
         return [PY]
-    from hfsdp.bench import _free_port
+    from hfsdp.launch import free_port
 
     return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}"]
+            f"--master-port={free_port()}"]
 
 
 def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], Path]:

@@ -102,6 +102,18 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
                                    token_loss_sum(model, data.micro_batch(ragged, 0, "cpu")))
 
 
+def test_what_wraps_the_model():
+    from hfsdp.config import FSDPConfig
+    from hfsdp.fsdp import wraps_model
+
+    assert not wraps_model(FSDPConfig(), 1)  # one process: nothing to shard, no wrapper
+    assert wraps_model(FSDPConfig(), 2)
+    assert wraps_model(FSDPConfig(single_process="fsdp"), 1)  # asked for explicitly
+    assert wraps_model(FSDPConfig(cpu_offload=True), 1)  # only FSDP offloads
+    assert wraps_model(FSDPConfig(version=1, sharding_strategy="NO_SHARD"), 2)
+    assert not wraps_model(FSDPConfig(sharding_strategy="NO_SHARD"), 2)  # FSDP2 NO_SHARD runs as DDP
+
+
 @pytest.mark.slow
 def test_one_process_runs_unwrapped_and_matches_fsdp_on_one_rank(tmp_path):
     """The default one-process run has no wrapper, says so, and trains exactly the steps FSDP on one rank trains;
