@@ -35,7 +35,9 @@ STEPS = 4
 # same trajectory as one started with it.
 TRAIN = {"max_steps": STEPS, "per_device_batch_size": 2, "lr_scheduler": "constant", "max_eval_batches": 2}
 LOSS_REL = 1e-4
-WEIGHT_ATOL = 1e-5
+# Weights move by up to ~1e-2 over the run (lr 3e-3). Float noise between micro-batch splits (1e-7 relative in the
+# gradients) reaches ~3e-5 in the few elements whose gradients are near zero, where Adam divides by sqrt(v) + eps.
+WEIGHT_ATOL = 5e-5
 
 # name: (processes, fsdp section, train overrides). fsdp2_full is also the uninterrupted 6-step run that the resume
 # test compares with, and holds SHARDED checkpoints (steps 2, 4, 6); fsdp2_grad_op holds FULL ones (steps 2, 4).
