@@ -201,8 +201,8 @@ def validate(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--merge-lora", is_flag=True,
               help="LoRA runs: write merged full weights instead of the adapter (same as --set lora.merge=true).")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
-              help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export holds about one file's "
-                   "worth of tensors in memory, so this also bounds its memory.")
+              help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export streams one tensor at a "
+                   "time into the files, so its memory does not depend on this.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT_DIR if it holds an earlier hfsdp export (anything else in it is never removed).")
 def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,

@@ -1,7 +1,8 @@
 """``hfsdp export``: a saved checkpoint (FULL or SHARDED, any world size) → a Hugging Face safetensors folder.
 
-Runs in one process without a process group: sharded (DCP) checkpoints are read tensor by tensor, so peak memory
-stays near one shard of output rather than the whole model. The export goes through the same ``hfsdp_export`` hook
+Runs in one process without a process group: sharded (DCP) checkpoints are read and written one tensor at a time,
+so peak memory stays near the largest tensor whatever the model size, and the built-in export imports no
+transformers (it copies the checkpoint's config and tokenizer files). The export goes through the same ``hfsdp_export`` hook
 as the end of training, so plugins (e.g. LoRA) export checkpoints the way they export final models.
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from hfsdp.components import checkpoint
-from hfsdp.components.export import max_shard_size, model_metadata
+from hfsdp.components.export import ModelFiles, max_shard_size, model_metadata
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import load_config
+from hfsdp.plugins import Lazy
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
@@ -22,15 +24,19 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
     config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
     model_dir = checkpoint_dir / "model"
-    model_config = AutoConfig.from_pretrained(str(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     weights = checkpoint.CheckpointWeights(checkpoint_dir)
+
+    def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return getattr(transformers, kind).from_pretrained(str(model_dir))
+
+    model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
+    generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
     with max_shard_size(max_shard_bytes), staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
         host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp, destination=out_dir,
-                    generation_config=model_metadata(model_dir)["generation_config"], config=config)
+                    generation_config=generation_config, config=config, model_files=ModelFiles.in_folder(model_dir))
     return out_dir

@@ -134,7 +134,7 @@ class PluginHost:
     def _call(self, plugin: str, hook: str, impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
         try:
             # Like pluggy itself: an implementation may accept any subset of the spec's arguments.
-            return impl.function(*[kwargs[name] for name in impl.argnames])
+            return impl.function(*[Lazy.resolve(kwargs[name]) for name in impl.argnames])
         except (UserError, PluginError, InvalidSectionRead):  # a UserError is the user's to fix: exit 2, not a crash
             raise
         except Exception as err:
@@ -237,6 +237,24 @@ class PluginHost:
                           written_by=plugin, model_config=kwargs["model_config"], tokenizer=kwargs["tokenizer"])
                 return plugin
         raise UserError("export: no plugin wrote the model (every hfsdp_export implementation returned nothing)")
+
+
+class Lazy:
+    """A hook argument computed the first time an implementation asks for it (then kept): e.g. ``hfsdp export``
+    loads the transformers config and tokenizer only for plugins that take them."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make = make
+        self._value: Any = None
+        self._made = False
+
+    @staticmethod
+    def resolve(value: Any) -> Any:
+        if isinstance(value, Lazy):
+            if not value._made:
+                value._value, value._made = value._make(), True
+            return value._value
+        return value
 
 
 class WithSection:

@@ -24,7 +24,7 @@ import yaml
 
 from hfsdp import __version__, data, models
 from hfsdp.components import checkpoint, generation, plots, resume, throughput
-from hfsdp.components.export import model_metadata
+from hfsdp.components.export import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.components.safe_load import verify_checkpoint
@@ -400,6 +400,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                   optimizer=optimizer)
         run.extras["generation_config"] = model_metadata(model_path)["generation_config"]
         run.extras["resume_identity"] = identity
+        run.extras["model_files"] = ModelFiles.of(model_config, tokenizer, run.extras["generation_config"])
 
         def run_eval(step: int, label: str) -> dict[str, Any]:
             results: dict[str, Any] = {}
@@ -552,8 +553,8 @@ def save_checkpoint(accelerator, run: Run, model_config) -> Path:
         **run.extras["resume_identity"],
     }
     checkpoints_dir = run.output_dir / "checkpoints"
-    path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, model_config, run.tokenizer,
-                           run.extras["generation_config"], yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False))
+    path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, run.extras["model_files"],
+                           yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False))
     if accelerator.is_main_process:
         checkpoint.prune(checkpoints_dir, run.config.train.keep_last)
     run.plugins.call("hfsdp_on_checkpoint", run=run, step=run.state.step, path=path)
@@ -565,7 +566,8 @@ def export_model(accelerator, model, run: Run, model_config, out_dir: Path) -> N
     if accelerator.is_main_process:
         with staged_export(out_dir, overwrite=True) as tmp:
             run.plugins.export(state_dict=state_dict, model_config=model_config, tokenizer=run.tokenizer, out_dir=tmp,
-                               destination=out_dir, generation_config=run.extras["generation_config"], config=run.config)
+                               destination=out_dir, generation_config=run.extras["generation_config"], config=run.config,
+                               model_files=run.extras["model_files"])
     accelerator.wait_for_everyone()
 
 

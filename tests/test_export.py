@@ -7,6 +7,8 @@ Checkpoints here are the tiny model's weights in a FULL (torch.save) checkpoint,
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,42 @@ def test_train_never_replaces_a_final_folder_it_did_not_write(tmp_path):
     assert "Traceback" not in proc.stderr
     assert f"export: OUT {final} exists, is not empty and is not an earlier hfsdp export" in proc.stderr
     assert snapshot(tmp_path / "run") == before
+
+
+@pytest.fixture
+def sharded_checkpoint(tmp_path, tiny_model_dir) -> Path:
+    """A SHARDED (DCP) checkpoint of the tiny model written by DCP in one process, with the shapes record hfsdp
+    writes at save time."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig
+
+    from hfsdp.components.export import ModelFiles
+
+    ckpt = fake_checkpoint(tmp_path / "sharded" / "step-1", tiny_model_dir)
+    ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), None).record(ckpt / "model")
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # a state dict holds the tied head too
+    dcp.save({f"model.{k}": v for k, v in weights.items()}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"),
+             no_dist=True)
+    return ckpt
+
+
+def test_export_reads_the_metadata_once_and_imports_no_transformers(sharded_checkpoint, tmp_path, tiny_model_dir,
+                                                                    monkeypatch):
+    from hfsdp.components import checkpoint as checkpoint_module
+
+    calls = []
+    real = checkpoint_module.read_dcp_metadata
+    monkeypatch.setattr(checkpoint_module, "read_dcp_metadata", lambda folder: calls.append(folder) or real(folder))
+    out = export_checkpoint(sharded_checkpoint, tmp_path / "out", [])
+    assert len(calls) == 1  # not once per tensor
+    exported, original = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+    assert (out / "tokenizer.json").read_bytes() == (sharded_checkpoint / "model" / "tokenizer.json").read_bytes()
+
+    probe = ("import sys; from pathlib import Path; from hfsdp.export import export_checkpoint; "
+             f"export_checkpoint(Path({str(sharded_checkpoint)!r}), Path({str(tmp_path / 'out2')!r}), []); "
+             "print(sorted(m for m in ('transformers', 'peft', 'accelerate') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

@@ -67,6 +67,18 @@ def assert_same_training(reference: Path, resumed: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def partial_shard(checkpoints: Path, step: int, folder: str, rank: int) -> tuple[int, int]:
+    """Size of the shard file a killed save left in ``.tmp-step-N`` and of the same file in the previous complete
+    checkpoint: the fault struck while the file was being written."""
+    name = f"{folder}/__{rank}_0.distcp"
+    previous = checkpoint.complete_checkpoints(checkpoints)[-1][1]
+    return (checkpoints / f".tmp-step-{step}" / name).stat().st_size, (previous / name).stat().st_size
+
+
 def no_traceback(proc) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
@@ -91,10 +103,13 @@ def solo(tmp_path_factory):
     out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-2")
     out["sigint"] = train("sigint@3", "--resume")
     out["after_sigint"] = listing(run)
-    out["sigkill"] = train("sigkill_in_save@4", "--resume", "--set", "train.save_every=1")
+    intact = snapshot(run / "checkpoints")
+    out["sigkill"] = train("sigkill_mid_write@4", "--resume", "--set", "train.save_every=1")
     out["after_sigkill"] = listing(run)
     out["complete_after_sigkill"] = complete_steps(run)
-    out["enospc"] = train("enospc_in_save@5", "--resume", "--set", "train.save_every=1")
+    out["intact_after_sigkill"] = {k: v for k, v in snapshot(run / "checkpoints").items() if k in intact} == intact
+    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
+    out["enospc"] = train("enospc_mid_write@5", "--resume", "--set", "train.save_every=1")
     out["after_enospc"] = listing(run)
     out["finish"] = train("", "--resume")
     return out
@@ -124,9 +139,12 @@ def test_sigint_exits_130_after_a_complete_checkpoint(solo):
 def test_kill_9_mid_save_keeps_the_previous_checkpoint(solo):
     proc = solo["sigkill"]
     assert proc.returncode == -9
-    # the killed save left its temporary folder; the complete checkpoints are untouched
+    # the killed save left its temporary folder with a half-written model shard; the complete checkpoints are untouched
     assert solo["after_sigkill"] == [".tmp-step-4", "step-2", "step-3"]
+    partial, whole = solo["partial_after_sigkill"]
+    assert 0 < partial < whole, (partial, whole)
     assert solo["complete_after_sigkill"] == [2, 3]
+    assert solo["intact_after_sigkill"]
     # the next --resume removes the leftover and continues from the last complete checkpoint
     nxt = solo["enospc"]
     assert "removed .tmp-step-4" in nxt.stdout and "step-3 at step 3" in nxt.stdout, nxt.stdout[-2000:]
@@ -139,6 +157,7 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(solo):
     no_traceback(proc)
     assert "checkpoint for step 5 could not be written" in proc.stderr
     assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
+    assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
     assert "step-4, is intact" in proc.stderr
     assert solo["after_enospc"] == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
     assert "step-4 at step 4" in solo["finish"].stdout  # and it is the one --resume picks
@@ -166,8 +185,21 @@ def duo(tmp_path_factory):
     out = {"ref": ref, "run": run}
     out["ref_proc"] = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={ref}",
                                    env=fault_env("nan@2:1"), timeout=400)
-    out["sigterm"] = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}",
-                                  env=fault_env("nan@2:1,sigterm@4:0"), check=False, timeout=400)
+
+    def timed(faults: str, *extra: str):
+        t0 = time.monotonic()
+        proc = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}", *extra,
+                            env=fault_env(faults), check=False, timeout=400)
+        return proc, time.monotonic() - t0
+
+    out["enospc"], out["enospc_s"] = timed("nan@2:1,enospc_mid_write@4:1")  # rank 1's disk fills mid-write
+    out["after_enospc"] = listing(run)
+    intact = snapshot(run / "checkpoints")
+    out["sigkill"], out["sigkill_s"] = timed("nan@2:1,sigkill_mid_write@4:1", "--resume")  # rank 1 dies mid-write
+    out["after_sigkill"] = listing(run)
+    out["intact_after_sigkill"] = {k: v for k, v in snapshot(run / "checkpoints").items() if k in intact} == intact
+    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
+    out["sigterm"], _ = timed("nan@2:1,sigterm@4:0", "--resume")
     out["after_sigterm"] = listing(run)
     out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-4")
     out["finish"] = run_torchrun(2, "train", str(config), "--resume", "--set", f"train.output_dir={run}",
@@ -183,6 +215,34 @@ def test_nan_on_one_rank_is_skipped_on_all_ranks(duo):
     assert losses[2] == ["nan"] and all(isinstance(losses[s][0], float) for s in (1, 3, 4, 5, 6))
     assert "non-finite loss/grad norm at step 2" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
     assert "step skipped" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
+
+
+@pytest.mark.slow
+def test_disk_full_on_rank_1_mid_write_stops_both_ranks(duo):
+    proc = duo["enospc"]
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
+    for rank in (0, 1):  # both ranks learn of rank 1's failure and say what it was; neither waits for the other
+        line = next((ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step 4")),
+                    "")
+        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
+        assert "optimizer_0/__1_0.distcp" in line and "step-2, is intact" in line, line
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert duo["after_enospc"] == ["step-2"]  # the half-written step-4 folder was removed
+    assert duo["enospc_s"] < 240, f"took {duo['enospc_s']:.0f}s"
+
+
+@pytest.mark.slow
+def test_kill_9_of_rank_1_mid_write_ends_the_job_and_keeps_the_checkpoint(duo):
+    proc = duo["sigkill"]
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-4000:]
+    assert duo["after_sigkill"] == [".tmp-step-4", "step-2"]
+    partial, whole = duo["partial_after_sigkill"]
+    assert 0 < partial < whole, (partial, whole)  # rank 1's model shard was cut in the middle
+    assert duo["intact_after_sigkill"]
+    assert duo["sigkill_s"] < 240, f"took {duo['sigkill_s']:.0f}s: rank 0 waited too long for the dead rank"
+    # the next --resume removes the half-written folder and continues from step 2
+    nxt = duo["sigterm"]
+    assert "removed .tmp-step-4" in nxt.stdout and "step-2 at step 2" in nxt.stdout, nxt.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -311,10 +371,7 @@ class _FailingAccelerator:
 
 
 def test_failing_writer_leaves_the_previous_checkpoint(tmp_path, tiny_model_dir):
-    from transformers import AutoConfig, AutoTokenizer
-
-    args = (AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None,
-            "train: {}\n")
+    args = _save_args(tiny_model_dir)
     ckpts = tmp_path / "checkpoints"
     good = checkpoint.save(_FailingAccelerator(False), ckpts, 1, {"step": 1}, *args)
     assert checkpoint.read_record(good)["step"] == 1
@@ -342,8 +399,10 @@ class _WritingAccelerator(_FailingAccelerator):
 def _save_args(tiny_model_dir: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    return (AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)), None,
-            "train: {}\n")
+    from hfsdp.components.export import ModelFiles
+
+    files = ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    return files, "train: {}\n"
 
 
 def test_every_checkpoint_file_is_on_disk_before_the_record(tmp_path, tiny_model_dir, monkeypatch):

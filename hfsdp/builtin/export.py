@@ -8,8 +8,8 @@ ALWAYS_ON = True
 
 
 @hookimpl(trylast=True)
-def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config):
-    from hfsdp.components.export import write_hf_folder  # imports torch: not at module level (validate, plugins)
+def hfsdp_export(state_dict, out_dir, model_files):
+    from hfsdp.components.export import write_model_folder  # imports torch: not at module level (validate, plugins)
 
-    write_hf_folder(state_dict, model_config, tokenizer, Path(out_dir), generation_config=generation_config)
+    write_model_folder(state_dict, model_files, Path(out_dir))
     return True

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from hfsdp.components.export import ModelFiles
 from hfsdp.components.outputs import fsync_dir, fsync_tree, replace_folder
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
@@ -68,15 +69,17 @@ class CheckpointError(UserError):
 
 
 def _attempt(action) -> BaseException | None:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's failed save
+
     try:
         action()
-    except Exception as err:  # reported below, on every rank, after the temporary folder is removed
+    except (Exception, CheckpointException) as err:  # reported below, on every rank, after the tmp folder is removed
         return err
     return None
 
 
-def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], model_config, tokenizer,
-         generation_config, run_config_yaml: str) -> Path:
+def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], model_files: ModelFiles,
+         run_config_yaml: str) -> Path:
     """Write a checkpoint for ``step`` on all ranks; returns its final path once it is complete.
 
     A failure on any rank (e.g. ENOSPC) removes the temporary folder and raises :class:`CheckpointError` on every
@@ -96,10 +99,9 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
         fsync_tree(tmp)  # on every rank: its own files are on disk before the record can call them complete
 
     def finish() -> None:
-        model_config.save_pretrained(tmp / "model")
-        tokenizer.save_pretrained(tmp / "model")
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp / "model")
+        (tmp / "model").mkdir()
+        model_files.save(tmp / "model")
+        model_files.record(tmp / "model")  # so that `hfsdp export` needs no transformers
         (tmp / CONFIG_NAME).write_text(run_config_yaml)
         fsync_tree(tmp)  # every file and folder of the checkpoint, before the record
         _write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
@@ -121,9 +123,21 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
     return final
 
 
+def _root_causes(error: BaseException) -> list[tuple[str, BaseException]]:
+    """The errors behind ``error``: DCP's CheckpointException carries each failed rank's own exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):
+        return [(f"rank {rank}: ", failure[0] if isinstance(failure, tuple) else failure)
+                for rank, failure in sorted(error.failures.items())]
+    return [("", error)]
+
+
 def _save_failed(checkpoints: Path, step: int, error: BaseException | None) -> CheckpointError:
-    cause = f"{type(error).__name__}: {error}" if error is not None else "another rank failed to write its part"
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+    causes = _root_causes(error) if error is not None else []
+    cause = "; ".join(f"{where}{type(e).__name__}: {e}" for where, e in causes) or \
+        "another rank failed to write its part"
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for _, e in causes):
         cause += " (the disk is full: free space or point train.output_dir elsewhere)"
     previous = [path for found, path in complete_checkpoints(checkpoints) if found != step]
     kept = (f"the last complete checkpoint, {previous[-1]}, is intact and `--resume` continues from it"

@@ -1,8 +1,8 @@
 """Write and read consolidated weights as a Hugging Face folder of safetensors shards.
 
-Tensors are streamed: at most one shard's worth is held at a time, so exporting a sharded checkpoint never needs
-the whole model in memory. Every written file is read back and checked (no empty or mis-shaped tensor is ever left
-for a later load to trip over).
+Tensors are streamed: one tensor at a time is held in memory and written out before the next is read, so exporting
+a sharded checkpoint never needs the whole model (nor one output file's worth) in memory. Every written file is read
+back and checked (no empty or mis-shaped tensor is ever left for a later load to trip over).
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import contextlib
 import contextvars
 import json
 import os
+import shutil
+import struct
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from hfsdp.errors import UserError
 
@@ -28,7 +29,7 @@ _max_shard_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("max_shar
 @contextlib.contextmanager
 def max_shard_size(max_bytes: int | None):
     """Within the block, files written by :func:`write_hf_weights` hold at most ``max_bytes`` (None: the default);
-    the writer holds at most one file's worth of tensors in memory."""
+    the writer holds one tensor at a time in memory, whatever the size."""
     token = _max_shard_bytes.set(max_bytes or DEFAULT_MAX_SHARD_BYTES)
     try:
         yield
@@ -62,12 +63,6 @@ def expected_shapes(model_config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _drop_tied(names: set[str], model_config) -> set[str]:
-    if getattr(model_config, "tie_word_embeddings", False) and "lm_head.weight" in names:
-        return {"lm_head.weight"}
-    return set()
-
-
 def write_hf_weights(
     tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: Path,
@@ -84,31 +79,28 @@ def write_hf_weights(
     max_shard_bytes = max_shard_bytes or _max_shard_bytes.get()
     out_dir.mkdir(parents=True, exist_ok=True)
     shard_files: list[tuple[str, list[str]]] = []
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
+    shard: _SafetensorsStream | None = None
     written: list[str] = []
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if not pending:
-            return
-        name = f"shard-{len(shard_files):05d}.tmp"
-        save_file(pending, str(out_dir / name), metadata={"format": "pt"})
-        shard_files.append((name, list(pending)))
-        pending, pending_bytes = {}, 0
-
-    for name, tensor in tensors:
-        if name in skip:
-            continue
-        _check_tensor(name, tuple(tensor.shape), tensor.numel(), expected)
-        tensor = tensor.detach().to("cpu").contiguous()
-        size = tensor.numel() * tensor.element_size()
-        if pending and pending_bytes + size > max_shard_bytes:
-            flush()
-        pending[name] = tensor
-        pending_bytes += size
-        written.append(name)
-    flush()
+    try:
+        for name, tensor in tensors:
+            if name in skip:
+                continue
+            _check_tensor(name, tuple(tensor.shape), tensor.numel(), expected)
+            tensor = tensor.detach().to("cpu").contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if shard is not None and shard.size + size > max_shard_bytes:
+                shard_files.append(shard.close())
+                shard = None
+            if shard is None:
+                shard = _SafetensorsStream(out_dir / f"shard-{len(shard_files):05d}.tmp")
+            shard.add(name, tensor)
+            del tensor  # hold one tensor at a time
+            written.append(name)
+        if shard is not None:
+            shard_files.append(shard.close())
+    finally:
+        if shard is not None:
+            shard.discard()
     if expected is not None:
         missing = sorted(set(expected) - set(written) - skip)
         if missing:
@@ -123,6 +115,55 @@ def write_hf_weights(
         (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     verify_hf_weights(out_dir, expected, skip)
     return written
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _SafetensorsStream:
+    """One safetensors file written a tensor at a time, so that memory never holds more than the tensor being added:
+    tensor bytes go to a scratch file as they arrive; :meth:`close` writes the header (it needs every name, shape
+    and offset) and appends the bytes with a kernel-side copy."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.scratch_path = path.with_name(path.name + ".data")
+        self.scratch = open(self.scratch_path, "w+b")
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(f"export: tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot store")
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
+        self.scratch.write(memoryview(raw))
+        self.entries[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self.size, self.size + raw.nbytes]}
+        self.size += raw.nbytes
+
+    def close(self) -> tuple[str, list[str]]:
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.scratch.flush()
+        with open(self.path, "wb") as out:
+            out.write(struct.pack("<Q", len(header)) + header)
+            out.flush()
+            copied = 0
+            while copied < self.size:
+                n = os.copy_file_range(self.scratch.fileno(), out.fileno(), self.size - copied, copied)
+                if n == 0:
+                    raise OSError(f"{self.scratch_path}: short copy ({copied} of {self.size} bytes)")
+                copied += n
+        self.discard()
+        return self.path.name, list(self.entries)
+
+    def discard(self) -> None:
+        self.scratch.close()
+        self.scratch_path.unlink(missing_ok=True)
 
 
 def _check_tensor(name: str, shape: tuple[int, ...], numel: int, expected: Mapping[str, tuple[int, ...]] | None) -> None:
@@ -164,6 +205,66 @@ def verify_hf_weights(folder: Path, expected: Mapping[str, tuple[int, ...]] | No
             raise UserError(f"{folder}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
 
 
+SHAPES_NAME = "hfsdp_model_shapes.json"  # in a checkpoint's model/: what an export checks, without transformers
+
+
+class ModelFiles:
+    """A model's files other than its weights (config, generation config, tokenizer), and what an export checks
+    the weights against: the architecture's tensor shapes and whether the output embedding is tied.
+
+    :meth:`of` wraps the transformers objects of a training run; :meth:`in_folder` a checkpoint's ``model/`` folder,
+    whose files are copied as they are and whose shapes hfsdp recorded at save time, so that exporting a checkpoint
+    needs no transformers import (a checkpoint without the record falls back to transformers)."""
+
+    def __init__(self, save, expected: dict[str, tuple[int, ...]], tied: bool):
+        self.save = save  # save(out_dir): write the files
+        self.expected = expected
+        self.tied = tied
+
+    @classmethod
+    def of(cls, model_config, tokenizer, generation_config=None) -> "ModelFiles":
+        def save(out_dir: Path) -> None:
+            model_config.save_pretrained(out_dir)
+            if generation_config is not None:
+                generation_config.save_pretrained(out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+
+        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)))
+
+    @classmethod
+    def in_folder(cls, folder: Path) -> "ModelFiles":
+        def save(out_dir: Path) -> None:
+            for path in sorted(folder.iterdir()):
+                if path.is_file() and path.name != SHAPES_NAME:
+                    shutil.copyfile(path, out_dir / path.name)
+
+        record = folder / SHAPES_NAME
+        if record.is_file():
+            plan = json.loads(record.read_text())
+            return cls(save, {k: tuple(v) for k, v in plan["shapes"].items()}, bool(plan["tie_word_embeddings"]))
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(folder))
+        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)))
+
+    def record(self, folder: Path) -> None:
+        """Write what :meth:`in_folder` reads back (into a checkpoint's ``model/``)."""
+        (folder / SHAPES_NAME).write_text(json.dumps(
+            {"tie_word_embeddings": self.tied, "shapes": {k: list(v) for k, v in self.expected.items()}}))
+
+
+def write_model_folder(state_dict: Mapping[str, torch.Tensor], files: ModelFiles, out_dir: Path, *,
+                       max_shard_bytes: int | None = None) -> Path:
+    """A complete, verified Hugging Face model folder written into ``out_dir`` (the empty folder the
+    ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards)."""
+    out_dir = Path(out_dir)
+    skip = {"lm_head.weight"} if files.tied and "lm_head.weight" in state_dict else set()
+    write_hf_weights(state_dict.items(), out_dir, expected=files.expected, skip=skip, max_shard_bytes=max_shard_bytes)
+    files.save(out_dir)
+    return out_dir
+
+
 def write_hf_folder(
     state_dict: Mapping[str, torch.Tensor],
     model_config,
@@ -173,18 +274,9 @@ def write_hf_folder(
     generation_config=None,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """A complete, verified Hugging Face model folder written into ``out_dir`` (the empty folder the
-    ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards)."""
-    out_dir = Path(out_dir)
-    expected = expected_shapes(model_config)
-    skip = _drop_tied(set(state_dict.keys()), model_config)
-    write_hf_weights(state_dict.items(), out_dir, expected=expected, skip=skip, max_shard_bytes=max_shard_bytes)
-    model_config.save_pretrained(out_dir)
-    if generation_config is not None:
-        generation_config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    """:func:`write_model_folder` for transformers objects (the helper plugins use, e.g. LoRA's merged export)."""
+    return write_model_folder(state_dict, ModelFiles.of(model_config, tokenizer, generation_config), out_dir,
+                              max_shard_bytes=max_shard_bytes)
 
 
 def model_metadata(model_dir: str | Path) -> dict[str, Any]:

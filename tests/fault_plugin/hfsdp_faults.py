@@ -6,10 +6,11 @@ a reference run and an interrupted run can share one config (the plugin list is 
 ``HFSDP_TEST_FAULTS`` is a comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (default rank 0):
 
 * ``sigterm`` / ``sigint``: the process signals itself at the end of optimizer step STEP;
-* ``sigkill_in_save``: ``save_state`` for step STEP writes all its files, then the process SIGKILLs itself
-  (before the completion record exists);
-* ``enospc_in_save`` / ``raise_in_save``: ``save_state`` for step STEP writes its files, then raises
-  ``OSError(ENOSPC)`` / ``RuntimeError``;
+* ``sigkill_mid_write``: while ``save_state`` for step STEP writes the model's DCP shard file
+  (``pytorch_model_fsdp_0/__<rank>_0.distcp``), after its first tensor, half of the next tensor's bytes are written
+  and synced, then the process SIGKILLs itself: a partially written shard file is left on disk;
+* ``enospc_mid_write``: the same inside the optimizer's shard file (``optimizer_0/``), then the write raises
+  ``OSError(ENOSPC)``, as a full disk would;
 * ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK;
 * ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP.
 
@@ -18,6 +19,7 @@ Faults fire in a job's first attempt only: workers that ``torchrun --max-restart
 """
 
 import errno
+import io
 import os
 import signal
 
@@ -59,24 +61,28 @@ def hfsdp_modify_model(model):
 @hookimpl
 def hfsdp_on_train_start(run):
     _state["step"] = run.state.step
-    accelerator = run.accelerator
-    original = accelerator.save_state
-    kills, enospc, raises = _faults("sigkill_in_save"), _faults("enospc_in_save"), _faults("raise_in_save")
-    if not (kills or enospc or raises):
+    kills, enospc = _faults("sigkill_mid_write"), _faults("enospc_mid_write")
+    if not (kills or enospc):
         return
+    import torch.distributed.checkpoint.filesystem as dcp_files
 
-    def save_state(output_dir=None, **kwargs):
-        result = original(output_dir, **kwargs)  # the files are written; the completion record is not yet
-        step = run.state.step
-        if step in kills:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step in enospc:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(output_dir))
-        if step in raises:
-            raise RuntimeError(f"injected writer failure at step {step}")
-        return result
+    original = dcp_files._write_item  # DCP's writer looks it up at call time, once per item
 
-    accelerator.save_state = save_state
+    def write_item(transforms, stream, data, item, storage_key, serialization_format):
+        step = run.state.step  # checkpoints are saved after the step counter moved on
+        folder = "pytorch_model_fsdp_0" if step in kills else "optimizer_0" if step in enospc else None
+        if folder and f"/{folder}/" in str(stream.name) and stream.tell() > 0 and isinstance(data, torch.Tensor):
+            encoded = io.BytesIO()
+            torch.save(data, encoded)
+            stream.write(encoded.getbuffer()[: encoded.tell() // 2])
+            stream.flush()
+            os.fsync(stream.fileno())
+            if step in kills:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(stream.name))
+        return original(transforms, stream, data, item, storage_key, serialization_format)
+
+    dcp_files._write_item = write_item
 
 
 @hookimpl
