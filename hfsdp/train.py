@@ -312,6 +312,11 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if config.fsdp.wrap_policy == "transformer" and not layer_classes:
             raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
                             "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
+        if config.fsdp.wrap_policy == "size" and getattr(model_config, "tie_word_embeddings", False):
+            # Seen on 2 ranks: the policy puts embed_tokens and the tied lm_head in different FSDP units, and the
+            # first forward fails ("size mismatch ... vec").
+            raise UserError("fsdp.wrap_policy 'size' splits this model's tied input and output embeddings into "
+                            "different FSDP units, which FSDP cannot run: use wrap_policy 'transformer' or 'none'")
         accelerator = build_accelerator(config, layer_classes, world)
         set_seed(config.train.seed)
         is_main = accelerator.is_main_process

@@ -110,9 +110,13 @@ def test_plugin_fields(version, strategy, precision, offload, state_dict):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_wrap_policies_and_knobs(version):
-    size = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="size", min_num_params=1000), LAYERS)
-    assert size.auto_wrap_policy is size_based_auto_wrap_policy and size.min_num_params == 1000
-    assert size.transformer_cls_names_to_wrap is None
+    if version == 2:  # found by the 2-rank run in test_multirank.py: fully_shard refuses the ModuleList it picks
+        with pytest.raises(ValidationError, match="wrap_policy 'size' needs fsdp.version 1"):
+            FSDPConfig(version=version, wrap_policy="size", min_num_params=1000)
+    else:
+        size = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="size", min_num_params=1000), LAYERS)
+        assert size.auto_wrap_policy is size_based_auto_wrap_policy and size.min_num_params == 1000
+        assert size.transformer_cls_names_to_wrap is None
     none = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="none"), LAYERS)
     assert none.auto_wrap_policy is None and none.min_num_params is None
     custom = build_fsdp_plugin(FSDPConfig(version=version, transformer_layer_cls=["MyBlock"]), ["MyBlock"])
@@ -142,7 +146,7 @@ LAUNCHER_ENV = {
 ENV_CASES = [
     dict(version=2),
     dict(version=2, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16", state_dict_type="FULL_STATE_DICT"),
-    dict(version=2, wrap_policy="size", min_num_params=5000, cpu_offload=True),
+    dict(version=2, wrap_policy="none", cpu_offload=True),
     dict(version=2, wrap_policy="none", mixed_precision=PER_PART),
     dict(version=1),
     dict(version=1, sharding_strategy="SHARD_GRAD_OP", mixed_precision="fp16", backward_prefetch="NONE"),
