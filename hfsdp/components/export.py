@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import json
 import os
 import shutil
@@ -152,12 +153,21 @@ class _SafetensorsStream:
         with open(self.path, "wb") as out:
             out.write(struct.pack("<Q", len(header)) + header)
             out.flush()
-            copied = 0
-            while copied < self.size:
-                n = os.copy_file_range(self.scratch.fileno(), out.fileno(), self.size - copied, copied)
-                if n == 0:
-                    raise OSError(f"{self.scratch_path}: short copy ({copied} of {self.size} bytes)")
-                copied += n
+            try:
+                copied = 0
+                while copied < self.size:  # in the kernel: the bytes never pass through this process's memory
+                    n = os.copy_file_range(self.scratch.fileno(), out.fileno(), self.size - copied, copied)
+                    if n == 0:
+                        raise OSError(f"{self.scratch_path}: short copy ({copied} of {self.size} bytes)")
+                    copied += n
+            except (AttributeError, OSError) as err:  # no copy_file_range (not Linux, or not this file system)
+                if isinstance(err, OSError) and err.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                                                   errno.EOPNOTSUPP):
+                    raise
+                out.seek(8 + len(header))
+                out.truncate()
+                self.scratch.seek(0)
+                shutil.copyfileobj(self.scratch, out, 16 * 2**20)
         self.discard()
         return self.path.name, list(self.entries)
 
@@ -259,7 +269,8 @@ def write_model_folder(state_dict: Mapping[str, torch.Tensor], files: ModelFiles
     """A complete, verified Hugging Face model folder written into ``out_dir`` (the empty folder the
     ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards)."""
     out_dir = Path(out_dir)
-    skip = {"lm_head.weight"} if files.tied and "lm_head.weight" in state_dict else set()
+    # a tied output head is the input embedding: never written (a safetensors checkpoint may not even hold it)
+    skip = {"lm_head.weight"} if files.tied else set()
     write_hf_weights(state_dict.items(), out_dir, expected=files.expected, skip=skip, max_shard_bytes=max_shard_bytes)
     files.save(out_dir)
     return out_dir
