@@ -45,13 +45,28 @@ class UnsafeCheckpointError(UserError):
                          "is, or has been tampered with")
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """What ``builtins.getattr`` may do in DCP metadata: pick a member of an admitted enum by name (some Python
+    releases, Debian 12's 3.11.2 among them, pickle enum members as ``getattr(cls, name)``)."""
+    import enum
+
+    admitted = {getattr(__import__(module, fromlist=["_"]), attr, None)
+                for module, names in _DCP_MODULES.items() for attr in names}
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in admitted and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"it calls getattr({getattr(cls, '__qualname__', cls)!r}, {name!r}), which is not "
+                                 "a member of a DCP metadata enum (unpickling it could run code)")
+
+
 class DcpMetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata and nothing else: every global the stream names must be one of the DCP metadata
-    classes, ``torch.Size``, a ``torch.dtype``, a layout, or a posix path."""
+    classes, ``torch.Size``, a ``torch.dtype``, a layout, or a posix path; ``getattr`` only picks enum members."""
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if module == "builtins" and name == "getattr":
+            return _enum_member
         if name in _DCP_MODULES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it references {module}.{name}, which DCP checkpoint metadata never contains "
