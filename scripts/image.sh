@@ -6,8 +6,8 @@
 #   - pip inside the build uses the host's pip configuration, the local package folders it names and the CA
 #     bundle, mounted read-only into the RUN steps (the image keeps none of them);
 #   - podman runs with runc, cgroupfs and no default ulimits (crun and the default RLIMIT_NOFILE fail here);
-#   - podman's storage (base, layers, volumes) lives in $HFSDP_CACHE_DIR/image/storage: a kept cache makes a
-#     rebuild redo only the layers whose inputs changed, on any machine.
+#   - podman's storage (base, layers, volumes) lives in $HFSDP_IMAGE_CACHE (default $HFSDP_CACHE_DIR/image): a
+#     kept cache makes a rebuild redo only the layers whose inputs changed, on any machine.
 #
 #   scripts/image.sh build            build localhost/hfsdp:local, print build time and image size
 #   scripts/image.sh podman ARGS...   podman with the same settings and storage, e.g.
@@ -19,7 +19,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 IMAGE="localhost/hfsdp:local"
 BASE="localhost/hfsdp-base:bookworm"
-CACHE="${HFSDP_CACHE_DIR:-$HOME/.cache/hfsdp}/image"
+CACHE="${HFSDP_IMAGE_CACHE:-${HFSDP_CACHE_DIR:-$HOME/.cache/hfsdp}/image}"
 # Run-time state (locks, mount counts) stays on this machine, one folder per storage.
 RUNROOT="/run/hfsdp-image/$(printf '%s' "$CACHE" | sha256sum | cut -c1-16)"
 

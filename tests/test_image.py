@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "scripts" / "image.sh"
 IMAGE = "localhost/hfsdp:local"  # what scripts/image.sh builds
-# Outlives the test run (in the podman storage under $HFSDP_CACHE_DIR), like the `-v hfsdp-cache:/cache` of
+# Outlives the test run (in the podman storage, $HFSDP_IMAGE_CACHE), like the `-v hfsdp-cache:/cache` of
 # docs/gpu_hosts.md: the built-in models are made in it once per cache.
 CACHE_VOLUME = "hfsdp-test-cache"
 TOOLS = ("podman", "runc", "mmdebstrap")
