@@ -34,7 +34,8 @@ def fault_env(faults: str = "") -> dict[str, str]:
 
 
 def chain_config(tmp_path: Path, **train) -> Path:
-    return tiny_config(tmp_path, plugins=["hfsdp_faults"],
+    # FSDP on one process too (not the unwrapped default): the faults are injected into DCP shard files.
+    return tiny_config(tmp_path, plugins=["hfsdp_faults"], fsdp={"single_process": "fsdp"},
                        train={"max_steps": 6, "save_every": 2, "deterministic": True, **train})
 
 
