@@ -74,7 +74,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("genuine")
-    config = tiny_config(tmp, train={"max_steps": 2, "save_every": 2, "eval_at_start": False})
+    config = tiny_config(tmp, fsdp={"single_process": "fsdp"}, train={"max_steps": 2, "save_every": 2, "eval_at_start": False})
     run_cli("train", str(config), timeout=600)
     ckpt = tmp / "run" / "checkpoints" / "step-2"
     verify_checkpoint(ckpt)  # positive control: what hfsdp wrote passes
