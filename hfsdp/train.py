@@ -335,9 +335,9 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                                                           config.generation_eval.num_samples)
         # A checkpoint of another world size resumes with the accumulation that keeps its global batch.
         resumed_from = find_resume_checkpoint(output_dir, opts.resume) if opts.resume else None
+        record = checkpoint.read_record(resumed_from) if resumed_from is not None else None
         if resumed_from is not None:
-            config, note = resume.keep_global_batch(checkpoint.read_record(resumed_from), config, world.size,
-                                                    resumed_from)
+            config, note = resume.keep_global_batch(record, config, world.size, resumed_from)
             if note:
                 say(note)
             if uses_fsdp(config, world.size) and not checkpoint.saved_by_fsdp(resumed_from):
@@ -390,7 +390,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 for stale in checkpoint.remove_incomplete(output_dir / "checkpoints"):
                     say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
             if resumed_from is not None:
-                check_resume_record(checkpoint.read_record(resumed_from), config, resumed_from, identity)
+                check_resume_record(record, config, resumed_from, identity)
                 verify_checkpoint(resumed_from)  # every file Accelerate/DCP would unpickle: plain data only
                 accelerator.load_state(str(resumed_from))
                 say(f"resumed from {resumed_from} at step {state.step}")
