@@ -139,6 +139,12 @@ def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list
     if shape is None:
         return []
     replicate, shard = shape
+    if shard == 1:
+        given = "fsdp.hybrid_shard_size is 1" if cfg.hybrid_shard_size else \
+            "the default group is the processes per node, 1 here"
+        return [("fsdp.hybrid_shard_size", f"HYBRID_SHARD with one rank per shard group shards nothing ({given}): "
+                                           "set fsdp.hybrid_shard_size to a divisor of the world size of at least 2, "
+                                           "or use NO_SHARD")]
     if replicate * shard != world_size:
         return [("fsdp.hybrid_shard_size", f"{shard} ranks per shard group does not divide the world size {world_size}")]
     if replicate == 1 and cfg.hybrid_shard_size is None:

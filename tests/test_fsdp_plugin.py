@@ -184,6 +184,18 @@ def test_check_world_and_hybrid_mesh_share_one_shard_size():
     assert check_world(FSDPConfig(), 3, 3) == [] and hybrid_mesh_shape(FSDPConfig(), 3, 3) is None
 
 
+def test_hybrid_shard_groups_of_one_rank_are_refused():
+    """Shard groups of one rank shard nothing; Accelerate raised a ValueError about tensor parallelism on every rank."""
+    from hfsdp.fsdp import check_world
+
+    ones = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=1)
+    problems = check_world(ones, 2, 2)
+    assert [p for p, _ in problems] == ["fsdp.hybrid_shard_size"] and "NO_SHARD" in problems[0][1]
+    # two nodes of one process each: the default group (processes per node) is one rank too
+    problems = check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD"), 2, 1)
+    assert [p for p, _ in problems] == ["fsdp.hybrid_shard_size"] and "processes per node" in problems[0][1]
+
+
 @pytest.mark.parametrize("offload,state_dict,strategy,backend", [
     (False, "SHARDED_STATE_DICT", "FULL_SHARD", "nccl"),
     (True, "SHARDED_STATE_DICT", "FULL_SHARD", "cuda:nccl,cpu:gloo"),  # offloaded parameters: CPU collectives
