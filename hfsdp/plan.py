@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import check_world, hybrid_mesh_shape, precision_parts
+from hfsdp.fsdp import check_world, hybrid_mesh_shape, precision_parts, wraps_model
 
 GIB = 1024**3
 MIB = 1024**2
@@ -117,6 +117,17 @@ class Setup:
         return self.fsdp.runs_as_ddp
 
     @property
+    def unwrapped(self) -> bool:
+        """One process that trains the model without a wrapper (``fsdp.single_process: auto``, as train does: see
+        ``hfsdp.fsdp.wraps_model``): full parameters, gradients and optimizer state, no FSDP buffers."""
+        return self.world == 1 and not wraps_model(self.fsdp, 1)
+
+    @property
+    def runs_as(self) -> str:
+        """What wraps the model, for the table: FSDP, DDP or nothing."""
+        return "no wrapper" if self.unwrapped else "DDP" if self.runs_as_ddp else "FSDP"
+
+    @property
     def prefetch(self) -> int:
         """Layer units gathered ahead of the one computing: FSDP1 backward_prefetch (default BACKWARD_PRE), FSDP2's
         implicit prefetch of the next unit."""
@@ -146,7 +157,8 @@ def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
     problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
     if problems:
         return problems[0][1]
-    if setup.lora and setup.fsdp.version == 1 and facts.tied_embeddings and setup.shard_group() == 1:
+    if (setup.lora and setup.fsdp.version == 1 and facts.tied_embeddings and setup.shard_group() == 1
+            and not setup.unwrapped):
         return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
     return None
 
@@ -401,7 +413,7 @@ def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool],
 
 def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
     group = setup.shard_group()
-    if setup.runs_as_ddp:
+    if setup.runs_as_ddp or setup.unwrapped:
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
     if setup.fsdp.version == 1:
         return _fsdp1_bytes(facts, group, select, setup.fsdp.use_orig_params is not False, whole_flat)
@@ -411,6 +423,9 @@ def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], boo
 def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     """Per-rank memory of one strategy and world size.
 
+    * one process runs without a wrapper unless ``fsdp.single_process: fsdp`` or an option needs FSDP (as train
+      does, ``Setup.unwrapped``): the whole parameters, gradients and optimizer state, no gathered units and no
+      reduce buffers; with mixed precision, autocast's compute-dtype copy of the weights.
     * parameters / gradients / optimizer: the largest rank's share, sharded as FSDP1/FSDP2 shard (see module
       docstring); gradients and AdamW's two moments only for trainable parameters, in the parameters' dtype.
     * gathered: unsharded parameters in the compute dtype. FULL_SHARD / HYBRID_SHARD: the root unit (FSDP keeps
@@ -445,7 +460,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
     group = setup.shard_group()
-    if setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
+    if setup.unwrapped or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
         gathered = full_compute
@@ -459,10 +474,14 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
 
     # Gradient buffers beside the (sharded) gradients: during backward, and at its end, when the root unit's
     # gradients are complete.
-    if setup.runs_as_ddp:
+    tied_grad = facts.tied_trainable_numel * facts.params[0].itemsize
+    if setup.unwrapped:
+        # Autograd alone: the tied weight's second gradient meets the first at the end.
+        during, at_end = 0, tied_grad
+    elif setup.runs_as_ddp:
         # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet at the end.
         buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
-        during, at_end = buckets, buckets + facts.tied_trainable_numel * facts.params[0].itemsize
+        during, at_end = buckets, buckets + tied_grad
     else:
         tied = facts.tied_trainable_numel * (compute or facts.params[0].itemsize)
         if group == 1 and setup.fsdp.version == 1:  # FSDP1 reduces a single shard's flat gradient in place
@@ -606,7 +625,7 @@ def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
     return [
         ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
                                                     if e.setup.nodes > 1 else "")),
-        ("strategy", lambda e: e.setup.strategy + (" (DDP)" if e.setup.runs_as_ddp else "")),
+        ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
         ("params", lambda e: size(e.params)),
         ("grads", lambda e: size(e.grads)),
         ("optim", lambda e: size(e.optimizer)),
@@ -648,6 +667,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
                  world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.runs_as_ddp,
+                 runs_as=e.setup.runs_as,
                  lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,

@@ -81,6 +81,31 @@ def test_lora_adapters_alone_carry_gradients_and_optimizer_state(tmp_path):
     assert r["params"] == data["parameters"] * 4
 
 
+def test_one_process_is_planned_as_train_runs_it(tmp_path):
+    """One process trains without a wrapper by default (fsdp.single_process: auto): plan predicts that run (whole
+    state, no FSDP buffers), and FSDP only when single_process: fsdp asks for it. The unwrapped figures are the
+    bytes bench_probe counts from the live tensors of a real one-process run."""
+    cfg = tiny_config(tmp_path, plugins=["bench_probe"], train={"max_steps": 1})
+    data = plan_json(str(cfg), "--nproc", "1,2", "--strategies", "FULL_SHARD,NO_SHARD")
+    whole = data["parameters"] * 4  # float32
+    tied_grad = 49152 * 64 * 4  # smollm2-tiny: vocab 49152 x hidden 64, tied input/output embedding
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        one = row(data, strategy, 1)
+        assert one["runs_as"] == "no wrapper"
+        assert (one["params"], one["grads"], one["optimizer"]) == (whole, whole, 2 * whole)
+        assert one["gathered"] == 0 and one["grad_buffers"] == tied_grad
+    assert row(data, "FULL_SHARD", 2)["runs_as"] == "FSDP" and row(data, "NO_SHARD", 2)["runs_as"] == "DDP"
+    table = run_cli("plan", str(cfg), "--nproc", "1", "--strategies", "FULL_SHARD").stdout
+    assert "FULL_SHARD (no wrapper)" in table
+    run_cli("train", str(cfg), env=base_env(OMP_NUM_THREADS="1"))
+    live = json.loads((tmp_path / "run" / "bench_rank0.json").read_text())
+    assert live["distributed_type"] == "NO"
+    assert (live["param_bytes"], live["grad_bytes"], live["optim_bytes"]) == (whole, whole, 2 * whole)
+    fsdp = row(plan_json(str(cfg), "--nproc", "1", "--strategies", "FULL_SHARD", "--set",
+                         "fsdp.single_process=fsdp"), "FULL_SHARD", 1)
+    assert fsdp["runs_as"] == "FSDP" and fsdp["gathered"] > 0
+
+
 def test_a_hub_id_without_a_shipped_config_is_refused_without_download(tmp_path):
     proc = run_cli("plan", str(hub_config(tmp_path, "someone/unknown-model")), check=False,
                    env=base_env(HF_HUB_OFFLINE="1"))
