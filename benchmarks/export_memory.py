@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import PY, env, peak_rss_of  # noqa: E402
 
-from hfsdp.components.export import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
+from hfsdp.components.hf_folder import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
 from hfsdp.launch import free_port  # noqa: E402
 
 # SmolLM2-360M's architecture (config.json of HuggingFaceTB/SmolLM2-360M), weights random.

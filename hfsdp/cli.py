@@ -212,8 +212,8 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
     OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
     and renamed when complete, so a failed export leaves nothing behind.
     """
-    from hfsdp.components.export import parse_size
-    from hfsdp.export import export_checkpoint
+    from hfsdp.components.hf_folder import parse_size
+    from hfsdp.checkpoint_export import export_checkpoint
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
@@ -334,7 +334,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     import json
 
     from hfsdp.bench import parse_list
-    from hfsdp.components.export import parse_size
+    from hfsdp.components.hf_folder import parse_size
     from hfsdp.config import load_config
     from hfsdp.models import architecture_config
     from hfsdp.plan import STRATEGIES, Planner, header, plan as run_plan, plot, text_table, to_json

@@ -103,7 +103,7 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     ``model_config`` is the transformers config, ``generation_config`` the base model's (or None). ``out_dir`` is an
     empty temporary folder next to the destination: write the files there; hfsdp records them and renames the folder
     into place once the export hooks return (and removes it if one raises). ``model_files``
-    (``hfsdp.components.export.ModelFiles``) writes the config, generation config and tokenizer files and knows the
+    (``hfsdp.components.hf_folder.ModelFiles``) writes the config, generation config and tokenizer files and knows the
     architecture's tensor shapes; in ``hfsdp export`` it copies the checkpoint's files, and ``model_config``,
     ``tokenizer`` and ``generation_config`` are only loaded (with transformers) if an implementation asks for them.
     Runs on the main process only. Add files

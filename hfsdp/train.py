@@ -24,7 +24,7 @@ import yaml
 
 from hfsdp import __version__, data, models
 from hfsdp.components import checkpoint, generation, plots, resume, throughput
-from hfsdp.components.export import ModelFiles, model_metadata
+from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.components.safe_load import verify_checkpoint

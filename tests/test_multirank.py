@@ -136,7 +136,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = WEIGHT_ATOL) -> None:
 
 def export(checkpoint: Path, out: Path) -> dict:
     """What ``hfsdp export CHECKPOINT OUT`` writes, in this process (one test runs the CLI itself)."""
-    from hfsdp.export import export_checkpoint
+    from hfsdp.checkpoint_export import export_checkpoint
 
     return weights(export_checkpoint(checkpoint, out, []))
 

@@ -109,11 +109,23 @@ def test_hfsdp_plugins_lists_builtins_and_path_plugins(tmp_path):
     lines = proc.stdout.splitlines()
     rows = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
     assert "built-in" in rows["chat"] and "always on" in rows["chat"]
+    assert "built-in" in rows["safetensors_export"] and "always on" in rows["safetensors_export"]  # name configs use
     for name in ("lora", "packing"):
         assert "built-in" in rows[name] and "enable in `plugins:`" in rows[name]
     assert re.search(r"listed\s+1\.2\.3\s+path", rows["listed"])
     hooks = lines[lines.index(rows["lora"]) + 1]
     assert "hfsdp_modify_model" in hooks and "hfsdp_export" in hooks and "hfsdp_config_section" in hooks
+
+
+def test_export_helpers_keep_their_documented_module_name():
+    """The guide named ``hfsdp.components.export`` for ``write_hf_folder``/``ModelFiles`` before the module became
+    ``hfsdp.components.hf_folder``: the old name still imports them, with a DeprecationWarning."""
+    from hfsdp.components import hf_folder
+
+    with pytest.warns(DeprecationWarning, match="hfsdp.components.export is now hfsdp.components.hf_folder"):
+        sys.modules.pop("hfsdp.components.export", None)
+        from hfsdp.components.export import ModelFiles, write_hf_folder
+    assert (write_hf_folder, ModelFiles) == (hf_folder.write_hf_folder, hf_folder.ModelFiles)
 
 
 # ---- installed packages: the two examples in plugins/, the minimal plugin of docs/plugins.md, and a broken one

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config
 from hfsdp.components import checkpoint
-from hfsdp.components.export import verify_hf_weights, write_hf_weights
+from hfsdp.components.hf_folder import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
 
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
@@ -317,7 +317,7 @@ def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
 
 
 def test_export_of_a_full_state_dict_checks_shapes(tmp_path, tiny_model_dir):
-    from hfsdp.export import export_checkpoint
+    from hfsdp.checkpoint_export import export_checkpoint
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # a state dict holds tied weights too
@@ -400,7 +400,7 @@ class _WritingAccelerator(_FailingAccelerator):
 def _save_args(tiny_model_dir: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from hfsdp.components.export import ModelFiles
+    from hfsdp.components.hf_folder import ModelFiles
 
     files = ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)))
     return files, "train: {}\n"

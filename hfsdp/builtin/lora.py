@@ -267,7 +267,7 @@ class MergedWeights(Mapping):
 
 @hookimpl
 def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config):
-    from hfsdp.components.export import write_hf_folder
+    from hfsdp.components.hf_folder import write_hf_folder
 
     section: LoraSection = config.section("lora")
     if section.merge:

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from hfsdp.components.export import ModelFiles
+from hfsdp.components.hf_folder import ModelFiles
 from hfsdp.components.outputs import fsync_dir, fsync_tree, replace_folder
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hfsdp.components import checkpoint
-from hfsdp.components.export import ModelFiles, max_shard_size, model_metadata
+from hfsdp.components.hf_folder import ModelFiles, max_shard_size, model_metadata
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import load_config
 from hfsdp.plugins import Lazy
