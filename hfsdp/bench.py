@@ -3,7 +3,12 @@ per-rank memory and throughput.
 
 Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
 CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
-output folder. This module only launches runs and reads those files; it imports neither torch nor transformers.
+output folder. This module only launches runs and reads those files (it asks ``hfsdp.fsdp.wraps_model`` what one
+process runs; it never imports transformers).
+
+One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
+strategy: those strategies are run once at one process, as the row ``none (1 process)``, the baseline of the
+"÷ 1 proc" ratios. With ``--set fsdp.single_process=fsdp`` every strategy runs as a one-rank FSDP.
 
 Outputs in ``--out``: ``bench.md``, ``bench.csv``, ``bench.json`` and ``bench.png`` (memory per rank and tokens/s
 per strategy), plus ``runs/<strategy>-np<N>/`` with each run's logs and probe files.
@@ -25,6 +30,7 @@ from typing import Any
 from hfsdp.launch import free_port
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+ONE_PROCESS = "none (1 process)"  # the strategy column of a one-process run without a wrapper
 MIB = 1024**2
 
 COLUMNS = [
@@ -83,11 +89,30 @@ def _probe_plugin() -> str:
     return "bench_probe" if "bench_probe" in discover() else "hfsdp.builtin.bench_probe"
 
 
-def _config_plugins(config: str | None, overrides: list[str]) -> list[str]:
+def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
     from hfsdp.config import apply_overrides, read_config, resolve_config_path
 
-    raw = apply_overrides(read_config(resolve_config_path(config)), overrides)
-    return list(raw.get("plugins") or [])
+    return apply_overrides(read_config(resolve_config_path(config)), overrides)
+
+
+def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
+    """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
+    from hfsdp.config import FSDPConfig
+    from hfsdp.fsdp import wraps_model
+
+    section = {**(_raw_config(opts.config, opts.overrides).get("fsdp") or {}), "sharding_strategy": strategy}
+    return not wraps_model(FSDPConfig.model_validate(section), 1)
+
+
+def _runs(opts: BenchOptions) -> list[tuple[int, str, bool]]:
+    """(processes, strategy, unwrapped) to run: at one process, the strategies without a wrapper only once."""
+    runs = []
+    for nproc in sorted(opts.nprocs):
+        for strategy in opts.strategies:
+            unwrapped = nproc == 1 and _unwrapped_at_one(opts, strategy)
+            if not (unwrapped and any(u for _, _, u in runs)):
+                runs.append((nproc, strategy, unwrapped))
+    return runs
 
 
 def _cuda_devices() -> int:
@@ -186,7 +211,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
     for row in rows:
         base = next((r for r in rows if r["strategy"] == "NO_SHARD" and r["world_size"] == row["world_size"]), None)
-        one = next((r for r in rows if r["strategy"] == row["strategy"] and r["world_size"] == 1), None)
+        # One process: the same strategy as a one-rank FSDP, or else the run without a wrapper.
+        one = next((r for r in rows if r["world_size"] == 1 and r["strategy"] == row["strategy"]),
+                   next((r for r in rows if r["strategy"] == ONE_PROCESS), None))
         for key, ref in (("no_shard", base), ("1proc", one)):
             row[f"state_vs_{key}"] = ratio(row["state_bytes"], ref["state_bytes"]) if ref else None
             row[f"peak_vs_{key}"] = ratio(row["mem_peak_mib"], ref["mem_peak_mib"]) if ref else None
@@ -269,7 +296,7 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s}; choose from {', '.join(STRATEGIES)}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    plugins = _config_plugins(opts.config, opts.overrides)
+    plugins = list(_raw_config(opts.config, opts.overrides).get("plugins") or [])
     probe = _probe_plugin()
     if probe not in plugins:
         plugins.append(probe)
@@ -286,16 +313,21 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     for key in [k for k in env if k.startswith(("FSDP_", "ACCELERATE_"))]:
         env.pop(key)
     rows, raw = [], []
-    for nproc in sorted(opts.nprocs):
-        for strategy in opts.strategies:
+    for nproc, strategy, unwrapped in _runs(opts):
+        if unwrapped:
+            echo(f"bench: 1 process without a wrapper (fsdp.single_process: auto; the same steps under every "
+                 f"strategy that needs no FSDP), {opts.steps} steps ...")
+        else:
             echo(f"bench: {strategy} on {nproc} process(es), {opts.steps} steps ...")
-            result = run_one(opts, strategy, nproc, plugins, env)
-            row = summarize(result["ranks"], opts.warmup)
-            row["wall_s"] = result["wall_s"]
-            rows.append(row)
-            raw.append({"strategy": strategy, "nproc": nproc, **result})
-            echo(f"  p+g+o {row['state_mib']:.1f} MiB/rank, peak {row['mem_peak_mib']:.0f} MiB/rank, "
-                 f"step {row['step_time_s']:.3f} s, {row['tokens_per_s']:.0f} tokens/s ({row['wall_s']:.0f} s wall)")
+        result = run_one(opts, strategy, nproc, plugins, env)
+        row = summarize(result["ranks"], opts.warmup)
+        if row["runs_as"] == "NO":
+            row["strategy"] = ONE_PROCESS
+        row["wall_s"] = result["wall_s"]
+        rows.append(row)
+        raw.append({"strategy": strategy, "nproc": nproc, **result})
+        echo(f"  p+g+o {row['state_mib']:.1f} MiB/rank, peak {row['mem_peak_mib']:.0f} MiB/rank, "
+             f"step {row['step_time_s']:.3f} s, {row['tokens_per_s']:.0f} tokens/s ({row['wall_s']:.0f} s wall)")
     add_ratios(rows)
     (opts.out / "bench.md").write_text(_markdown_report(rows, opts, gpus) + "\n")
     write_csv(rows, opts.out / "bench.csv")
@@ -319,10 +351,14 @@ def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) 
            "base = RSS before the model is loaded (interpreter, libraries, tokenizer, data); "
            "peak above base is the CPU analogue of max_memory_allocated; glibc returns freed memory to the OS "
            "(" + " ".join(f"{k}={v}" for k, v in MALLOC_RETURNS_FREED.items()) + ")")
+    one = (f" `{ONE_PROCESS}`: one process trains without a wrapper (fsdp.single_process: auto), the same steps "
+           "under every strategy, so it ran once; the ÷ 1 proc ratios compare with it (--set "
+           "fsdp.single_process=fsdp runs each strategy as a one-rank FSDP)." if any(
+               r["strategy"] == ONE_PROCESS for r in rows) else "")
     return (f"# hfsdp bench\n\nconfig `{opts.config or 'default'}`, {opts.steps} steps (first {opts.warmup} not "
             f"timed), {device}. Bytes are counted from live tensors (DTensor local shards, FSDP1 flat-parameter "
-            f"views, plain tensors); per-rank figures are the largest rank's; {mem}. Every figure is in bench.csv and "
-            f"bench.json.\n\n" + markdown_table(rows, opts.wide))
+            f"views, plain tensors); per-rank figures are the largest rank's; {mem}.{one} Every figure is in "
+            f"bench.csv and bench.json.\n\n" + markdown_table(rows, opts.wide))
 
 
 def parse_list(text: str, kind=str) -> list:

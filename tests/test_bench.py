@@ -28,8 +28,10 @@ def test_bench_tiny_full_shard_halves_state_bytes(tmp_path, tiny_model_dir):
                 "grad_mib", "optim_mib", "state_mib", "mem_peak_mib", "step_time_s", "tokens_per_s",
                 "state_vs_no_shard", "peak_vs_no_shard", "tokens_per_s_vs_1proc"}
     assert expected <= set(rows[0]), expected - set(rows[0])
-    assert {(r["strategy"], r["world_size"]) for r in rows} == {
-        ("FULL_SHARD", "1"), ("NO_SHARD", "1"), ("FULL_SHARD", "2"), ("NO_SHARD", "2")}
+    # One process trains without a wrapper (fsdp.single_process: auto), the same steps for both: run once.
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [
+        ("none (1 process)", "1"), ("FULL_SHARD", "2"), ("NO_SHARD", "2")]
+    assert "1 process without a wrapper" in proc.stdout and proc.stdout.count("bench: ") == 4  # 3 runs + wrote
     report = (out / "bench.md").read_text()
     assert "| model | ranks | strategy | FSDP | p+g+o MiB/rank | peak above base MiB | tokens/s |" in report
     assert "MALLOC_MMAP_THRESHOLD_=65536" in report  # CPU runs return freed memory, and say so
@@ -40,9 +42,23 @@ def test_bench_tiny_full_shard_halves_state_bytes(tmp_path, tiny_model_dir):
     # Deterministic byte counts from live tensors, not timings.
     assert full["grad_bytes"] > 0 and full["optim_bytes"] > 0
     assert full["state_bytes"] <= 0.51 * ddp["state_bytes"]
-    assert ddp["state_bytes"] == by[("NO_SHARD", 1)]["state_bytes"]
+    one = by[("none (1 process)", 1)]
+    assert one["runs_as"] == "NO" and one["fsdp_version"] == "- (no wrapper)"
+    assert ddp["state_bytes"] == one["state_bytes"]
+    assert full["state_vs_1proc"] == full["state_bytes"] / one["state_bytes"]
     assert full["optim_bytes"] == 2 * full["param_bytes"]  # Adam: two moments per local parameter
     assert all(r["tokens_per_s"] > 0 and r["mem_peak_mib"] > 0 for r in data)
+
+
+def test_bench_one_process_runs_each_strategy_as_fsdp_when_asked(tmp_path, tiny_model_dir):
+    """With fsdp.single_process: fsdp one process is a one-rank FSDP, a real strategy per row; FSDP2 NO_SHARD
+    (DDP, nothing at one process) still runs without a wrapper."""
+    out = tmp_path / "bench"
+    run_cli("bench", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1", "--steps", "2", "--out", str(out),
+            "--set", "model.name_or_path=smollm2-tiny", "--set", "data.max_seq_len=64",
+            "--set", "fsdp.single_process=fsdp", timeout=900)
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [(r["strategy"], r["runs_as"]) for r in rows] == [("FULL_SHARD", "FSDP"), ("none (1 process)", "NO")]
 
 
 def test_bench_table_is_narrow_unless_wide():
