@@ -1,5 +1,6 @@
 """GPU-only checks (``pytest -m gpu``, run by scripts/gpu_check.sh): NCCL, bf16, CPU offload, FULL and SHARDED
-checkpoints, export and a short bench, on one CUDA GPU. Skipped cleanly on machines without CUDA."""
+checkpoints, export, a short bench and `hfsdp plan` against ``torch.cuda.max_memory_allocated``, on one CUDA GPU.
+Skipped cleanly on machines without CUDA."""
 
 from __future__ import annotations
 
@@ -59,10 +60,30 @@ def test_trains_on_nccl_and_checkpoint_exports_the_final_weights(tmp_path, name)
 
 def test_short_bench_on_gpu(tmp_path):
     out = tmp_path / "bench"
-    run_cli("bench", "tiny", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1", "--steps", "2", "--out", str(out))
+    # single_process: fsdp, so FULL_SHARD is a one-rank FSDP; FSDP2 NO_SHARD (DDP) runs without a wrapper.
+    run_cli("bench", "tiny", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1", "--steps", "2", "--out", str(out),
+            "--set", "fsdp.single_process=fsdp")
     rows = json.loads((out / "bench.json").read_text())["rows"]
-    assert {r["strategy"].split()[0] for r in rows} == {"FULL_SHARD", "NO_SHARD"}
-    assert all(r["mem_peak_mib"] > 0 for r in rows), rows  # CUDA max_memory_allocated on GPU
+    assert [(r["strategy"], r["runs_as"]) for r in rows] == [("FULL_SHARD", "FSDP"), ("none (1 process)", "NO")]
+    assert all(r["memory_kind"] == "cuda_allocated" and r["mem_peak_mib"] > 0 for r in rows), rows
+
+
+@pytest.mark.parametrize("single_process", ["auto", "fsdp"])
+def test_plan_predicts_the_peak_max_memory_allocated_measures(tmp_path, single_process):
+    """`hfsdp plan`'s predicted peak per rank is within 10% of torch.cuda.max_memory_allocated during the steps of a
+    short real run (bench_probe, through `hfsdp bench`) of the bench model (75.5M parameters, float32, so the
+    state and not cuBLAS's workspace dominates) on one GPU: without a wrapper (the default) and as a one-rank FSDP."""
+    sets = ["--set", f"fsdp.single_process={single_process}"]
+    out = tmp_path / "bench"
+    run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "1", "--steps", "3", "--out", str(out), *sets)
+    measured = json.loads((out / "bench.json").read_text())["rows"][0]
+    assert measured["memory_kind"] == "cuda_allocated", measured
+    assert measured["runs_as"] == ("NO" if single_process == "auto" else "FSDP"), measured
+    planned = json.loads(run_cli("plan", "bench", "--nproc", "1", "--strategies", "FULL_SHARD", "--json",
+                                 *sets).stdout)["rows"][0]
+    assert planned["runs_as"] == ("no wrapper" if single_process == "auto" else "FSDP"), planned
+    ratio = planned["device_peak"] / (measured["mem_peak_mib"] * 2**20)
+    assert 0.9 <= ratio <= 1.1, (ratio, planned, measured)
 
 
 def test_deterministic_training_on_cuda_repeats_bit_for_bit(tmp_path):
