@@ -200,12 +200,12 @@ CASES: dict[str, Case] = {
         lambda d, s: ["train", _cfg(d, train={"output_dir": str(Path(_write(d / "out", "x")) / "run")})],
         "train.output_dir {d}/out/run: {d}/out is a file, not a folder"),
     "resume from a path that does not exist": (lambda d, s: ["train", _cfg(d), "--resume", str(d / "nope")],
-                                               "is not a complete hfsdp checkpoint"),
+                                               "{d}/nope does not exist; name a checkpoint folder"),
     "resume from a damaged record": (
         lambda d, s: ["train", _cfg(d), "--resume", str(_damaged(_fake_checkpoint(d / "other", _cfg(d))))],
         "hfsdp_checkpoint.json is damaged (not a JSON record"),
     "export a checkpoint that does not exist": (lambda d, s: ["export", str(d / "nope"), str(d / "out")],
-                                                "is not a complete hfsdp checkpoint"),
+                                                "{d}/nope does not exist; name a checkpoint folder"),
     "export with a bad --max-shard-size": (
         lambda d, s: ["export", str(d / "nope"), str(d / "out"), "--max-shard-size", "lots"], "size 'lots'"),
     "export --set of an unknown key": (

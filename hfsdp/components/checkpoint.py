@@ -45,6 +45,8 @@ def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
 
 def read_record(path: Path) -> dict[str, Any]:
     record = path / RECORD
+    if not path.exists():
+        raise UserError(f"{path} does not exist; name a checkpoint folder (train.output_dir/checkpoints/{PREFIX}N)")
     if not record.is_file():
         raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); it was not finished or not ours")
     try:
