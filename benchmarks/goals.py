@@ -1,11 +1,13 @@
 """Measure every performance goal side by side and print one table of ratios (goals.md/goals.json in --out).
 
-    python benchmarks/goals.py --out bench-results [--bench-dir bench-results/strategies --bench4-dir ...]
+    python benchmarks/goals.py --out bench-results [--bench-dir bench-results/strategies]
 
 Goals (ratio, threshold):
   state_2   per-rank params+grads+optimizer bytes, FULL_SHARD ÷ NO_SHARD on 2 ranks       ≤ 0.51   (from hfsdp bench)
   state_4   the same on 4 ranks                                                             ≤ 0.26   (from hfsdp bench)
-  peak_2    peak steady-state memory per rank, FULL_SHARD ÷ NO_SHARD on 2 ranks             ≤ 0.60   (from hfsdp bench)
+  peak_2    peak memory per rank during the steps above the pre-load baseline (and absolute),
+            FULL_SHARD ÷ NO_SHARD on 2 ranks                                                ≤ 0.60   (from hfsdp bench)
+  peak_4    the same on 4 ranks                                          below the 2-rank ratio   (from hfsdp bench)
   overhead  hfsdp step time ÷ bare Accelerate loop (same model, data, plugin), interleaved   ≤ 1.02
   help      `hfsdp --help` ÷ `accelerate --help` wall time (medians)                         ≤ 0.06
   export    `hfsdp export` peak RSS ÷ `accelerate merge-weights`, same SHARDED checkpoint    ≤ 0.5
@@ -151,8 +153,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--config", default="bench")
-    p.add_argument("--bench-dir", type=Path, help="output of `hfsdp bench` on 1,2 processes")
-    p.add_argument("--bench4-dir", type=Path, help="output of `hfsdp bench --nproc 4`")
+    p.add_argument("--bench-dir", type=Path, help="output of `hfsdp bench --nproc 1,2,4` (bench's defaults)")
     p.add_argument("--only", default="help,preproc,export,overhead")
     p.add_argument("--help-reps", type=int, default=7)
     p.add_argument("--overhead-steps", type=int, default=8)
@@ -167,13 +168,14 @@ def main() -> None:
     if a.bench_dir and (a.bench_dir / "bench.json").is_file():
         b = results["bench_2"] = from_bench(a.bench_dir, 2)
         goals.append(("per-rank p+g+o bytes FULL_SHARD ÷ NO_SHARD, 2 ranks", b["state_ratio"], 0.51))
-        goals.append(("peak steady-state memory/rank FULL_SHARD ÷ NO_SHARD, 2 ranks (absolute peak RSS)",
-                      b["peak_ratio"], 0.60))
-        goals.append(("  same, peak above the pre-load RSS baseline (CPU analogue of max_memory_allocated)",
-                      b["peak_above_base_ratio"], 0.60))
-    if a.bench4_dir and (a.bench4_dir / "bench.json").is_file():
-        b = results["bench_4"] = from_bench(a.bench4_dir, 4)
-        goals.append(("per-rank p+g+o bytes FULL_SHARD ÷ NO_SHARD, 4 ranks", b["state_ratio"], 0.26))
+        goals.append(("peak memory/rank during the steps above the pre-load RSS baseline (CPU analogue of "
+                      "max_memory_allocated), FULL_SHARD ÷ NO_SHARD, 2 ranks", b["peak_above_base_ratio"], 0.60))
+        goals.append(("  same, absolute peak RSS (reported beside it)", b["peak_ratio"], None))
+        b4 = results["bench_4"] = from_bench(a.bench_dir, 4)
+        goals.append(("per-rank p+g+o bytes FULL_SHARD ÷ NO_SHARD, 4 ranks", b4["state_ratio"], 0.26))
+        goals.append(("peak above the pre-load baseline FULL_SHARD ÷ NO_SHARD, 4 ranks (falls below 2 ranks)",
+                      b4["peak_above_base_ratio"], round(b["peak_above_base_ratio"], 3)))
+        goals.append(("  same, absolute peak RSS (reported beside it)", b4["peak_ratio"], None))
     if "help" in only:
         r = results["help"] = goal_help(a.help_reps)
         goals.append((f"`hfsdp --help` ÷ `accelerate --help` ({r['hfsdp_s']:.3f} s vs {r['accelerate_s']:.3f} s)",
@@ -193,7 +195,8 @@ def main() -> None:
                       f"({r['hfsdp_median_s']:.3f} s vs {r['bare_median_s']:.3f} s)", r["ratio"], 1.02))
     lines = ["| goal | ratio | target | met |", "|---|---|---|---|"]
     for name, ratio, target in goals:
-        lines.append(f"| {name} | {ratio:.3f} | ≤ {target} | {'yes' if ratio <= target else 'NO'} |")
+        lines.append(f"| {name} | {ratio:.3f} | " + ("- | - |" if target is None else
+                                                     f"≤ {target} | {'yes' if ratio <= target else 'NO'} |"))
     table = "\n".join(lines)
     (a.out / "goals.md").write_text(table + "\n")
     (a.out / "goals.json").write_text(json.dumps({"goals": goals, "details": results}, indent=2, default=str))

@@ -9,10 +9,8 @@ OUT=${1:-bench-results}
 STEPS=${STEPS:-6}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
-# 1. strategies x world sizes on the weights-dominated bench model (table + chart)
-hfsdp bench bench --strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --nproc 1,2 --steps "$STEPS" --out "$OUT/strategies"
-# 2. 4 ranks: only the byte counts matter here (4 processes share the cores), so 2 steps
-hfsdp bench bench --strategies FULL_SHARD,NO_SHARD --nproc 4 --steps 2 --out "$OUT/strategies-np4"
-# 3. --help time, preprocessing cache, export memory, hfsdp vs bare Accelerate loop; prints the goals table
-python benchmarks/goals.py --out "$OUT" --bench-dir "$OUT/strategies" --bench4-dir "$OUT/strategies-np4" \
-    --overhead-rounds "${OVERHEAD_ROUNDS:-2}"
+# 1. strategies x world sizes on the weights-dominated bench model, bench's defaults (table + chart); one process
+#    runs once, without a wrapper (fsdp.single_process: auto)
+hfsdp bench bench --strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --nproc 1,2,4 --steps "$STEPS" --out "$OUT/strategies"
+# 2. --help time, preprocessing cache, export memory, hfsdp vs bare Accelerate loop; prints the goals table
+python benchmarks/goals.py --out "$OUT" --bench-dir "$OUT/strategies" --overhead-rounds "${OVERHEAD_ROUNDS:-2}"
