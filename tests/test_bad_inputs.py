@@ -206,6 +206,11 @@ CASES: dict[str, Case] = {
         "hfsdp_checkpoint.json is damaged (not a JSON record"),
     "export a checkpoint that does not exist": (lambda d, s: ["export", str(d / "nope"), str(d / "out")],
                                                 "{d}/nope does not exist; name a checkpoint folder"),
+    "export a run folder instead of one of its checkpoints": (
+        lambda d, s: (_fake_checkpoint(d / "run", _cfg(d)), ["export", str(d / "run"), str(d / "out")])[1],
+        "it is a run folder: name one of its checkpoints, e.g. the latest, {d}/run/checkpoints/step-2"),
+    "export a model folder": (lambda d, s: ["export", s["model"], str(d / "out")],
+                              "it is a model folder (config.json), already consolidated"),
     "export with a bad --max-shard-size": (
         lambda d, s: ["export", str(d / "nope"), str(d / "out"), "--max-shard-size", "lots"], "size 'lots'"),
     "export --set of an unknown key": (

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from hfsdp.components.hf_folder import ModelFiles
-from hfsdp.components.outputs import fsync_dir, fsync_tree, replace_folder
+from hfsdp.components.outputs import EXPORT_RECORD, fsync_dir, fsync_tree, replace_folder
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
 
@@ -43,12 +43,24 @@ def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _what_it_is(path: Path) -> str:
+    """The likely mix-up behind a folder given as a checkpoint that is not one."""
+    for kind, folder in (("a run folder", path / "checkpoints"), ("a folder of checkpoints", path)):
+        complete = complete_checkpoints(folder)
+        if complete:
+            return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {complete[-1][1]} "
+                    "(train --resume alone takes the latest)")
+    if (path / EXPORT_RECORD).is_file() or (path / "config.json").is_file():
+        return "it is a model folder (config.json), already consolidated: load or train from it instead"
+    return "it was not finished or not ours"
+
+
 def read_record(path: Path) -> dict[str, Any]:
     record = path / RECORD
     if not path.exists():
         raise UserError(f"{path} does not exist; name a checkpoint folder (train.output_dir/checkpoints/{PREFIX}N)")
     if not record.is_file():
-        raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); it was not finished or not ours")
+        raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); {_what_it_is(path)}")
     try:
         data = json.loads(record.read_bytes().decode("utf-8"))
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
