@@ -35,7 +35,7 @@ def main() -> None:
     from hfsdp.cli import _cache_dir, _world_from_env
     from hfsdp.config import load_config
     from hfsdp.distributed import build_accelerator
-    from hfsdp.train import prepare_datasets
+    from hfsdp.data import prepare_datasets
 
     cfg, host = load_config(args.config, args.overrides)
     world = _world_from_env(cfg)

@@ -40,7 +40,7 @@ def main() -> None:
     from hfsdp.cli import _cache_dir
     from hfsdp.components.metrics import MetricsWriter
     from hfsdp.config import load_config
-    from hfsdp.train import prepare_datasets
+    from hfsdp.data import prepare_datasets
 
     cfg, host = load_config(a.config, a.overrides)
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())

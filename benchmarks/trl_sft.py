@@ -39,7 +39,7 @@ def main() -> None:
     from hfsdp import data, models
     from hfsdp.cli import _cache_dir
     from hfsdp.config import load_config
-    from hfsdp.train import prepare_datasets
+    from hfsdp.data import prepare_datasets
 
     cfg, host = load_config(args.config, args.overrides)
     t = cfg.train

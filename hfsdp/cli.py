@@ -42,7 +42,7 @@ def _keep_fsdp_to_resume(config, resume: str | None):
     if not resume or int(os.environ.get("WORLD_SIZE", "1")) != 1 or config.fsdp.single_process == "fsdp":
         return config
     from hfsdp.components.checkpoint import saved_by_fsdp
-    from hfsdp.train import find_resume_checkpoint
+    from hfsdp.components.resume import find_resume_checkpoint
 
     found = find_resume_checkpoint(Path(config.train.output_dir), resume)
     if found is None or not saved_by_fsdp(found):

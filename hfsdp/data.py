@@ -11,16 +11,20 @@ import hashlib
 import json
 import math
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, data_reader_key
+from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, data_reader_key
 from hfsdp.errors import PluginError, UserError
+
+if TYPE_CHECKING:
+    from hfsdp.plugins import PluginHost
 
 _LOADERS = dict(zip(DATA_SUFFIXES, ("text", "text", "json", "json", "csv", "parquet")))
 # A plugin's data reader: file suffix or source prefix -> (plugin, read(path, split, data_config)).
@@ -201,6 +205,56 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
 
 # Grouping by length sorts spans of this many global batches at a time (as transformers' LengthGroupedSampler
 # sorts "megabatches" of 50): long enough to find rows of similar length, short enough to keep batches varied.
+def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path):
+    """The tokenized train and eval splits (built by the format plugin and the dataset transforms, or read from the
+    preprocessing cache), the raw eval rows, and a report of what was done (:func:`format_data_report`)."""
+    import datasets
+
+    owner, tokenize_fn = host.tokenize_function(config)
+    raw_train, raw_eval = load_raw(config.data, config.train.seed, host.data_readers(config))
+    owner_version = next((p.version for p in host.plugins if p.name == owner), "?")
+    transforms = ",".join(host.implementers("hfsdp_transform_dataset"))
+    key = cache_key([raw_train._fingerprint, raw_eval._fingerprint if raw_eval is not None else ""],
+                    tokenizer, config.data, f"{owner}=={owner_version}",
+                    extra=transforms + repr(sorted((k, repr(v)) for k, v in config.plugin_config.items())))
+    stats: dict[str, TokenizeStats] = {}
+
+    def build():
+        splits = {"train": raw_train, **({"eval": raw_eval} if raw_eval is not None else {})}
+        tokenized = {}
+        for name, split in splits.items():
+            tokenized[name], stats[name] = tokenize(split, tokenize_fn, tokenizer, config.data, config.data.num_proc)
+            if len(tokenized[name]) == 0:  # checked before caching: datasets cannot reload an empty saved split
+                where = "data.path" if name == "train" else "the eval data"
+                raise UserError(f"data: no {name} rows left after tokenization of {where} ({stats[name].summary()}); "
+                                "raise data.max_seq_len or use data.too_long: truncate")
+        result = datasets.DatasetDict(tokenized)
+        return host.chain("hfsdp_transform_dataset", "dataset", result, config=config, tokenizer=tokenizer)
+
+    t0 = time.perf_counter()
+    result, hit = load_or_build(cache_dir, key, build)
+    seconds = time.perf_counter() - t0
+    if len(result["train"]) == 0:
+        summary = stats["train"].summary() if "train" in stats else "no rows"
+        raise UserError(f"data: no training rows left after tokenization ({summary}); "
+                        "raise data.max_seq_len or use data.too_long: truncate")
+    report = {"train": f"{len(result['train'])} rows", "cache_hit": hit, "preprocess_s": seconds,
+              "padding": padding_report(result["train"], config.train.per_device_batch_size, config.train.seed,
+                                        config.train.group_by_length)}
+    if "train" in stats:
+        report["train"] += f" ({stats['train'].summary()})"
+    if "eval" in result:
+        report["eval"] = f"{len(result['eval'])} rows"
+    return result["train"], result.get("eval"), raw_eval, report
+
+
+
+
+def format_data_report(report: dict[str, Any]) -> str:
+    return (f"data: train {report['train']}; eval {report.get('eval', 'none')}; {report['padding']}; "
+            f"preprocessing {report['preprocess_s']:.2f} s{' (preprocessing cache hit)' if report['cache_hit'] else ''}")
+
+
 GROUP_SPAN = 64
 
 

@@ -7,21 +7,25 @@ state that branch would have set — distributed type FSDP, the plugin, and a pl
 prepared. Two more pieces, both in :func:`build_accelerator` and only in rehearsal mode: HYBRID_SHARD's
 (replicate, shard) mesh is attached once the type is FSDP (Accelerate refuses a mesh for MULTI_CPU), and FSDP1's
 full-state-dict gathers skip their CPU offload, which on a CPU device frees the tensors it returns
-(:func:`_fsdp1_keep_cpu_gathers`). ``train.startup_report`` then proves at start-up that the model really ended up
+(:func:`_fsdp1_keep_cpu_gathers`). :func:`startup_report` then proves at start-up that the model really ended up
 sharded, and every rank writes what it holds to ``<output_dir>/startup_rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from hfsdp import __version__
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, wraps_model
+from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, hybrid_mesh_shape, wraps_model
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 _GPU_ONLY = {
@@ -162,6 +166,85 @@ def wrapper_note(config: HfsdpConfig, world_size: int) -> str:
     if world_size > 1:
         return " (runs as DDP)"
     return " (one process: runs without a wrapper, nothing to shard; fsdp.single_process: fsdp keeps FSDP)"
+
+
+def prepare_model_and_optimizer(accelerator, config: HfsdpConfig, world_size: int, model, build_optimizer):
+    """``model`` and ``build_optimizer(model)`` prepared by Accelerate (wrapped, sharded), in the order the wrapper
+    needs; activation checkpointing through transformers when no FSDP wrapper applies it."""
+    fsdp_wraps = uses_fsdp(config, world_size)
+    if config.fsdp.activation_checkpointing and not fsdp_wraps:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.fsdp.version == 1 and fsdp_wraps:
+        # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors.
+        model = accelerator.prepare(model)
+        return model, accelerator.prepare(build_optimizer(model))
+    return accelerator.prepare(model, build_optimizer(model))
+
+
+def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dict[str, Any]:
+    local, full = local_parameter_bytes(model)
+    fsdp = config.fsdp
+    mesh = hybrid_mesh_shape(fsdp, world.size, world.local_size)
+    report = {
+        "world_size": world.size,
+        "distributed_type": accelerator.distributed_type.value,
+        "process_group_backend": str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else None,
+        "device": "cpu (rehearsal, gloo)" if world.on_cpu and accelerator.distributed_type.value != "NO"
+                  else str(accelerator.device),
+        "fsdp_version": fsdp.version,
+        "strategy": fsdp.sharding_strategy + wrapper_note(config, world.size)
+                    + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
+        "wrap_policy": fsdp.wrap_policy,
+        "wrapped_units": wrapped_units(model),
+        "checkpointed_layers": checkpointed_layers(model),
+        "mixed_precision": fsdp.precision_name,
+        "param_bytes_this_rank": local,
+        "param_bytes_full_model": full,
+    }
+    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and uses_fsdp(config, world.size)
+    group = mesh[1] if mesh else world.size
+    if sharded and group > 1 and local > 0.75 * full:
+        raise UserError(
+            f"the model did not end up sharded: this rank holds {local} of {full} parameter bytes under "
+            f"{fsdp.sharding_strategy} on {world.size} ranks. This is a bug in the launcher adaptation; "
+            "please report it with the output of `hfsdp train --help` and your launcher command"
+        )
+    return report
+
+
+def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> None:
+    """Every rank's own startup numbers (what it holds, its peak RSS so far), as ``<output_dir>/startup_rank<r>.json``."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    report.setdefault("peak_rss_bytes_after_sharding", peak_rss)
+    (output_dir / f"startup_rank{rank}.json").write_text(
+        json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
+
+
+def format_report(report: dict[str, Any]) -> str:
+    mib = 1024**2
+    return (
+        f"hfsdp {__version__} | world size {report['world_size']} | {report['distributed_type']} on {report['device']}\n"
+        f"  FSDP{report['fsdp_version']} {report['strategy']} | wrap {report['wrap_policy']} "
+        f"({report['wrapped_units']} units) | mixed precision {report['mixed_precision']}\n"
+        f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
+        f"{report['param_bytes_full_model'] / mib:.1f} MiB "
+        f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
+    )
+
+
+def grad_scaler(config: HfsdpConfig, accelerator):
+    """The loss scaler fp16 needs (FSDP1's sharded one when FSDP1 wraps the model), registered for checkpointing
+    after what the caller registered before; None for other precisions."""
+    if config.fsdp.precision_name != "fp16":
+        return None
+    if config.fsdp.version == 1 and uses_fsdp(config, accelerator.num_processes):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler()
+    else:
+        scaler = torch.amp.GradScaler(accelerator.device.type)
+    accelerator.register_for_checkpointing(scaler)
+    return scaler
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

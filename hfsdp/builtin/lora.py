@@ -33,7 +33,6 @@ FSDP pitfalls this plugin avoids:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 

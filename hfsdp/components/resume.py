@@ -11,11 +11,25 @@ loop come from (seed, step, rank) at the start of every step (:func:`seed_step`)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from hfsdp import __version__
+from hfsdp.components import checkpoint
+from hfsdp.components.safe_load import verify_checkpoint
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
+from hfsdp.fsdp import wraps_model
 
+if TYPE_CHECKING:
+    from hfsdp.plugins import PluginHost
+
+# Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
+RESUMABLE_CHANGES = (
+    "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
+    "train.export_final", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
+    "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "generation_eval",
+    "fsdp.single_process",  # how one process runs the same steps; the CLI keeps FSDP to resume an FSDP checkpoint
+)
 # The batch keys may change on resume as long as the global batch they make stays the same.
 BATCH_KEYS = ("train.per_device_batch_size", "train.gradient_accumulation_steps")
 
@@ -57,6 +71,97 @@ def keep_global_batch(record: dict[str, Any], config: HfsdpConfig, world_size: i
     raise UserError(f"cannot resume from {path}: its global batch is {saved} samples per step and "
                     f"{per_device} per device x {accumulation} accumulation x {world_size} ranks makes "
                     f"{per_device * accumulation * world_size}; {fix}")
+
+
+def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
+    if resume != "latest":
+        path = Path(resume)
+        checkpoint.read_record(path)  # refuses incomplete folders
+        return path
+    complete = checkpoint.complete_checkpoints(output_dir / "checkpoints")
+    return complete[-1][1] if complete else None
+
+
+def run_fingerprint(config: HfsdpConfig) -> str:
+    """What a checkpoint records of its config: the keys that change the run (the batch keys are checked through
+    the global batch, :func:`keep_global_batch`)."""
+    return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS)
+
+
+def check_resume_record(record: dict[str, Any], config: HfsdpConfig, path: Path, identity: dict[str, Any]) -> None:
+    """``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps them
+    (records written before they were recorded are not checked for them)."""
+    problems = []
+    saved_steps = record.get("max_steps", identity["max_steps"])
+    if saved_steps != identity["max_steps"] and config.train.lr_scheduler != "constant":
+        problems.append(f"its {config.train.lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
+                        f"{identity['max_steps']} (train.max_steps/train.epochs changed), so the learning rate would "
+                        "jump: resume with the run's length, or use lr_scheduler: constant to extend a run")
+    if any(key in record and record[key] != identity[key] for key in ("train_rows", "train_fingerprint")):
+        problems.append(f"it was trained on other data ({record.get('train_rows')} rows, fingerprint "
+                        f"{record.get('train_fingerprint')}; this run's data: {identity['train_rows']} rows, "
+                        f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
+    if record["config_hash"] != run_fingerprint(config):
+        problems.append("the config changed in keys that change the run (model, data, optimizer, fsdp, batch); "
+                        f"only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
+    if problems:
+        raise UserError(f"cannot resume from {path}: " + "; ".join(problems))
+
+def resume_point(output_dir: Path, resume: str, config: HfsdpConfig, world_size: int,
+                 say: Callable[[str], None]) -> tuple[HfsdpConfig, Path | None, dict[str, Any] | None]:
+    """``--resume``: the checkpoint to resume (None: no complete one yet), its record, and the config that resumes
+    it here (a checkpoint of another world size resumes with the accumulation that keeps its global batch)."""
+    path = find_resume_checkpoint(output_dir, resume)
+    if path is None:
+        return config, None, None
+    record = checkpoint.read_record(path)
+    config, note = keep_global_batch(record, config, world_size, path)
+    if note:
+        say(note)
+    if wraps_model(config.fsdp, world_size) and not checkpoint.saved_by_fsdp(path):
+        raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or "
+                        "DDP) saved it; resume it on one process, or start runs that must resume on other "
+                        "world sizes with fsdp.single_process: fsdp")
+    return config, path, record
+
+
+def restore(accelerator, path: Path | None, record: dict[str, Any] | None, config: HfsdpConfig,
+            identity: dict[str, Any], checkpoints: Path, state) -> None:
+    """``--resume``, once everything a checkpoint holds is built and registered: remove the saves a stopped run left
+    incomplete, then check the checkpoint at ``path`` against this run and load it (``state.step`` tells where)."""
+    say = accelerator.print
+    if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
+        for stale in checkpoint.remove_incomplete(checkpoints):
+            say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
+    if path is None:
+        say(f"--resume: no complete checkpoint in {checkpoints}; starting from step 0")
+        return
+    check_resume_record(record, config, path, identity)
+    verify_checkpoint(path)  # every file Accelerate/DCP would unpickle: plain data only
+    accelerator.load_state(str(path))
+    say(f"resumed from {path} at step {state.step}")
+
+
+def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: PluginHost,
+                      identity: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks
+    (:func:`check_resume_record`, :func:`keep_global_batch`) and the versions that wrote it. ``identity``: the
+    run's schedule length and training data."""
+    from importlib.metadata import version
+
+    import torch
+
+    return {
+        "step": step,
+        "world_size": world_size,
+        "config_hash": run_fingerprint(config),
+        "global_batch": global_batch(config, world_size),
+        "versions": {"hfsdp": __version__, "torch": torch.__version__, "accelerate": version("accelerate"),
+                     "transformers": version("transformers")},
+        "plugins": {p.name: p.version for p in plugins.plugins},
+        "state_dict_type": config.fsdp.state_dict_type,
+        **identity,
+    }
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
