@@ -36,6 +36,30 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
 
 
+_RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_LAUNCH_HINT = ("launch with torchrun or accelerate launch (they set all of WORLD_SIZE, RANK, LOCAL_RANK, "
+                "MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE, RANK and LOCAL_RANK to train on one process")
+
+
+def _check_launcher_variables() -> None:
+    """Rank variables left in the environment by hand or by another tool, refused before they reach torch."""
+    for key in _RANK_VARIABLES:
+        value = os.environ.get(key)
+        least = 1 if key.endswith("WORLD_SIZE") else 0
+        if value is not None and not (value.isdigit() and int(value) >= least):
+            raise UserError(f"environment variable {key}={value!r} is not a valid {key.lower().replace('_', ' ')}; "
+                            + _LAUNCH_HINT)
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return
+    missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
+    if missing:
+        raise UserError(f"WORLD_SIZE={size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                        "not, so this process cannot join a job; " + _LAUNCH_HINT)
+    if int(os.environ["RANK"]) >= size:
+        raise UserError(f"RANK={os.environ['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
+
+
 def _keep_fsdp_to_resume(config, resume: str | None):
     """One process resuming a checkpoint that FSDP saved (another world size, or ``single_process: fsdp``) keeps
     FSDP: only FSDP reads FSDP's checkpoint layouts."""
@@ -156,6 +180,7 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.config import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
+    _check_launcher_variables()
     cfg = _keep_fsdp_to_resume(cfg, resume)
     world = _world_from_env(cfg)  # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
     notes = _take_launcher_settings(cfg, world.on_cpu)

@@ -298,3 +298,17 @@ def test_unreadable_dataset_file(tmp_path):
                           env=base_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "permission denied" in proc.stderr
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "two"}, "environment variable WORLD_SIZE='two' is not a valid world size"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not below WORLD_SIZE=2"),
+])
+def test_stray_rank_variables_are_refused_before_torch(tmp_path, env, expected):
+    """Rank variables set by hand (not by a launcher) used to reach Accelerate, which raised a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", "train", _cfg(tmp_path)], env={**base_env(), **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert expected in proc.stderr and "launch with torchrun or accelerate launch" in proc.stderr
+    assert not (tmp_path / "run").exists()
