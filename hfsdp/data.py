@@ -123,6 +123,13 @@ class TokenizeStats:
                 f"{self.dropped_no_labels} dropped without trainable tokens")
 
 
+def _no_rows_fix(cfg: DataConfig) -> str:
+    if cfg.too_long == "drop":
+        return "raise data.max_seq_len or use data.too_long: truncate"
+    return (f"raise data.max_seq_len ({cfg.max_seq_len}): a truncated row keeps only the labelled tokens within it, "
+            "and a row with none is dropped")
+
+
 def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
     out: dict[str, list] = {k: [] for k in batch}
     out["_truncated"], out["_dropped_long"], out["_dropped_empty"] = [], [], []
@@ -227,7 +234,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
             if len(tokenized[name]) == 0:  # checked before caching: datasets cannot reload an empty saved split
                 where = "data.path" if name == "train" else "the eval data"
                 raise UserError(f"data: no {name} rows left after tokenization of {where} ({stats[name].summary()}); "
-                                "raise data.max_seq_len or use data.too_long: truncate")
+                                + _no_rows_fix(config.data))
         result = datasets.DatasetDict(tokenized)
         return host.chain("hfsdp_transform_dataset", "dataset", result, config=config, tokenizer=tokenizer)
 
@@ -236,8 +243,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
     seconds = time.perf_counter() - t0
     if len(result["train"]) == 0:
         summary = stats["train"].summary() if "train" in stats else "no rows"
-        raise UserError(f"data: no training rows left after tokenization ({summary}); "
-                        "raise data.max_seq_len or use data.too_long: truncate")
+        raise UserError(f"data: no training rows left after tokenization ({summary}); " + _no_rows_fix(config.data))
     report = {"train": f"{len(result['train'])} rows", "cache_hit": hit, "preprocess_s": seconds,
               "padding": padding_report(result["train"], config.train.per_device_batch_size, config.train.seed,
                                         config.train.group_by_length)}

@@ -86,6 +86,8 @@ CASES: dict[str, Case] = {
                       "is empty (no rows to train on)"),
     "every sample too long (drop)": (lambda d, s: ["train", _cfg(d, data={"max_seq_len": 8, "too_long": "drop"})],
                                      "no train rows left after tokenization"),
+    "every answer cut off (truncate)": (lambda d, s: ["train", _cfg(d, data={"max_seq_len": 8})],
+                                        "raise data.max_seq_len (8): a truncated row keeps only the labelled tokens"),
     "chat data, tokenizer without template": (
         lambda d, s: ["train", _cfg(d, model={"name_or_path": s["no_template"]})],
         "chat data needs a tokenizer with a chat template"),
