@@ -134,9 +134,10 @@ def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size:
 
 
 def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list[tuple[str, str]]:
-    """Problems that only show once the world size is known (still before any model is loaded)."""
+    """Problems that only show once the world size is known (still before any model is loaded). None where FSDP
+    does not wrap the model (one process): a cluster's config still runs a one-process smoke test."""
     shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    if shape is None:
+    if shape is None or not wraps_model(cfg, world_size):
         return []
     replicate, shard = shape
     if shard == 1:

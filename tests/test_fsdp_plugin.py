@@ -182,6 +182,10 @@ def test_check_world_and_hybrid_mesh_share_one_shard_size():
     assert [p for p, _ in check_world(sized, 4, 4)] == ["fsdp.hybrid_shard_size"]
     assert check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), 4, 4) == []
     assert check_world(FSDPConfig(), 3, 3) == [] and hybrid_mesh_shape(FSDPConfig(), 3, 3) is None
+    # one process runs without a wrapper: a cluster's HYBRID_SHARD config still runs a smoke test there
+    assert check_world(hybrid, 1, 1) == [] and check_world(sized, 1, 1) == []
+    one_rank_fsdp = FSDPConfig(sharding_strategy="HYBRID_SHARD", single_process="fsdp")
+    assert [p for p, _ in check_world(one_rank_fsdp, 1, 1)] == ["fsdp.hybrid_shard_size"]
 
 
 def test_hybrid_shard_groups_of_one_rank_are_refused():
