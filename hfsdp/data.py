@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, data_reader_key
+from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, TrainConfig, data_reader_key
 from hfsdp.errors import PluginError, UserError
 
 if TYPE_CHECKING:
@@ -303,6 +303,12 @@ class BatchPlan:
         self.seed = seed
         self.lengths = lengths
         self._epoch_cache: tuple[int, list[int]] | None = None
+
+    @classmethod
+    def for_run(cls, dataset, cfg: TrainConfig, world_size: int) -> "BatchPlan":
+        """The plan of a run's ``train:`` section on ``world_size`` ranks."""
+        return cls(len(dataset), cfg.per_device_batch_size, world_size, cfg.gradient_accumulation_steps, cfg.seed,
+                   lengths=row_lengths(dataset) if cfg.group_by_length else None)
 
     @property
     def global_batch(self) -> int:

@@ -220,6 +220,21 @@ def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> No
         json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
 
 
+def report_startup(config: HfsdpConfig, accelerator, model, world: World, output_dir: Path) -> dict[str, Any]:
+    """:func:`startup_report`, printed (main process) and written by every rank (:func:`write_rank_report`)."""
+    report = startup_report(config, accelerator, model, world)
+    accelerator.print(format_report(report))
+    write_rank_report(output_dir, world.rank, report)
+    return report
+
+
+def report_optimizer_state(report: dict[str, Any], optimizer, output_dir: Path, rank: int) -> None:
+    """Add the optimizer state's bytes to the rank's report once it exists (after the first applied step)."""
+    if "optimizer_state_bytes_this_rank" not in report:
+        report["optimizer_state_bytes_this_rank"] = optimizer_state_bytes(optimizer)
+        write_rank_report(output_dir, rank, report)
+
+
 def format_report(report: dict[str, Any]) -> str:
     mib = 1024**2
     return (

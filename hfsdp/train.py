@@ -29,8 +29,8 @@ from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
-    World, all_sum, any_rank, build_accelerator, clip_grad_norm, format_report, grad_scaler, optimizer_state_bytes,
-    per_rank, prepare_model_and_optimizer, rehearsal_problems, startup_report, write_rank_report,
+    World, all_sum, any_rank, build_accelerator, clip_grad_norm, grad_scaler, per_rank, prepare_model_and_optimizer,
+    rehearsal_problems, report_optimizer_state, report_startup,
 )
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import check_world
@@ -239,21 +239,16 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         config, resumed_from, record = (resume.resume_point(output_dir, opts.resume, config, world.size, say)
                                         if opts.resume else (config, None, None))
-        plan = data.BatchPlan(len(train_set), config.train.per_device_batch_size, world.size,
-                              config.train.gradient_accumulation_steps, config.train.seed,
-                              lengths=data.row_lengths(train_set) if config.train.group_by_length else None)
+        plan = data.BatchPlan.for_run(train_set, config.train, world.size)
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        model, optimizer, flops = load_and_shard(accelerator, config, host, model_path, model_config, tokenizer, world)
+        model, optimizer, flops = load_and_shard(accelerator, config, host, model_path, model_config, tokenizer, world,
+                                                 packed="position_ids" in train_set.column_names)
         unwrapped = accelerator.unwrap_model(model)
-        if "position_ids" in train_set.column_names:  # packed rows: prove attention stays inside each sample
-            data.check_packed_attention(model, unwrapped.config.vocab_size, accelerator.device)
         select_logits = models.accepts_logits_to_keep(unwrapped)
-        report = startup_report(config, accelerator, model, world)
-        say(format_report(report))
-        write_rank_report(output_dir, world.rank, report)
+        report = report_startup(config, accelerator, model, world, output_dir)
 
         scheduler = build_scheduler(optimizer, config.train, max_steps)
         state = TrainerState()
@@ -288,9 +283,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 batches = data.micro_batches(train_set, plan, state.step, accelerator.process_index,
                                              tokenizer.pad_token_id, accelerator.device, select_logits)
                 result = train_step(run, batches, scaler, scheduler)
-                if result.stepped and "optimizer_state_bytes_this_rank" not in report:  # the state exists from now
-                    report["optimizer_state_bytes_this_rank"] = optimizer_state_bytes(optimizer)
-                    write_rank_report(output_dir, world.rank, report)
+                if result.stepped:
+                    report_optimizer_state(report, optimizer, output_dir, world.rank)
                 elapsed = time.perf_counter() - t0
                 step_metrics = {
                     "loss": result.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
@@ -348,9 +342,9 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
 
 
 def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_path: str, model_config, tokenizer,
-                   world: World):
+                   world: World, packed: bool):
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, and the FLOPs
-    model of it (counted before sharding)."""
+    model of it (counted before sharding). ``packed`` rows: proves attention stays inside each sample."""
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world)
     model = models.load_model(model_path, config.model, empty=empty)
@@ -358,6 +352,8 @@ def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_pat
     flops = throughput.FlopsModel.of(model, model_config)
     model, optimizer = prepare_model_and_optimizer(accelerator, config, world.size, model,
                                                    lambda m: build_optimizer(m, config.train))
+    if packed:
+        data.check_packed_attention(model, accelerator.unwrap_model(model).config.vocab_size, accelerator.device)
     return model, optimizer, flops
 
 
