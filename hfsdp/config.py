@@ -402,7 +402,8 @@ def _pydantic_problems(err: ValidationError, prefix: str = "", model: type[BaseM
             reference = f"hfsdp config-reference {section}" + (f" --enable {plugin}" if plugin else "")
             msg = _unknown_key(model or HfsdpConfig, loc, reference)
         elif e["type"] == "missing":
-            msg = "required key is missing"
+            msg = "required key is missing" + (" (or start from a preset that has it: `base: default`; "
+                                               "`hfsdp presets` lists them)" if len(loc) == 1 and not prefix else "")
         elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
         problems.append((path, msg))

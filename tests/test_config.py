@@ -87,6 +87,18 @@ def test_bad_config_names_yaml_path(tmp_path, sections, where, message):
     assert message in problems[where], problems
 
 
+def test_a_missing_section_points_to_a_preset_base(tmp_path):
+    problems = _problems(_write(tmp_path, "model:\n  name_or_path: meta-llama/Llama-3.1-8B\n"))
+    assert set(problems) == {"data", "train"}
+    assert all("start from a preset that has it: `base: default`" in m for m in problems.values()), problems
+    # a key missing inside a section gets no preset hint
+    path = tiny_config(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["model"] = {"dtype": "float32"}
+    path.write_text(yaml.safe_dump(raw))
+    assert _problems(path) == {"model.name_or_path": "required key is missing"}
+
+
 def test_all_problems_reported_together(tmp_path):
     path = _tiny_with(tmp_path, train={"max_stepz": 1, "learning_rate": "fast"}, fsdp={"version": 7})
     problems = _problems(path)
