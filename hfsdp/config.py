@@ -383,7 +383,9 @@ def _unknown_key(model: type[BaseModel], loc: list[str], reference: str) -> str:
     """'unknown key', with the closest valid key of that (sub)section and the command that prints them all."""
     for part in loc[:-1]:
         model = _submodel(model, part) or model
-    close = difflib.get_close_matches(loc[-1], [k for k in model.model_fields if k != "plugin_config"], n=1)
+    keys = [k for k in model.model_fields if k != "plugin_config"]
+    # a close spelling, else a key the unknown one abbreviates (model.name -> name_or_path)
+    close = difflib.get_close_matches(loc[-1], keys, n=1) or [k for k in keys if k.startswith(f"{loc[-1]}_")][:1]
     maybe = f"did you mean '{close[0]}'? " if close else ""
     return f"unknown key ({maybe}`{reference}` lists the valid keys)"
 

@@ -204,6 +204,7 @@ def test_unknown_key_suggests_and_points_to_config_reference(tmp_path):
                                           "lists the valid keys)")
     assert "did you mean 'param'?" in problems["fsdp.mixed_precision.parm"]
     assert "did you mean 'alpha'?" in problems["lora.alpah"]
+    assert "did you mean 'name_or_path'?" in _problems(_write(tmp_path, "base: tiny\nmodel:\n  name: x\n"))["model.name"]
     assert "`hfsdp config-reference lora --enable lora`" in problems["lora.alpah"]
 
 
