@@ -107,8 +107,9 @@ CASES: dict[str, Case] = {
     "model folder without config.json": (
         lambda d, s: ["train", _cfg(d, model={"name_or_path": str((d / "empty-model").mkdir() or d / "empty-model")})],
         "exists but has no config.json"),
-    "hybrid shard size does not divide world": (
-        lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2})],
+    "hybrid shard size does not divide world": (  # FSDP on one process (unwrapped, a cluster config runs)
+        lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2,
+                                             "single_process": "fsdp"})],
         "2 ranks per shard group does not divide the world size 1"),
     "gpu-only option in cpu rehearsal": (lambda d, s: ["train", _cfg(d, fsdp={"cpu_offload": True})],
                                          "fsdp.cpu_offload: needs a GPU"),
