@@ -315,7 +315,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
             export_model(run, output_dir / "final")
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
-                   "data": data_report, "throughput": speed}
+                   "data": data_report, "throughput": speed,
+                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or "")}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
@@ -538,6 +539,8 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
     if gen_before and gen_after:
         for (prompt, ref, out_before), (_, _, out_after) in list(zip(gen_before.examples, gen_after.examples))[:show]:
             lines += ["", f"prompt:    {prompt}", f"expected:  {ref}", f"before:    {out_before}", f"after:     {out_after}"]
+    if summary["last_checkpoint"]:
+        lines.append(f"latest checkpoint: {summary['last_checkpoint']} (`hfsdp export` consolidates it)")
     if config.train.export_final:
         lines.append(f"\nmodel written to {Path(config.train.output_dir) / 'final'}")
     return "\n".join(lines)

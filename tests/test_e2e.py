@@ -22,7 +22,8 @@ COMMON = {"lr_scheduler": "constant", "deterministic": True, "save_every": 2, "s
 
 def _train(tmp_path: Path, max_steps: int) -> Path:
     config = tiny_config(tmp_path, train={"max_steps": max_steps, **COMMON})
-    run_cli("train", str(config))
+    proc = run_cli("train", str(config))
+    (tmp_path / "console.txt").write_text(proc.stdout)
     return tmp_path / "run"
 
 
@@ -70,6 +71,9 @@ def test_loss_goes_down_and_run_folder_is_complete(four):
     written = yaml.safe_load((four / "config.yaml").read_text())
     assert written["train"]["max_steps"] == 4 and written["fsdp"]["version"] == 2
     assert sorted(p.name for p in (four / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert summary["last_checkpoint"] == str(four / "checkpoints" / "step-4")
+    assert f"latest checkpoint: {four / 'checkpoints' / 'step-4'} (`hfsdp export` consolidates it)" in \
+        (four.parent / "console.txt").read_text()
 
 
 def test_final_is_the_last_checkpoint(four, tmp_path):

@@ -43,12 +43,17 @@ def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def latest(checkpoints: Path) -> Path | None:
+    complete = complete_checkpoints(checkpoints)
+    return complete[-1][1] if complete else None
+
+
 def _what_it_is(path: Path) -> str:
     """The likely mix-up behind a folder given as a checkpoint that is not one."""
     for kind, folder in (("a run folder", path / "checkpoints"), ("a folder of checkpoints", path)):
-        complete = complete_checkpoints(folder)
-        if complete:
-            return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {complete[-1][1]} "
+        found = latest(folder)
+        if found:
+            return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {found} "
                     "(train --resume alone takes the latest)")
     if (path / EXPORT_RECORD).is_file() or (path / "config.json").is_file():
         return "it is a model folder (config.json), already consolidated: load or train from it instead"

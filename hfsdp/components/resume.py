@@ -78,8 +78,7 @@ def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
         path = Path(resume)
         checkpoint.read_record(path)  # refuses incomplete folders
         return path
-    complete = checkpoint.complete_checkpoints(output_dir / "checkpoints")
-    return complete[-1][1] if complete else None
+    return checkpoint.latest(output_dir / "checkpoints")
 
 
 def run_fingerprint(config: HfsdpConfig) -> str:
