@@ -40,7 +40,7 @@ def main() -> None:
     cfg, host = load_config(args.config, args.overrides)
     world = _world_from_env(cfg)
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    layers = cfg.fsdp.transformer_layer_cls or models.default_layer_classes(models.load_model_config(path, cfg.model))
+    layers = models.fsdp_layer_classes(cfg.fsdp, models.load_model_config(path, cfg.model))
     accelerator = build_accelerator(cfg, layers, world)
     torch.manual_seed(cfg.train.seed)
     tokenizer = models.load_tokenizer(path, cfg.model)

@@ -83,7 +83,7 @@ def _world_from_env(config):
     from hfsdp.fsdp import wraps_model
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not wraps_model(config.fsdp, 1):
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        for key in _RANK_VARIABLES:
             os.environ.pop(key, None)
     elif "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")

@@ -184,11 +184,15 @@ def default_layer_classes(model_config: Any) -> list[str]:
     return []
 
 
+def layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
+    """The layer classes FSDP wraps as units: ``fsdp.transformer_layer_cls`` or the model's own."""
+    return list(fsdp.transformer_layer_cls or default_layer_classes(model_config))
+
+
 def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
-    """The layer classes the FSDP plugin wraps (``fsdp.transformer_layer_cls`` or the model's own), or a UserError
-    when the wrap policy cannot run this model."""
-    layer_classes = fsdp.transformer_layer_cls or default_layer_classes(model_config)
-    if fsdp.wrap_policy == "transformer" and not layer_classes:
+    """:func:`layer_classes`, or a UserError when the wrap policy cannot run this model."""
+    classes = layer_classes(fsdp, model_config)
+    if fsdp.wrap_policy == "transformer" and not classes:
         raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
                         "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
     if fsdp.wrap_policy == "size" and getattr(model_config, "tie_word_embeddings", False):
@@ -196,7 +200,7 @@ def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
         # first forward fails ("size mismatch ... vec").
         raise UserError("fsdp.wrap_policy 'size' splits this model's tied input and output embeddings into "
                         "different FSDP units, which FSDP cannot run: use wrap_policy 'transformer' or 'none'")
-    return layer_classes
+    return classes
 
 
 def load_tokenizer(path: str, cfg: ModelConfig):

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import check_world, hybrid_mesh_shape, precision_parts, wraps_model
+from hfsdp.models import layer_classes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -242,15 +243,9 @@ def build_meta_model(model_config, config: HfsdpConfig, lora: bool, dtype: str):
     return model.to(getattr(torch, dtype))
 
 
-def layer_classes(model_config, config: HfsdpConfig) -> list[str]:
-    from hfsdp.models import default_layer_classes
-
-    return list(config.fsdp.transformer_layer_cls or default_layer_classes(model_config))
-
-
 def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
     model = build_meta_model(model_config, config, lora, config.model.dtype)
-    classes = layer_classes(model_config, config)
+    classes = layer_classes(config.fsdp, model_config)
     tied = bool(getattr(model_config, "tie_word_embeddings", False))
     shared = model.get_input_embeddings().weight
     tied_numel = shared.numel() if tied and shared.requires_grad else 0
@@ -302,7 +297,7 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
     model = build_meta_model(model_config, config, lora, compute_dtype(config, precision))
     model.train()
-    classes = set(layer_classes(model_config, config))
+    classes = set(layer_classes(config.fsdp, model_config))
     params = {id(p) for p in model.parameters()}
     current: list[int | None] = [None]
     saved: dict[int, tuple[int | None, int]] = {}  # id(storage owner) -> (layer, bytes)
