@@ -150,6 +150,9 @@ def _quiet(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=category)
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    # FSDP1's sharded optimizer-state load asks torch for a device in a way torch itself deprecated.
+    warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
+    warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

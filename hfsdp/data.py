@@ -382,16 +382,19 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     nothing (rows of one length): the model then takes its causal path (SDPA's ``is_causal`` kernel) without
     building or checking a mask, which on a GPU is a host sync per forward.
 
-    Packed rows (with ``position_ids``) go without the 2D attention mask and without a KV cache: given neither,
-    transformers builds a block-diagonal causal mask from where ``position_ids`` restart at 0
-    (``find_packed_sequence_indices`` in ``transformers.masking_utils``), so no token attends across samples. A 2D
-    mask, or the cache that ``use_cache`` (on by default, even in training) creates, switches that detection off and
-    lets packed samples see each other.
+    No forward of a training or eval batch builds a KV cache (``use_cache`` is on by default, even in training): a
+    layer recomputed in backward under FSDP's activation checkpointing would append its keys to the cache a second
+    time and attend over twice the row, and packed rows need the cache off (below).
+
+    Packed rows (with ``position_ids``) go without the 2D attention mask: given neither mask nor cache, transformers
+    builds a block-diagonal causal mask from where ``position_ids`` restart at 0 (``find_packed_sequence_indices`` in
+    ``transformers.masking_utils``), so no token attends across samples. A 2D mask, or a cache, switches that
+    detection off and lets packed samples see each other.
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs["use_cache"] = False
     if "position_ids" in inputs:
         inputs.pop("attention_mask", None)
-        inputs["use_cache"] = False
     elif "attention_mask" in inputs and bool(inputs["attention_mask"].all()):
         inputs.pop("attention_mask")
     return inputs
@@ -419,6 +422,7 @@ def check_packed_attention(model, vocab_size: int, device) -> None:
         attending = logits_of_second({"input_ids": first + second})
     finally:
         model.train(was_training)
+        reshard(model)
     leak, context = float((packed - alone).abs().max()), float((attending - alone).abs().max())
     if leak > 0.1 * context:
         raise UserError(
@@ -427,6 +431,16 @@ def check_packed_attention(model, vocab_size: int, device) -> None:
             "not follow the position_ids restarts that hfsdp relies on (transformers' packed-sequence detection): "
             "remove the packing plugin for this model"
         )
+
+
+def reshard(model) -> None:
+    """Free the parameters FSDP2 gathered for forwards outside training (the root module keeps its own gathered
+    after a forward, expecting the backward), so that the model holds its shards again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @dataclass

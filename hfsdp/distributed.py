@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,7 @@ def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: Worl
         PartialState._shared_state["device"] = torch.device("cpu")
         if plugin.fsdp_version == 1:
             _fsdp1_keep_cpu_gathers()
+            _fsdp1_copy_cpu_optimizer_gathers(plugin)
         if parallelism is not None:  # HYBRID_SHARD (FSDP2): the (replicate, shard) mesh, on gloo CPU groups
             state.parallelism_config = parallelism
             state.device_mesh = parallelism.get_device_mesh("cpu")
@@ -154,6 +155,16 @@ def _fsdp1_keep_cpu_gathers() -> None:
     FlatParamHandle.to_cpu = to_cpu
 
 
+def _fsdp1_copy_cpu_optimizer_gathers(plugin) -> None:
+    """FSDP1 gathers a full optimizer state (FULL_STATE_DICT checkpoints) into one buffer that it reuses for every
+    state name (``_allgather_orig_param_states``), and copies each out with ``.cpu()`` when the config offloads to
+    the CPU: on a CPU device that copy is the tensor itself, so Adam's ``exp_avg`` was saved holding
+    ``exp_avg_sq``'s values. Without the offload FSDP clones each state instead; on a CPU device the offload
+    means nothing else."""
+    if getattr(plugin.optim_state_dict_config, "offload_to_cpu", False):
+        plugin.optim_state_dict_config = replace(plugin.optim_state_dict_config, offload_to_cpu=False)
+
+
 def uses_fsdp(config: HfsdpConfig, world_size: int) -> bool:
     """FSDP wraps the model (else DDP on several ranks, or nothing on one process: see ``fsdp.wraps_model``)."""
     return wraps_model(config.fsdp, world_size)
@@ -175,9 +186,11 @@ def prepare_model_and_optimizer(accelerator, config: HfsdpConfig, world_size: in
     if config.fsdp.activation_checkpointing and not fsdp_wraps:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.fsdp.version == 1 and fsdp_wraps:
-        # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors.
+        # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors. Its wrapped
+        # parameters are 1-D views of each rank's shard, so which ones are matrices is read before.
+        matrices = {name for name, p in model.named_parameters() if p.ndim >= 2}
         model = accelerator.prepare(model)
-        return model, accelerator.prepare(build_optimizer(model))
+        return model, accelerator.prepare(build_optimizer(model, matrices))
     return accelerator.prepare(model, build_optimizer(model))
 
 

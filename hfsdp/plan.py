@@ -339,7 +339,7 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     try:
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             # The loss as hfsdp.train.token_loss_sums computes it (without its data-dependent token count).
-            logits = model(input_ids=ids).logits  # as train.py calls it: use_cache on, no packing
+            logits = model(input_ids=ids, use_cache=False).logits  # as data.model_inputs has train.py call it
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
                                    reduction="sum")
             del loss, logits

@@ -124,10 +124,11 @@ def resume_point(output_dir: Path, resume: str, config: HfsdpConfig, world_size:
     return config, path, record
 
 
-def restore(accelerator, path: Path | None, record: dict[str, Any] | None, config: HfsdpConfig,
+def restore(accelerator, optimizer, path: Path | None, record: dict[str, Any] | None, config: HfsdpConfig,
             identity: dict[str, Any], checkpoints: Path, state) -> None:
     """``--resume``, once everything a checkpoint holds is built and registered: remove the saves a stopped run left
-    incomplete, then check the checkpoint at ``path`` against this run and load it (``state.step`` tells where)."""
+    incomplete, then check the checkpoint at ``path`` against this run, load it (``state.step`` tells where) and
+    prove that the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
     say = accelerator.print
     if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
         for stale in checkpoint.remove_incomplete(checkpoints):
@@ -137,15 +138,92 @@ def restore(accelerator, path: Path | None, record: dict[str, Any] | None, confi
         return
     check_resume_record(record, config, path, identity)
     verify_checkpoint(path)  # every file Accelerate/DCP would unpickle: plain data only
+    # A sharded optimizer state loads into the state the optimizer already has (FSDP1's DCP path builds its load
+    # target from it): an optimizer that has not stepped yet has none, and would silently keep none. Its state is
+    # created first by a step with zero gradients and learning rate 0, as torch's own get_optimizer_state_dict does.
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(getattr(optimizer, "optimizer", optimizer))
     accelerator.load_state(str(path))
+    check_optimizer_state(record, optimizer_digest(accelerator, optimizer, config), path)
     say(f"resumed from {path} at step {state.step}")
 
 
+# Relative tolerance of the optimizer-state sums: the same float32 values summed in float64 in another order (another
+# world size shards them differently) agree to ~1e-12; a lost or mixed-up state is off by orders of magnitude.
+DIGEST_REL = 1e-6
+
+
+def optimizer_digest(accelerator, optimizer, config: HfsdpConfig) -> list[dict[str, Any]]:
+    """What a checkpoint records of the optimizer state, the same on every rank and for every world size the
+    checkpoint can resume on: per parameter group its learning rate, the lowest and highest step count, and for each
+    tensor state (Adam's moments) the sum of absolute values over the whole model, each element counted once however
+    the ranks shard or replicate it. Collective: every rank calls it."""
+    import math
+
+    import torch
+
+    from hfsdp.distributed import all_sum, per_rank
+    from hfsdp.fsdp import hybrid_mesh_shape
+
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+    world = accelerator.num_processes
+    mesh = hybrid_mesh_shape(config.fsdp, world, world)
+    sharded = wraps_model(config.fsdp, world) and config.fsdp.sharding_strategy != "NO_SHARD"
+    replicas = mesh[0] if mesh and sharded else (1 if sharded else world)  # copies of each element over the ranks
+    digest = []
+    for group in torch_optimizer.param_groups:
+        states = [torch_optimizer.state[p] for p in group["params"] if torch_optimizer.state.get(p)]
+        names = sorted({name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
+        sums = all_sum(accelerator, [sum(float(_local(st[name]).double().abs().sum()) for st in states if name in st)
+                                     for name in names])
+        steps = [float(st["step"]) for st in states if "step" in st]
+        lows = per_rank(accelerator, min(steps) if steps else math.inf)
+        highs = per_rank(accelerator, max(steps) if steps else -math.inf)
+        digest.append({"lr": float(group["lr"]),
+                       "step": [min(lows), max(highs)] if any(math.isfinite(v) for v in lows) else None,
+                       "abs_sums": {name: value / replicas for name, value in zip(names, sums)}})
+    return digest
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]], path: Path) -> None:
+    """Refuse to train on an optimizer state that is not the one the checkpoint saved (records written before hfsdp
+    recorded it are not checked): a silent divergence after resume is worse than a stop."""
+    import math
+
+    saved = record.get("optimizer")
+    if saved is None:
+        return
+    problems = []
+    if len(saved) != len(restored):
+        problems.append(f"{len(saved)} parameter groups saved, {len(restored)} restored")
+    for i, (before, after) in enumerate(zip(saved, restored)):
+        if before["step"] != after["step"]:
+            problems.append(f"group {i}: step counts {before['step']} saved, {after['step']} restored")
+        if not math.isclose(before["lr"], after["lr"], rel_tol=DIGEST_REL):
+            problems.append(f"group {i}: learning rate {before['lr']} saved, {after['lr']} restored")
+        for name in sorted(set(before["abs_sums"]) | set(after["abs_sums"])):
+            a, b = before["abs_sums"].get(name), after["abs_sums"].get(name)
+            if a is None or b is None or not math.isclose(a, b, rel_tol=DIGEST_REL, abs_tol=1e-30):
+                problems.append(f"group {i}: {name} sums to {a} saved, {b} restored")
+    if problems:
+        raise UserError(f"the optimizer state restored from {path} is not the one that was saved ("
+                        + "; ".join(problems[:4]) + (f"; {len(problems) - 4} more" if len(problems) > 4 else "")
+                        + "): training from it would silently diverge, so hfsdp stops. Resume with the torch and "
+                        "Accelerate versions that wrote it (hfsdp_checkpoint.json 'versions'), or report it")
+
+
 def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: PluginHost,
-                      identity: dict[str, Any]) -> dict[str, Any]:
+                      identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks
-    (:func:`check_resume_record`, :func:`keep_global_batch`) and the versions that wrote it. ``identity``: the
-    run's schedule length and training data."""
+    (:func:`check_resume_record`, :func:`keep_global_batch`, :func:`check_optimizer_state`) and the versions that
+    wrote it. ``identity``: the run's schedule length and training data; ``optimizer``: :func:`optimizer_digest`."""
     from importlib.metadata import version
 
     import torch
@@ -160,6 +238,7 @@ def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: 
         "plugins": {p.name: p.version for p in plugins.plugins},
         "state_dict_type": config.fsdp.state_dict_type,
         **identity,
+        "optimizer": optimizer,
     }
 
 
