@@ -361,6 +361,15 @@ def all_sum(accelerator, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def gather_objects(accelerator, value: Any) -> list[Any]:
+    """Every rank's picklable ``value``, in rank order, on every rank."""
+    if accelerator.num_processes == 1:
+        return [value]
+    values: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
 def per_rank(accelerator, value: float) -> list[float]:
     """Every rank's ``value``, in rank order, on every rank."""
     values = [0.0] * accelerator.num_processes

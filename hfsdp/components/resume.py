@@ -163,7 +163,7 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig) -> list[dict[s
 
     import torch
 
-    from hfsdp.distributed import all_sum, per_rank
+    from hfsdp.distributed import all_sum, gather_objects, per_rank
     from hfsdp.fsdp import hybrid_mesh_shape
 
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -174,7 +174,9 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig) -> list[dict[s
     digest = []
     for group in torch_optimizer.param_groups:
         states = [torch_optimizer.state[p] for p in group["params"] if torch_optimizer.state.get(p)]
-        names = sorted({name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
+        # a rank whose shard holds no element of a group's parameters has no state for them: agree on the names
+        here = {name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        names = sorted(set().union(*gather_objects(accelerator, here)))
         sums = all_sum(accelerator, [sum(float(_local(st[name]).double().abs().sum()) for st in states if name in st)
                                      for name in names])
         steps = [float(st["step"]) for st in states if "step" in st]
