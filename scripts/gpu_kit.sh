@@ -102,8 +102,8 @@ stage() {
     local name=$1 detail_fn=$2 log="$OUT/logs/$1.log"
     shift 2
     local left=$((DEADLINE - $(date +%s))) limit=${LIMIT_S[$name]}
-    ((left < limit)) && limit=$left
-    if ((limit < 5)); then
+    ((left >= limit)) || limit=$left
+    if ((left < 5)); then
         skip "$name" "no time left in the ${TOTAL_S}s window"
         return
     fi
