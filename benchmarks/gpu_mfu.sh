@@ -4,20 +4,26 @@
 # FSDP2 FULL_SHARD, 8 x 2048-token rows per step. Goal: MFU >= 45% on one H200 (dense bf16 peak 989 TFLOP/s from
 # hfsdp's peak table; set PEAK_TFLOPS for a GPU missing from it). Budget: < 10 minutes.
 #   benchmarks/gpu_mfu.sh [OUT_DIR]
+# PYTHON: the interpreter (default python3; hfsdp runs as `$PYTHON -m hfsdp`, so no console script is needed).
+# WORK_DIR: where the 1B model (4.3 GB of fp32 safetensors) and the data are written (default: OUT_DIR).
+# scripts/gpu_kit.sh run calls it as its mfu stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[[ $# -le 1 ]] || { echo "usage: benchmarks/gpu_mfu.sh [OUT_DIR]" >&2; exit 2; }
 OUT=${1:-bench-gpu}
+WORK_DIR=${WORK_DIR:-$OUT}
+PYTHON=${PYTHON:-python3}
 PEAK_TFLOPS=${PEAK_TFLOPS:-}
 STEPS=${STEPS:-20}
 export TOKENIZERS_PARALLELISM=false HFSDP_CACHE_DIR=${HFSDP_CACHE_DIR:-$HOME/.cache/hfsdp}
-mkdir -p "$OUT"
-python - "$OUT" <<'PY'
+mkdir -p "$OUT" "$WORK_DIR"
+"$PYTHON" - "$OUT" "$WORK_DIR" <<'PY'
 import sys, random
 from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from hfsdp.models import resolve_model_path
-out = Path(sys.argv[1]); model_dir = out / "llama-1b"
+out, work = Path(sys.argv[1]), Path(sys.argv[2]); model_dir = work / "llama-1b"
 tok_dir = resolve_model_path("smollm2-tiny", Path(__import__("os").environ["HFSDP_CACHE_DIR"]))  # carries the tokenizer
 if not (model_dir / "config.json").is_file():
     cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -31,7 +37,7 @@ if not (model_dir / "config.json").is_file():
 # long rows of text (~2500 tokens each; cut to max_seq_len) so that every step is 8 x 2048 tokens
 random.seed(0)
 words = "the of and to in is was for on that with as by at from his her an which it be are this had".split()
-with open(out / "long.jsonl", "w") as f:
+with open(work / "long.jsonl", "w") as f:
     for _ in range(400):
         f.write('{"text": "' + " ".join(random.choice(words) for _ in range(2600)) + '"}\n')
 (out / "mfu.yaml").write_text(f"""model:
@@ -40,7 +46,7 @@ with open(out / "long.jsonl", "w") as f:
   attn_implementation: sdpa
 data:
   format: text
-  path: {(out / 'long.jsonl').resolve()}
+  path: {(work / 'long.jsonl').resolve()}
   max_seq_len: 2048
   too_long: truncate
 train:
@@ -61,9 +67,9 @@ fsdp:
 PY
 # MFU, TFLOP/s, tokens/s and memory are hfsdp's own per-step metrics (metrics.jsonl; README "Per-step metrics"):
 # the medians of the steps after the warm-up. PEAK_TFLOPS, when set, overrides the peak table (train.peak_tflops).
-hfsdp bench "$OUT/mfu.yaml" --strategies FULL_SHARD --nproc 1 --steps "$STEPS" --warmup 3 --out "$OUT/bench" \
+"$PYTHON" -m hfsdp bench "$OUT/mfu.yaml" --strategies FULL_SHARD --nproc 1 --steps "$STEPS" --warmup 3 --out "$OUT/bench" \
   ${PEAK_TFLOPS:+--set train.peak_tflops=$PEAK_TFLOPS}
-python - "$OUT" <<'PY'
+"$PYTHON" - "$OUT" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])

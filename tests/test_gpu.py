@@ -1,10 +1,12 @@
-"""GPU-only checks (``pytest -m gpu``, run by scripts/gpu_check.sh): NCCL, bf16, CPU offload, FULL and SHARDED
-checkpoints, export, a short bench and `hfsdp plan` against ``torch.cuda.max_memory_allocated``, on one CUDA GPU.
-Skipped cleanly on machines without CUDA."""
+"""GPU-only checks (``pytest -m gpu``, run by scripts/gpu_check.sh and by scripts/gpu_kit.sh run): NCCL, FSDP1 and
+FSDP2, bf16, fp16 with its grad scaler, CPU offload (``cuda:nccl,cpu:gloo``), FULL and SHARDED checkpoints, export,
+deterministic training (CUBLAS_WORKSPACE_CONFIG), a short bench and `hfsdp plan` against
+``torch.cuda.max_memory_allocated``, on one CUDA GPU. Skipped cleanly on machines without CUDA."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +29,25 @@ CASES = {
     "unwrapped_bf16": {"version": 2, "sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16"},
     "fsdp1_offload_sharded": {"version": 1, "sharding_strategy": "FULL_SHARD", "cpu_offload": True,
                               "state_dict_type": "SHARDED_STATE_DICT"},
+    # fp16: torch.amp.GradScaler (FSDP2), FSDP1's ShardedGradScaler
+    "fsdp2_fp16_scaler": {"version": 2, "sharding_strategy": "FULL_SHARD", "mixed_precision": "fp16",
+                          "state_dict_type": "SHARDED_STATE_DICT", "single_process": "fsdp"},
+    "fsdp1_fp16_scaler": {"version": 1, "sharding_strategy": "FULL_SHARD", "mixed_precision": "fp16",
+                          "state_dict_type": "SHARDED_STATE_DICT", "single_process": "fsdp"},
 }
+
+
+def assert_grad_scaler_ran(checkpoint, steps):
+    """The checkpoint holds the fp16 loss scaler's state after every step updated it: the scale started at 2**16 and
+    halved at each overflow (a non-finite gradient norm, whose step the scaler skipped), and the growth tracker
+    counts the finite steps since the last overflow (2000 are needed to grow)."""
+    states = [torch.load(f, weights_only=True) for f in sorted(checkpoint.glob("custom_checkpoint_*.pkl"))]
+    scaler = [st for st in states if isinstance(st, dict) and {"scale", "_growth_tracker"} <= st.keys()]
+    assert len(scaler) == 1, [sorted(st) if isinstance(st, dict) else type(st) for st in states]
+    overflows = [not math.isfinite(float(r["grad_norm"])) for r in steps]  # metrics.jsonl writes inf as "inf"
+    since_last = len(overflows) - (max(i for i, o in enumerate(overflows) if o) + 1) if any(overflows) else len(steps)
+    assert scaler[0]["scale"] == 2.0**16 * 0.5 ** sum(overflows), (scaler[0], overflows)
+    assert scaler[0]["_growth_tracker"] == since_last, (scaler[0], overflows)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -50,6 +70,9 @@ def test_trains_on_nccl_and_checkpoint_exports_the_final_weights(tmp_path, name)
     assert all(0 < r["mem_max_allocated_gib"] <= r["mem_max_reserved_gib"] for r in steps), steps
     if torch.cuda.get_device_name().startswith("NVIDIA H"):  # in the peak table: MFU per step and in the summary
         assert all(0 < r["mfu_pct"] < 100 for r in steps) and "MFU" in proc.stdout, steps
+    if CASES[name].get("mixed_precision") == "fp16":
+        assert report["mixed_precision"] == "fp16" and len(steps) == 4, (report, steps)
+        assert_grad_scaler_ran(run / "checkpoints" / "step-4", steps)
     run_cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / "exported"))
     final, exported = load_file(str(run / "final" / "model.safetensors")), load_file(
         str(tmp_path / "exported" / "model.safetensors"))
