@@ -25,7 +25,7 @@ import torch
 from hfsdp import __version__
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, hybrid_mesh_shape, wraps_model
+from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wraps_model
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 _GPU_ONLY = {
@@ -330,18 +330,30 @@ def checkpointed_layers(model: torch.nn.Module) -> int:
                for m in model.modules())
 
 
-def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
+                   world: World) -> torch.Tensor:
     """The total gradient norm over all ranks, after clipping the gradients to ``max_norm`` when it is set.
 
     Without clipping only the norm is computed (for the metrics and the non-finite check): torch's clip with an
-    infinite bound would still multiply every gradient by 1. Under FSDP Accelerate's clip, which also reduces the
-    sharded norms across ranks, does both.
+    infinite bound would still multiply every gradient by 1. Under FSDP2 Accelerate's clip, which also reduces the
+    sharded norms across ranks, does both. FSDP1's own clip (``FullyShardedDataParallel.clip_grad_norm_``, which
+    Accelerate calls) misses part of the gradients when frozen and trainable parameters share a unit (LoRA: 0.713
+    instead of 0.731 on the tiny model), so there the norm is summed here from each rank's gradient shards.
     """
     from accelerate.utils import DistributedType
 
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if accelerator.distributed_type == DistributedType.FSDP and config.fsdp.version == 1:
+        local = torch.nn.utils.get_total_norm(grads).double() if grads else torch.zeros((), dtype=torch.float64)
+        squares = local.square().to(accelerator.device)
+        torch.distributed.all_reduce(squares)
+        total = (squares / copies(config.fsdp, world.size, world.local_size)).sqrt().float()
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
     if max_norm is not None or accelerator.distributed_type == DistributedType.FSDP:
         return accelerator.clip_grad_norm_(parameters, max_norm or float("inf"))
-    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    return torch.nn.utils.get_total_norm(grads)
 
 
 def any_rank(accelerator, flag: bool) -> bool:

@@ -122,6 +122,15 @@ def hybrid_mesh_shape(cfg: FSDPConfig, world_size: int, local_world_size: int) -
     return world_size // shard, shard
 
 
+def copies(cfg: FSDPConfig, world_size: int, local_world_size: int) -> int:
+    """How many ranks hold each element of a parameter (and of its gradient and optimizer state): one where FSDP
+    shards over all ranks, the replica groups under HYBRID_SHARD, every rank under NO_SHARD, DDP or one process."""
+    if not wraps_model(cfg, world_size) or cfg.sharding_strategy == "NO_SHARD":
+        return world_size
+    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
+    return shape[0] if shape else 1
+
+
 def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size: int) -> "ParallelismConfig | None":
     """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD; None for the other strategies."""
     shape = hybrid_mesh_shape(cfg, world_size, local_world_size)

@@ -262,7 +262,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         accelerator.register_for_checkpointing(scheduler, state)
         scaler = grad_scaler(config, accelerator)
         if opts.resume:
-            resume.restore(accelerator, optimizer, resumed_from, record, config, identity, output_dir / "checkpoints", state)
+            resume.restore(accelerator, optimizer, resumed_from, record, config, identity, output_dir / "checkpoints", state,
+                           world)
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
@@ -433,7 +434,7 @@ def train_step(run: Run, batches: list[data.MicroBatch], scaler, scheduler) -> S
         scaler.unscale_(optimizer)
     # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
     trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm))
+    grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):
         finite = True  # fp16 overflow: the scaler skips the step and lowers its scale
@@ -500,7 +501,7 @@ def save_checkpoint(run: Run) -> Path:
     accelerator = run.accelerator
     record = resume.checkpoint_record(run.config, run.state.step, accelerator.num_processes, run.plugins,
                                       run.resume_identity,
-                                      resume.optimizer_digest(accelerator, run.optimizer, run.config))
+                                      resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world))
     checkpoints_dir = run.output_dir / "checkpoints"
     path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, run.model_files,
                            yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False))

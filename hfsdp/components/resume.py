@@ -125,7 +125,7 @@ def resume_point(output_dir: Path, resume: str, config: HfsdpConfig, world_size:
 
 
 def restore(accelerator, optimizer, path: Path | None, record: dict[str, Any] | None, config: HfsdpConfig,
-            identity: dict[str, Any], checkpoints: Path, state) -> None:
+            identity: dict[str, Any], checkpoints: Path, state, world) -> None:
     """``--resume``, once everything a checkpoint holds is built and registered: remove the saves a stopped run left
     incomplete, then check the checkpoint at ``path`` against this run, load it (``state.step`` tells where) and
     prove that the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
@@ -145,7 +145,7 @@ def restore(accelerator, optimizer, path: Path | None, record: dict[str, Any] | 
 
     _init_optim_state(getattr(optimizer, "optimizer", optimizer))
     accelerator.load_state(str(path))
-    check_optimizer_state(record, optimizer_digest(accelerator, optimizer, config), path)
+    check_optimizer_state(record, optimizer_digest(accelerator, optimizer, config, world), path)
     say(f"resumed from {path} at step {state.step}")
 
 
@@ -154,7 +154,7 @@ def restore(accelerator, optimizer, path: Path | None, record: dict[str, Any] | 
 DIGEST_REL = 1e-6
 
 
-def optimizer_digest(accelerator, optimizer, config: HfsdpConfig) -> list[dict[str, Any]]:
+def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list[dict[str, Any]]:
     """What a checkpoint records of the optimizer state, the same on every rank and for every world size the
     checkpoint can resume on: per parameter group its learning rate, the lowest and highest step count, and for each
     tensor state (Adam's moments) the sum of absolute values over the whole model, each element counted once however
@@ -164,13 +164,10 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig) -> list[dict[s
     import torch
 
     from hfsdp.distributed import all_sum, gather_objects, per_rank
-    from hfsdp.fsdp import hybrid_mesh_shape
+    from hfsdp.fsdp import copies
 
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
-    world = accelerator.num_processes
-    mesh = hybrid_mesh_shape(config.fsdp, world, world)
-    sharded = wraps_model(config.fsdp, world) and config.fsdp.sharding_strategy != "NO_SHARD"
-    replicas = mesh[0] if mesh and sharded else (1 if sharded else world)  # copies of each element over the ranks
+    replicas = copies(config.fsdp, world.size, world.local_size)
     digest = []
     for group in torch_optimizer.param_groups:
         states = [torch_optimizer.state[p] for p in group["params"] if torch_optimizer.state.get(p)]
