@@ -190,6 +190,7 @@ def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
     args = ("train", str(folder / "config.yaml"), "--resume")
     proc = run_cli(*args) if world == 1 else run_torchrun(world, *args)
     assert f"resumed from {target / 'step-2'} at step 2" in proc.stdout + proc.stderr
+    assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # FSDP1's load printed torch's deprecations
     return folder / "run"
 
 
