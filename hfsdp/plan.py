@@ -339,7 +339,9 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     try:
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             # The loss as hfsdp.train.token_loss_sums computes it (without its data-dependent token count).
-            logits = model(input_ids=ids, use_cache=False).logits  # as data.model_inputs has train.py call it
+            # use_cache left on: an empty cache holds only the keys and values backward saves anyway (train.py turns
+            # it off); off, transformers looks for packed rows with a .item() that meta tensors cannot answer.
+            logits = model(input_ids=ids).logits
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
                                    reduction="sum")
             del loss, logits
