@@ -195,11 +195,6 @@ def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
     if fsdp.wrap_policy == "transformer" and not classes:
         raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
                         "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
-    if fsdp.wrap_policy == "size" and getattr(model_config, "tie_word_embeddings", False):
-        # Seen on 2 ranks: the policy puts embed_tokens and the tied lm_head in different FSDP units, and the
-        # first forward fails ("size mismatch ... vec").
-        raise UserError("fsdp.wrap_policy 'size' splits this model's tied input and output embeddings into "
-                        "different FSDP units, which FSDP cannot run: use wrap_policy 'transformer' or 'none'")
     return classes
 
 

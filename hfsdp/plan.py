@@ -194,8 +194,6 @@ class Estimate:
 
 def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: int | None) -> tuple[dict[int, int], list[str]]:
     """Map id(parameter) -> FSDP unit index, emulating the auto-wrap policy (root = unit 0)."""
-    import torch
-
     units = ["<root>"]
     owner: dict[int, int] = {}
     if wrap_policy == "transformer":
@@ -205,20 +203,13 @@ def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: i
                 for p in module.parameters():
                     owner.setdefault(id(p), len(units) - 1)
     elif wrap_policy == "size":
-        # torch's size_based_auto_wrap_policy: post-order, a module becomes a unit when the parameters of its
-        # subtree not already in a child unit reach min_num_params (containers are never wrapped).
-        def visit(name: str, module) -> int:
-            free = sum(visit(f"{name}.{child_name}".lstrip("."), child) for child_name, child in module.named_children())
-            free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in owner)
-            wrappable = name and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            if wrappable and free >= (min_num_params or 0):
-                units.append(name)
-                for p in module.parameters():
-                    owner.setdefault(id(p), len(units) - 1)
-                return 0
-            return free
+        from hfsdp.size_policy import size_units  # the units train forms (innermost first)
 
-        visit("", model)
+        modules = dict(model.named_modules())
+        for name in size_units(model, min_num_params or 0):
+            units.append(name)
+            for p in modules[name].parameters():
+                owner.setdefault(id(p), len(units) - 1)
     return owner, units
 
 
@@ -666,7 +657,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
                  lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
-            "fsdp_units": len(facts.units), "device_budget_bytes": budget, "rows": out}
+            "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget, "rows": out}
 
 
 def plot(rows: list[Estimate], budget: int, path, title: str) -> None:

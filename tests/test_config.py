@@ -60,8 +60,6 @@ CASES = [
     ("unknown plugin", {"plugins": ["no_such_plugin_xyz"]}, "plugins", "neither an installed plugin"),
     # issue 15: keys that would silently do something other than they say
     ("train.compile was a no-op", {"train": {"compile": True}}, "train.compile", "unknown key"),
-    ("fsdp2 size policy", {"fsdp": {"version": 2, "wrap_policy": "size", "min_num_params": 50000}}, "fsdp",
-     "wrap_policy 'size' needs fsdp.version 1"),
     ("fsdp2 ignores buffer dtype", {"fsdp": {"version": 2, "mixed_precision": {"param": "bf16", "buffer": "bf16"}}},
      "fsdp.mixed_precision.buffer", "only FSDP1 casts buffers"),
     ("ddp ignores reduce dtype", {"fsdp": {"sharding_strategy": "NO_SHARD", "mixed_precision": {"reduce": "bf16"}}},
