@@ -7,6 +7,7 @@ skips a sample, and a run on N ranks sees exactly the global batches of a single
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,6 +32,22 @@ _LOADERS = dict(zip(DATA_SUFFIXES, ("text", "text", "json", "json", "csv", "parq
 Readers = Mapping[str, tuple[str, Callable[..., Any]]]
 
 
+@contextlib.contextmanager
+def quiet_datasets() -> Any:
+    """No progress bars from ``datasets``' own bookkeeping (reading files: "Generating train split"; the
+    preprocessing cache: "Saving the dataset", "Loading dataset from disk"): the console shows one bar per phase,
+    hfsdp's (tokenizing, packing, training). Bars the caller turned off stay off."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
 def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read: Callable[..., Any]):
     """Rows from a plugin's reader (list of dicts, dict of columns, or a Dataset) as a ``datasets.Dataset``."""
     import datasets
@@ -52,6 +69,7 @@ def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read:
         "or a datasets.Dataset"))
 
 
+@quiet_datasets()
 def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
     import datasets
 
@@ -198,16 +216,18 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
     target = cache_dir / "datasets" / key
     if (target / "dataset_dict.json").is_file():
         try:
-            return datasets.load_from_disk(str(target)), True
+            with quiet_datasets():
+                return datasets.load_from_disk(str(target)), True
         except Exception:  # a damaged cache entry is rebuilt, not fatal
             shutil.rmtree(target, ignore_errors=True)
     result = build()
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    result.save_to_disk(str(tmp))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return datasets.load_from_disk(str(target)), False
+    with quiet_datasets():
+        result.save_to_disk(str(tmp))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        return datasets.load_from_disk(str(target)), False
 
 
 # Grouping by length sorts spans of this many global batches at a time (as transformers' LengthGroupedSampler

@@ -249,10 +249,21 @@ def report_optimizer_state(report: dict[str, Any], optimizer, output_dir: Path, 
         write_rank_report(output_dir, rank, report)
 
 
+# What wraps the model, by Accelerate's distributed type, in the start-up line.
+_WRAPPER_WORDS = {"NO": "no wrapper", "FSDP": "FSDP", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}
+
+
+def runs_on(report: dict[str, Any]) -> str:
+    """What runs, in words: "1 process on cpu, no wrapper", "2 processes on cpu (rehearsal, gloo), FSDP"."""
+    n = report["world_size"]
+    wrapper = _WRAPPER_WORDS.get(report["distributed_type"], report["distributed_type"])
+    return f"{n} process{'' if n == 1 else 'es'} on {report['device']}, {wrapper}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     mib = 1024**2
     return (
-        f"hfsdp {__version__} | world size {report['world_size']} | {report['distributed_type']} on {report['device']}\n"
+        f"hfsdp {__version__} | {runs_on(report)}\n"
         f"  FSDP{report['fsdp_version']} {report['strategy']} | wrap {report['wrap_policy']} "
         f"({report['wrapped_units']} units) | mixed precision {report['mixed_precision']}\n"
         f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
