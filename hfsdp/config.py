@@ -54,13 +54,29 @@ class ModelConfig(Section):
         return data
 
 
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class MessageKeys(Section):
+    role: str = Field("role", description="key of a message's role.")
+    content: str = Field("content", description="key of a message's text.")
+
+
 class DataConfig(Section):
     format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
     path: str = Field(description="local file (.txt/.jsonl/.json/.csv/.parquet), folder, or datasets-loadable name.")
     name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
     split: str = Field("train", description="split of `path` used for training.")
     text_field: str = Field("text", description="text format: the column holding the text.")
-    messages_field: str = Field("messages", description="chat format: the column holding the messages list.")
+    messages_field: str | None = Field(
+        None, description="chat format: the column holding the messages list; default: messages, or conversations "
+                          "(ShareGPT) when the rows have that column instead.")
+    message_keys: MessageKeys | None = Field(
+        None, description="chat format: a message's role and text keys, e.g. {role: from, content: value}; default: "
+                          "role/content, or from/value (ShareGPT) when the messages have those instead.")
+    roles: dict[str, ChatRole] | None = Field(
+        None, description="chat format: the rows' role names as system/user/assistant, e.g. {human: user, gpt: "
+                          "assistant}, added to the defaults (system, user, assistant, and ShareGPT's human, gpt).")
     max_seq_len: int = Field(512, gt=1, description="tokens per sample; longer samples follow too_long.")
     too_long: Literal["truncate", "drop"] = Field("truncate", description="policy for longer samples (counted in the log).")
     eval_path: str | None = Field(None, description="separate eval file (set one of eval_path, eval_split, eval_fraction).")

@@ -210,6 +210,23 @@ def load_tokenizer(path: str, cfg: ModelConfig):
     return tokenizer
 
 
+def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
+    """The model's tokenizer without its weights (built-in models share the SmolLM2 tokenizer), or None for a hub
+    id whose files are not here and cannot be fetched (offline): for checks that can do without it."""
+    if cfg.name_or_path in BUILTIN_MODELS:
+        tokenizer = _smollm2_tokenizer(cache_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    path = resolve_model_path(cfg.name_or_path, cache_dir)
+    try:
+        return load_tokenizer(path, cfg)
+    except UserError:
+        if Path(path).expanduser().exists():
+            raise  # a local folder whose tokenizer is broken: train would fail on it too
+        return None
+
+
 def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
     """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
     ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded)."""

