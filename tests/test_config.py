@@ -228,13 +228,14 @@ def test_config_reference_command(tmp_path):
 
 @pytest.mark.parametrize("command", ["validate", "plugins"])
 def test_validate_and_plugins_do_not_import_torch(tmp_path, command):
-    """The CLI promises that `validate` and `plugins` answer without torch (issue 15 item 7)."""
+    """The CLI promises that `validate --no-rows` and `plugins` answer without torch (issue 15 item 7); plain
+    `validate` also tokenizes a sample of rows (issue 27), which needs the tokenizer, so transformers and torch."""
     import subprocess
     import sys
 
     from conftest import base_env
 
-    argv = ["validate", str(tiny_config(tmp_path))] if command == "validate" else ["plugins"]
+    argv = ["validate", "--no-rows", str(tiny_config(tmp_path))] if command == "validate" else ["plugins"]
     script = ("import sys\nfrom hfsdp.cli import cli\ntry:\n    cli(%r, prog_name='hfsdp')\nexcept SystemExit as e:\n"
               "    assert not e.code, e.code\nheavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
               "print('HEAVY', heavy)\n" % (argv,))
