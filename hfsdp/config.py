@@ -54,13 +54,29 @@ class ModelConfig(Section):
         return data
 
 
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class MessageKeys(Section):
+    role: str = Field("role", description="key of a message's role.")
+    content: str = Field("content", description="key of a message's text.")
+
+
 class DataConfig(Section):
     format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
     path: str = Field(description="local file (.txt/.jsonl/.json/.csv/.parquet), folder, or datasets-loadable name.")
     name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
     split: str = Field("train", description="split of `path` used for training.")
     text_field: str = Field("text", description="text format: the column holding the text.")
-    messages_field: str = Field("messages", description="chat format: the column holding the messages list.")
+    messages_field: str | None = Field(
+        None, description="chat format: the column holding the messages list; default: messages, or conversations "
+                          "(ShareGPT) when the rows have that column instead.")
+    message_keys: MessageKeys | None = Field(
+        None, description="chat format: a message's role and text keys, e.g. {role: from, content: value}; default: "
+                          "role/content, or from/value (ShareGPT) when the messages have those instead.")
+    roles: dict[str, ChatRole] | None = Field(
+        None, description="chat format: the rows' role names as system/user/assistant, e.g. {human: user, gpt: "
+                          "assistant}, added to the defaults (system, user, assistant, and ShareGPT's human, gpt).")
     max_seq_len: int = Field(512, gt=1, description="tokens per sample; longer samples follow too_long.")
     too_long: Literal["truncate", "drop"] = Field("truncate", description="policy for longer samples (counted in the log).")
     eval_path: str | None = Field(None, description="separate eval file (set one of eval_path, eval_split, eval_fraction).")
@@ -97,11 +113,11 @@ FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "us
 class FSDPConfig(Section):
     version: Literal[1, 2] = Field(2, description="1: FullyShardedDataParallel, 2: fully_shard (per-parameter DTensor).")
     sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="what is sharded; see the strategy table.")
-    wrap_policy: Literal["transformer", "size", "none"] = Field("transformer", description="how FSDP units are formed (size: FSDP1, untied embeddings).")
+    wrap_policy: Literal["transformer", "size", "none"] = Field("transformer", description="how FSDP units are formed: transformer (each decoder layer), size (modules of min_num_params or more; tied embeddings stay in the root unit), none (the root only).")
     transformer_layer_cls: list[str] | None = Field(
         None, description="layer classes wrapped as FSDP units; default: the model's _no_split_modules."
     )
-    min_num_params: int | None = Field(None, gt=0, description="size policy: parameters per unit.")
+    min_num_params: int | None = Field(None, gt=0, description="size policy: a module with at least this many parameters not already in a smaller unit becomes a unit (e.g. 100000000).")
     mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = Field(
         "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes (buffer: FSDP1 "
               "only; NO_SHARD under FSDP2 runs as DDP and reduces in float32).")
@@ -134,9 +150,6 @@ class FSDPConfig(Section):
                 problems.append(f"{', '.join(given)} only exist in FSDP1: remove them or set fsdp.version: 1")
         if self.wrap_policy == "size" and self.min_num_params is None:
             problems.append("wrap_policy 'size' needs fsdp.min_num_params (e.g. 100000000)")
-        if self.wrap_policy == "size" and self.version == 2:
-            problems.append("wrap_policy 'size' needs fsdp.version 1: under FSDP2 Accelerate's size policy picks the "
-                            "layer container (a ModuleList), which fully_shard refuses; use wrap_policy 'transformer'")
         if self.wrap_policy != "size" and self.min_num_params is not None:
             problems.append("min_num_params only applies to wrap_policy 'size'")
         if self.wrap_policy != "transformer" and self.transformer_layer_cls:

@@ -7,6 +7,7 @@ skips a sample, and a run on N ranks sees exactly the global batches of a single
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, TrainConfig, data_reader_key
-from hfsdp.errors import PluginError, UserError
+from hfsdp.errors import PluginError, RowError, UserError
 
 if TYPE_CHECKING:
     from hfsdp.plugins import PluginHost
@@ -29,6 +30,22 @@ if TYPE_CHECKING:
 _LOADERS = dict(zip(DATA_SUFFIXES, ("text", "text", "json", "json", "csv", "parquet")))
 # A plugin's data reader: file suffix or source prefix -> (plugin, read(path, split, data_config)).
 Readers = Mapping[str, tuple[str, Callable[..., Any]]]
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Any:
+    """No progress bars from ``datasets``' own bookkeeping (reading files: "Generating train split"; the
+    preprocessing cache: "Saving the dataset", "Loading dataset from disk"): the console shows one bar per phase,
+    hfsdp's (tokenizing, packing, training). Bars the caller turned off stay off."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read: Callable[..., Any]):
@@ -52,6 +69,7 @@ def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read:
         "or a datasets.Dataset"))
 
 
+@quiet_datasets()
 def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
     import datasets
 
@@ -155,6 +173,10 @@ def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         try:
             return _fit_length(tokenize_fn(batch, tokenizer, cfg), cfg)
+        except RowError as err:
+            where = f"row {indices[err.position]}" if err.position is not None and indices else \
+                f"rows {indices[0]}-{indices[-1]}" if indices else "a batch"
+            raise UserError(f"data.format '{cfg.format}': {where} (counting from 0): {err}") from None
         except UserError as err:
             if type(err) is UserError:
                 raise
@@ -175,6 +197,49 @@ def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, 
     keep = [i for i, (a, b) in enumerate(zip(tokenized["_dropped_long"], tokenized["_dropped_empty"])) if not (a or b)]
     tokenized = tokenized.select(keep).remove_columns(["_truncated", "_dropped_long", "_dropped_empty"])
     return tokenized, stats
+
+
+def _row_name(path: str, index: int) -> str:
+    return f"line {index + 1} of {path}" if path.endswith(".jsonl") else f"row {index} of {path} (counting from 0)"
+
+
+# hfsdp validate tokenizes up to this many rows of each data file, spread over the file.
+VALIDATE_SAMPLE = 200
+
+
+def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = VALIDATE_SAMPLE) -> str:
+    """Run a sample of each local data file's rows (up to ``sample``, spread over the file) through the format's
+    tokenization, one row at a time, so that a row the format cannot read is reported with its number and the fix
+    by ``hfsdp validate``, before anything trains. Returns what was checked, in one line."""
+    cfg = config.data
+    _, tokenize_fn = host.tokenize_function(config)
+    readers = host.data_readers(config)
+    sources = [("data.path", cfg.path, cfg.split)]
+    if cfg.eval_path:
+        sources.append(("data.eval_path", cfg.eval_path, cfg.split))
+    elif cfg.eval_split:
+        sources.append(("data.path", cfg.path, cfg.eval_split))
+    checked, skipped = [], []
+    for key, path, split in sources:
+        if data_reader_key(path, readers) is None and not Path(path).expanduser().exists():
+            skipped.append(path)  # a hub dataset: read at train time
+            continue
+        raw = _load_split(path, cfg, split, readers)
+        count = min(len(raw), sample)
+        positions = [k * len(raw) // count for k in range(count)]
+        for i in positions:
+            row = raw[i]
+            try:
+                tokenize_fn({column: [value] for column, value in row.items()}, tokenizer, cfg)
+            except UserError as err:
+                raise UserError(f"{key}: {_row_name(path, i)}: {err}") from None
+            except Exception as err:  # a format plugin's own failure on this row
+                raise UserError(f"{key}: {_row_name(path, i)}: data.format '{cfg.format}' could not tokenize it: "
+                                f"{type(err).__name__}: {err}. Check that the rows have the columns and types this "
+                                "format expects") from None
+        checked.append(f"{len(positions)} of {len(raw)} rows of {path}{f' ({split})' if split != 'train' else ''}")
+    line = f"data: format {cfg.format} tokenized " + ("; ".join(checked) if checked else "no rows")
+    return line + (f"; not checked (not local): {', '.join(skipped)}" if skipped else "")
 
 
 def cache_key(raw_fingerprints: list[str], tokenizer, cfg: DataConfig, format_owner: str, extra: str = "") -> str:
@@ -198,16 +263,18 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
     target = cache_dir / "datasets" / key
     if (target / "dataset_dict.json").is_file():
         try:
-            return datasets.load_from_disk(str(target)), True
+            with quiet_datasets():
+                return datasets.load_from_disk(str(target)), True
         except Exception:  # a damaged cache entry is rebuilt, not fatal
             shutil.rmtree(target, ignore_errors=True)
     result = build()
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    result.save_to_disk(str(tmp))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return datasets.load_from_disk(str(target)), False
+    with quiet_datasets():
+        result.save_to_disk(str(tmp))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        return datasets.load_from_disk(str(target)), False
 
 
 # Grouping by length sorts spans of this many global batches at a time (as transformers' LengthGroupedSampler

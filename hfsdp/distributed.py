@@ -209,6 +209,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
                     + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
+        "wrapped_unit_names": wrapped_unit_names(model),
         "checkpointed_layers": checkpointed_layers(model),
         "mixed_precision": fsdp.precision_name,
         "param_bytes_this_rank": local,
@@ -248,10 +249,21 @@ def report_optimizer_state(report: dict[str, Any], optimizer, output_dir: Path, 
         write_rank_report(output_dir, rank, report)
 
 
+# What wraps the model, by Accelerate's distributed type, in the start-up line.
+_WRAPPER_WORDS = {"NO": "no wrapper", "FSDP": "FSDP", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}
+
+
+def runs_on(report: dict[str, Any]) -> str:
+    """What runs, in words: "1 process on cpu, no wrapper", "2 processes on cpu (rehearsal, gloo), FSDP"."""
+    n = report["world_size"]
+    wrapper = _WRAPPER_WORDS.get(report["distributed_type"], report["distributed_type"])
+    return f"{n} process{'' if n == 1 else 'es'} on {report['device']}, {wrapper}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     mib = 1024**2
     return (
-        f"hfsdp {__version__} | world size {report['world_size']} | {report['distributed_type']} on {report['device']}\n"
+        f"hfsdp {__version__} | {runs_on(report)}\n"
         f"  FSDP{report['fsdp_version']} {report['strategy']} | wrap {report['wrap_policy']} "
         f"({report['wrapped_units']} units) | mixed precision {report['mixed_precision']}\n"
         f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
@@ -312,12 +324,29 @@ def _fsdp1_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def wrapped_units(model: torch.nn.Module) -> int:
+    # One fully_shard call on several modules (Accelerate groups final norm, embedding and lm_head) is one unit.
+    return len(wrapped_unit_names(model))
+
+
+def wrapped_unit_names(model: torch.nn.Module) -> list[str]:
+    """The FSDP units, each named by the module(s) it wraps (``<root>`` for the model itself; one FSDP2 group of
+    several modules as ``a+b``), in module order. Wrapper levels (FSDP1's ``_fsdp_wrapped_module``, checkpoint
+    wrappers) are left out of the names, so they read as the model's own module names (as ``hfsdp plan`` lists
+    them)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    # One fully_shard call on several modules (Accelerate groups final norm, embedding and lm_head) is one unit.
-    fsdp2 = len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
-    return fsdp2 or len(FSDP.fsdp_modules(model))
+    def clean(name: str) -> str:
+        parts = [p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")]
+        return ".".join(parts) or "<root>"
+
+    groups: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            groups.setdefault(id(module._get_fsdp_state()), []).append(clean(name))
+        elif isinstance(module, FSDP):
+            groups.setdefault(id(module), []).append(clean(name))
+    return ["+".join(dict.fromkeys(names)) for names in groups.values()]
 
 
 def checkpointed_layers(model: torch.nn.Module) -> int:

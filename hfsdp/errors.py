@@ -7,6 +7,16 @@ class UserError(Exception):
     exit_code = 2
 
 
+class RowError(UserError):
+    """A data row that does not have the shape its format reads; the message says what is wrong and the fix.
+    ``position``: the row's index in the batch the format was given, when the format knows it (``hfsdp.data``
+    turns it into the row's number)."""
+
+    def __init__(self, message: str, position: int | None = None):
+        super().__init__(message)
+        self.position = position
+
+
 class ConfigError(UserError):
     """One or more problems in the training config, each tied to its YAML path."""
 

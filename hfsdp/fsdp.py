@@ -33,7 +33,8 @@ _PRECISION_SHORTHANDS = {
     "bf16": MixedPrecisionParts(param="bfloat16", reduce="float32", buffer="float32"),
     "fp16": MixedPrecisionParts(param="float16", reduce="float32", buffer="float32"),
 }
-_WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "size": "SIZE_BASED_WRAP", "none": "NO_WRAP"}
+# Accelerate's names; the size policy is hfsdp's own (hfsdp.size_policy.SizeUnits).
+_WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "none": "NO_WRAP"}
 
 
 def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
@@ -80,7 +81,8 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
     """The Accelerate FSDP plugin for ``cfg``, or None when the strategy runs as DDP (FSDP2 NO_SHARD).
 
     ``layer_classes`` are the transformer block class names to wrap (``cfg.transformer_layer_cls`` or the
-    model's ``_no_split_modules``); ignored by the size and none policies.
+    model's ``_no_split_modules``); ignored by the size and none policies. The size policy is a
+    :class:`hfsdp.size_policy.SizeUnits` (Accelerate's own cannot run FSDP2 or tied embeddings).
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -90,6 +92,12 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
     # Ranks > 0 hold empty weights only under cpu_ram_efficient_loading; only then is a broadcast needed.
     sync_module_states = cfg.sync_module_states if cfg.sync_module_states is not None else cfg.cpu_ram_efficient_loading
     policy = _mixed_precision_policy(cfg)
+    if cfg.wrap_policy == "size":
+        from hfsdp.size_policy import SizeUnits
+
+        wrap = SizeUnits(cfg.min_num_params)
+    else:
+        wrap = _WRAP_POLICIES[cfg.wrap_policy]
     return FullyShardedDataParallelPlugin(
         fsdp_version=cfg.version,
         sharding_strategy=cfg.sharding_strategy if v1 else None,
@@ -97,7 +105,7 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
         # "NO_PREFETCH" (not None, which Accelerate would fill from FSDP_BACKWARD_PREFETCH) means "none".
         backward_prefetch=_backward_prefetch(cfg),
         mixed_precision_policy=policy,
-        auto_wrap_policy=_WRAP_POLICIES[cfg.wrap_policy],
+        auto_wrap_policy=wrap,
         transformer_cls_names_to_wrap=list(layer_classes) if cfg.wrap_policy == "transformer" else None,
         min_num_params=cfg.min_num_params if cfg.wrap_policy == "size" else None,
         cpu_offload=cfg.cpu_offload,

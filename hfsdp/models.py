@@ -195,11 +195,6 @@ def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
     if fsdp.wrap_policy == "transformer" and not classes:
         raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
                         "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
-    if fsdp.wrap_policy == "size" and getattr(model_config, "tie_word_embeddings", False):
-        # Seen on 2 ranks: the policy puts embed_tokens and the tied lm_head in different FSDP units, and the
-        # first forward fails ("size mismatch ... vec").
-        raise UserError("fsdp.wrap_policy 'size' splits this model's tied input and output embeddings into "
-                        "different FSDP units, which FSDP cannot run: use wrap_policy 'transformer' or 'none'")
     return classes
 
 
@@ -213,6 +208,23 @@ def load_tokenizer(path: str, cfg: ModelConfig):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
+    """The model's tokenizer without its weights (built-in models share the SmolLM2 tokenizer), or None for a hub
+    id whose files are not here and cannot be fetched (offline): for checks that can do without it."""
+    if cfg.name_or_path in BUILTIN_MODELS:
+        tokenizer = _smollm2_tokenizer(cache_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    path = resolve_model_path(cfg.name_or_path, cache_dir)
+    try:
+        return load_tokenizer(path, cfg)
+    except UserError:
+        if Path(path).expanduser().exists():
+            raise  # a local folder whose tokenizer is broken: train would fail on it too
+        return None
 
 
 def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):

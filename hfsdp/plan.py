@@ -194,8 +194,6 @@ class Estimate:
 
 def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: int | None) -> tuple[dict[int, int], list[str]]:
     """Map id(parameter) -> FSDP unit index, emulating the auto-wrap policy (root = unit 0)."""
-    import torch
-
     units = ["<root>"]
     owner: dict[int, int] = {}
     if wrap_policy == "transformer":
@@ -205,20 +203,13 @@ def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: i
                 for p in module.parameters():
                     owner.setdefault(id(p), len(units) - 1)
     elif wrap_policy == "size":
-        # torch's size_based_auto_wrap_policy: post-order, a module becomes a unit when the parameters of its
-        # subtree not already in a child unit reach min_num_params (containers are never wrapped).
-        def visit(name: str, module) -> int:
-            free = sum(visit(f"{name}.{child_name}".lstrip("."), child) for child_name, child in module.named_children())
-            free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in owner)
-            wrappable = name and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            if wrappable and free >= (min_num_params or 0):
-                units.append(name)
-                for p in module.parameters():
-                    owner.setdefault(id(p), len(units) - 1)
-                return 0
-            return free
+        from hfsdp.size_policy import size_units  # the units train forms (innermost first)
 
-        visit("", model)
+        modules = dict(model.named_modules())
+        for name in size_units(model, min_num_params or 0):
+            units.append(name)
+            for p in modules[name].parameters():
+                owner.setdefault(id(p), len(units) - 1)
     return owner, units
 
 
@@ -550,45 +541,67 @@ class Planner:
         return est
 
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
-        """The first change, cheapest first, that makes ``setup`` fit: changes that keep the hardware and the
-        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), these together; then more
-        ranks per node, LoRA, CPU offload (slowest), each alone and then with the changes above. Each is written
-        as the ``--set`` it takes and checked by the same estimate."""
-        cheap: list[dict[str, Any]] = []
+        """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
+        takes and checked by the same estimate. The changes, cheapest first: those that keep the hardware and the
+        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), more ranks per node (fewer
+        first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the costliest
+        change a set needs, then how many changes it makes, so a change that fits alone is never printed with
+        others it does not need."""
+        changes: list[Change] = []
         if setup.strategy != "FULL_SHARD":
-            cheap.append({"sharding_strategy": "FULL_SHARD"})
+            changes.append(Change("fsdp.sharding_strategy=FULL_SHARD", fsdp={"sharding_strategy": "FULL_SHARD"}))
         if not setup.fsdp.activation_checkpointing:
-            cheap.append({"activation_checkpointing": True})
+            changes.append(Change("fsdp.activation_checkpointing=true", fsdp={"activation_checkpointing": True}))
         if setup.precision == "no":
-            cheap.append({"mixed_precision": "bf16"})
-        combined = {k: v for change in cheap for k, v in change.items()}
-        candidates: list[tuple[dict[str, Any], dict[str, Any]]] = [(change, {}) for change in cheap]
-        if len(cheap) > 1:
-            candidates.append((combined, {}))
-        costly: list[tuple[dict[str, Any], dict[str, Any]]] = [
-            ({}, {"nproc_per_node": n}) for n in sorted(set(more_ranks)) if n > setup.nproc_per_node]
+            changes.append(Change("fsdp.mixed_precision=bf16", fsdp={"mixed_precision": "bf16"}))
+        for n in sorted(set(more_ranks)):
+            if n > setup.nproc_per_node:
+                changes.append(Change(f"--nproc {n} ({n * setup.nodes} ranks)", job={"nproc_per_node": n},
+                                      group="nproc"))
         if not setup.lora:
-            costly.append(({}, {"lora": True}))
+            changes.append(Change("plugins=[lora]", job={"lora": True}))
         if not setup.fsdp.cpu_offload:
-            costly.append(({"cpu_offload": True}, {}))
-        for fsdp_change, job_change in costly:
-            candidates.append((fsdp_change, job_change))
-            if cheap:
-                candidates.append(({**combined, **fsdp_change}, job_change))
-        for fsdp_change, job_change in candidates:
+            changes.append(Change("fsdp.cpu_offload=true", fsdp={"cpu_offload": True}))
+        for chosen in change_sets(changes):
+            fsdp = {k: v for c in chosen for k, v in c.fsdp.items()}
+            job = {k: v for c in chosen for k, v in c.job.items()}
             try:
-                candidate = setup.changed(fsdp=fsdp_change, **job_change)
+                candidate = setup.changed(fsdp=fsdp, **job)
             except ValueError:  # e.g. cpu_offload with NO_SHARD under FSDP2
                 continue
             est = self.estimate(candidate)
             if est.problem is None and est.fits:
-                words = [f"fsdp.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fsdp_change.items()]
-                if "nproc_per_node" in job_change:
-                    words.insert(0, f"--nproc {candidate.nproc_per_node} ({candidate.world} ranks)")
-                if job_change.get("lora"):
-                    words.insert(0, "plugins=[lora]")
+                # Launch options first (as they are typed), then --set keys.
+                words = sorted((c.words for c in chosen), key=lambda w: not w.startswith(("--", "plugins")))
                 return f"{' '.join(words)} -> {est.device_peak / GIB:.1f} GiB"
         return None
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change ``Planner.suggest`` may propose: its words in the table, the ``fsdp`` keys and job fields it sets,
+    and a group of alternatives of which one set holds at most one (the rank counts)."""
+
+    words: str
+    fsdp: dict[str, Any] = field(default_factory=dict)
+    job: dict[str, Any] = field(default_factory=dict)
+    group: str | None = None
+
+
+def change_sets(changes: list[Change]):
+    """Every non-empty set of ``changes`` (at most one of each group), in order of cost: ``changes`` is ordered
+    cheapest first, and a set costs first its costliest change, then its number of changes, then the costs of its
+    other changes (cheaper first)."""
+    import itertools
+
+    sets = []
+    for size in range(1, len(changes) + 1):
+        for combo in itertools.combinations(range(len(changes)), size):
+            groups = [changes[i].group for i in combo if changes[i].group]
+            if len(groups) == len(set(groups)):
+                sets.append(combo)
+    sets.sort(key=lambda combo: (combo[-1], len(combo), combo))
+    return ([changes[i] for i in combo] for combo in sets)
 
 
 def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int) -> list[Estimate]:
@@ -668,7 +681,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
                  lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
-            "fsdp_units": len(facts.units), "device_budget_bytes": budget, "rows": out}
+            "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget, "rows": out}
 
 
 def plot(rows: list[Estimate], budget: int, path, title: str) -> None:

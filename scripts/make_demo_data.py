@@ -20,35 +20,49 @@ CITIES = ["Lisbon", "Boston", "Lahore", "Shanghai", "Kyiv", "Recife", "Beirut", 
           "Oslo", "Zagreb", "Nairobi", "Toulouse", "Bergen", "Accra", "Munich", "Seville", "Busan", "Vienna"]
 JOBS = ["nurse", "teacher", "engineer", "chef", "pilot", "lawyer", "farmer", "dentist", "painter", "plumber",
         "architect", "librarian", "baker", "journalist", "pharmacist", "electrician", "designer", "mechanic"]
+# {a_job}: the job with its indefinite article ("a nurse", "an engineer"); the ages (19-78) all take "a".
 TEMPLATES = [
-    "{name}, {age}, lives in {city} and works as a {job}.",
+    "{name}, {age}, lives in {city} and works as {a_job}.",
     "Meet {name}: a {age}-year-old {job} from {city}.",
-    "{name} is a {job} based in {city}. Age: {age}.",
-    "Our new member is {name} ({age}), a {job} who lives in {city}.",
-    "In {city} there is a {job} called {name}, who is {age} years old.",
-    "{name} works as a {job}, is {age}, and calls {city} home.",
+    "{name} is {a_job} based in {city}. Age: {age}.",
+    "Our new member is {name} ({age}), {a_job} who lives in {city}.",
+    "In {city} there is {a_job} called {name}, who is {age} years old.",
+    "{name} works as {a_job}, is {age}, and calls {city} home.",
 ]
 INSTRUCTIONS = ["Extract the person as JSON.", "Return this contact as JSON.", "Convert to JSON:"]
+
+
+def with_article(noun: str) -> str:
+    """The noun after its indefinite article (every job here that starts with a vowel letter starts with a vowel
+    sound)."""
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def example(rng: random.Random) -> dict:
     person = {"name": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "age": rng.randint(19, 78),
               "city": rng.choice(CITIES), "job": rng.choice(JOBS)}
-    sentence = rng.choice(TEMPLATES).format(**person)
+    sentence = rng.choice(TEMPLATES).format(**person, a_job=with_article(person["job"]))
     return {"messages": [
         {"role": "user", "content": f"{rng.choice(INSTRUCTIONS)} {sentence}"},
         {"role": "assistant", "content": json.dumps(person)},
     ]}
 
 
-def main() -> None:
+OUT = Path(__file__).resolve().parent.parent / "hfsdp" / "presets" / "data"
+
+
+def splits() -> dict[str, list[dict]]:
+    """The rows of each bundled file (contacts_<split>.jsonl), in order."""
     rng = random.Random(1234)
-    out = Path(__file__).resolve().parent.parent / "hfsdp" / "presets" / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", 1000), ("eval", 64)):
-        with open(out / f"contacts_{split}.jsonl", "w") as f:
-            for _ in range(count):
-                f.write(json.dumps(example(rng)) + "\n")
+    return {split: [example(rng) for _ in range(count)] for split, count in (("train", 1000), ("eval", 64))}
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for split, rows in splits().items():
+        with open(OUT / f"contacts_{split}.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

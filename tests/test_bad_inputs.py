@@ -93,7 +93,12 @@ CASES: dict[str, Case] = {
         "chat data needs a tokenizer with a chat template"),
     "chat rows without roles": (lambda d, s: ["train", _cfg(d, data={
         "path": _write(d / "rows.jsonl", '{"messages": [{"content": "hi"}, {"content": "yo"}]}\n'), "eval_path": None})],
-        "data.format 'chat': could not tokenize rows 0-0"),
+        "data.format 'chat': row 0 (counting from 0): message 0 has the keys ['content'], not role/content or "
+        "from/value: set data.message_keys"),
+    # ... and validate finds it first (issue 27: validate passed and train failed in tokenisation)
+    "chat rows without roles, validate": (lambda d, s: ["validate", _cfg(d, data={
+        "path": _write(d / "rows.jsonl", '{"messages": [{"content": "hi"}, {"content": "yo"}]}\n'), "eval_path": None})],
+        "line 1 of "),
     "text format, wrong column": (lambda d, s: ["train", _cfg(d, data={"format": "text"})],
                                   "data.text_field: column 'text' not found"),
     "instruction format, chat rows": (lambda d, s: ["train", _cfg(d, data={"format": "instruction"})],
@@ -171,7 +176,7 @@ CASES: dict[str, Case] = {
     "chat rows whose messages are not a list": (
         lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": "hello"}\n'),
                                              "eval_path": None})],
-        "data.format 'chat': could not tokenize rows 0-0"),
+        "data.format 'chat': row 0 (counting from 0): the messages are str, not a list of messages"),
     "text file that is not UTF-8": (
         lambda d, s: ["train", _cfg(d, data={"format": "text", "path": _write(d / "t.txt", b"\xff\xfe\x00abc" * 50),
                                              "eval_path": None})],

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from conftest import base_env, run_cli
+from conftest import PRESET_DATA, base_env, run_cli, tiny_config
+from hfsdp import __version__
 
 
 def _warning_lines(text: str) -> list[str]:
@@ -38,3 +41,22 @@ def test_only_warnings_a_user_can_act_on_are_shown_unless_verbose(verbose, shown
         warnings.warn("old", FutureWarning)
         warnings.warn("check your data", UserWarning)
     assert [str(w.message).split(",")[0] for w in caught] == shown
+
+
+@pytest.mark.slow
+def test_a_first_run_shows_one_bar_per_phase_and_says_what_runs(tmp_path):
+    """On a preprocessing cache miss (data never seen: fresh copies) datasets' own bars ("Generating train split",
+    "Saving the dataset") are hidden beside hfsdp's tokenizing and training bars, and the start-up line says what
+    runs in words, not Accelerate's distributed type ("NO on cpu")."""
+    for name in ("contacts_train.jsonl", "contacts_eval.jsonl"):
+        shutil.copy(PRESET_DATA / name, tmp_path / name)
+    config = tiny_config(tmp_path, data={"path": str(tmp_path / "contacts_train.jsonl"),
+                                         "eval_path": str(tmp_path / "contacts_eval.jsonl")}, train={"max_steps": 2})
+    proc = run_cli("train", str(config))
+    bars = {line.split(":")[0] for line in proc.stderr.replace("\r", "\n").splitlines() if "%|" in line or "it/s" in line
+            or "examples/s" in line}
+    assert "preprocessing cache hit" not in proc.stdout  # the datasets bars only show on a miss
+    assert {"tokenizing", "training"} <= bars, bars
+    assert not {b for b in bars if b.startswith(("Generating", "Saving the dataset", "Loading dataset"))}, bars
+    assert f"hfsdp {__version__} | 1 process on cpu, no wrapper\n" in proc.stdout, proc.stdout[:500]
+    assert "NO on cpu" not in proc.stdout

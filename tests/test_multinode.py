@@ -115,7 +115,7 @@ def test_slurm_script_trains_full_shard_over_two_nodes(single, tmp_path):
                    RDZV_PORT=str(free_port()))
     proc = subprocess.run(["bash", str(SLURM), str(config)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "world size 4" in proc.stdout
+    assert "4 processes on cpu (rehearsal, gloo), FSDP" in proc.stdout
     check_against_one_process(tmp_path / "run", single, "Slurm script, FULL_SHARD, 2 nodes x 2", tmp_path)
 
 
@@ -149,7 +149,7 @@ def test_accelerate_launch_with_the_multinode_config_drives_two_cpu_nodes(single
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-4000:] for o in outputs)
-    assert "world size 4 | FSDP on cpu (rehearsal, gloo)" in outputs[0]
+    assert "4 processes on cpu (rehearsal, gloo), FSDP" in outputs[0]
     loss = step_losses(tmp_path / "run")[1]
     print(f"\naccelerate launch, 2 nodes x 2: step 1 {loss:.8f} (one process {step_losses(single)[1]:.8f})")
     assert loss == pytest.approx(step_losses(single)[1], rel=LOSS_REL)

@@ -10,6 +10,8 @@ What is proven here, each against the real CLI:
 * SHARDED and FULL checkpoints saved on 2 ranks export (``hfsdp export``) to the weights the run had in memory at
   that step, and a SHARDED checkpoint resumes on 2 ranks to the losses of an uninterrupted run;
 * ``cpu_ram_efficient_loading``: ranks > 0 read no weights and still end with rank 0's;
+* the size wrap policy forms the units it says (modules over ``min_num_params``, tied embeddings kept together)
+  under FSDP1 and FSDP2, on tied and untied models, and ``hfsdp plan`` predicts them;
 * GPU-only options are refused up front (exit 2); a plugin failing on one rank ends the whole job, naming the plugin;
 * LoRA under FSDP1 on 2 ranks saves the adapter one process saves.
 
@@ -62,14 +64,26 @@ RUNS = {
                          {"per_device_batch_size": 1, "gradient_accumulation_steps": 2}),
     "fsdp1_accum_ckpt": (2, {"version": 1, "sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
                          {"per_device_batch_size": 1, "gradient_accumulation_steps": 2}),
-    # none wraps only the root (the size policy cannot run the tiny model: see test_size_wrap_policy_is_refused...)
+    # none wraps only the root
     "fsdp2_no_wrap": (2, {"version": 2, "wrap_policy": "none"}, {}),
+    # size: at 40000 parameters each decoder layer's MLP (49152) is a unit and the rest of a layer (12416) is not;
+    # the tied embedding stays in the root (FSDP1; under FSDP2 Accelerate's final-norm/embedding/lm_head group).
+    # Checkpointing recomputes the units. The untied model's own lm_head and embedding are units too.
+    "fsdp1_size": (2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000,
+                       "activation_checkpointing": True}, {}),
+    "fsdp2_size": (2, {"version": 2, "wrap_policy": "size", "min_num_params": 40000,
+                       "activation_checkpointing": True}, {}),
+    "single_untied": (1, {"version": 2}, {"per_device_batch_size": 4}),
+    "fsdp1_size_untied": (2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000}, {}),
+    "fsdp2_size_untied": (2, {"version": 2, "wrap_policy": "size", "min_num_params": 40000}, {}),
     "single_bf16": (1, {"version": 2, "mixed_precision": "bf16"}, {"per_device_batch_size": 4}),
     "fsdp2_bf16": (2, {"version": 2, "mixed_precision": "bf16"}, {}),
 }
 SHARDED = {"fsdp2_full", "fsdp2_grad_op", "fsdp2_hybrid_x4", "fsdp1_full", "fsdp1_grad_op", "fsdp2_ram_efficient",
-           "fsdp2_accum_ckpt", "fsdp1_accum_ckpt", "fsdp2_no_wrap", "fsdp2_bf16"}
-SINGLE = {"single", "single_bf16"}
+           "fsdp2_accum_ckpt", "fsdp1_accum_ckpt", "fsdp2_no_wrap", "fsdp2_bf16", "fsdp1_size", "fsdp2_size",
+           "fsdp1_size_untied", "fsdp2_size_untied"}
+SINGLE = {"single", "single_bf16", "single_untied"}
+UNTIED = {"single_untied", "fsdp1_size_untied", "fsdp2_size_untied"}  # run on tiny_untied_model_dir
 # Which one-process run each multi-rank run must match, and how closely: (reference, loss and grad-norm rel, weight
 # atol); the others match "single" within (LOSS_REL, WEIGHT_ATOL). Measured: losses within 1e-7 and grad norms within
 # 7e-5 (rel) for all; after 4 AdamW steps at lr 3e-3 the weights of the accumulation and no-wrap runs are 2.6e-5
@@ -77,14 +91,18 @@ SINGLE = {"single", "single_bf16"}
 # rows of their own padding width per rank, not 4): losses within 1.4e-5 and grad norms within 6e-4 of the
 # one-process bf16 run, weights within 8.2e-3 (a few learning-rate-sized steps).
 REFERENCE = {"fsdp2_accum_ckpt": ("single", LOSS_REL, 5e-5), "fsdp1_accum_ckpt": ("single", LOSS_REL, 5e-5),
-             "fsdp2_no_wrap": ("single", LOSS_REL, 5e-5), "fsdp2_bf16": ("single_bf16", 5e-3, 2e-2)}
+             "fsdp2_no_wrap": ("single", LOSS_REL, 5e-5), "fsdp2_bf16": ("single_bf16", 5e-3, 2e-2),
+             "fsdp1_size": ("single", LOSS_REL, 5e-5), "fsdp2_size": ("single", LOSS_REL, 5e-5),
+             "fsdp1_size_untied": ("single_untied", LOSS_REL, 5e-5),
+             "fsdp2_size_untied": ("single_untied", LOSS_REL, 5e-5)}
 
 
 class Runs:
     """Each configuration trained once, on first use."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, untied_model: Path):
         self.root = root
+        self.untied_model = untied_model
         self.done: dict[str, Path] = {}
         self.seconds: dict[str, float] = {}
 
@@ -92,6 +110,8 @@ class Runs:
         nproc, fsdp, train = RUNS[name]
         folder = self.root / name
         folder.mkdir(exist_ok=True)
+        if name in UNTIED:
+            extra.setdefault("model", {"name_or_path": str(self.untied_model)})
         return tiny_config(folder, train={**TRAIN, **train}, fsdp=fsdp, **extra)
 
     def __getitem__(self, name: str) -> Path:
@@ -109,8 +129,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    runs = Runs(tmp_path_factory.mktemp("multirank"))
+def runs(tmp_path_factory, tiny_untied_model_dir):
+    runs = Runs(tmp_path_factory.mktemp("multirank"), tiny_untied_model_dir)
     yield runs
     print("\nmultirank run times: " + ", ".join(f"{k} {v:.1f}s" for k, v in runs.seconds.items()))
 
@@ -212,16 +232,30 @@ def test_wrap_policies_and_activation_checkpointing_took_effect(runs):
     assert rank_reports(runs["single"])[0]["checkpointed_layers"] == 0
 
 
-def test_size_wrap_policy_is_refused_where_it_cannot_run(tmp_path):
-    """Found by running it on 2 ranks: under FSDP1 the size policy splits the tied embeddings into two units (the
-    first forward fails), under FSDP2 Accelerate's size policy picks the layer ModuleList, which fully_shard refuses.
-    Both are refused before any weight loads."""
-    config = tiny_config(tmp_path, fsdp={"version": 1, "wrap_policy": "size", "min_num_params": 50000})
-    proc = run_cli("train", str(config), check=False, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "splits this model's tied input and output embeddings into different FSDP units" in proc.stderr
-    proc = run_cli("validate", str(config), "--set", "fsdp.version=2", check=False, timeout=120)
-    assert proc.returncode == 2 and "wrap_policy 'size' needs fsdp.version 1" in proc.stderr
+SIZE_UNITS = {"tied": ["model.layers.0.mlp", "model.layers.1.mlp"],
+              "untied": ["model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]}
+
+
+@pytest.mark.parametrize("name", ["fsdp1_size", "fsdp2_size", "fsdp1_size_untied", "fsdp2_size_untied"])
+def test_size_wrap_policy_forms_the_units_plan_predicts(runs, name):
+    """The seeds' size policy under both FSDP versions, tied and untied (each run also matches one process in
+    test_losses_grad_norms_and_final_weights_match_one_process): every MLP of 49152 parameters is a unit, the rest
+    of a layer is not, a tied embedding is never split from its lm_head (FSDP1 keeps both in the root; Accelerate's
+    FSDP2 puts the final norm, embedding and lm_head in one group), an untied one is a unit of its own. ``hfsdp
+    plan`` lists the same policy units."""
+    version = RUNS[name][1]["version"]
+    expected = SIZE_UNITS["untied" if name in UNTIED else "tied"]
+    names = rank_reports(runs[name])[0]["wrapped_unit_names"]
+    if version == 1:
+        assert names == ["<root>", *expected], names
+    elif name in UNTIED:  # Accelerate groups what is left of the tail: the final norm
+        assert names == ["<root>", *expected[:3], "model.norm", expected[3]], names
+    else:
+        assert names == ["<root>", "model.embed_tokens+model.norm+lm_head", *expected], names
+    proc = run_cli("plan", str(runs.config(name)), "--nproc", "2", "--json", timeout=300)
+    assert json.loads(proc.stdout)["fsdp_unit_names"] == ["<root>", *expected]
+    if name in ("fsdp1_size", "fsdp2_size"):
+        assert rank_reports(runs[name])[0]["checkpointed_layers"] == 2  # the two MLP units recompute
 
 
 # ---- 3. checkpoints: export and resume

@@ -53,6 +53,32 @@ def test_llama_8b_on_8_gpus_offline_from_the_shipped_config(tmp_path):
     assert full["host_load_per_node"] == 8 * LLAMA_8B_PARAMS * 4
 
 
+def test_cheapest_change_is_the_smallest_set_that_fits_the_seeds_7b_fp32_case(tmp_path):
+    """The seeds' example: a 7B model in fp32 on 80 GB devices, params 26.98 + grads 26.98 + Adam 53.96 GiB on one
+    rank. Two ranks under FULL_SHARD fit; activation checkpointing and bf16 are not needed on top (the search used
+    to try more ranks alone, then more ranks with every cheap change at once, and printed all three)."""
+    data = plan_json(str(hub_config(tmp_path, "mistralai/Mistral-7B-v0.1", mixed_precision="no")),
+                     "--nproc", "1,2", "--device-memory", "80GB")
+    one = row(data, "SHARD_GRAD_OP", 1)
+    assert [round(one[k] / 2**30, 2) for k in ("params", "grads", "optimizer")] == [26.98, 26.98, 53.96]
+    two = row(data, "FULL_SHARD", 2)
+    assert two["fits"] and not row(data, "SHARD_GRAD_OP", 2)["fits"]
+    expected = f"--nproc 2 (2 ranks) fsdp.sharding_strategy=FULL_SHARD -> {two['device_peak'] / 2**30:.1f} GiB"
+    for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
+        assert row(data, strategy, 1)["suggestion"] == expected, strategy
+    assert row(data, "FULL_SHARD", 1)["suggestion"].startswith("--nproc 2 (2 ranks) -> ")
+
+
+def test_change_sets_come_in_order_of_cost():
+    from hfsdp.plan import Change, change_sets
+
+    a, b, n2, n4, lora = (Change("a"), Change("b"), Change("n2", group="n"), Change("n4", group="n"), Change("lora"))
+    order = [" ".join(c.words for c in chosen) for chosen in change_sets([a, b, n2, n4, lora])]
+    assert order[:8] == ["a", "b", "a b", "n2", "a n2", "b n2", "a b n2", "n4"]
+    assert "n2 n4" not in " | ".join(order)  # one rank count at a time
+    assert len(order) == len(set(order)) == 3 * 4 * 2 - 1  # (a?)(b?)(n2|n4|-)(lora?) less the empty set
+
+
 def test_activation_checkpointing_and_offload_move_memory_where_they_should(tmp_path):
     plain = row(plan_json(str(hub_config(tmp_path, "meta-llama/Llama-3.1-8B")), "--nproc", "8",
                           "--strategies", "FULL_SHARD"), "FULL_SHARD", 8)

@@ -27,7 +27,9 @@ def prompts_and_references(raw_eval, data_config, tokenizer, limit: int) -> list
     rows = []
     for index, row in enumerate(raw_eval.select(range(min(limit, len(raw_eval))))):
         if data_config.format == "chat":
-            messages = row[data_config.messages_field]
+            from hfsdp.builtin.chat import conversation, messages_field
+
+            messages = conversation(row[messages_field(data_config, list(row))], data_config)
             answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if not answers:
                 raise UserError(f"generation_eval: eval row {index} has no assistant turn to compare with; give every "
