@@ -45,6 +45,7 @@ OPTIONS = {
     "lora_packing": {**PACKING, "plugins": ["lora", "packing"]},
     "full_state_dict": {"fsdp": {"state_dict_type": "FULL_STATE_DICT"}},
     "lora_full_state_dict": {**LORA, "fsdp": {"state_dict_type": "FULL_STATE_DICT"}},
+    "size_wrap": {"fsdp": {"wrap_policy": "size", "min_num_params": 40_000}},  # the seeds' policy, tied model
 }
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -149,6 +150,8 @@ def test_smoke(runs, version, world, option):
         summary = json.loads((run / "summary.json").read_text())
         packed = summary["data"]["padding"]
         assert "samples packed into" in packed and int(packed.split("into ")[1].split()[0]) < 1000, packed
+    if option == "size_wrap":  # units of the policy's own (the MLPs of the tiny model), besides the root
+        assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
 
@@ -211,7 +214,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
-          + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op")])
+          + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
+                                      "size_wrap")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
