@@ -144,6 +144,7 @@ def _quiet(verbose: bool) -> None:
     single-process note on export); --verbose or HFSDP_DEBUG shows everything."""
     if verbose:
         return
+    import logging
     import warnings
 
     for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
@@ -153,6 +154,9 @@ def _quiet(verbose: bool) -> None:
     # FSDP1's sharded optimizer-state load asks torch for a device in a way torch itself deprecated.
     warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
     warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+    # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
+    logging.getLogger("accelerate.utils.dataclasses").addFilter(
+        lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

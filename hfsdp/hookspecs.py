@@ -78,10 +78,12 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 
 
 @hookspec
-def hfsdp_before_model_load(config, world):
+def hfsdp_before_model_load(config, world, model_config):
     """The process group is up and the data is prepared; the model is about to be loaded. Every rank.
 
-    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``).
+    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``);
+    ``model_config`` is the model's transformers config (no weight is loaded yet): raise a ``ConfigError`` here for
+    a combination the model cannot run, before any weight loads.
     """
 
 

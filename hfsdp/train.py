@@ -355,7 +355,7 @@ def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_pat
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, and the FLOPs
     model of it (counted before sharding). ``packed`` rows: proves attention stays inside each sample."""
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
-    host.call("hfsdp_before_model_load", config=config, world=world)
+    host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config)
     model = models.load_model(model_path, config.model, empty=empty)
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
     flops = throughput.FlopsModel.of(model, model_config)

@@ -118,22 +118,26 @@ def _check_tied(model, targets: list[str], modules_to_save: list[str] | None) ->
 
 
 @hookimpl
+def hfsdp_before_model_load(config, world, model_config):
+    from hfsdp.fsdp import wraps_model
+
+    unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
+    if (config.fsdp.version == 1 and unsharded and wraps_model(config.fsdp, world.size)
+            and getattr(model_config, "tie_word_embeddings", False)):
+        # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
+        # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
+        raise ConfigError([("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "
+                                            "(one process or NO_SHARD) hits a torch FSDP1 bug with frozen shared "
+                                            "weights: use fsdp.version: 2 (the default), or more than one rank")])
+
+
+@hookimpl
 def hfsdp_modify_model(model, config, world):
     from peft import get_peft_model
 
     section: LoraSection = config.section("lora")
     targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
     _check_tied(model, targets, section.modules_to_save)
-    from hfsdp.fsdp import wraps_model
-
-    unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
-    if (config.fsdp.version == 1 and unsharded and wraps_model(config.fsdp, world.size)
-            and getattr(model.config, "tie_word_embeddings", False)):
-        # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
-        # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
-        raise ConfigError([("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "
-                                            "(one process or NO_SHARD) hits a torch FSDP1 bug with frozen shared "
-                                            "weights: use fsdp.version: 2 (the default), or more than one rank")])
     base_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     # autocast_adapter_dtype=False: adapters in the base dtype, so every FSDP unit has one parameter dtype.
     try:
