@@ -154,6 +154,9 @@ def _quiet(verbose: bool) -> None:
     # FSDP1's sharded optimizer-state load asks torch for a device in a way torch itself deprecated.
     warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
     warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+    # FSDP1 on one process says it shards nothing (the start-up report says what runs) and returns full state dicts.
+    warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD` instead of")
+    warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will")
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
     logging.getLogger("accelerate.utils.dataclasses").addFilter(
         lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
