@@ -34,6 +34,8 @@ _GPU_ONLY = {
     "fsdp.version 1 with HYBRID_SHARD": lambda c: c.fsdp.version == 1 and c.fsdp.sharding_strategy == "HYBRID_SHARD",
     # Accelerate's FSDP1 plugin binds sync_module_states to the current CUDA device and raises without one.
     "fsdp.sync_module_states": lambda c: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
+    "train.compile.mode reduce-overhead / max-autotune (CUDA graphs)":
+        lambda c: c.train.compile is not None and c.train.compile.cuda_graphs,
 }
 
 
@@ -232,6 +234,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "wrapped_units": wrapped_units(model),
         "wrapped_unit_names": wrapped_unit_names(model),
         "checkpointed_layers": checkpointed_layers(model),
+        "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
         "mixed_precision": fsdp.precision_name,
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
@@ -290,6 +293,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
         f"{report['param_bytes_full_model'] / mib:.1f} MiB "
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
+        + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
+           "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
     )
 
 

@@ -198,7 +198,7 @@ def check_and_prepare(config: HfsdpConfig, opts: Options) -> tuple[str, Path]:
     """Everything that can be checked before any weight is loaded; the model's local path (built-in models are
     converted once into the cache; concurrent ranks wait on its file lock) and the prepared output folder."""
     world = opts.world
-    problems = check_world(config.fsdp, world.size, world.local_size)
+    problems = check_world(config.fsdp, world.size, world.local_size) + models.attention_problems(config, world.on_cpu)
     if world.on_cpu:
         problems += rehearsal_problems(config)
     if problems:
