@@ -257,8 +257,10 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the README's table of known GPUs.")
     compile: CompileConfig | None = Field(
-        None, description="torch.compile each transformer block in place (before FSDP2 shards it): true, false, or "
-                          "{backend, mode}. Off by default (see docs/benchmarks.md for what it gains where).")
+        None, description="torch.compile each transformer block in place (before FSDP2 shards it; FSDP1: refused): "
+                          "true (Inductor), false, or {backend: inductor|aot_eager|eager, mode: default|"
+                          "max-autotune-no-cudagraphs|reduce-overhead|max-autotune}. Off by default (docs/benchmarks.md: "
+                          "what it gains on CPU).")
     chunked_loss: bool = Field(
         True, description="compute the output projection and cross entropy inside the model's forward, chunk by "
                           "chunk with recomputation, so the full logits never exist; used where it is exact (checked "

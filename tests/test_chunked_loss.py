@@ -135,7 +135,8 @@ def test_a_model_that_changes_its_logits_after_the_head_keeps_the_plain_loss():
 
 # ---- real runs: one process with and without chunking, 2 FSDP2 ranks with it
 
-RUNS = {"plain": (1, {"chunked_loss": False}), "chunked": (1, {}), "chunked_2ranks": (2, {})}
+# 2 ranks of 1 row each: the global batch of one process of 2 rows
+RUNS = {"plain": (1, {"chunked_loss": False}), "chunked": (1, {}), "chunked_2ranks": (2, {"per_device_batch_size": 1})}
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +154,13 @@ def runs(tmp_path_factory):
 def test_chunked_runs_train_the_plain_steps_on_one_and_two_ranks(runs):
     steps = {name: {m["step"]: m for m in read_metrics(run) if "loss" in m} for name, (_, run) in runs.items()}
     evals = {name: json.loads((run / "summary.json").read_text()) for name, (_, run) in runs.items()}
-    for name in ("chunked", "chunked_2ranks"):
+    # One process: the plain loss's steps to 1e-5; 2 ranks: to the tolerance every N-rank run is held to against one
+    # process (tests/test_multirank.py: gradients reduced in another order, amplified by Adam at lr 3e-3).
+    for name, rel in (("chunked", 1e-5), ("chunked_2ranks", 1e-4)):
         assert sorted(steps[name]) == sorted(steps["plain"]) == [1, 2, 3]
         for step, m in steps["plain"].items():
-            assert steps[name][step]["loss"] == pytest.approx(m["loss"], rel=1e-5), (name, step)
-            assert steps[name][step]["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5), (name, step)
+            assert steps[name][step]["loss"] == pytest.approx(m["loss"], rel=rel), (name, step)
+            assert steps[name][step]["grad_norm"] == pytest.approx(m["grad_norm"], rel=rel), (name, step)
         for when in ("before", "after"):
-            assert evals[name][when]["eval_loss"] == pytest.approx(evals["plain"][when]["eval_loss"], rel=1e-5)
+            assert evals[name][when]["eval_loss"] == pytest.approx(evals["plain"][when]["eval_loss"], rel=rel)
     assert all("train.chunked_loss" not in proc.stdout for proc, _ in runs.values())  # no fallback
