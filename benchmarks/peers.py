@@ -31,8 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-# hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor)
-HFSDP_TOOLS = {"hfsdp": [], "hfsdp-compiled": ["--set", "train.compile=true"]}
+# hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor); both log every
+# step's loss, so that their losses can be compared
+HFSDP_TOOLS = {"hfsdp": ["--set", "train.log_every=1"],
+               "hfsdp-compiled": ["--set", "train.log_every=1", "--set", "train.compile=true"]}
 
 
 def _env() -> dict[str, str]:
@@ -90,8 +92,10 @@ def run_round(tools: list[str], a: argparse.Namespace, r: int) -> dict[str, dict
             raise SystemExit(f"{tool} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
         times, tokens = _read(tool, where, a.nproc)
         steady_t, steady_n = times[a.warmup:], tokens[a.warmup:]
+        losses = ([json.loads(line).get("loss") for line in (where / "metrics.jsonl").read_text().splitlines()]
+                  if tool in HFSDP_TOOLS else [])
         out[tool] = {"step_s": statistics.median(steady_t), "tokens_per_s": sum(steady_n) / sum(steady_t),
-                     "first_step_s": times[0],
+                     "first_step_s": times[0], "losses": [x for x in losses if x is not None],
                      "step_times_s": times, "tokens": tokens, "wall_s": time.perf_counter() - t0,
                      "command": " ".join(cmd)}
     return out
@@ -142,6 +146,10 @@ def main() -> None:
         f"{med[t]['tokens_per_s']:.1f} ({med[t]['step_s']:.3f})" for t in tools) + " |")
     lines.append("| first step s (median; with compile: the compile time) | " + " | ".join(
         f"{statistics.median(x[t]['first_step_s'] for x in rounds):.1f}" for t in tools) + " |")
+    if "hfsdp" in tools and "hfsdp-compiled" in tools:
+        diff = max(abs(a - b) for x in rounds for a, b in zip(x["hfsdp"]["losses"], x["hfsdp-compiled"]["losses"]))
+        lines.append(f"hfsdp-compiled vs hfsdp: largest step-loss difference {diff:.2e} over "
+                     f"{len(rounds[0]['hfsdp']['losses'])} steps per round")
     ratios = {}
     for i, first in enumerate(tools):  # every hfsdp tool against every tool after it
         if first not in HFSDP_TOOLS:
@@ -151,7 +159,7 @@ def main() -> None:
             ratios[f"{first}_step_s_vs_{other}"] = med[first]["step_s"] / med[other]["step_s"]
             lines.append(f"{first} ÷ {other}: tokens/s {ratios[f'{first}_tokens_per_s_vs_{other}']:.3f}, "
                          f"step time {ratios[f'{first}_step_s_vs_{other}']:.3f} (ratios of the medians)")
-    print("\n".join(lines[-2 - len(ratios) // 2:]), flush=True)
+    print("\n".join(lines[lines.index(next(x for x in lines if x.startswith("| median"))):]), flush=True)
     (a.out / "peers.md").write_text("\n".join(lines) + "\n")
     (a.out / "peers.json").write_text(json.dumps({"nproc": a.nproc, "steps": a.steps, "warmup": a.warmup,
                                                    "config": a.config, "overrides": a.overrides, "rounds": rounds,

@@ -346,7 +346,7 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # The loss as hfsdp.train.token_loss_sums computes it (without its data-dependent token count).
+            # The loss as hfsdp.loss.token_loss_sum computes it (without its data-dependent token count).
             # use_cache left on: an empty cache holds only the keys and values backward saves anyway (train.py turns
             # it off); off, transformers looks for packed rows with a .item() that meta tensors cannot answer.
             logits = model(input_ids=ids).logits

@@ -33,7 +33,6 @@ from hfsdp.distributed import (
 )
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import check_world
-from hfsdp.loss import token_loss_sum  # noqa: F401  (hfsdp.train.token_loss_sum: the plain loss)
 from hfsdp.plugins import PluginHost
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
@@ -156,7 +155,7 @@ def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
 
 @torch.no_grad()
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
-             loss_sum_of=token_loss_sum) -> dict[str, float]:
+             loss_sum_of=losses.token_loss_sum) -> dict[str, float]:
     model.eval()
     batches = data.eval_batches(len(dataset), config.train.per_device_batch_size,
                                 accelerator.num_processes, accelerator.process_index)
