@@ -33,8 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 # hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor); both log every
 # step's loss, so that their losses can be compared
+# (and hfsdp-plain-loss: with the plain, unchunked loss, train.chunked_loss: false)
 HFSDP_TOOLS = {"hfsdp": ["--set", "train.log_every=1"],
-               "hfsdp-compiled": ["--set", "train.log_every=1", "--set", "train.compile=true"]}
+               "hfsdp-compiled": ["--set", "train.log_every=1", "--set", "train.compile=true"],
+               "hfsdp-plain-loss": ["--set", "train.log_every=1", "--set", "train.chunked_loss=false"]}
 
 
 def _env() -> dict[str, str]:
@@ -146,10 +148,11 @@ def main() -> None:
         f"{med[t]['tokens_per_s']:.1f} ({med[t]['step_s']:.3f})" for t in tools) + " |")
     lines.append("| first step s (median; with compile: the compile time) | " + " | ".join(
         f"{statistics.median(x[t]['first_step_s'] for x in rounds):.1f}" for t in tools) + " |")
-    if "hfsdp" in tools and "hfsdp-compiled" in tools:
-        diff = max(abs(a - b) for x in rounds for a, b in zip(x["hfsdp"]["losses"], x["hfsdp-compiled"]["losses"]))
-        lines.append(f"hfsdp-compiled vs hfsdp: largest step-loss difference {diff:.2e} over "
-                     f"{len(rounds[0]['hfsdp']['losses'])} steps per round")
+    for variant in [t for t in tools if t in HFSDP_TOOLS and t != "hfsdp"]:
+        if "hfsdp" in tools:
+            diff = max(abs(a - b) for x in rounds for a, b in zip(x["hfsdp"]["losses"], x[variant]["losses"]))
+            lines.append(f"{variant} vs hfsdp: largest step-loss difference {diff:.2e} over "
+                         f"{len(rounds[0]['hfsdp']['losses'])} steps per round")
     ratios = {}
     for i, first in enumerate(tools):  # every hfsdp tool against every tool after it
         if first not in HFSDP_TOOLS:
