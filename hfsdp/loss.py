@@ -155,3 +155,20 @@ def check_chunked_loss(model, loss: ChunkedLoss, vocab_size: int, device, select
     if not torch.allclose(chunked.float(), reference, rtol=1e-4, atol=1e-6):
         return f"the chunked loss of a probe batch ({float(chunked):.6g}) differs from the model's ({float(reference):.6g})"
     return None
+
+
+def run_loss(model, chunked: ChunkedLoss | None, accelerator, vocab_size: int):
+    """``train.chunked_loss: true``: ``chunked`` (installed before the model was prepared) where
+    :func:`check_chunked_loss` proves it exact on the prepared ``model``, else the plain loss, saying why."""
+    from hfsdp.models import accepts_logits_to_keep
+
+    why = (check_chunked_loss(model, chunked, vocab_size, accelerator.device,
+                              accepts_logits_to_keep(accelerator.unwrap_model(model)))
+           if chunked else "the model has no output head module (get_output_embeddings)")
+    if why is None:
+        return chunked
+    if chunked:
+        chunked.uninstall()
+    accelerator.print(f"train.chunked_loss: the plain loss instead ({why}); set train.chunked_loss: false to "
+                      "silence this")
+    return token_loss_sum

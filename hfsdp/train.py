@@ -363,18 +363,8 @@ def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_pat
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     if packed:
         data.check_packed_attention(model, vocab_size, accelerator.device)
-    loss = losses.token_loss_sum
-    if config.train.chunked_loss:
-        why = (losses.check_chunked_loss(model, chunked, vocab_size, accelerator.device,
-                                         models.accepts_logits_to_keep(accelerator.unwrap_model(model)))
-               if chunked else "the model has no output head module (get_output_embeddings)")
-        if why:
-            if chunked:
-                chunked.uninstall()
-            accelerator.print(f"train.chunked_loss: the plain loss instead ({why}); set train.chunked_loss: false "
-                              "to silence this")
-        else:
-            loss = chunked
+    loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
+        else losses.token_loss_sum
     return model, optimizer, flops, loss
 
 
