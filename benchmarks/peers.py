@@ -7,7 +7,9 @@ One process (default): ``hfsdp train``, a bare hand-written Accelerate loop (``b
 and TRL's ``SFTTrainer`` (``benchmarks/trl_sft.py``; TRL comes with ``pip install -e '.[bench]'``) each train the
 same model on the same rows in the same order (hfsdp's tokenized cache and ``BatchPlan``), with the same batch,
 AdamW, LR schedule and gradient clipping, fp32. ``--nproc 2``: ``hfsdp train`` and the bare loop as 2-rank torchrun
-jobs under the config's FSDP strategy (TRL is left out: it has no CPU FSDP path).
+jobs under the config's FSDP strategy (TRL is left out: it has no CPU FSDP path). ``--tools hfsdp-compiled,...``
+adds hfsdp with ``train.compile: true`` (its first step, the compile, is printed apart and not timed with
+``--warmup`` >= 1).
 
 Each round runs every tool once, in a rotated order (so that a slow spell of a shared machine does not always hit the
 same tool). A tool's figure for a round is its median step time over the steps after ``--warmup`` (one step end to
@@ -29,6 +31,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+# hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor); both log every
+# step's loss, so that their losses can be compared
+# (and hfsdp-plain-loss: with the plain, unchunked loss, train.chunked_loss: false)
+HFSDP_TOOLS = {"hfsdp": ["--set", "train.log_every=1"],
+               "hfsdp-compiled": ["--set", "train.log_every=1", "--set", "train.compile=true"],
+               "hfsdp-plain-loss": ["--set", "train.log_every=1", "--set", "train.chunked_loss=false"]}
 
 
 def _env() -> dict[str, str]:
@@ -51,12 +59,12 @@ def _launcher(nproc: int) -> list[str]:
 def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], Path]:
     sets = [x for s in a.overrides for x in ("--set", s)]
     record = work / f"{tool}.json"
-    if tool == "hfsdp":
+    if tool in HFSDP_TOOLS:
         from hfsdp.bench import _probe_plugin
 
         run = work / "hfsdp-run"
         sets += ["--set", f"train.output_dir={run}", "--set", f"train.max_steps={a.steps}",
-                 "--set", f"plugins=[{_probe_plugin()}]"]
+                 "--set", f"plugins=[{_probe_plugin()}]", *HFSDP_TOOLS[tool]]
         return [*_launcher(a.nproc), "-m", "hfsdp", "train", a.config, "--overwrite", *sets], run
     script = {"bare": "bare_accelerate_loop.py", "trl": "trl_sft.py"}[tool]
     return [*_launcher(a.nproc), str(REPO / "benchmarks" / script), a.config, "--steps", str(a.steps),
@@ -65,7 +73,7 @@ def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], P
 
 def _read(tool: str, where: Path, nproc: int) -> tuple[list[float], list[int]]:
     """Per-step wall times (slowest rank) and tokens of one run."""
-    if tool != "hfsdp":
+    if tool not in HFSDP_TOOLS:
         record = json.loads(where.read_text())
         return record["step_times_s"], record["tokens"]
     ranks = [json.loads((where / f"bench_rank{r}.json").read_text()) for r in range(nproc)]
@@ -86,7 +94,10 @@ def run_round(tools: list[str], a: argparse.Namespace, r: int) -> dict[str, dict
             raise SystemExit(f"{tool} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
         times, tokens = _read(tool, where, a.nproc)
         steady_t, steady_n = times[a.warmup:], tokens[a.warmup:]
+        losses = ([json.loads(line).get("loss") for line in (where / "metrics.jsonl").read_text().splitlines()]
+                  if tool in HFSDP_TOOLS else [])
         out[tool] = {"step_s": statistics.median(steady_t), "tokens_per_s": sum(steady_n) / sum(steady_t),
+                     "first_step_s": times[0], "losses": [x for x in losses if x is not None],
                      "step_times_s": times, "tokens": tokens, "wall_s": time.perf_counter() - t0,
                      "command": " ".join(cmd)}
     return out
@@ -99,7 +110,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--tools", default=None, help="default: hfsdp,bare,trl on 1 process; hfsdp,bare on several")
+    p.add_argument("--tools", default=None, help="default: hfsdp,bare,trl on 1 process; hfsdp,bare on several; "
+                                                 "hfsdp-compiled is hfsdp with train.compile: true")
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -134,13 +146,23 @@ def main() -> None:
                "step_s": statistics.median(x[t]["step_s"] for x in rounds)} for t in tools}
     lines.append("| median | " + " | ".join(
         f"{med[t]['tokens_per_s']:.1f} ({med[t]['step_s']:.3f})" for t in tools) + " |")
+    lines.append("| first step s (median; with compile: the compile time) | " + " | ".join(
+        f"{statistics.median(x[t]['first_step_s'] for x in rounds):.1f}" for t in tools) + " |")
+    for variant in [t for t in tools if t in HFSDP_TOOLS and t != "hfsdp"]:
+        if "hfsdp" in tools:
+            diff = max(abs(a - b) for x in rounds for a, b in zip(x["hfsdp"]["losses"], x[variant]["losses"]))
+            lines.append(f"{variant} vs hfsdp: largest step-loss difference {diff:.2e} over "
+                         f"{len(rounds[0]['hfsdp']['losses'])} steps per round")
     ratios = {}
-    for other in tools[1:]:
-        ratios[f"hfsdp_tokens_per_s_vs_{other}"] = med["hfsdp"]["tokens_per_s"] / med[other]["tokens_per_s"]
-        ratios[f"hfsdp_step_s_vs_{other}"] = med["hfsdp"]["step_s"] / med[other]["step_s"]
-        lines.append(f"hfsdp ÷ {other}: tokens/s {ratios[f'hfsdp_tokens_per_s_vs_{other}']:.3f}, "
-                     f"step time {ratios[f'hfsdp_step_s_vs_{other}']:.3f} (ratios of the medians)")
-    print("\n".join(lines[-1 - len(ratios) // 2:]), flush=True)
+    for i, first in enumerate(tools):  # every hfsdp tool against every tool after it
+        if first not in HFSDP_TOOLS:
+            continue
+        for other in tools[i + 1:]:
+            ratios[f"{first}_tokens_per_s_vs_{other}"] = med[first]["tokens_per_s"] / med[other]["tokens_per_s"]
+            ratios[f"{first}_step_s_vs_{other}"] = med[first]["step_s"] / med[other]["step_s"]
+            lines.append(f"{first} ÷ {other}: tokens/s {ratios[f'{first}_tokens_per_s_vs_{other}']:.3f}, "
+                         f"step time {ratios[f'{first}_step_s_vs_{other}']:.3f} (ratios of the medians)")
+    print("\n".join(lines[lines.index(next(x for x in lines if x.startswith("| median"))):]), flush=True)
     (a.out / "peers.md").write_text("\n".join(lines) + "\n")
     (a.out / "peers.json").write_text(json.dumps({"nproc": a.nproc, "steps": a.steps, "warmup": a.warmup,
                                                    "config": a.config, "overrides": a.overrides, "rounds": rounds,

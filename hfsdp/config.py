@@ -39,12 +39,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=True)
 
 
+# model.attn_implementation: the transformers attention kernels hfsdp runs; which are usable where is checked at
+# start-up (hfsdp.models.attention_problems), before any weight loads.
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
     dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
     trust_remote_code: bool = Field(False, description="allow model code from the hub (transformers option).")
-    attn_implementation: Literal["eager", "sdpa"] = Field("sdpa", description="attention kernel.")
+    attn_implementation: Literal[ATTENTION_KERNELS] = Field(
+        "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
+                            "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
 
     @model_validator(mode="before")
     @classmethod
@@ -198,6 +205,26 @@ TRACKERS = {
 Tracker = Literal[tuple(TRACKERS)]
 
 
+class CompileConfig(Section):
+    """``train.compile`` as a mapping: how each transformer block is compiled (``torch.compile`` arguments)."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile backend: inductor (generated kernels), aot_eager (traced, no code "
+                                "generation: for checking), eager (dynamo only).")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="inductor mode (reduce-overhead and max-autotune use CUDA graphs: GPUs only).")
+
+    @model_validator(mode="after")
+    def _mode_needs_inductor(self) -> "CompileConfig":
+        if self.mode is not None and self.backend != "inductor":
+            raise ValueError(f"compile.mode only applies to backend inductor (backend is {self.backend})")
+        return self
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.mode in ("reduce-overhead", "max-autotune")
+
+
 class TrainConfig(Section):
     output_dir: str = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
     max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
@@ -229,6 +256,15 @@ class TrainConfig(Section):
         "replaces train.tensorboard (false: none).")
     peak_tflops: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the README's table of known GPUs.")
+    compile: CompileConfig | None = Field(
+        None, description="torch.compile each transformer block in place (before FSDP2 shards it; FSDP1: refused): "
+                          "true (Inductor), false, or {backend: inductor|aot_eager|eager, mode: default|"
+                          "max-autotune-no-cudagraphs|reduce-overhead|max-autotune}. Off by default (docs/benchmarks.md: "
+                          "what it gains on CPU).")
+    chunked_loss: bool = Field(
+        True, description="compute the output projection and cross entropy inside the model's forward, chunk by "
+                          "chunk with recomputation, so the full logits never exist; used where it is exact (checked "
+                          "at start-up, else the plain loss); false: the plain loss.")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also CUBLAS_WORKSPACE_CONFIG).")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
@@ -236,6 +272,12 @@ class TrainConfig(Section):
     collective_timeout_s: int = Field(
         600, gt=0, description="seconds a rank waits in a collective for the others before the job fails "
                                "(a hung or frozen rank); also bounds rank 0's first-time tokenization.")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value: Any) -> Any:
+        """``compile: true`` is the default mapping, ``false`` is off."""
+        return ({} if value else None) if isinstance(value, bool) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -511,6 +553,9 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
                          f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
                          f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
                          "or use fsdp.version 1"))
+    if config.train.compile is not None and config.fsdp.version == 1:
+        problems.append(("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
+                                          "compile per block: use fsdp.version 2, or remove train.compile"))
     if config.generation_eval is not None and config.data.format not in GENERATION_FORMATS:
         problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
                                             f"and a reference answer), not '{config.data.format}': remove the section"))

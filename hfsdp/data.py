@@ -518,6 +518,7 @@ class MicroBatch:
     targets: torch.Tensor  # the next-token label of each logit the model returns (IGNORE_INDEX: no loss there)
     lengths: list[int]  # real (non-padding) tokens of each row
     num_targets: int  # labelled positions: what the loss sums over
+    label_positions: torch.Tensor | None = None  # flat indices of the labelled targets (what the chunked loss reads)
 
     @property
     def tokens(self) -> int:
@@ -546,7 +547,8 @@ def micro_batch(rows: list[dict[str, list[int]]], pad_id: int, device, select_lo
         return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
     return MicroBatch(inputs={k: move(v) for k, v in inputs.items()}, targets=move(targets),
-                      lengths=[len(r["input_ids"]) for r in rows], num_targets=int(labelled.sum()))
+                      lengths=[len(r["input_ids"]) for r in rows], num_targets=int(labelled.sum()),
+                      label_positions=move((targets.reshape(-1) != IGNORE_INDEX).nonzero().flatten()))
 
 
 def micro_batches(dataset, plan: "BatchPlan", step: int, rank: int, pad_id: int, device,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hfsdp import __version__
+from hfsdp import __version__, models
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wraps_model
@@ -34,6 +34,8 @@ _GPU_ONLY = {
     "fsdp.version 1 with HYBRID_SHARD": lambda c: c.fsdp.version == 1 and c.fsdp.sharding_strategy == "HYBRID_SHARD",
     # Accelerate's FSDP1 plugin binds sync_module_states to the current CUDA device and raises without one.
     "fsdp.sync_module_states": lambda c: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
+    "train.compile.mode reduce-overhead / max-autotune (CUDA graphs)":
+        lambda c: c.train.compile is not None and c.train.compile.cuda_graphs,
 }
 
 
@@ -179,12 +181,33 @@ def wrapper_note(config: HfsdpConfig, world_size: int) -> str:
     return " (one process: runs without a wrapper, nothing to shard; fsdp.single_process: fsdp keeps FSDP)"
 
 
+def compile_blocks(model, config: HfsdpConfig) -> int:
+    """``train.compile``: every transformer block (the FSDP layer classes) compiled in place (``module.compile()``,
+    which keeps the module, its parameter names and the hooks FSDP2 adds later); returns how many. The blocks are
+    all one class, so dynamo compiles one graph per input variant and every block reuses it. The rest of the model
+    (embedding, final norm, the output head with its chunked loss) runs eagerly."""
+    cfg = config.train.compile
+    classes = set(models.layer_classes(config.fsdp, model.config))
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    if not blocks:
+        raise UserError(f"train.compile: the model has no {', '.join(sorted(classes)) or 'transformer block'} "
+                        "modules to compile; name its block class in fsdp.transformer_layer_cls")
+    kwargs = {"backend": cfg.backend, **({"mode": cfg.mode} if cfg.mode else {})}
+    for block in blocks:
+        block.compile(**kwargs)
+    return len(blocks)
+
+
 def prepare_model_and_optimizer(accelerator, config: HfsdpConfig, world_size: int, model, build_optimizer):
     """``model`` and ``build_optimizer(model)`` prepared by Accelerate (wrapped, sharded), in the order the wrapper
-    needs; activation checkpointing through transformers when no FSDP wrapper applies it."""
+    needs; activation checkpointing through transformers when no FSDP wrapper applies it; with ``train.compile`` the
+    transformer blocks compiled in place first (:func:`compile_blocks`), so that FSDP2 shards compiled blocks and
+    activation checkpointing recomputes them."""
     fsdp_wraps = uses_fsdp(config, world_size)
     if config.fsdp.activation_checkpointing and not fsdp_wraps:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.train.compile is not None:
+        compile_blocks(model, config)
     if config.fsdp.version == 1 and fsdp_wraps:
         # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors. Its wrapped
         # parameters are 1-D views of each rank's shard, so which ones are matrices is read before.
@@ -211,6 +234,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "wrapped_units": wrapped_units(model),
         "wrapped_unit_names": wrapped_unit_names(model),
         "checkpointed_layers": checkpointed_layers(model),
+        "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
         "mixed_precision": fsdp.precision_name,
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
@@ -269,6 +293,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
         f"{report['param_bytes_full_model'] / mib:.1f} MiB "
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
+        + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
+           "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
     )
 
 

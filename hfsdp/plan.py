@@ -72,16 +72,31 @@ class ModelFacts:
 class Activations:
     """Bytes autograd keeps for backward, for one micro-batch, in the compute dtype."""
 
-    outside_layers: int  # embeddings, final norm, lm_head input, the loss's log-softmax
+    outside_layers: int  # embeddings, final norm, lm_head input
     per_layer: tuple[int, ...]  # each decoder layer's saved tensors
     layer_inputs: tuple[int, ...]  # each decoder layer's input (all that checkpointing keeps of it)
     logits_bytes: int  # one fp32 copy of the micro-batch's logits (the loss transients are counted in these)
+    loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
+    chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.loss.LOSS_CHUNK_ELEMENTS), else 0
 
     def saved(self, checkpointing: bool) -> int:
+        # The chunked loss keeps nothing logits-sized: each chunk is recomputed in backward.
+        outside = self.outside_layers + (0 if self.chunk_bytes else self.loss_saved)
         if not checkpointing:
-            return self.outside_layers + sum(self.per_layer)
+            return outside + sum(self.per_layer)
         # A checkpointed layer keeps its input; in backward one layer at a time is recomputed in full.
-        return self.outside_layers + sum(self.layer_inputs) + max(self.per_layer, default=0)
+        return outside + sum(self.layer_inputs) + max(self.per_layer, default=0)
+
+    @property
+    def loss_forward(self) -> int:
+        """Transients at the end of forward: the logits and their float32 copy (the chunked loss: one chunk's)."""
+        return 2 * (self.chunk_bytes or self.logits_bytes)
+
+    @property
+    def loss_backward(self) -> int:
+        """Transients in the loss's backward: the logits' gradient; the chunked loss: one chunk's recomputed
+        logits, their saved log-softmax and their gradient."""
+        return 3 * self.chunk_bytes if self.chunk_bytes else self.logits_bytes
 
 
 @dataclass(frozen=True)
@@ -222,7 +237,9 @@ def build_meta_model(model_config, config: HfsdpConfig, lora: bool, dtype: str):
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
-        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=config.model.attn_implementation)
+        # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
+        attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn)
         if lora:
             from peft import get_peft_model
 
@@ -325,14 +342,15 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
         hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(layer.register_forward_hook(post))
     patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
-             if config.model.attn_implementation == "sdpa" else contextlib.nullcontext())
+             if config.model.attn_implementation != "eager" else contextlib.nullcontext())
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # The loss as hfsdp.train.token_loss_sums computes it (without its data-dependent token count).
+            # The loss as hfsdp.loss.token_loss_sum computes it (without its data-dependent token count).
             # use_cache left on: an empty cache holds only the keys and values backward saves anyway (train.py turns
             # it off); off, transformers looks for packed rows with a .item() that meta tensors cannot answer.
             logits = model(input_ids=ids).logits
+            current[0] = "loss"  # what the plain loss saves (train.chunked_loss keeps none of it)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
                                    reduction="sum")
             del loss, logits
@@ -340,14 +358,20 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
         for h in hooks:
             h.remove()
     per_layer = [0] * len(layers)
-    outside = 0
+    outside = loss_saved = 0
     for layer, nbytes in saved.values():
         if layer is None:
             outside += nbytes
+        elif layer == "loss":
+            loss_saved += nbytes
         else:
             per_layer[layer] += nbytes
+    from hfsdp.loss import LOSS_CHUNK_ELEMENTS
+
+    vocab = model_config.vocab_size
+    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if config.train.chunked_loss else 0
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
-                       logits_bytes=batch * seq * model_config.vocab_size * 4)
+                       logits_bytes=batch * seq * vocab * 4, loss_saved=loss_saved, chunk_bytes=chunk)
 
 
 def compute_dtype(config: HfsdpConfig, precision: str) -> str:
@@ -426,7 +450,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       (a second copy of every gradient) plus the tied embedding's second gradient.
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
       recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
-      logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient).
+      logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
+      float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved, and the transients are one
+      chunk's (``hfsdp.loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, three in backward (the
+      recomputed logits, their log-softmax and their gradient).
     * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
       loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
       logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
@@ -484,7 +511,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
             during, at_end = root + layer, root + max(unit_grads(0, reduce_size), tied)
     grad_buffers = max(during, at_end)
     activations = acts.saved(setup.fsdp.activation_checkpointing)
-    loss_transient = 2 * acts.logits_bytes
+    loss_transient = acts.loss_forward
     # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
     # per-parameter loop (CPUs) one parameter's worth.
     step_temp = grads if setup.multi_tensor_adam else max(
@@ -496,9 +523,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
         on_device_params = on_device_grads = on_device_optim = step_temp = 0
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
     # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
-    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time.
+    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: the
+    # same for one chunk, and in backward one chunk recomputed (``Activations.loss_forward/loss_backward``).
     forward_end = gathered + activations + loss_transient + earlier_grads
-    backward = gathered + during + activations + acts.logits_bytes + earlier_grads
+    backward = gathered + during + activations + acts.loss_backward + earlier_grads
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
@@ -667,7 +695,8 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
             f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
-            f"attention {config.model.attn_implementation}; device budget {budget / GIB:.1f} GiB per rank; "
+            f"attention {config.model.attn_implementation}, loss "
+            f"{'chunked' if config.train.chunked_loss else 'plain (full logits)'}; device budget {budget / GIB:.1f} GiB per rank; "
             f"sizes in {table_unit(rows)[0]} per rank")
 
 

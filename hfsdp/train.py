@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import yaml
 
-from hfsdp import data, models
+from hfsdp import data, loss as losses, models
 from hfsdp.components import checkpoint, generation, plots, resume, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
@@ -89,6 +88,7 @@ class Run:
     generation_config: dict[str, Any] | None = None  # the model's generation_config.json, as exports write it
     model_files: ModelFiles | None = None  # what checkpoints and exports write besides the weights
     resume_identity: dict[str, Any] = field(default_factory=dict)  # the schedule length and data a resume must keep
+    loss: Any = losses.token_loss_sum  # loss(model, batch): the micro-batch's summed token loss (hfsdp.loss)
 
 
 @dataclass
@@ -153,15 +153,9 @@ def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
                         "choose a folder you can write to") from None
 
 
-def token_loss_sum(model, batch: data.MicroBatch) -> torch.Tensor:
-    """Summed next-token cross entropy of a micro-batch (over its ``num_targets`` labelled positions)."""
-    logits = model(**batch.inputs).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch.targets.reshape(-1),
-                           ignore_index=data.IGNORE_INDEX, reduction="sum")
-
-
 @torch.no_grad()
-def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool) -> dict[str, float]:
+def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
+             loss_sum_of=losses.token_loss_sum) -> dict[str, float]:
     model.eval()
     batches = data.eval_batches(len(dataset), config.train.per_device_batch_size,
                                 accelerator.num_processes, accelerator.process_index)
@@ -172,8 +166,8 @@ def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, sele
         batch = data.micro_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
         if rows is None:  # filler so that every rank runs the same number of forwards
             batch.targets.fill_(data.IGNORE_INDEX)
-            batch.num_targets = 0
-        loss_sum += float(token_loss_sum(model, batch))
+            batch.num_targets, batch.label_positions = 0, batch.label_positions[:0]
+        loss_sum += float(loss_sum_of(model, batch))
         tokens += batch.num_targets
     model.train()
     loss_sum, tokens = all_sum(accelerator, [loss_sum, tokens])
@@ -203,7 +197,7 @@ def check_and_prepare(config: HfsdpConfig, opts: Options) -> tuple[str, Path]:
     """Everything that can be checked before any weight is loaded; the model's local path (built-in models are
     converted once into the cache; concurrent ranks wait on its file lock) and the prepared output folder."""
     world = opts.world
-    problems = check_world(config.fsdp, world.size, world.local_size)
+    problems = check_world(config.fsdp, world.size, world.local_size) + models.attention_problems(config, world.on_cpu)
     if world.on_cpu:
         problems += rehearsal_problems(config)
     if problems:
@@ -251,8 +245,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        model, optimizer, flops = load_and_shard(accelerator, config, host, model_path, model_config, tokenizer, world,
-                                                 packed="position_ids" in train_set.column_names)
+        model, optimizer, flops, loss = load_and_shard(accelerator, config, host, model_path, model_config, tokenizer,
+                                                       world, packed="position_ids" in train_set.column_names)
         unwrapped = accelerator.unwrap_model(model)
         select_logits = models.accepts_logits_to_keep(unwrapped)
         report = report_startup(config, accelerator, model, world, output_dir)
@@ -272,7 +266,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         generation_config = model_metadata(model_path)["generation_config"]
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer, model_config=model_config, generation_config=generation_config,
-                  model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity)
+                  model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
+                  loss=loss)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
         before = run_eval.before_training()
         host.call("hfsdp_on_train_start", run=run)
@@ -299,6 +294,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                     "tokens": int(result.tokens), "step_time_s": elapsed,
                     **meter.step(result.tokens, result.sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
+                    **compile_metrics(config),
                 }
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
@@ -352,18 +348,24 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
 
 def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_path: str, model_config, tokenizer,
                    world: World, packed: bool):
-    """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, and the FLOPs
-    model of it (counted before sharding). ``packed`` rows: proves attention stays inside each sample."""
+    """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
+    it (counted before sharding) and the loss to train it with (``train.chunked_loss``: :class:`loss.ChunkedLoss`
+    where the probe proves it exact, else :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays
+    inside each sample."""
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config)
     model = models.load_model(model_path, config.model, empty=empty)
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
     flops = throughput.FlopsModel.of(model, model_config)
+    vocab_size = model.config.vocab_size
+    chunked = losses.ChunkedLoss(model, vocab_size) if config.train.chunked_loss and losses.output_head(model) else None
     model, optimizer = prepare_model_and_optimizer(accelerator, config, world.size, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     if packed:
-        data.check_packed_attention(model, accelerator.unwrap_model(model).config.vocab_size, accelerator.device)
-    return model, optimizer, flops
+        data.check_packed_attention(model, vocab_size, accelerator.device)
+    loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
+        else losses.token_loss_sum
+    return model, optimizer, flops, loss
 
 
 class Evaluator:
@@ -381,7 +383,7 @@ class Evaluator:
         results: dict[str, Any] = {}
         if self.eval_set is not None:
             results.update(evaluate(run.model, self.eval_set, run.config, run.accelerator, run.tokenizer.pad_token_id,
-                                    self.select_logits))
+                                    self.select_logits, run.loss))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
                                            run.config.generation_eval.max_new_tokens)
@@ -424,7 +426,7 @@ def train_step(run: Run, batches: list[data.MicroBatch], scaler, scheduler) -> S
         accelerator, [sum(b.num_targets for b in batches), local_tokens, local_sq_lengths])
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in batches:  # no host sync in here: the loss is summed on the device
-        part = token_loss_sum(model, batch)
+        part = run.loss(model, batch)
         loss = part * run.world.size / max(global_labels, 1)
         accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
@@ -453,6 +455,17 @@ def train_step(run: Run, batches: list[data.MicroBatch], scaler, scheduler) -> S
     run.state.step += 1
     run.state.tokens_seen += int(global_tokens)
     return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite)
+
+
+def compile_metrics(config: HfsdpConfig) -> dict[str, int]:
+    """With ``train.compile``: the graphs dynamo has compiled so far (``compile_graphs``; it stops growing once
+    every input variant has been seen: a count that keeps growing means recompiles) and the graph breaks."""
+    if config.train.compile is None:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"compile_graphs": int(counters["stats"]["unique_graphs"]),
+            "compile_graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 def skip_nonfinite(run: Run, what: str) -> None:

@@ -7,6 +7,7 @@
 # available, so it is safe to call anywhere; set GPU_CHECK_REQUIRE=1 to make
 # that case exit 3 instead (for jobs that must run on a GPU).
 # Time limit: GPU_CHECK_TIMEOUT seconds (default 600) for the whole pytest run.
+# Issue 21 (chunked loss, compiled blocks, attention kernels incl. flash_attention_2): scripts/gpu_check.sh -k chunked_loss_compile
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2

@@ -59,7 +59,10 @@ CASES = [
     ("unknown data format", {"data": {"format": "sharegpt"}}, "data.format", "unknown format 'sharegpt'"),
     ("unknown plugin", {"plugins": ["no_such_plugin_xyz"]}, "plugins", "neither an installed plugin"),
     # issue 15: keys that would silently do something other than they say
-    ("train.compile was a no-op", {"train": {"compile": True}}, "train.compile", "unknown key"),
+    # issue 21: train.compile is real now (per-block torch.compile); what it cannot do is refused
+    ("compile under fsdp1", {"train": {"compile": True}, "fsdp": {"version": 1}}, "train.compile", "FSDP1"),
+    ("compile with an unknown backend", {"train": {"compile": {"backend": "tvm"}}}, "train.compile.backend",
+     "'inductor', 'aot_eager' or 'eager'"),
     ("fsdp2 ignores buffer dtype", {"fsdp": {"version": 2, "mixed_precision": {"param": "bf16", "buffer": "bf16"}}},
      "fsdp.mixed_precision.buffer", "only FSDP1 casts buffers"),
     ("ddp ignores reduce dtype", {"fsdp": {"sharding_strategy": "NO_SHARD", "mixed_precision": {"reduce": "bf16"}}},

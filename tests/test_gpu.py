@@ -123,3 +123,31 @@ def test_deterministic_training_on_cuda_repeats_bit_for_bit(tmp_path):
         run_cli("train", str(config), env=env)
         losses.append(step_losses(folder / "run"))
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2", "flex_attention"])
+def test_chunked_loss_compile_and_attention_kernels_on_gpu(tmp_path, attn):
+    """Issue 21 on a GPU: the chunked loss with Inductor-compiled blocks trains the plain-loss eager steps (bf16,
+    one-rank FSDP2) under each attention kernel; the start-up probe keeps the chunked loss (no fallback line) and
+    the compiled graphs stop growing after the warm-up."""
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    runs = {}
+    for name, train in (("plain", {"chunked_loss": False}), ("chunked_compiled", {"compile": True})):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = tiny_config(folder, model={"attn_implementation": attn},
+                             fsdp={"mixed_precision": "bf16", "single_process": "fsdp"},
+                             train={"max_steps": 5, "eval_at_start": False, "export_final": False, **train})
+        proc = run_cli("train", str(config))
+        steps = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()
+                 if '"loss"' in line]
+        runs[name] = (proc, steps)
+    (_, plain), (proc, fast) = runs["plain"], runs["chunked_compiled"]
+    assert "train.chunked_loss" not in proc.stdout and "transformer blocks compiled" in proc.stdout
+    for a, b in zip(plain, fast):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a, b)
+    graphs = [m["compile_graphs"] for m in fast]
+    assert graphs[0] >= 1 and graphs[-1] == graphs[-2], graphs

@@ -173,3 +173,20 @@ def test_state_bytes_match_live_tensors_counted_by_bench(tmp_path):
     for strategy, m in measured.items():
         p = row(data, strategy, 2)
         assert (p["params"], p["grads"], p["optimizer"]) == (m["param_bytes"], m["grad_bytes"], m["optim_bytes"])
+
+
+def test_the_chunked_loss_is_planned_without_the_full_logits(tmp_path):
+    """Llama-3.1-8B, 2048 tokens per micro-batch, bf16: the plain loss saves a float32 log-softmax of the whole
+    logits (2048 x 128,256 x 4 bytes = 1 GiB) and holds two such tensors at the end of forward; the chunked loss
+    (train.chunked_loss, the default) saves none and holds two chunks of 261 positions (128 MiB each) at a time."""
+    logits = 2048 * 128256 * 4
+    chunk = (2**25 // 128256) * 128256 * 4
+    rows = {}
+    for chunked in (True, False):
+        cfg = hub_config(tmp_path, "meta-llama/Llama-3.1-8B")
+        rows[chunked] = row(plan_json(str(cfg), "--nproc", "8", "--strategies", "FULL_SHARD", "--set",
+                                      f"train.chunked_loss={str(chunked).lower()}"), "FULL_SHARD", 8)
+    assert rows[False]["loss_transient"] == 2 * logits and rows[True]["loss_transient"] == 2 * chunk
+    # the saved log-softmax (of the 2047 positions that predict a token)
+    assert rows[False]["activations"] - rows[True]["activations"] == pytest.approx(logits, rel=1e-3)
+    assert rows[False]["device_peak"] - rows[True]["device_peak"] >= logits
