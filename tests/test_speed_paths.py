@@ -57,7 +57,7 @@ def test_grouping_by_length_keeps_global_batches_whatever_the_split():
 def test_micro_batches_without_padding_have_no_attention_mask():
     same = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5, 6], "labels": [4, 5, 6]}]
     batch = data.micro_batch(same, pad_id=0, device="cpu")
-    assert set(batch.inputs) == {"input_ids"}
+    assert set(batch.inputs) == {"input_ids", "use_cache"} and batch.inputs["use_cache"] is False  # no KV cache
     assert (batch.tokens, batch.num_targets) == (6, 4)
     assert batch.targets.tolist() == [[2, 3, -100], [5, 6, -100]]  # the label of the token after each position
     ragged = data.micro_batch(same[:1] + [{"input_ids": [7], "labels": [7]}], pad_id=0, device="cpu")
