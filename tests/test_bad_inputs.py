@@ -144,8 +144,8 @@ CASES: dict[str, Case] = {
                            "not a text file: byte 0 is not UTF-8"),
     "config path is a folder": (lambda d, s: ["train", str(d)], "is a folder, not a config file"),
     "config with a NUL character": (lambda d, s: ["train", _write(d / "c.yaml", "model:\x00 x\n")], "malformed YAML"),
-    "train.compile (removed: it did nothing)": (lambda d, s: ["train", _cfg(d, train={"compile": True})],
-                                                "train.compile: unknown key"),
+    "train.compile under FSDP1": (lambda d, s: ["train", _cfg(d, train={"compile": True}, fsdp={"version": 1})],
+                                  "train.compile: FSDP1 flattens each unit's parameters into one"),
     "fsdp2 with a buffer dtype": (
         lambda d, s: ["train", _cfg(d, fsdp={"mixed_precision": {"param": "bf16", "buffer": "bf16"}})],
         "fsdp.mixed_precision.buffer: bfloat16: only FSDP1 casts buffers"),
