@@ -157,6 +157,8 @@ def _quiet(verbose: bool) -> None:
     # FSDP1 on one process says it shards nothing (the start-up report says what runs) and returns full state dicts.
     warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD` instead of")
     warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will")
+    # torch's notice about how Accelerate slices HYBRID_SHARD's mesh (every HYBRID_SHARD run, FSDP2).
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
     logging.getLogger("accelerate.utils.dataclasses").addFilter(
         lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
