@@ -313,11 +313,16 @@ def grad_scaler(config: HfsdpConfig, accelerator):
     return scaler
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank stores for ``tensor``: a DTensor's local shard, a plain tensor whole."""
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``tensor``: a DTensor's local shard, a plain tensor whole."""
     from torch.distributed.tensor import DTensor
 
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor``."""
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 

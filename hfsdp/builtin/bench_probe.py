@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp import hookimpl
+from hfsdp.distributed import local_tensor
 
 _state: dict[str, Any] = {}
 
@@ -78,17 +79,11 @@ class _Sampler(threading.Thread):
             self.peak = max(self.peak, _rss())
 
 
-def _local(t) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _distinct(tensors) -> int:
     """Bytes of tensors, each storage counted once (FSDP1 views share their flat parameter's storage)."""
     seen, total = set(), 0
     for t in tensors:
-        t = _local(t)
+        t = local_tensor(t)
         if t is None or t.numel() == 0:
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())

@@ -164,7 +164,7 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
 
     import torch
 
-    from hfsdp.distributed import all_sum, gather_objects, per_rank
+    from hfsdp.distributed import all_sum, gather_objects, local_tensor, per_rank
     from hfsdp.fsdp import copies
 
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -175,7 +175,7 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
         # a rank whose shard holds no element of a group's parameters has no state for them: agree on the names
         here = {name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
         names = sorted(set().union(*gather_objects(accelerator, here)))
-        sums = all_sum(accelerator, [sum(float(_local(st[name]).double().abs().sum()) for st in states if name in st)
+        sums = all_sum(accelerator, [sum(float(local_tensor(st[name]).double().abs().sum()) for st in states if name in st)
                                      for name in names])
         steps = [float(st["step"]) for st in states if "step" in st]
         lows = per_rank(accelerator, min(steps) if steps else math.inf)
@@ -184,12 +184,6 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
                        "step": [min(lows), max(highs)] if any(math.isfinite(v) for v in lows) else None,
                        "abs_sums": {name: value / replicas for name, value in zip(names, sums)}})
     return digest
-
-
-def _local(tensor):
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]], path: Path) -> None:
