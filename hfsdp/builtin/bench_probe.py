@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp import hookimpl
-from hfsdp.distributed import local_tensor
 
 _state: dict[str, Any] = {}
 
@@ -81,6 +80,8 @@ class _Sampler(threading.Thread):
 
 def _distinct(tensors) -> int:
     """Bytes of tensors, each storage counted once (FSDP1 views share their flat parameter's storage)."""
+    from hfsdp.distributed import local_tensor  # here: `hfsdp plugins` loads this module without torch
+
     seen, total = set(), 0
     for t in tensors:
         t = local_tensor(t)
