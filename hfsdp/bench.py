@@ -3,7 +3,7 @@ per-rank memory and throughput.
 
 Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
 CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
-output folder. This module only launches runs and reads those files (it asks ``hfsdp.fsdp.wraps_model`` what one
+output folder. This module only launches runs and reads those files (it asks ``hfsdp.fsdp.wrapper`` what one
 process runs; it never imports transformers).
 
 One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
@@ -98,10 +98,10 @@ def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
 def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
     """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
     from hfsdp.config import FSDPConfig
-    from hfsdp.fsdp import wraps_model
+    from hfsdp.fsdp import wrapper
 
     section = {**(_raw_config(opts.config, opts.overrides).get("fsdp") or {}), "sharding_strategy": strategy}
-    return not wraps_model(FSDPConfig.model_validate(section), 1)
+    return wrapper(FSDPConfig.model_validate(section), 1) == "none"
 
 
 def _runs(opts: BenchOptions) -> list[tuple[int, str, bool]]:

@@ -60,44 +60,29 @@ def _check_launcher_variables() -> None:
         raise UserError(f"RANK={os.environ['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
 
 
-def _keep_fsdp_to_resume(config, resume: str | None):
-    """One process resuming a checkpoint that FSDP saved (another world size, or ``single_process: fsdp``) keeps
-    FSDP: only FSDP reads FSDP's checkpoint layouts."""
-    if not resume or int(os.environ.get("WORLD_SIZE", "1")) != 1 or config.fsdp.single_process == "fsdp":
-        return config
-    from hfsdp.components.checkpoint import saved_by_fsdp
-    from hfsdp.components.resume import find_resume_checkpoint
+def _launched_world():
+    """The process's place in the job, as the launcher set it (one process when no launcher did)."""
+    import torch
 
-    found = find_resume_checkpoint(Path(config.train.output_dir), resume)
-    if found is None or not saved_by_fsdp(found):
-        return config
-    return config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
-
-
-def _world_from_env(config):
-    """The process's place in the job. One process whose model needs no wrapper (``fsdp.wraps_model``) drops a
-    launcher's rank variables (a one-process torchrun), so that Accelerate builds no process group and wraps
-    nothing; one that keeps FSDP (``cpu_offload``, ``fsdp.single_process: fsdp``) becomes a one-rank job, so that
-    it runs the same FSDP code path as many."""
     from hfsdp.distributed import World
-    from hfsdp.fsdp import wraps_model
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not wraps_model(config.fsdp, 1):
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return World(rank=int(os.environ.get("RANK", "0")), size=size,
+                 local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)), on_cpu=not torch.cuda.is_available())
+
+
+def _apply_wrapper_to_env(setup) -> None:
+    """One process that runs without a wrapper drops a launcher's rank variables (a one-process torchrun), so that
+    Accelerate builds no process group and wraps nothing; one that keeps FSDP (``cpu_offload``,
+    ``fsdp.single_process: fsdp``, resuming an FSDP checkpoint) becomes a one-rank job, so that it runs the same FSDP
+    code path as many."""
+    if setup.world.size == 1 and setup.wrapper == "none":
         for key in _RANK_VARIABLES:
             os.environ.pop(key, None)
     elif "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    import torch
-
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    return World(
-        rank=int(os.environ.get("RANK", "0")),
-        size=size,
-        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-        on_cpu=not torch.cuda.is_available(),
-    )
 
 
 def _take_launcher_settings(config, on_cpu: bool) -> list[str]:
@@ -193,12 +178,16 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
 
     cfg, host = load_config(config, overrides)
     _check_launcher_variables()
-    cfg = _keep_fsdp_to_resume(cfg, resume)
-    world = _world_from_env(cfg)  # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
-    notes = _take_launcher_settings(cfg, world.on_cpu)
+    from hfsdp.run_setup import decide
+
+    # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
+    setup = decide(cfg, _launched_world(), resume, source=str(resolve_config_path(config)))
+    _apply_wrapper_to_env(setup)
+    world = setup.world
+    notes = _take_launcher_settings(setup.config, world.on_cpu)
     from hfsdp.distributed import runtime_env
 
-    for key, value in runtime_env(cfg, world).items():
+    for key, value in runtime_env(setup.config, world).items():
         os.environ.setdefault(key, value)  # a value the user chose stays
     if world.rank == 0:
         for note in notes:
@@ -206,8 +195,7 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.train import Options, Preempted, train as run_training
 
     try:
-        run_training(cfg, host, Options(cache_dir=_cache_dir(), world=world, resume=resume, overwrite=overwrite,
-                                        config_source=str(resolve_config_path(config))))
+        run_training(setup, host, Options(cache_dir=_cache_dir(), overwrite=overwrite))
     except Preempted as stop:
         # A complete checkpoint exists; exit like a process killed by the signal would (143 SIGTERM, 130 SIGINT),
         # so schedulers see a preemption, not a failure of the job's own making.

@@ -18,16 +18,19 @@ import json
 import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hfsdp import __version__, models
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wraps_model
+from hfsdp.fsdp import FSDP_WRAPPERS, build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wrapper
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
+if TYPE_CHECKING:
+    from hfsdp.run_setup import RunSetup
+
 _GPU_ONLY = {
     "fsdp.cpu_offload": lambda c: c.fsdp.cpu_offload,
     "fsdp.version 1 with cpu_ram_efficient_loading": lambda c: c.fsdp.version == 1 and c.fsdp.cpu_ram_efficient_loading,
@@ -63,7 +66,8 @@ def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
     if world.on_cpu:
         return None
     cpu_collectives = config.fsdp.cpu_offload or config.fsdp.state_dict_type == "FULL_STATE_DICT"
-    return "cuda:nccl,cpu:gloo" if cpu_collectives and not config.fsdp.runs_as_ddp else "nccl"
+    fsdp_wraps = wrapper(config.fsdp, world.size) in FSDP_WRAPPERS
+    return "cuda:nccl,cpu:gloo" if cpu_collectives and fsdp_wraps else "nccl"
 
 
 def runtime_env(config: HfsdpConfig, world: World) -> dict[str, str]:
@@ -72,15 +76,16 @@ def runtime_env(config: HfsdpConfig, world: World) -> dict[str, str]:
     return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if config.train.deterministic and not world.on_cpu else {}
 
 
-def build_accelerator(config: HfsdpConfig, layer_classes: list[str], world: World):
-    """The Accelerator with exactly the distributed type the config asks for, or a UserError saying why not."""
+def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
+    """The Accelerator with exactly the distributed type the run's wrapper needs, or a UserError saying why not."""
     from datetime import timedelta
 
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-    plugin = build_fsdp_plugin(config.fsdp, layer_classes) if uses_fsdp(config, world.size) else None
+    config, world = setup.config, setup.world
+    plugin = build_fsdp_plugin(config.fsdp, layer_classes) if setup.fsdp else None
     backend = process_group_backend(config, world)
     parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size) if plugin is not None else None
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
@@ -167,18 +172,10 @@ def _fsdp1_copy_cpu_optimizer_gathers(plugin) -> None:
         plugin.optim_state_dict_config = replace(plugin.optim_state_dict_config, offload_to_cpu=False)
 
 
-def uses_fsdp(config: HfsdpConfig, world_size: int) -> bool:
-    """FSDP wraps the model (else DDP on several ranks, or nothing on one process: see ``fsdp.wraps_model``)."""
-    return wraps_model(config.fsdp, world_size)
-
-
-def wrapper_note(config: HfsdpConfig, world_size: int) -> str:
-    """What the start-up report adds to the strategy when FSDP does not wrap the model."""
-    if uses_fsdp(config, world_size):
-        return ""
-    if world_size > 1:
-        return " (runs as DDP)"
-    return " (one process: runs without a wrapper, nothing to shard; fsdp.single_process: fsdp keeps FSDP)"
+# What the start-up report adds to the strategy when FSDP does not wrap the model.
+_WRAPPER_NOTES = {"ddp": " (runs as DDP)",
+                  "none": " (one process: runs without a wrapper, nothing to shard; fsdp.single_process: fsdp keeps "
+                          "FSDP)"}
 
 
 def compile_blocks(model, config: HfsdpConfig) -> int:
@@ -198,17 +195,17 @@ def compile_blocks(model, config: HfsdpConfig) -> int:
     return len(blocks)
 
 
-def prepare_model_and_optimizer(accelerator, config: HfsdpConfig, world_size: int, model, build_optimizer):
+def prepare_model_and_optimizer(accelerator, setup: "RunSetup", model, build_optimizer):
     """``model`` and ``build_optimizer(model)`` prepared by Accelerate (wrapped, sharded), in the order the wrapper
     needs; activation checkpointing through transformers when no FSDP wrapper applies it; with ``train.compile`` the
     transformer blocks compiled in place first (:func:`compile_blocks`), so that FSDP2 shards compiled blocks and
     activation checkpointing recomputes them."""
-    fsdp_wraps = uses_fsdp(config, world_size)
-    if config.fsdp.activation_checkpointing and not fsdp_wraps:
+    config = setup.config
+    if config.fsdp.activation_checkpointing and not setup.fsdp:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.train.compile is not None:
         compile_blocks(model, config)
-    if config.fsdp.version == 1 and fsdp_wraps:
+    if setup.wrapper == "fsdp1":
         # FSDP1 flattens parameters on wrap; an optimizer built before it would hold stale tensors. Its wrapped
         # parameters are 1-D views of each rank's shard, so which ones are matrices is read before.
         matrices = {name for name, p in model.named_parameters() if p.ndim >= 2}
@@ -217,7 +214,8 @@ def prepare_model_and_optimizer(accelerator, config: HfsdpConfig, world_size: in
     return accelerator.prepare(model, build_optimizer(model))
 
 
-def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dict[str, Any]:
+def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
+    config, world = setup.config, setup.world
     local, full = local_parameter_bytes(model)
     fsdp = config.fsdp
     mesh = hybrid_mesh_shape(fsdp, world.size, world.local_size)
@@ -228,7 +226,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "device": "cpu (rehearsal, gloo)" if world.on_cpu and accelerator.distributed_type.value != "NO"
                   else str(accelerator.device),
         "fsdp_version": fsdp.version,
-        "strategy": fsdp.sharding_strategy + wrapper_note(config, world.size)
+        "strategy": fsdp.sharding_strategy + _WRAPPER_NOTES.get(setup.wrapper, "")
                     + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
@@ -239,7 +237,7 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
     }
-    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and uses_fsdp(config, world.size)
+    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and setup.fsdp
     group = mesh[1] if mesh else world.size
     if sharded and group > 1 and local > 0.75 * full:
         raise UserError(
@@ -258,11 +256,11 @@ def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> No
         json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
 
 
-def report_startup(config: HfsdpConfig, accelerator, model, world: World, output_dir: Path) -> dict[str, Any]:
+def report_startup(setup: "RunSetup", accelerator, model, output_dir: Path) -> dict[str, Any]:
     """:func:`startup_report`, printed (main process) and written by every rank (:func:`write_rank_report`)."""
-    report = startup_report(config, accelerator, model, world)
+    report = startup_report(setup, accelerator, model)
     accelerator.print(format_report(report))
-    write_rank_report(output_dir, world.rank, report)
+    write_rank_report(output_dir, setup.world.rank, report)
     return report
 
 
@@ -298,12 +296,12 @@ def format_report(report: dict[str, Any]) -> str:
     )
 
 
-def grad_scaler(config: HfsdpConfig, accelerator):
+def grad_scaler(setup: "RunSetup", accelerator):
     """The loss scaler fp16 needs (FSDP1's sharded one when FSDP1 wraps the model), registered for checkpointing
     after what the caller registered before; None for other precisions."""
-    if config.fsdp.precision_name != "fp16":
+    if setup.config.fsdp.precision_name != "fp16":
         return None
-    if config.fsdp.version == 1 and uses_fsdp(config, accelerator.num_processes):
+    if setup.wrapper == "fsdp1":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler()

@@ -17,7 +17,7 @@ NO_SHARD       ShardingStrategy.NO_SHARD                    plain DDP (no FSDP p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -43,16 +43,25 @@ def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
     return _PRECISION_SHORTHANDS.get(cfg.mixed_precision)
 
 
-def wraps_model(cfg: FSDPConfig, world_size: int) -> bool:
-    """Whether FSDP wraps the model; otherwise DDP does (FSDP2 NO_SHARD on several ranks) or nothing (one process).
+# What wraps the model: nothing (one process), DDP (FSDP2's NO_SHARD on several ranks), or FSDP of a version.
+Wrapper = Literal["none", "ddp", "fsdp1", "fsdp2"]
+FSDP_WRAPPERS = ("fsdp1", "fsdp2")
+
+
+def wrapper(cfg: FSDPConfig, world_size: int) -> Wrapper:
+    """What wraps the model on ``world_size`` ranks: the one rule, decided once per run (``RunSetup.wrapper``) and
+    by ``hfsdp plan``/``bench`` for the setups they predict.
 
     One process has nothing to shard, and a one-rank FSDP still copies every parameter into and out of its
     all-gather buffers, reduce-scatters every gradient and runs the optimizer on DTensors. So one process runs the
     model as it is, unless an option needs FSDP (``cpu_offload``) or ``single_process: fsdp`` asks for it.
+    FSDP2 has no NO_SHARD: the seeds define it as DDP, so that is what runs (``FSDPConfig.runs_as_ddp``).
     """
     if cfg.runs_as_ddp:
-        return False
-    return world_size > 1 or cfg.cpu_offload or cfg.single_process == "fsdp"
+        return "ddp" if world_size > 1 else "none"
+    if world_size > 1 or cfg.cpu_offload or cfg.single_process == "fsdp":
+        return "fsdp1" if cfg.version == 1 else "fsdp2"
+    return "none"
 
 
 def _mixed_precision_policy(cfg: FSDPConfig):
@@ -133,7 +142,7 @@ def hybrid_mesh_shape(cfg: FSDPConfig, world_size: int, local_world_size: int) -
 def copies(cfg: FSDPConfig, world_size: int, local_world_size: int) -> int:
     """How many ranks hold each element of a parameter (and of its gradient and optimizer state): one where FSDP
     shards over all ranks, the replica groups under HYBRID_SHARD, every rank under NO_SHARD, DDP or one process."""
-    if not wraps_model(cfg, world_size) or cfg.sharding_strategy == "NO_SHARD":
+    if wrapper(cfg, world_size) not in FSDP_WRAPPERS or cfg.sharding_strategy == "NO_SHARD":
         return world_size
     shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
     return shape[0] if shape else 1
@@ -154,7 +163,7 @@ def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list
     """Problems that only show once the world size is known (still before any model is loaded). None where FSDP
     does not wrap the model (one process): a cluster's config still runs a one-process smoke test."""
     shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    if shape is None or not wraps_model(cfg, world_size):
+    if shape is None or wrapper(cfg, world_size) not in FSDP_WRAPPERS:
         return []
     replicate, shard = shape
     if shard == 1:

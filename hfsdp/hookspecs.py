@@ -78,22 +78,25 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 
 
 @hookspec
-def hfsdp_before_model_load(config, world, model_config):
+def hfsdp_before_model_load(config, world, model_config, setup):
     """The process group is up and the data is prepared; the model is about to be loaded. Every rank.
 
     ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``);
     ``model_config`` is the model's transformers config (no weight is loaded yet): raise a ``ConfigError`` here for
-    a combination the model cannot run, before any weight loads.
+    a combination the model cannot run, before any weight loads. ``setup`` is the run as decided before anything
+    loaded (:class:`hfsdp.run_setup.RunSetup`: ``wrapper`` ``none``/``ddp``/``fsdp1``/``fsdp2``, ``world``, the
+    effective ``config``, the ``resume`` point).
     """
 
 
 @hookspec
-def hfsdp_modify_model(model, config, tokenizer, world):
+def hfsdp_modify_model(model, config, tokenizer, world, setup):
     """Chained: change the model before it is sharded (e.g. add LoRA adapters, freeze layers).
 
     Runs on every rank, after loading and before ``accelerator.prepare``. Return the replacement model or None
     when the model was changed in place. Only parameters with ``requires_grad`` are given to the optimizer.
-    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``).
+    ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``); ``setup``
+    the run as decided (see ``hfsdp_before_model_load``).
     """
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import check_world, hybrid_mesh_shape, precision_parts, wraps_model
+from hfsdp.fsdp import Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
 from hfsdp.models import layer_classes
 
 GIB = 1024**3
@@ -129,19 +129,15 @@ class Setup:
         return self.fsdp.precision_name
 
     @property
-    def runs_as_ddp(self) -> bool:
-        return self.fsdp.runs_as_ddp
-
-    @property
-    def unwrapped(self) -> bool:
-        """One process that trains the model without a wrapper (``fsdp.single_process: auto``, as train does: see
-        ``hfsdp.fsdp.wraps_model``): full parameters, gradients and optimizer state, no FSDP buffers."""
-        return self.world == 1 and not wraps_model(self.fsdp, 1)
+    def wrapper(self) -> Wrapper:
+        """What wraps the model, by train's own rule (``hfsdp.fsdp.wrapper``): ``none`` is one process training the
+        model as it is (full parameters, gradients and optimizer state, no FSDP buffers)."""
+        return wrapper(self.fsdp, self.world)
 
     @property
     def runs_as(self) -> str:
         """What wraps the model, for the table: FSDP, DDP or nothing."""
-        return "no wrapper" if self.unwrapped else "DDP" if self.runs_as_ddp else "FSDP"
+        return {"none": "no wrapper", "ddp": "DDP"}.get(self.wrapper, "FSDP")
 
     @property
     def prefetch(self) -> int:
@@ -174,7 +170,7 @@ def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
     if problems:
         return problems[0][1]
     if (setup.lora and setup.fsdp.version == 1 and facts.tied_embeddings and setup.shard_group() == 1
-            and not setup.unwrapped):
+            and setup.wrapper != "none"):
         return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
     return None
 
@@ -425,7 +421,7 @@ def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool],
 
 def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
     group = setup.shard_group()
-    if setup.runs_as_ddp or setup.unwrapped:
+    if setup.wrapper in ("ddp", "none"):
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
     if setup.fsdp.version == 1:
         return _fsdp1_bytes(facts, group, select, setup.fsdp.use_orig_params is not False, whole_flat)
@@ -436,7 +432,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     """Per-rank memory of one strategy and world size.
 
     * one process runs without a wrapper unless ``fsdp.single_process: fsdp`` or an option needs FSDP (as train
-      does, ``Setup.unwrapped``): the whole parameters, gradients and optimizer state, no gathered units and no
+      does, ``Setup.wrapper``): the whole parameters, gradients and optimizer state, no gathered units and no
       reduce buffers; with mixed precision, autocast's compute-dtype copy of the weights.
     * parameters / gradients / optimizer: the largest rank's share, sharded as FSDP1/FSDP2 shard (see module
       docstring); gradients and AdamW's two moments only for trainable parameters, in the parameters' dtype.
@@ -475,7 +471,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
     group = setup.shard_group()
-    if setup.unwrapped or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
+    if setup.wrapper == "none" or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
         gathered = full_compute
@@ -490,10 +486,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     # Gradient buffers beside the (sharded) gradients: during backward, and at its end, when the root unit's
     # gradients are complete.
     tied_grad = facts.tied_trainable_numel * facts.params[0].itemsize
-    if setup.unwrapped:
+    if setup.wrapper == "none":
         # Autograd alone: the tied weight's second gradient meets the first at the end.
         during, at_end = 0, tied_grad
-    elif setup.runs_as_ddp:
+    elif setup.wrapper == "ddp":
         # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet at the end.
         buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
         during, at_end = buckets, buckets + tied_grad
@@ -531,7 +527,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     step = on_device_grads + step_temp
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
     full_load = sum(p.numel * p.itemsize for p in facts.params)
-    loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and not setup.runs_as_ddp else setup.nproc_per_node
+    loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
@@ -705,7 +701,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
-                 world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.runs_as_ddp,
+                 world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.fsdp.runs_as_ddp,
                  runs_as=e.setup.runs_as,
                  lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)

@@ -29,11 +29,11 @@ from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import (
     World, all_sum, any_rank, build_accelerator, clip_grad_norm, grad_scaler, per_rank, prepare_model_and_optimizer,
-    rehearsal_problems, report_optimizer_state, report_startup,
+    report_optimizer_state, report_startup,
 )
-from hfsdp.errors import ConfigError, UserError
-from hfsdp.fsdp import check_world
+from hfsdp.errors import UserError
 from hfsdp.plugins import PluginHost
+from hfsdp.run_setup import RunSetup
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
 
@@ -93,13 +93,10 @@ class Run:
 
 @dataclass
 class Options:
-    """What the CLI decided from argv and the environment."""
+    """What the CLI read of argv and the environment besides the run it decided (``RunSetup``)."""
 
     cache_dir: Path
-    world: World
-    resume: str | None = None  # "latest" or a path
     overwrite: bool = False
-    config_source: str = ""
 
 
 class PreemptionFlag:
@@ -125,14 +122,14 @@ class PreemptionFlag:
               "(send it again to exit now)", file=sys.stderr, flush=True)
 
 
-def prepare_output_dir(output_dir: Path, opts: Options, is_main: bool) -> None:
+def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> None:
     blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
                         "set train.output_dir to a folder (it is created if missing)")
     check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
     existing = [name for name in OUTPUTS if (output_dir / name).exists()]
-    if existing and not opts.resume and not opts.overwrite:
+    if existing and not resuming and not opts.overwrite:
         raise UserError(
             f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to continue "
             "it, --overwrite to replace it, or set another train.output_dir"
@@ -193,18 +190,13 @@ def build_optimizer(model, cfg, matrices: set[str] | None = None) -> torch.optim
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
 
 
-def check_and_prepare(config: HfsdpConfig, opts: Options) -> tuple[str, Path]:
-    """Everything that can be checked before any weight is loaded; the model's local path (built-in models are
-    converted once into the cache; concurrent ranks wait on its file lock) and the prepared output folder."""
-    world = opts.world
-    problems = check_world(config.fsdp, world.size, world.local_size) + models.attention_problems(config, world.on_cpu)
-    if world.on_cpu:
-        problems += rehearsal_problems(config)
-    if problems:
-        raise ConfigError(problems, source=opts.config_source or "config")
+def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path]:
+    """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
+    lock) and the prepared output folder, for a run whose checks :func:`hfsdp.run_setup.decide` made."""
+    config = setup.config
     model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
     output_dir = Path(config.train.output_dir)
-    prepare_output_dir(output_dir, opts, is_main=world.rank == 0)
+    prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     from transformers.utils import logging as hf_logging
@@ -220,49 +212,50 @@ def build_scheduler(optimizer, cfg, max_steps: int):
                          num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps)
 
 
-def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any]:
-    # ---- set up: everything that can be checked is checked before any weight is loaded
-    world = opts.world
-    model_path, output_dir = check_and_prepare(config, opts)
+def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
+    # ---- set up: the run was decided and checked before anything loads (hfsdp.run_setup.decide)
+    config, world = setup.config, setup.world
+    model_path, output_dir = prepare(setup, opts)
     from accelerate.utils import set_seed
 
     accelerator = None
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
         model_config = models.load_model_config(model_path, config.model)
-        accelerator = build_accelerator(config, models.fsdp_layer_classes(config.fsdp, model_config), world)
+        accelerator = build_accelerator(setup, models.fsdp_layer_classes(config.fsdp, model_config))
         set_seed(config.train.seed)
         is_main = accelerator.is_main_process
         say = accelerator.print
+        for note in setup.notes:
+            say(note)
 
         # ---- data
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
-        config, resumed_from, record = (resume.resume_point(output_dir, opts.resume, config, world.size, say)
-                                        if opts.resume else (config, None, None))
         plan = data.BatchPlan.for_run(train_set, config.train, world.size)
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
+        if setup.resume:  # its schedule and data, now that the data is read: still before any weight loads
+            resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        model, optimizer, flops, loss = load_and_shard(accelerator, config, host, model_path, model_config, tokenizer,
-                                                       world, packed="position_ids" in train_set.column_names)
+        model, optimizer, flops, loss = load_and_shard(accelerator, setup, host, model_path, model_config, tokenizer,
+                                                       packed="position_ids" in train_set.column_names)
         unwrapped = accelerator.unwrap_model(model)
         select_logits = models.accepts_logits_to_keep(unwrapped)
-        report = report_startup(config, accelerator, model, world, output_dir)
+        report = report_startup(setup, accelerator, model, output_dir)
 
         scheduler = build_scheduler(optimizer, config.train, max_steps)
         state = TrainerState()
         accelerator.register_for_checkpointing(scheduler, state)
-        scaler = grad_scaler(config, accelerator)
-        if opts.resume:
-            resume.restore(accelerator, optimizer, resumed_from, record, config, identity, output_dir / "checkpoints", state,
-                           world)
+        scaler = grad_scaler(setup, accelerator)
+        if setup.resume_asked:
+            resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world)
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
         metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to),
-                                continue_from=state.step if opts.resume else None)
+                                continue_from=state.step if setup.resume_asked else None)
         generation_config = model_metadata(model_path)["generation_config"]
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer, model_config=model_config, generation_config=generation_config,
@@ -318,7 +311,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         if config.train.export_final:
             export_model(run, output_dir / "final")
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
-                   "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
+                   "before": before, "after": after, "startup": report,
+                   "resumed_from": str(setup.resume.path if setup.resume else ""),
                    "data": data_report, "throughput": speed,
                    "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or "")}
         finish(run, summary, metrics, run_eval.generations)
@@ -346,20 +340,22 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
     return train_set, eval_set, gen_items, report
 
 
-def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_path: str, model_config, tokenizer,
-                   world: World, packed: bool):
+def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: str, model_config, tokenizer,
+                   packed: bool):
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
     it (counted before sharding) and the loss to train it with (``train.chunked_loss``: :class:`loss.ChunkedLoss`
     where the probe proves it exact, else :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays
     inside each sample."""
+    config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
-    host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config)
+    host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
     model = models.load_model(model_path, config.model, empty=empty)
-    model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
+    model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world,
+                       setup=setup)
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
     chunked = losses.ChunkedLoss(model, vocab_size) if config.train.chunked_loss and losses.output_head(model) else None
-    model, optimizer = prepare_model_and_optimizer(accelerator, config, world.size, model,
+    model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     if packed:
         data.check_packed_attention(model, vocab_size, accelerator.device)

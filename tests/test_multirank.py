@@ -189,15 +189,16 @@ def test_an_unsharded_model_is_refused_at_startup():
     import torch
 
     from hfsdp.config import HfsdpConfig
-    from hfsdp.distributed import World
+    from hfsdp.distributed import World, startup_report
     from hfsdp.errors import UserError
-    from hfsdp.distributed import startup_report
+    from hfsdp.run_setup import decide
 
     config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
                          fsdp={"sharding_strategy": "FULL_SHARD"})
+    setup = decide(config, World(rank=0, size=2, local_size=2, on_cpu=True), resume=None)
     accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="FSDP"))
     with pytest.raises(UserError, match="did not end up sharded: this rank holds 160 of 160 parameter bytes"):
-        startup_report(config, accelerator, torch.nn.Linear(4, 8), World(rank=0, size=2, local_size=2, on_cpu=True))
+        startup_report(setup, accelerator, torch.nn.Linear(4, 8))
 
 
 # ---- 2. every strategy computes the single-process steps

@@ -104,14 +104,15 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
 
 def test_what_wraps_the_model():
     from hfsdp.config import FSDPConfig
-    from hfsdp.fsdp import wraps_model
+    from hfsdp.fsdp import wrapper
 
-    assert not wraps_model(FSDPConfig(), 1)  # one process: nothing to shard, no wrapper
-    assert wraps_model(FSDPConfig(), 2)
-    assert wraps_model(FSDPConfig(single_process="fsdp"), 1)  # asked for explicitly
-    assert wraps_model(FSDPConfig(cpu_offload=True), 1)  # only FSDP offloads
-    assert wraps_model(FSDPConfig(version=1, sharding_strategy="NO_SHARD"), 2)
-    assert not wraps_model(FSDPConfig(sharding_strategy="NO_SHARD"), 2)  # FSDP2 NO_SHARD runs as DDP
+    assert wrapper(FSDPConfig(), 1) == "none"  # one process: nothing to shard, no wrapper
+    assert wrapper(FSDPConfig(), 2) == "fsdp2"
+    assert wrapper(FSDPConfig(single_process="fsdp"), 1) == "fsdp2"  # asked for explicitly
+    assert wrapper(FSDPConfig(cpu_offload=True), 1) == "fsdp2"  # only FSDP offloads
+    assert wrapper(FSDPConfig(version=1, sharding_strategy="NO_SHARD"), 2) == "fsdp1"
+    assert wrapper(FSDPConfig(sharding_strategy="NO_SHARD"), 2) == "ddp"  # FSDP2 NO_SHARD runs as DDP
+    assert wrapper(FSDPConfig(sharding_strategy="NO_SHARD", single_process="fsdp"), 1) == "none"
 
 
 @pytest.mark.slow

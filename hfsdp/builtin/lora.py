@@ -118,12 +118,9 @@ def _check_tied(model, targets: list[str], modules_to_save: list[str] | None) ->
 
 
 @hookimpl
-def hfsdp_before_model_load(config, world, model_config):
-    from hfsdp.fsdp import wraps_model
-
+def hfsdp_before_model_load(config, world, model_config, setup):
     unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
-    if (config.fsdp.version == 1 and unsharded and wraps_model(config.fsdp, world.size)
-            and getattr(model_config, "tie_word_embeddings", False)):
+    if setup.wrapper == "fsdp1" and unsharded and getattr(model_config, "tie_word_embeddings", False):
         # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
         # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
         raise ConfigError([("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "

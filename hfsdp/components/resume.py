@@ -11,14 +11,13 @@ loop come from (seed, step, rank) at the start of every step (:func:`seed_step`)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
 from hfsdp.components import checkpoint
 from hfsdp.components.safe_load import verify_checkpoint
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import wraps_model
 
 if TYPE_CHECKING:
     from hfsdp.plugins import PluginHost
@@ -28,7 +27,7 @@ RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
     "train.export_final", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
     "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "generation_eval",
-    "fsdp.single_process",  # how one process runs the same steps; the CLI keeps FSDP to resume an FSDP checkpoint
+    "fsdp.single_process",  # how one process runs the same steps; RunSetup keeps FSDP to resume an FSDP checkpoint
     "train.compile", "train.chunked_loss",  # the same steps, computed faster or in less memory
 )
 # The batch keys may change on resume as long as the global batch they make stays the same.
@@ -88,56 +87,44 @@ def run_fingerprint(config: HfsdpConfig) -> str:
     return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS)
 
 
-def check_resume_record(record: dict[str, Any], config: HfsdpConfig, path: Path, identity: dict[str, Any]) -> None:
-    """``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps them
-    (records written before they were recorded are not checked for them)."""
+def check_resume_config(record: dict[str, Any], config: HfsdpConfig, path: Path) -> None:
+    """The checkpoint at ``path`` was saved by a run of this config, but for the keys that may change on resume."""
+    if record["config_hash"] != run_fingerprint(config):
+        raise UserError(f"cannot resume from {path}: the config changed in keys that change the run (model, data, "
+                        f"optimizer, fsdp, batch); only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
+
+
+def check_resume_record(record: dict[str, Any], path: Path, identity: dict[str, Any], lr_scheduler: str) -> None:
+    """The checkpoint continues this run's schedule on its data, once the data is read (still before any weight
+    loads). ``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps
+    them (records written before they were recorded are not checked for them)."""
     problems = []
     saved_steps = record.get("max_steps", identity["max_steps"])
-    if saved_steps != identity["max_steps"] and config.train.lr_scheduler != "constant":
-        problems.append(f"its {config.train.lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
+    if saved_steps != identity["max_steps"] and lr_scheduler != "constant":
+        problems.append(f"its {lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
                         f"{identity['max_steps']} (train.max_steps/train.epochs changed), so the learning rate would "
                         "jump: resume with the run's length, or use lr_scheduler: constant to extend a run")
     if any(key in record and record[key] != identity[key] for key in ("train_rows", "train_fingerprint")):
         problems.append(f"it was trained on other data ({record.get('train_rows')} rows, fingerprint "
                         f"{record.get('train_fingerprint')}; this run's data: {identity['train_rows']} rows, "
                         f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
-    if record["config_hash"] != run_fingerprint(config):
-        problems.append("the config changed in keys that change the run (model, data, optimizer, fsdp, batch); "
-                        f"only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
     if problems:
         raise UserError(f"cannot resume from {path}: " + "; ".join(problems))
 
-def resume_point(output_dir: Path, resume: str, config: HfsdpConfig, world_size: int,
-                 say: Callable[[str], None]) -> tuple[HfsdpConfig, Path | None, dict[str, Any] | None]:
-    """``--resume``: the checkpoint to resume (None: no complete one yet), its record, and the config that resumes
-    it here (a checkpoint of another world size resumes with the accumulation that keeps its global batch)."""
-    path = find_resume_checkpoint(output_dir, resume)
-    if path is None:
-        return config, None, None
-    record = checkpoint.read_record(path)
-    config, note = keep_global_batch(record, config, world_size, path)
-    if note:
-        say(note)
-    if wraps_model(config.fsdp, world_size) and not checkpoint.saved_by_fsdp(path):
-        raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or "
-                        "DDP) saved it; resume it on one process, or start runs that must resume on other "
-                        "world sizes with fsdp.single_process: fsdp")
-    return config, path, record
 
-
-def restore(accelerator, optimizer, path: Path | None, record: dict[str, Any] | None, config: HfsdpConfig,
-            identity: dict[str, Any], checkpoints: Path, state, world) -> None:
+def restore(accelerator, optimizer, point, config: HfsdpConfig, checkpoints: Path, state, world) -> None:
     """``--resume``, once everything a checkpoint holds is built and registered: remove the saves a stopped run left
-    incomplete, then check the checkpoint at ``path`` against this run, load it (``state.step`` tells where) and
-    prove that the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
+    incomplete, then load the checkpoint of ``point`` (a ``RunSetup.resume``, checked before anything loaded;
+    ``state.step`` tells where) and prove that the optimizer state it restored is the one that was saved
+    (:func:`check_optimizer_state`)."""
     say = accelerator.print
     if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
         for stale in checkpoint.remove_incomplete(checkpoints):
             say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
-    if path is None:
+    if point is None:
         say(f"--resume: no complete checkpoint in {checkpoints}; starting from step 0")
         return
-    check_resume_record(record, config, path, identity)
+    path, record = point.path, point.record
     verify_checkpoint(path)  # every file Accelerate/DCP would unpickle: plain data only
     # A sharded optimizer state loads into the state the optimizer already has (FSDP1's DCP path builds its load
     # target from it): an optimizer that has not stepped yet has none, and would silently keep none. Its state is
@@ -216,7 +203,7 @@ def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]]
 def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: PluginHost,
                       identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks
-    (:func:`check_resume_record`, :func:`keep_global_batch`, :func:`check_optimizer_state`) and the versions that
+    (:func:`check_resume_config`, :func:`check_resume_record`, :func:`keep_global_batch`, :func:`check_optimizer_state`) and the versions that
     wrote it. ``identity``: the run's schedule length and training data; ``optimizer``: :func:`optimizer_digest`."""
     from importlib.metadata import version
 
