@@ -3,10 +3,10 @@
 Implement any subset in a module or class, mark each function with ``hfsdp.hookimpl``, and expose the module
 through the ``hfsdp`` entry-point group (or name it by dotted path in the config's ``plugins:`` list).
 
-Order: hfsdp calls implementations one plugin at a time, built-in plugins first, then the plugins in the order
-of the config's ``plugins:`` list. "Chained" hooks hand each plugin the previous plugin's result.
-hfsdp calls each implementation itself (so that a failure names its plugin), not through pluggy's ``pm.hook``:
-pluggy's ``firstresult`` and ``hookwrapper`` options have no effect here; ``trylast`` only orders ``hfsdp_export``.
+Order: pluggy calls the implementations: built-in plugins first, then the plugins in the order of the config's
+``plugins:`` list, unless an implementation is marked ``tryfirst``/``trylast``; hook wrappers
+(``hookimpl(wrapper=True)``) wrap the calls as pluggy documents. "Chained" hooks (``hfsdp_transform_dataset``,
+``hfsdp_modify_model``) hand each plugin the previous plugin's result, in the same order; they cannot be wrapped.
 Ranks: unless a hook says otherwise it runs on every rank, and a plugin that raises on any rank stops all ranks
 with an error naming the plugin and the hook.
 Stability: hooks and arguments are only ever added. An implementation may accept any subset of a hook's

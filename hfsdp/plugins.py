@@ -1,21 +1,23 @@
 """Plugin discovery and calling.
 
-Sources: the ``hfsdp`` entry-point group (hfsdp's own built-ins are registered there too) and dotted module paths
-named in the config's ``plugins:`` list. Built-ins marked ``ALWAYS_ON = True`` (the text/instruction/chat formats
-and the safetensors export) are always enabled; every other plugin is enabled by naming it in ``plugins:``.
-pluggy registers and validates the implementations; :class:`PluginHost` calls them itself, one plugin at a time,
-so that a failure names its plugin and hook (pluggy's ``pm.hook`` calling options therefore do not apply).
+Sources: the ``hfsdp`` entry-point group (hfsdp's own built-ins are registered there too, like any plugin) and
+dotted module paths named in the config's ``plugins:`` list. Built-ins marked ``ALWAYS_ON = True`` (the
+text/instruction/chat formats and the safetensors export) are always enabled; every other plugin is enabled by
+naming it in ``plugins:``. pluggy registers, orders and calls the implementations (``tryfirst``/``trylast`` and
+hook wrappers work as pluggy documents); each implementation is registered behind a guard that names its plugin
+and hook when it fails. Chained hooks pass each result on, in pluggy's order.
 This module knows nothing of the config schema: ``hfsdp.config`` asks it for the plugins' sections.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, Callable
 
 import pluggy
@@ -42,7 +44,8 @@ def discover() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
-    return ep.dist is not None and ep.dist.name == "hfsdp" or ep.value.startswith("hfsdp.builtin.")
+    """hfsdp's own plugins: the entry points hfsdp's distribution declares."""
+    return ep.dist is not None and ep.dist.name == "hfsdp"
 
 
 _HOOK_NAMES = {name for name in dir(hookspecs) if name.startswith("hfsdp_")}
@@ -72,7 +75,7 @@ def _load_entry_point(name: str, ep: importlib.metadata.EntryPoint) -> PluginInf
     except Exception as err:  # a broken third-party install must not look like our crash
         raise ConfigError([("plugins", f"plugin '{name}' failed to import ({ep.value}): {type(err).__name__}: {err}")])
     dist = ep.dist
-    builtin = dist is not None and dist.name == "hfsdp"
+    builtin = _is_builtin(ep)
     version = dist.version if dist is not None else "?"
     source = "built-in" if builtin else f"entry point ({dist.name if dist else '?'})"
     return PluginInfo(name, module, source, version, always_on=builtin and getattr(module, "ALWAYS_ON", False))
@@ -89,12 +92,19 @@ def _load_dotted(path: str) -> PluginInfo:
     return PluginInfo(path, module, "path", getattr(module, "__version__", "?"))
 
 
+# Hooks whose implementations hand their result to the next one (see hookspecs): called in pluggy's order.
+CHAINED = ("hfsdp_transform_dataset", "hfsdp_modify_model")
+_PASSED_THROUGH = (UserError, PluginError, InvalidSectionRead)  # the user's to fix (exit 2), or already named
+
+
 class PluginHost:
-    """The enabled plugins, in calling order, and per-plugin hook calls that name the plugin when one fails."""
+    """The enabled plugins and their hook calls through pluggy, each failure naming its plugin and hook."""
 
     def __init__(self, enabled: list[str]):
         self.pm = pluggy.PluginManager("hfsdp")
         self.pm.add_hookspecs(hookspecs)
+        self._recording: list[list[tuple[str, Any]]] = []  # (plugin, result) of the calls in progress
+        self._sections: dict[str, tuple[str, type]] | None = None
         available = discover()
         # Only hfsdp's own entry points are imported up front (to find the always-on ones); a third-party plugin is
         # imported when enabled, so a broken install of an unused plugin cannot stop other runs.
@@ -112,47 +122,89 @@ class PluginHost:
                 self.plugins.append(_load_entry_point(name, available[name]))
             else:
                 self.plugins.append(_load_dotted(name))
-        for info in self.plugins:
+        # pluggy calls the last registered first: registering in reverse keeps the documented order (built-ins,
+        # then the order of `plugins:`) among implementations without tryfirst/trylast.
+        for info in reversed(self.plugins):
             _check_hook_names(info)
             try:
-                self.pm.register(info.module, name=info.name)
+                self.pm.register(self._guarded(info), name=info.name)
             except pluggy.PluginValidationError as err:
                 raise ConfigError([("plugins", f"plugin '{info.name}' does not match the hook specs: {err}")])
-            info.hooks = sorted(c.name for c in self.pm.get_hookcallers(info.module) or [])
+        for info in self.plugins:
+            info.hooks = sorted(c.name for c in self.pm.get_hookcallers(self.pm.get_plugin(info.name)) or [])
+            wrapped = [h for h in info.hooks if h in CHAINED and any(
+                i.plugin_name == info.name and (i.wrapper or i.hookwrapper) for i in self._caller(h).get_hookimpls())]
+            if wrapped:
+                raise ConfigError([(f"plugins.{info.name}", f"{', '.join(wrapped)} is chained (each plugin gets the "
+                                                            "previous one's result): a hook wrapper cannot wrap it")])
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as err:
             raise ConfigError([("plugins", f"{err} (hook names must be one of those in hfsdp.hookspecs)")])
 
-    def _impls(self, hook: str) -> list[tuple[str, pluggy.HookImpl]]:
-        impls = {impl.plugin_name: impl for impl in getattr(self.pm.hook, hook).get_hookimpls()}
-        return [(p.name, impls[p.name]) for p in self.plugins if p.name in impls]
+    def _guarded(self, info: PluginInfo) -> SimpleNamespace:
+        """What pluggy registers for a plugin: its hook implementations, each behind a guard that resolves
+        :class:`Lazy` arguments, records the result for :meth:`call` and turns a crash into a PluginError naming
+        the plugin and hook (a UserError stays the user's to fix: exit 2)."""
+        host, plugin = self, info.name
+
+        def guard(hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            if inspect.isgeneratorfunction(fn):  # a hook wrapper: errors of the implementations it wraps pass on
+                @functools.wraps(fn)
+                def wrapper(*args: Any) -> Any:
+                    try:
+                        return (yield from fn(*[Lazy.resolve(a) for a in args]))
+                    except _PASSED_THROUGH:
+                        raise
+                    except Exception as err:
+                        raise PluginError(plugin, hook, err) from err
+                return wrapper
+
+            @functools.wraps(fn)
+            def implementation(*args: Any) -> Any:
+                try:
+                    result = fn(*[Lazy.resolve(a) for a in args])
+                except _PASSED_THROUGH:
+                    raise
+                except Exception as err:
+                    raise PluginError(plugin, hook, err) from err
+                if result is not None and host._recording:
+                    host._recording[-1].append((plugin, result))
+                return result
+            return implementation
+
+        hooks = {name: guard(name, value) for name, value in vars(info.module).items()
+                 if name in _HOOK_NAMES and hasattr(value, "hfsdp_impl")}
+        return SimpleNamespace(**hooks)
+
+    def _caller(self, hook: str) -> pluggy.HookCaller:
+        return getattr(self.pm.hook, hook)
+
+    def _in_order(self, hook: str) -> list[pluggy.HookImpl]:
+        """The implementations of ``hook`` in the order pluggy calls them, for the hooks whose caller decides after
+        each result (chained, first truthy result, per-plugin problems): call each with :func:`_run`."""
+        return list(reversed(self._caller(hook).get_hookimpls()))
 
     def implementers(self, hook: str) -> list[str]:
-        return [name for name, _ in self._impls(hook)]
-
-    def _call(self, plugin: str, hook: str, impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
-        try:
-            # Like pluggy itself: an implementation may accept any subset of the spec's arguments.
-            return impl.function(*[Lazy.resolve(kwargs[name]) for name in impl.argnames])
-        except (UserError, PluginError, InvalidSectionRead):  # a UserError is the user's to fix: exit 2, not a crash
-            raise
-        except Exception as err:
-            raise PluginError(plugin, hook, err) from err
+        """The plugins implementing ``hook``, in the order pluggy calls them."""
+        return [impl.plugin_name for impl in reversed(self._caller(hook).get_hookimpls())]
 
     def call(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation in plugin order; return ``(plugin, result)`` for non-None results."""
-        results = []
-        for plugin, impl in self._impls(hook):
-            result = self._call(plugin, hook, impl, kwargs)
-            if result is not None:
-                results.append((plugin, result))
+        """Call ``hook`` through pluggy; ``(plugin, result)`` of every implementation that returned something, in
+        the order they ran (a ``firstresult`` spec stops at the first)."""
+        self._recording.append([])
+        try:
+            self._caller(hook)(**kwargs)
+        finally:
+            results = self._recording.pop()
         return results
 
     def chain(self, hook: str, value_arg: str, value: Any, **kwargs: Any) -> Any:
-        """Pass ``value`` through every implementation; a None result keeps the value."""
-        for plugin, impl in self._impls(hook):
-            result = self._call(plugin, hook, impl, {value_arg: value, **kwargs})
+        """Pass ``value`` through every implementation of a chained hook, in pluggy's order; a None result keeps
+        the value."""
+        assert hook in CHAINED, hook
+        for impl in self._in_order(hook):
+            result = _run(impl, {value_arg: value, **kwargs})
             if result is not None:
                 value = result
         return value
@@ -160,9 +212,11 @@ class PluginHost:
     # Typed helpers for the hooks whose results need merging.
 
     def config_sections(self) -> dict[str, tuple[str, type]]:
-        """Section name → (plugin, pydantic model class) of the enabled plugins."""
+        """Section name → (plugin, pydantic model class) of the enabled plugins (asked once)."""
         from pydantic import BaseModel
 
+        if self._sections is not None:
+            return self._sections
         sections: dict[str, tuple[str, type]] = {}
         for plugin, declared in self.call("hfsdp_config_section"):
             if not (isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], str)
@@ -173,6 +227,7 @@ class PluginHost:
             if name in sections:
                 raise ConfigError([(name, f"section claimed by two plugins: '{sections[name][0]}' and '{plugin}'")])
             sections[name] = (plugin, schema)
+        self._sections = sections
         return sections
 
     def section_of(self, plugin: str, config: Any) -> Any:
@@ -184,9 +239,9 @@ class PluginHost:
         """Every enabled plugin's ``hfsdp_validate_config`` problems; a plugin whose check reads a section that
         failed validation is skipped (that section's problems are reported already)."""
         problems: list[tuple[str, str]] = []
-        for plugin, impl in self._impls("hfsdp_validate_config"):
+        for impl in self._in_order("hfsdp_validate_config"):
             try:
-                problems += self._call(plugin, "hfsdp_validate_config", impl, {"config": config}) or []
+                problems += _run(impl, {"config": config}) or []
             except InvalidSectionRead:
                 continue
             except ConfigError as err:
@@ -226,17 +281,22 @@ class PluginHost:
         return readers
 
     def export(self, *, out_dir: Any, destination: Any, config: Any, **kwargs: Any) -> str:
-        """``hfsdp_export`` into the staged folder ``out_dir`` (first truthy result; the built-in safetensors export,
-        marked ``trylast``, is asked last), then ``hfsdp_on_export`` on the written folder, before it is renamed to
-        ``destination``. Main process only. Returns the name of the plugin that wrote the export."""
-        impls = self._impls("hfsdp_export")
-        ordered = [i for i in impls if not i[1].trylast] + [i for i in impls if i[1].trylast]
-        for plugin, impl in ordered:
-            if self._call(plugin, "hfsdp_export", impl, {"out_dir": out_dir, "config": config, **kwargs}):
+        """``hfsdp_export`` into the staged folder ``out_dir``: implementations are asked in pluggy's order (the
+        built-in safetensors export is marked ``trylast``) until one returns a truthy value; then
+        ``hfsdp_on_export`` on the written folder, before it is renamed to ``destination``. Main process only.
+        Returns the name of the plugin that wrote the export."""
+        for impl in self._in_order("hfsdp_export"):
+            if _run(impl, {"out_dir": out_dir, "config": config, **kwargs}):
                 self.call("hfsdp_on_export", out_dir=Path(out_dir), destination=Path(destination), config=config,
-                          written_by=plugin, model_config=kwargs["model_config"], tokenizer=kwargs["tokenizer"])
-                return plugin
+                          written_by=impl.plugin_name, model_config=kwargs["model_config"],
+                          tokenizer=kwargs["tokenizer"])
+                return impl.plugin_name
         raise UserError("export: no plugin wrote the model (every hfsdp_export implementation returned nothing)")
+
+
+def _run(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
+    """One (guarded) implementation called with the arguments it takes, as pluggy would call it."""
+    return impl.function(*[kwargs[name] for name in impl.argnames])
 
 
 class Lazy:

@@ -341,3 +341,64 @@ def test_qa_format_trains_on_the_answer_only(tiny_model_dir):
     ids, labels = out["input_ids"][0], out["labels"][0]
     trained = tokenizer.decode([t for t, l in zip(ids, labels) if l != -100])
     assert trained.startswith("4") and "2+2" not in trained
+
+
+def test_pluggy_orders_and_calls_the_hooks(tmp_path, monkeypatch):
+    """pluggy calls the hooks: ``tryfirst``/``trylast`` reorder the plugins of ``plugins:``, a hook wrapper sees
+    every implementation's result, a chained hook passes each result on in that order, and a crash still names its
+    plugin and hook."""
+    from hfsdp.errors import ConfigError, PluginError
+    from hfsdp.plugins import PluginHost
+
+    mods = tmp_path / "mods"
+    _module(mods, "p_first", HEADER + """
+        @hookimpl(tryfirst=True)
+        def hfsdp_dataset_formats():
+            return {"first_fmt": len}
+
+        @hookimpl
+        def hfsdp_transform_dataset(dataset):
+            return dataset + ["first"]
+    """)
+    _module(mods, "p_plain", HEADER + """
+        @hookimpl
+        def hfsdp_dataset_formats():
+            return {"plain_fmt": len}
+
+        @hookimpl(tryfirst=True)
+        def hfsdp_transform_dataset(dataset, config):
+            return dataset + ["plain"]
+
+        @hookimpl
+        def hfsdp_on_train_start(run):
+            raise RuntimeError("boom")
+    """)
+    _module(mods, "p_wrapper", HEADER + """
+        SEEN = []
+
+        @hookimpl(wrapper=True)
+        def hfsdp_dataset_formats():
+            results = yield
+            SEEN.append([sorted(r) for r in results])
+            return results
+    """)
+    _module(mods, "p_wraps_chain", HEADER + """
+        @hookimpl(wrapper=True)
+        def hfsdp_modify_model(model):
+            return (yield)
+    """)
+    monkeypatch.syspath_prepend(str(mods))
+    host = PluginHost(["p_first", "p_plain", "p_wrapper"])
+    order = host.implementers("hfsdp_dataset_formats")  # the wrapper first; tryfirst before the built-ins
+    assert order[:2] == ["p_wrapper", "p_first"] and order[-1] == "p_plain", order
+    formats = host.dataset_formats()
+    assert {"first_fmt", "plain_fmt", "chat", "text", "instruction"} <= set(formats)
+    assert formats["first_fmt"][0] == "p_first" and formats["plain_fmt"][0] == "p_plain"
+    import p_wrapper
+
+    assert len(p_wrapper.SEEN) == 1 and ["first_fmt"] in p_wrapper.SEEN[0] and ["plain_fmt"] in p_wrapper.SEEN[0]
+    assert host.chain("hfsdp_transform_dataset", "dataset", [], config=None, tokenizer=None) == ["plain", "first"]
+    with pytest.raises(PluginError, match="plugin 'p_plain' failed in hook 'hfsdp_on_train_start': RuntimeError: boom"):
+        host.call("hfsdp_on_train_start", run=None)
+    with pytest.raises(ConfigError, match="hfsdp_modify_model is chained .*: a hook wrapper cannot wrap it"):
+        PluginHost(["p_wraps_chain"])
