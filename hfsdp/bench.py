@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfsdp.config import STRATEGIES
 from hfsdp.launch import free_port
+from hfsdp.units import MIB
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 ONE_PROCESS = "none (1 process)"  # the strategy column of a one-process run without a wrapper
-MIB = 1024**2
 
 COLUMNS = [
     # (key, header, format)

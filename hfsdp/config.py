@@ -114,6 +114,7 @@ class MixedPrecisionParts(Section):
 
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+STRATEGIES: tuple[str, ...] = typing.get_args(ShardingStrategy)
 FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "use_orig_params", "limit_all_gathers")
 
 

@@ -26,6 +26,7 @@ from hfsdp import __version__, models
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wrapper
+from hfsdp.units import MIB
 
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
     }
-    sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and setup.fsdp
+    sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
     group = mesh[1] if mesh else world.size
     if sharded and group > 1 and local > 0.75 * full:
         raise UserError(
@@ -283,13 +284,12 @@ def runs_on(report: dict[str, Any]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    mib = 1024**2
     return (
         f"hfsdp {__version__} | {runs_on(report)}\n"
         f"  FSDP{report['fsdp_version']} {report['strategy']} | wrap {report['wrap_policy']} "
         f"({report['wrapped_units']} units) | mixed precision {report['mixed_precision']}\n"
-        f"  parameters on this rank: {report['param_bytes_this_rank'] / mib:.1f} MiB of "
-        f"{report['param_bytes_full_model'] / mib:.1f} MiB "
+        f"  parameters on this rank: {report['param_bytes_this_rank'] / MIB:.1f} MiB of "
+        f"{report['param_bytes_full_model'] / MIB:.1f} MiB "
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")

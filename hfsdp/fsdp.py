@@ -26,7 +26,6 @@ from hfsdp.config import FSDPConfig, MixedPrecisionParts
 if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Shorthands keep the gradient reduction in fp32: summing bf16 gradients across ranks loses precision
 # (torchtitan's default); give the parts explicitly to reduce in bf16.
 _PRECISION_SHORTHANDS = {
@@ -72,12 +71,13 @@ def _mixed_precision_policy(cfg: FSDPConfig):
         from torch.distributed.fsdp import MixedPrecision
 
         return MixedPrecision(
-            param_dtype=_DTYPES[parts.param], reduce_dtype=_DTYPES[parts.reduce], buffer_dtype=_DTYPES[parts.buffer]
+            param_dtype=getattr(torch, parts.param), reduce_dtype=getattr(torch, parts.reduce),
+            buffer_dtype=getattr(torch, parts.buffer),
         )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # FSDP2 leaves buffers in their loaded dtype, so `buffer` only applies to FSDP1.
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[parts.param], reduce_dtype=_DTYPES[parts.reduce])
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, parts.param), reduce_dtype=getattr(torch, parts.reduce))
 
 
 def _backward_prefetch(cfg: FSDPConfig) -> str:

@@ -22,16 +22,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from hfsdp.config import FSDPConfig, HfsdpConfig
+from hfsdp.config import STRATEGIES, FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
 from hfsdp.models import layer_classes
+from hfsdp.units import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPES
 
-GIB = 1024**3
-MIB = 1024**2
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # FSDP1 with use_orig_params pads each original parameter inside its flat parameter to a 16-byte boundary.
 _FSDP1_ALIGN_BYTES = 16
 
@@ -295,8 +291,12 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     import contextlib
     from unittest import mock
 
+    from types import SimpleNamespace
+
     import torch
     import torch.nn.functional as F
+
+    from hfsdp.loss import token_loss_sum
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
     model = build_meta_model(model_config, config, lora, compute_dtype(config, precision))
@@ -340,16 +340,15 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
              if config.model.attn_implementation != "eager" else contextlib.nullcontext())
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # What the plain loss saves after the model's forward (train.chunked_loss keeps none of it).
+    hooks.append(model.register_forward_hook(lambda module, args, output: current.__setitem__(0, "loss")))
     try:
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # The loss as hfsdp.loss.token_loss_sum computes it (without its data-dependent token count).
-            # use_cache left on: an empty cache holds only the keys and values backward saves anyway (train.py turns
-            # it off); off, transformers looks for packed rows with a .item() that meta tensors cannot answer.
-            logits = model(input_ids=ids).logits
-            current[0] = "loss"  # what the plain loss saves (train.chunked_loss keeps none of it)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
-                                   reduction="sum")
-            del loss, logits
+            # The plain loss itself, on a batch of rows without padding. use_cache left on: an empty cache holds only
+            # the keys and values backward saves anyway (training turns it off); off, transformers looks for packed
+            # rows with a .item() that meta tensors cannot answer.
+            loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids}, targets=ids))
+            del loss
     finally:
         for h in hooks:
             h.remove()
@@ -371,7 +370,7 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
 
 
 def compute_dtype(config: HfsdpConfig, precision: str) -> str:
-    return _PRECISION_DTYPE.get(precision, config.model.dtype)
+    return PRECISION_DTYPES.get(precision, config.model.dtype)
 
 
 # ---- 3. arithmetic
@@ -465,7 +464,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     params = sharded_bytes(facts, setup, everything, whole_flat=True)
     grads = sharded_bytes(facts, setup, trainable)
     optimizer = 2 * grads
-    compute = _ITEMSIZE[_PRECISION_DTYPE.get(setup.precision, "float32")] if setup.precision != "no" else None
+    compute = DTYPE_BYTES[PRECISION_DTYPES.get(setup.precision, "float32")] if setup.precision != "no" else None
     full_compute = sum(p.numel * (compute or p.itemsize) for p in facts.params)
     root = facts.unit_bytes(0, compute)
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
@@ -478,7 +477,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     else:
         gathered = root + largest * (1 + setup.prefetch)
     parts = precision_parts(setup.fsdp)
-    reduce_size = _ITEMSIZE[parts.reduce] if parts else None
+    reduce_size = DTYPE_BYTES[parts.reduce] if parts else None
 
     def unit_grads(unit: int, itemsize: int | None) -> int:
         return sum(p.numel * (itemsize or p.itemsize) for p in facts.params if p.unit == unit and p.trainable)

@@ -417,7 +417,7 @@ def train_step(run: Run, batches: list[data.MicroBatch], scaler, scheduler) -> S
     norm, ``train.on_nonfinite``; then the LR schedule and ``run.state`` advance. Collective: every rank calls it for
     every step."""
     accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
-    local_tokens, local_sq_lengths = throughput.row_lengths(batches)
+    local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(batches)
     global_labels, global_tokens, global_sq_lengths = all_sum(
         accelerator, [sum(b.num_targets for b in batches), local_tokens, local_sq_lengths])
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)

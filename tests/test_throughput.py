@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hfsdp.components.throughput import (
-    FlopsModel, StepMeter, compute_precision, format_throughput, medians, peak_flops, row_lengths, step_rates,
+    FlopsModel, StepMeter, compute_precision, format_throughput, medians, peak_flops, tokens_and_square_lengths, step_rates,
 )
 
 
@@ -46,12 +46,12 @@ def test_step_flops_is_6n_per_token_plus_the_causal_attention_term():
     assert flops.step_flops(tokens=12, sum_sq_lengths=3 * 16) == 6 * 1000 * 12 + 6 * 2 * 8 * 4 * 12
 
 
-def test_row_lengths_of_micro_batches():
+def test_tokens_and_square_lengths_of_micro_batches():
     from hfsdp import data
 
     rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
     batches = [data.micro_batch(rows, 0, "cpu"), data.micro_batch([{"input_ids": [6] * 4, "labels": [6] * 4}], 0, "cpu")]
-    assert row_lengths(batches) == (9, 9 + 4 + 16)
+    assert tokens_and_square_lengths(batches) == (9, 9 + 4 + 16)
 
 
 @pytest.mark.parametrize("name, precision, tflops", [

@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 
 from hfsdp.errors import UserError
+from hfsdp.units import GIB, KIB, MIB, TIB
 
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+DEFAULT_MAX_SHARD_BYTES = 2 * GIB
 # `hfsdp export --max-shard-size` reaches the writer through this (the hfsdp_export hook has no such argument).
 _max_shard_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("max_shard_bytes", default=DEFAULT_MAX_SHARD_BYTES)
 
@@ -41,7 +42,7 @@ def max_shard_size(max_bytes: int | None):
 def parse_size(text: str) -> int:
     """``"200MB"`` → 200_000_000, ``"1GiB"`` → 1_073_741_824, ``"5000"`` → 5000 bytes."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+             "KIB": KIB, "MIB": MIB, "GIB": GIB, "TIB": TIB}
     t = text.strip().upper().replace(" ", "")
     number = t.rstrip("KMGTIB")
     unit = t[len(number):]

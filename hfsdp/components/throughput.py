@@ -25,7 +25,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 1024**3
+from hfsdp.units import GIB, PRECISION_DTYPES
+
 
 # Peak dense (no sparsity) TFLOP/s per device from NVIDIA's datasheets: (name, pattern matched against
 # torch.cuda.get_device_name(), bf16, fp16, fp32). fp32 is the plain (non-TF32) rate, which is what fp32 matmuls
@@ -44,7 +45,6 @@ PEAK_TFLOPS: tuple[tuple[str, str, float | None, float, float], ...] = (
     ("V100 SXM2", r"V100", None, 125, 15.7),
 )
 _PRECISIONS = ("bf16", "fp16", "fp32")
-_DTYPE_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class FlopsModel:
         return (4 * self.params + 2 * self.trainable) * tokens + 6 * self.layers * self.attention_width * sum_sq_lengths
 
 
-def row_lengths(batches: list[Any]) -> tuple[int, int]:
+def tokens_and_square_lengths(batches: list[Any]) -> tuple[int, int]:
     """(tokens, sum of squared row lengths) of a step's micro-batches (``data.MicroBatch``, counted on the host)."""
     lengths = [n for batch in batches for n in batch.lengths]
     return sum(lengths), sum(n * n for n in lengths)
@@ -83,7 +83,9 @@ def row_lengths(batches: list[Any]) -> tuple[int, int]:
 
 def compute_precision(mixed_precision: str, model_dtype: str) -> str:
     """bf16/fp16/fp32: what the matmuls run in (FSDP's mixed precision if on, else the dtype the weights load in)."""
-    return mixed_precision if mixed_precision in ("bf16", "fp16") else _DTYPE_PRECISION[model_dtype]
+    if mixed_precision in PRECISION_DTYPES:
+        return mixed_precision
+    return {dtype: name for name, dtype in PRECISION_DTYPES.items()}.get(model_dtype, "fp32")
 
 
 def peak_flops(device_name: str | None, precision: str, override_tflops: float | None = None) -> float | None:
