@@ -377,7 +377,8 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     from hfsdp.components.hf_folder import parse_size
     from hfsdp.config import load_config
     from hfsdp.models import architecture_config
-    from hfsdp.plan import STRATEGIES, Planner, header, plan as run_plan, plot, text_table, to_json
+    from hfsdp.config import STRATEGIES
+    from hfsdp.plan import Planner, header, plan as run_plan, plot, text_table, to_json
 
     cfg, _ = load_config(config, overrides)
     names = parse_list(strategies) if strategies else [s for s in STRATEGIES if nodes > 1 or s != "HYBRID_SHARD"]

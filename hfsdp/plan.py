@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from hfsdp.config import STRATEGIES, FSDPConfig, HfsdpConfig
+from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
 from hfsdp.models import layer_classes

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import yaml
 
 from conftest import PRESET_DATA, base_env, tiny_config
 from hfsdp.components import checkpoint

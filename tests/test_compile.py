@@ -10,7 +10,6 @@ import pytest
 
 from conftest import read_metrics, run_cli, run_torchrun, tiny_config
 from hfsdp.config import CompileConfig, TrainConfig
-from hfsdp.errors import ConfigError
 
 
 def test_compile_switch_and_mapping():

@@ -9,7 +9,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import PRESET_DATA, run_cli, sharegpt_rows, tiny_config
+from conftest import run_cli, sharegpt_rows, tiny_config
 from hfsdp import data
 from hfsdp.builtin.chat import tokenize_chat
 from hfsdp.builtin.instruction import render_prompt, tokenize_instruction

@@ -16,14 +16,13 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from hfsdp.config import FSDPConfig
+from hfsdp.config import STRATEGIES, FSDPConfig
 from hfsdp.fsdp import build_fsdp_plugin
 from hfsdp.size_policy import SizeUnits
 
 LAYERS = ["LlamaDecoderLayer"]
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VERSIONS = [1, 2]
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 PER_PART = {"param": "bfloat16", "reduce": "float16", "buffer": "float16"}  # all different from the defaults
 PRECISIONS = {"no": None, "bf16": ("bfloat16", "float32", "float32"), "fp16": ("float16", "float32", "float32"),
               "parts": ("bfloat16", "float16", "float16")}

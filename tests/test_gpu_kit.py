@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, REPO, base_env
+from conftest import REPO, base_env
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version

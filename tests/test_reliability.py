@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config

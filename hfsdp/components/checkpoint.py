@@ -20,11 +20,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from hfsdp.components.hf_folder import ModelFiles
-from hfsdp.components.outputs import EXPORT_RECORD, fsync_dir, fsync_tree, replace_folder
+from hfsdp.components.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
 
-RECORD = "hfsdp_checkpoint.json"
 CONFIG_NAME = "hfsdp_config.yaml"
 PREFIX = "step-"
 
@@ -123,7 +122,7 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
         model_files.record(tmp / "model")  # so that `hfsdp export` needs no transformers
         (tmp / CONFIG_NAME).write_text(run_config_yaml)
         fsync_tree(tmp)  # every file and folder of the checkpoint, before the record
-        _write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
+        write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
         fsync_dir(tmp)
         if final.exists():  # a re-save of the same step: swapped in, the old copy deleted only afterwards
             replace_folder(tmp, final)
@@ -185,15 +184,6 @@ def remove_incomplete(checkpoints: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
