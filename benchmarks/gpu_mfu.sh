@@ -65,7 +65,7 @@ fsdp:
   mixed_precision: bf16
 """)
 PY
-# MFU, TFLOP/s, tokens/s and memory are hfsdp's own per-step metrics (metrics.jsonl; README "Per-step metrics"):
+# MFU, TFLOP/s, tokens/s and memory are hfsdp's own per-step metrics (metrics.jsonl; docs/guide.md "Per-step metrics"):
 # the medians of the steps after the warm-up. PEAK_TFLOPS, when set, overrides the peak table (train.peak_tflops).
 "$PYTHON" -m hfsdp bench "$OUT/mfu.yaml" --strategies FULL_SHARD --nproc 1 --steps "$STEPS" --warmup 3 --out "$OUT/bench" \
   ${PEAK_TFLOPS:+--set train.peak_tflops=$PEAK_TFLOPS}

@@ -256,7 +256,7 @@ class TrainConfig(Section):
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
         "replaces train.tensorboard (false: none).")
     peak_tflops: float | None = Field(
-        None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the README's table of known GPUs.")
+        None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the table of known GPUs in docs/guide.md.")
     compile: CompileConfig | None = Field(
         None, description="torch.compile each transformer block in place (before FSDP2 shards it; FSDP1: refused): "
                           "true (Inductor), false, or {backend: inductor|aot_eager|eager, mode: default|"

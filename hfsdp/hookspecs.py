@@ -26,8 +26,9 @@ def hfsdp_config_section():
 
     Return ``(section_name, PydanticModelClass)`` or None. The top-level YAML key ``section_name`` is validated
     with the model (use ``extra="forbid"``); the validated object is ``config.section(section_name)``.
-    Called while the config is validated, before anything is loaded (also by ``hfsdp config-reference`` and, for
-    an installed plugin that is not enabled, to say "enable plugin X" when its section is used).
+    Called while the config is validated (``train``, ``validate``, ``export``), before anything is loaded, in
+    every process (also by ``hfsdp config-reference`` and, for an installed plugin that is not enabled, to say
+    "enable plugin X" when its section is used).
     """
 
 
@@ -35,8 +36,9 @@ def hfsdp_config_section():
 def hfsdp_validate_config(config):
     """Check the validated config as a whole. Return a list of ``(yaml_path, message)`` problems, or None.
 
-    Runs before any model or data is loaded; problems are reported together with the core's own. When a section
-    has problems of its own, reading it here skips this check (the user sees that section's problems instead).
+    Runs in every process before any model or data is loaded; problems are reported together with the core's
+    own. When a section has problems of its own, reading it here skips this check (the user sees that section's
+    problems instead).
     """
 
 
@@ -63,7 +65,7 @@ def hfsdp_dataset_formats():
     per row; label ``hfsdp.IGNORE_INDEX`` (-100) marks tokens without loss. A ``section`` parameter, if declared,
     receives this plugin's validated config section. Rows longer than ``data_config.max_seq_len`` are cut or
     dropped by hfsdp afterwards, so return them whole. Two plugins registering one name is a config error.
-    Called while the config is validated (to check ``data.format``) and when the data is prepared.
+    Called in every process while the config is validated (to check ``data.format``) and when the data is prepared.
     """
 
 
@@ -131,27 +133,30 @@ def hfsdp_on_export(out_dir, destination, config, written_by, model_config, toke
 
 @hookspec
 def hfsdp_on_train_start(run):
-    """Training is about to start; ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, optimizer,
+    """Training is about to start: the model is sharded and the "before" eval ran; step 1 (or the resumed step)
+    comes next. Every rank. ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, optimizer,
     world, ...)."""
 
 
 @hookspec
 def hfsdp_on_step_end(run, step, metrics):
-    """An optimizer step finished. ``metrics`` holds loss, lr, grad_norm, tokens and timing of this step."""
+    """An optimizer step finished. Every rank. ``metrics`` holds loss, lr, grad_norm, tokens and timing of this
+    step."""
 
 
 @hookspec
 def hfsdp_on_eval(run, step, metrics):
-    """An evaluation finished. ``metrics`` holds eval_loss and eval_ppl (plus generation-eval results if on)."""
+    """An evaluation finished: before training, every ``train.eval_every`` steps, after training. Every rank.
+    ``metrics`` holds eval_loss and eval_ppl (plus generation-eval results if on)."""
 
 
 @hookspec
 def hfsdp_on_checkpoint(run, step, path):
-    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it)."""
+    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it). Every rank."""
 
 
 @hookspec
 def hfsdp_on_train_end(run, metrics):
     """Training stops: it reached its last step (after the final eval, export and summary), or a preemption
-    (SIGTERM/SIGINT) checkpoint is complete and the process is about to exit. Not called after an error.
-    ``metrics`` holds the last eval metrics, if any."""
+    (SIGTERM/SIGINT) checkpoint is complete and the process is about to exit. Not called after an error. Every
+    rank. ``metrics`` holds the last eval metrics, if any."""

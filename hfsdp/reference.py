@@ -23,7 +23,7 @@ def _default(field) -> str:
 
 def section_reference(name: str, model: type[BaseModel], plugin: str | None = None) -> list[str]:
     """One section's table: key, type, default, meaning (the field descriptions)."""
-    heading = f"#### `{name}`" + (f" (plugin `{plugin}`: enable with `plugins: [{plugin}]`)" if plugin else "")
+    heading = f"### `{name}`" + (f" (plugin `{plugin}`: enable with `plugins: [{plugin}]`)" if plugin else "")
     lines = [heading, "", "| key | type | default | meaning |", "|---|---|---|---|"]
     for key, field in model.model_fields.items():
         cells = [f"`{name}.{key}`", f"`{_type_name(field.annotation)}`", f"`{_default(field)}`", field.description or ""]
@@ -52,7 +52,7 @@ def core_reference(only: str | None = None) -> list[str]:
             out += section_reference(key, model)
         else:
             field = HfsdpConfig.model_fields[key]
-            out += [f"#### `{key}`", "", f"`{_type_name(field.annotation)}`: {field.description}", ""]
+            out += [f"### `{key}`", "", f"`{_type_name(field.annotation)}`: {field.description}", ""]
     return out
 
 
@@ -63,3 +63,29 @@ def plugin_reference(sections: dict[str, tuple[str, type[BaseModel]]], only: str
         if only is None or name == only:
             out += section_reference(name, schema, plugin)
     return out
+
+
+def _markdown(docstring: str) -> str:
+    """A hook spec's docstring as Markdown: reST literals and roles as code spans."""
+    import inspect
+    import re
+
+    text = inspect.cleandoc(docstring)
+    text = re.sub(r":(?:class|func|meth|mod):`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def hook_reference() -> list[str]:
+    """Every hook of ``hfsdp.hookspecs``, in the order it declares them: signature and specification."""
+    import inspect
+
+    from hfsdp import hookspecs
+    from hfsdp.plugins import CHAINED
+
+    lines = []
+    for name, spec in vars(hookspecs).items():
+        if not (name.startswith("hfsdp_") and callable(spec)):
+            continue
+        chained = " (chained)" if name in CHAINED else ""
+        lines += [f"## `{name}{inspect.signature(spec)}`{chained}", "", _markdown(spec.__doc__ or ""), ""]
+    return lines

@@ -222,10 +222,10 @@ def test_every_problem_at_once_type_errors_and_plugin_checks(tmp_path):
 
 def test_config_reference_command(tmp_path):
     proc = run_cli("config-reference", "lora", timeout=120)
-    assert proc.stdout.startswith("#### `lora` (plugin `lora`: enable with `plugins: [lora]`)")
+    assert proc.stdout.startswith("### `lora` (plugin `lora`: enable with `plugins: [lora]`)")
     assert "| `lora.r` | `int` | `8` | adapter rank |" in proc.stdout and "`train." not in proc.stdout
     everything = run_cli("config-reference", timeout=120).stdout
-    assert all(f"#### `{name}`" in everything for name in ("model", "data", "train", "fsdp", "lora", "packing"))
+    assert all(f"### `{name}`" in everything for name in ("model", "data", "train", "fsdp", "lora", "packing"))
     assert "no section 'trainer'" in _cli_fails("config-reference", "trainer")
 
 

@@ -208,7 +208,7 @@ def test_installed_plugins_section_is_named_and_printed_without_enabling_it(inst
     assert proc.returncode == 2
     assert "eval_log: section of plugin 'eval_log', which is not enabled: enable plugin 'eval_log'" in proc.stderr
     reference = run_cli("config-reference", "eval_log", env=installed["env"]).stdout
-    assert reference.startswith("#### `eval_log` (plugin `eval_log`: enable with `plugins: [eval_log]`)")
+    assert reference.startswith("### `eval_log` (plugin `eval_log`: enable with `plugins: [eval_log]`)")
     assert "| `eval_log.file` | `str` | `'eval_log.csv'` | table file, relative to train.output_dir |" in reference
 
 

@@ -114,10 +114,10 @@ def test_medians_keep_a_single_step_and_mfu():
         "peak memory per rank (max allocated): 3.00 GiB")
 
 
-def test_readme_peak_table_is_the_code_table():
+def test_guide_peak_table_is_the_code_table():
     from conftest import REPO
     from hfsdp.components.throughput import PEAK_TFLOPS
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "guide.md").read_text()
     for name, pattern, bf16, fp16, fp32 in PEAK_TFLOPS:
         assert f"| {name} | `{pattern}` | {bf16 if bf16 is not None else '-'} | {fp16} | {fp32} |" in readme, name

@@ -1,15 +1,7 @@
 """Plugin ``lora``: train LoRA adapters (peft) instead of the full model. Enable with ``plugins: [lora]``.
 
-Config section ``lora:`` (all optional)::
-
-    lora:
-      r: 8                 # adapter rank
-      alpha: 16            # scaling is alpha / r
-      dropout: 0.0
-      target_modules: null # default: every nn.Linear inside the decoder blocks (q/k/v/o/gate/up/down for Llama)
-      bias: none           # none | all | lora_only
-      modules_to_save: null
-      merge: false         # export merged full weights instead of the adapter
+Config section ``lora:`` (all optional): its keys, types and defaults are those of :class:`LoraSection`
+(``hfsdp config-reference lora``, docs/configuration.md).
 
 Export (end of training and ``hfsdp export CHECKPOINT OUT``): ``adapter_model.safetensors`` + ``adapter_config.json``
 + tokenizer, loadable with ``peft.PeftModel.from_pretrained(base, OUT)``; with ``merge: true`` (or

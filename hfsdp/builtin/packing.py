@@ -1,12 +1,8 @@
 """Plugin ``packing``: concatenate tokenized samples into rows of up to ``max_len`` tokens. Enable with
 ``plugins: [packing]``.
 
-Config section ``packing:``::
-
-    packing:
-      max_len: null     # tokens per packed row; default data.max_seq_len
-      pack_eval: false  # also pack the eval split (the eval loss stays the same, it just runs faster)
-      window: 10000     # samples considered together (rows are filled greedily in data order inside a window)
+Config section ``packing:`` (``max_len``, ``pack_eval``, ``window``): its keys, types and defaults are those of
+:class:`PackingSection` (``hfsdp config-reference packing``, docs/configuration.md).
 
 Each packed row carries ``position_ids`` that restart at 0 for every sample. Attention stays inside each sample:
 when a batch has ``position_ids``, hfsdp gives the model no 2D attention mask (:func:`hfsdp.data.model_inputs`),

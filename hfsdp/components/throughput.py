@@ -1,7 +1,7 @@
 """Throughput, model FLOPs, MFU and memory of every training step (the math is pure functions; ``StepMeter`` only
 keeps the per-step numbers for the end-of-run summary).
 
-Model FLOPs of one optimizer step (the README's "Per-step metrics" section says the same):
+Model FLOPs of one optimizer step (docs/guide.md's "Per-step metrics" section says the same):
 
 * weights: ``(4 * N + 2 * N_trainable) * tokens``. A token costs 2 FLOPs per weight in the forward pass, 2 more in
   the backward pass for the activation gradients, and 2 more for the weight gradients, which only trainable weights
