@@ -29,3 +29,12 @@ def test_quickstart_targets_exist_and_ci_runs_readme_test_command():
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_code_map_names_every_module():
+    readme = (REPO / "README.md").read_text()
+    code_map = readme[readme.index("### Code map"):]
+    modules = sorted(p.relative_to(REPO / "hfsdp") for p in (REPO / "hfsdp").rglob("*.py") if p.name != "__init__.py")
+    missing = [str(m) for m in modules
+               if f"`hfsdp/{m}`" not in code_map and f"`{m.name}`" not in code_map and f"`{m.stem}`" not in code_map]
+    assert not missing, f"README's code map does not name: {', '.join(missing)}"
