@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hfsdp.components import checkpoint
-from hfsdp.components.hf_folder import ModelFiles, max_shard_size, model_metadata
+from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp.config import load_config
 from hfsdp.plugins import Lazy
@@ -36,7 +36,8 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
 
     model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
     generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
-    with max_shard_size(max_shard_bytes), staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
+    with staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
         host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp, destination=out_dir,
-                    generation_config=generation_config, config=config, model_files=ModelFiles.in_folder(model_dir))
+                    generation_config=generation_config, config=config, model_files=ModelFiles.in_folder(model_dir),
+                    max_shard_bytes=max_shard_bytes)
     return out_dir

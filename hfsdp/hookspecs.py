@@ -103,7 +103,7 @@ def hfsdp_modify_model(model, config, tokenizer, world, setup):
 
 
 @hookspec
-def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, model_files):
+def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, model_files, max_shard_bytes):
     """Write consolidated weights. The first plugin that returns a truthy value handles the export.
 
     ``state_dict`` maps names to full CPU tensors (as ``model.state_dict()`` of the unwrapped model would),
@@ -113,8 +113,9 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     (``hfsdp.components.hf_folder.ModelFiles``) writes the config, generation config and tokenizer files and knows the
     architecture's tensor shapes; in ``hfsdp export`` it copies the checkpoint's files, and ``model_config``,
     ``tokenizer`` and ``generation_config`` are only loaded (with transformers) if an implementation asks for them.
-    Runs on the main process only. Add files
-    to someone else's export in ``hfsdp_on_export``. The built-in implementation writes a Hugging Face folder with
+    ``max_shard_bytes``: the most bytes one weights file may hold (``hfsdp export --max-shard-size``), or None for
+    the default; pass it to ``write_hf_folder``. Runs on the main process only. Add files to someone else's export
+    in ``hfsdp_on_export``. The built-in implementation writes a Hugging Face folder with
     safetensors shards and runs last.
     """
 

@@ -238,7 +238,7 @@ def build_meta_model(model_config, config: HfsdpConfig, lora: bool, dtype: str):
             from hfsdp.builtin.lora import LoraSection, default_target_modules, peft_config
 
             section = config.section("lora") or LoraSection()
-            targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
+            targets = section.target_modules or default_target_modules(model, config.fsdp)
             model = get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
     return model.to(getattr(torch, dtype))
 

@@ -527,7 +527,7 @@ def export_model(run: Run, out_dir: Path) -> None:
         with staged_export(out_dir, overwrite=True) as tmp:
             run.plugins.export(state_dict=state_dict, model_config=run.model_config, tokenizer=run.tokenizer,
                                out_dir=tmp, destination=out_dir, generation_config=run.generation_config,
-                               config=run.config, model_files=run.model_files)
+                               config=run.config, model_files=run.model_files, max_shard_bytes=None)
     accelerator.wait_for_everyone()
 
 

@@ -142,11 +142,12 @@ def test_default_targets_and_tied_embeddings(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from hfsdp.builtin import lora
+    from hfsdp.config import FSDPConfig
     from hfsdp.errors import ConfigError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert lora.default_target_modules(model) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                  "v_proj"]
+    assert lora.default_target_modules(model, FSDPConfig()) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                                "up_proj", "v_proj"]
     assert model.config.tie_word_embeddings
     with pytest.raises(ConfigError, match="tied"):
         lora._check_tied(model, ["q_proj"], ["lm_head"])

@@ -69,11 +69,14 @@ def hfsdp_validate_config(config):
     return problems
 
 
-def default_target_modules(model, layer_classes: list[str] | None = None) -> list[str]:
-    """Names of the nn.Linear modules inside the decoder blocks (never the output head)."""
+def default_target_modules(model, fsdp) -> list[str]:
+    """Names of the nn.Linear modules inside the decoder blocks, the layer classes FSDP wraps (never the output
+    head)."""
     import torch
 
-    classes = set(layer_classes or getattr(model, "_no_split_modules", None) or [])
+    from hfsdp.models import layer_classes
+
+    classes = set(layer_classes(fsdp, model.config))
     blocks = [m for m in model.modules() if type(m).__name__ in classes] or [model]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {
@@ -125,7 +128,7 @@ def hfsdp_modify_model(model, config, world):
     from peft import get_peft_model
 
     section: LoraSection = config.section("lora")
-    targets = section.target_modules or default_target_modules(model, config.fsdp.transformer_layer_cls)
+    targets = section.target_modules or default_target_modules(model, config.fsdp)
     _check_tied(model, targets, section.modules_to_save)
     base_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     # autocast_adapter_dtype=False: adapters in the base dtype, so every FSDP unit has one parameter dtype.
@@ -161,7 +164,7 @@ def _meta_peft_model(model_config, config, section: LoraSection):
 
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(model_config)
-        targets = section.target_modules or default_target_modules(base, config.fsdp.transformer_layer_cls)
+        targets = section.target_modules or default_target_modules(base, config.fsdp)
         lora_cfg = peft_config(section, targets)
         meta_model = get_peft_model(base, lora_cfg, autocast_adapter_dtype=False)
     lora_cfg.base_model_name_or_path = config.model.name_or_path  # what adapter_config.json names as the base
@@ -258,13 +261,13 @@ class MergedWeights(Mapping):
 
 
 @hookimpl
-def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config):
+def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, max_shard_bytes):
     from hfsdp.components.hf_folder import write_hf_folder
 
     section: LoraSection = config.section("lora")
     if section.merge:
         write_hf_folder(MergedWeights(state_dict, section), model_config, tokenizer, Path(out_dir),
-                        generation_config=generation_config)
+                        generation_config=generation_config, max_shard_bytes=max_shard_bytes)
     else:
         write_adapter(state_dict, model_config, tokenizer, Path(out_dir), config)
     return True

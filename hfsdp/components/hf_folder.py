@@ -7,8 +7,6 @@ back and checked (no empty or mis-shaped tensor is ever left for a later load to
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import errno
 import json
 import os
@@ -24,21 +22,6 @@ from hfsdp.errors import UserError
 from hfsdp.units import GIB, KIB, MIB, TIB
 
 DEFAULT_MAX_SHARD_BYTES = 2 * GIB
-# `hfsdp export --max-shard-size` reaches the writer through this (the hfsdp_export hook has no such argument).
-_max_shard_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("max_shard_bytes", default=DEFAULT_MAX_SHARD_BYTES)
-
-
-@contextlib.contextmanager
-def max_shard_size(max_bytes: int | None):
-    """Within the block, files written by :func:`write_hf_weights` hold at most ``max_bytes`` (None: the default);
-    the writer holds one tensor at a time in memory, whatever the size."""
-    token = _max_shard_bytes.set(max_bytes or DEFAULT_MAX_SHARD_BYTES)
-    try:
-        yield
-    finally:
-        _max_shard_bytes.reset(token)
-
-
 def parse_size(text: str) -> int:
     """``"200MB"`` → 200_000_000, ``"1GiB"`` → 1_073_741_824, ``"5000"`` → 5000 bytes."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -75,10 +58,11 @@ def write_hf_weights(
 ) -> list[str]:
     """Write ``tensors`` as ``model.safetensors`` (or numbered shards plus an index) into ``out_dir``.
 
-    Raises UserError when a tensor is empty or does not have its expected shape, before anything is renamed
-    into place. Returns the names written.
+    Each file holds at most ``max_shard_bytes`` (None: :data:`DEFAULT_MAX_SHARD_BYTES`); the writer holds one tensor
+    at a time in memory, whatever the size. Raises UserError when a tensor is empty or does not have its expected
+    shape, before anything is renamed into place. Returns the names written.
     """
-    max_shard_bytes = max_shard_bytes or _max_shard_bytes.get()
+    max_shard_bytes = max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
     out_dir.mkdir(parents=True, exist_ok=True)
     shard_files: list[tuple[str, list[str]]] = []
     shard: _SafetensorsStream | None = None

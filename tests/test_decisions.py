@@ -1,0 +1,147 @@
+"""The decisions made before anything loads, as pure functions: what wraps the model (``RunSetup``), which world
+sizes a strategy can run on (``check_world``), how a checkpoint keeps its global batch on another world size
+(``keep_global_batch``), and ``hfsdp plan``'s estimate. Fast: no model, no process group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hfsdp.components import checkpoint
+from hfsdp.components.resume import keep_global_batch, run_fingerprint
+from hfsdp.config import FSDPConfig, HfsdpConfig
+from hfsdp.distributed import World
+from hfsdp.errors import ConfigError, UserError
+from hfsdp.fsdp import check_world
+from hfsdp.run_setup import decide
+
+
+def _config(tmp_path: Path, **sections) -> HfsdpConfig:
+    base = {"model": {"name_or_path": "x"}, "data": {"path": "x"},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 4, "per_device_batch_size": 2}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return HfsdpConfig.model_validate(base)
+
+
+def _world(size: int, local: int | None = None) -> World:
+    return World(rank=0, size=size, local_size=local or size, on_cpu=True)
+
+
+def _checkpoint(config: HfsdpConfig, *, world_size: int, global_batch: int, by_fsdp: bool) -> Path:
+    path = Path(config.train.output_dir) / "checkpoints" / "step-2"
+    (path / "pytorch_model_fsdp_0" if by_fsdp else path).mkdir(parents=True)
+    (path / checkpoint.RECORD).write_text(json.dumps({"step": 2, "world_size": world_size, "global_batch": global_batch,
+                                                      "config_hash": run_fingerprint(config)}))
+    return path
+
+
+@pytest.mark.parametrize("size, fsdp, wrapper", [
+    (1, {}, "none"), (2, {}, "fsdp2"), (1, {"single_process": "fsdp"}, "fsdp2"), (2, {"version": 1}, "fsdp1"),
+    (2, {"sharding_strategy": "NO_SHARD"}, "ddp"), (1, {"sharding_strategy": "NO_SHARD"}, "none"),
+    (2, {"version": 1, "sharding_strategy": "NO_SHARD"}, "fsdp1"),
+])
+def test_run_setup_decides_the_wrapper(tmp_path, size, fsdp, wrapper):
+    setup = decide(_config(tmp_path, fsdp=fsdp), _world(size), resume=None)
+    assert setup.wrapper == wrapper and setup.fsdp == wrapper.startswith("fsdp") and setup.resume is None
+
+
+def test_run_setup_reports_every_problem_at_once(tmp_path):
+    config = _config(tmp_path, fsdp={"sharding_strategy": "HYBRID_SHARD", "cpu_offload": True},
+                     model={"attn_implementation": "flash_attention_2"})
+    with pytest.raises(ConfigError) as err:
+        decide(config, _world(4), resume=None, source="my.yaml")
+    keys = [key for key, _ in err.value.problems]
+    assert keys == ["fsdp.sharding_strategy", "model.attn_implementation", "model.attn_implementation",
+                    "fsdp.cpu_offload"], err.value.problems
+    assert str(err.value).startswith("my.yaml: 4 problem(s)")
+
+
+def test_one_process_resuming_an_fsdp_checkpoint_keeps_fsdp_and_the_global_batch(tmp_path):
+    saved = _config(tmp_path)
+    path = _checkpoint(saved, world_size=2, global_batch=4, by_fsdp=True)
+    setup = decide(saved, _world(1), resume="latest")
+    assert setup.wrapper == "fsdp2" and setup.config.fsdp.single_process == "fsdp"
+    assert setup.resume.path == path and setup.config.train.gradient_accumulation_steps == 2
+    assert setup.notes == ("resuming a run of 2 rank(s) on 1: train.gradient_accumulation_steps 1 -> 2 keeps its "
+                           "global batch of 4 (2 per device x 2 x 1 ranks)",)
+
+
+def test_a_resume_that_cannot_continue_the_run_is_refused_by_the_decision(tmp_path):
+    saved = _config(tmp_path, train={"gradient_accumulation_steps": 2})
+    _checkpoint(saved, world_size=1, global_batch=4, by_fsdp=False)
+    changed = _config(tmp_path, train={"gradient_accumulation_steps": 2, "learning_rate": 0.1})
+    with pytest.raises(UserError, match="the config changed in keys that change the run"):
+        decide(changed, _world(1), resume="latest")
+    with pytest.raises(UserError, match="cannot resume from .* under FSDP: one process without a wrapper"):
+        decide(saved, _world(2), resume="latest")
+    assert decide(saved, _world(1), resume="latest").wrapper == "none"  # the same run resumes as it was saved
+
+
+def test_no_complete_checkpoint_yet_starts_from_step_0(tmp_path):
+    setup = decide(_config(tmp_path), _world(2), resume="latest")
+    assert setup.resume is None and setup.resume_asked
+
+
+@pytest.mark.parametrize("size, local, hybrid, problem", [
+    (4, 2, None, None),
+    (4, 4, None, "HYBRID_SHARD on one node of 4 ranks has nothing to replicate across"),
+    (4, 4, 2, None),
+    (4, 1, None, "HYBRID_SHARD with one rank per shard group shards nothing"),
+    (6, 2, 4, "4 ranks per shard group does not divide the world size 6"),
+    (1, 1, 2, None),  # one process runs without a wrapper: a cluster's config still runs a smoke test
+])
+def test_check_world(size, local, hybrid, problem):
+    cfg = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=hybrid)
+    problems = check_world(cfg, size, local)
+    assert (problems[0][1] if problems else None) == problem or problem in problems[0][1]
+
+
+@pytest.mark.parametrize("saved_world, saved_batch, world, per_device, accumulation, expected", [
+    (2, 8, 2, 2, 2, 2),  # same world: unchanged
+    (2, 8, 4, 2, 2, 1),  # more ranks: less accumulation
+    (4, 8, 1, 2, 1, 4),  # fewer ranks: more accumulation
+])
+def test_keep_global_batch_adapts_the_accumulation(tmp_path, saved_world, saved_batch, world, per_device,
+                                                   accumulation, expected):
+    config = _config(tmp_path, train={"per_device_batch_size": per_device,
+                                      "gradient_accumulation_steps": accumulation})
+    kept, note = keep_global_batch({"world_size": saved_world, "global_batch": saved_batch}, config, world, Path("c"))
+    assert kept.train.gradient_accumulation_steps == expected
+    assert (note is None) == (expected == accumulation)
+    assert kept.train.per_device_batch_size * expected * world == saved_batch
+
+
+def test_keep_global_batch_refuses_what_no_accumulation_keeps(tmp_path):
+    with pytest.raises(UserError, match="set one of: per_device_batch_size 1 with gradient_accumulation_steps 3; "
+                                        "per_device_batch_size 3 with gradient_accumulation_steps 1"):
+        keep_global_batch({"world_size": 3, "global_batch": 3}, _config(tmp_path), 1, Path("c"))
+    with pytest.raises(UserError, match="supported with fsdp.version 2 only"):
+        keep_global_batch({"world_size": 2, "global_batch": 4}, _config(tmp_path, fsdp={"version": 1}), 1, Path("c"))
+    with pytest.raises(UserError, match="does not record its global batch"):
+        keep_global_batch({"world_size": 2}, _config(tmp_path), 1, Path("c"))
+
+
+def test_plan_estimate_shards_params_grads_and_optimizer_state():
+    from hfsdp.plan import Activations, ModelFacts, Param, Setup, estimate
+
+    params = (Param(numel=1000, rows=100, itemsize=4, trainable=True, unit=0),
+              *(Param(numel=4096, rows=64, itemsize=4, trainable=True, unit=u) for u in (1, 2)))
+    facts = ModelFacts(name="toy", params=params, units=("root", "layer0", "layer1"), layer_classes=("Block",),
+                       vocab_size=100, num_layers=2, tied_embeddings=False, tied_trainable_numel=0)
+    acts = Activations(outside_layers=1000, per_layer=(5000, 5000), layer_inputs=(800, 800), logits_bytes=4000)
+    total = sum(p.numel for p in params) * 4
+
+    def at(nproc: int, **fsdp) -> "Estimate":  # noqa: F821
+        return estimate(facts, acts, Setup(fsdp=FSDPConfig(**fsdp), nproc_per_node=nproc, nodes=1, lora=False,
+                                           accumulation=1))
+
+    one, full, ddp = at(1), at(2), at(2, sharding_strategy="NO_SHARD")
+    assert one.setup.wrapper == "none" and (one.params, one.grads, one.optimizer) == (total, total, 2 * total)
+    assert (full.params, full.grads, full.optimizer) == (total // 2, total // 2, total)  # rows divide evenly
+    assert ddp.setup.wrapper == "ddp" and ddp.params == total and ddp.optimizer == 2 * total
+    assert full.device_peak < ddp.device_peak
+    checkpointed = at(2, activation_checkpointing=True)
+    assert checkpointed.activations < full.activations
