@@ -39,6 +39,23 @@ def _fake_checkpoint(run: Path, config: str, *, world_size: int = 1, complete: b
     return ckpt
 
 
+def _resuming(case: Path, *args: str, **record) -> list[str]:
+    """``train CONFIG --resume ARGS`` of a run whose checkpoint has this ``record`` (and the config's hash)."""
+    config = _cfg(case)
+    _fake_checkpoint(case / "run", config, **record)
+    return ["train", config, "--resume", *args]
+
+
+def _after(_made, argv: list[str]) -> list[str]:
+    """``argv``, once the file or folder the case needs is made (the first argument)."""
+    return argv
+
+
+def _folder(path: Path) -> str:
+    path.mkdir(parents=True)
+    return str(path)
+
+
 def _write(path: Path, text: str | bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
@@ -109,7 +126,7 @@ CASES: dict[str, Case] = {
     "model path does not exist": (lambda d, s: ["train", _cfg(d, model={"name_or_path": str(d / "no-model")})],
                                   "model.name_or_path: " + "{d}/no-model does not exist"),
     "model folder without config.json": (
-        lambda d, s: ["train", _cfg(d, model={"name_or_path": str((d / "empty-model").mkdir() or d / "empty-model")})],
+        lambda d, s: ["train", _cfg(d, model={"name_or_path": _folder(d / "empty-model")})],
         "exists but has no config.json"),
     "hybrid shard size does not divide world": (  # FSDP on one process (unwrapped, a cluster config runs)
         lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2,
@@ -118,20 +135,19 @@ CASES: dict[str, Case] = {
     "gpu-only option in cpu rehearsal": (lambda d, s: ["train", _cfg(d, fsdp={"cpu_offload": True})],
                                          "fsdp.cpu_offload: needs a GPU"),
     "output folder holds another run": (
-        lambda d, s: (_write(d / "run" / "metrics.jsonl", "{}\n"), ["train", _cfg(d)])[1],
+        lambda d, s: _after(_write(d / "run" / "metrics.jsonl", "{}\n"), ["train", _cfg(d)]),
         "already holds a run (metrics.jsonl). Pass --resume to continue it, --overwrite to replace it"),
     "resume from an incomplete folder": (
-        lambda d, s: ["train", (c := _cfg(d)), "--resume", str(_fake_checkpoint(d / "other", c, complete=False))],
+        lambda d, s: ["train", _cfg(d), "--resume", str(_fake_checkpoint(d / "other", _cfg(d), complete=False))],
         "is not a complete hfsdp checkpoint (no hfsdp_checkpoint.json)"),
     "resume with a changed config key": (
-        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d)),
-                      ["train", c, "--resume", "--set", "train.learning_rate=0.1"])[1],
+        lambda d, s: _resuming(d, "--set", "train.learning_rate=0.1"),
         "the config changed in keys that change the run"),
     "resume on another world size": (
-        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d), world_size=2), ["train", c, "--resume"])[1],
+        lambda d, s: _resuming(d, world_size=2),
         "it was saved on 2 rank(s), this run has 1"),
     "resume on a world size that cannot keep the global batch": (
-        lambda d, s: (_fake_checkpoint(d / "run", c := _cfg(d), world_size=3, global_batch=3), ["train", c, "--resume"])[1],
+        lambda d, s: _resuming(d, world_size=3, global_batch=3),
         "its global batch is 3 samples per step and 2 per device x 1 accumulation x 1 ranks makes 2; set one of: "
         "per_device_batch_size 1 with gradient_accumulation_steps 3; per_device_batch_size 3 with "
         "gradient_accumulation_steps 1"),
@@ -168,8 +184,8 @@ CASES: dict[str, Case] = {
     "--set an unknown section": (lambda d, s: ["train", _cfg(d), "--set", "trainer.steps=1"], "unknown section"),
     # --- data files and rows
     "relative data path missing next to the config": (
-        lambda d, s: (_write(d / "rows.jsonl", CHAT.read_text()),  # in the working directory, not next to the config
-                      ["train", str(tiny_config((d / "sub").mkdir() or d / "sub", data={"path": "rows.jsonl"}))])[1],
+        lambda d, s: _after(_write(d / "rows.jsonl", CHAT.read_text()),  # in the working directory, not next to
+                            ["train", str(tiny_config(Path(_folder(d / "sub")), data={"path": "rows.jsonl"}))]),  # it
         "data.path: {d}/sub/rows.jsonl does not exist (a relative path in a config file is taken from the config "
         "file's folder"),
     "chat rows whose messages are not a list": (
@@ -214,7 +230,7 @@ CASES: dict[str, Case] = {
     "export a checkpoint that does not exist": (lambda d, s: ["export", str(d / "nope"), str(d / "out")],
                                                 "{d}/nope does not exist; name a checkpoint folder"),
     "export a run folder instead of one of its checkpoints": (
-        lambda d, s: (_fake_checkpoint(d / "run", _cfg(d)), ["export", str(d / "run"), str(d / "out")])[1],
+        lambda d, s: _after(_fake_checkpoint(d / "run", _cfg(d)), ["export", str(d / "run"), str(d / "out")]),
         "it is a run folder: name one of its checkpoints, e.g. the latest, {d}/run/checkpoints/step-2"),
     "export a model folder": (lambda d, s: ["export", s["model"], str(d / "out")],
                               "it is a model folder (config.json), already consolidated"),
