@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import fake_checkpoint, run_cli, tiny_config
-from hfsdp.components.outputs import EXPORT_RECORD
+from hfsdp.components.durable import EXPORT_RECORD
 from hfsdp.errors import UserError
 from hfsdp.checkpoint_export import export_checkpoint
 

@@ -451,9 +451,9 @@ def test_a_resave_of_the_same_step_always_leaves_a_complete_copy(tmp_path, tiny_
 
 def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_model_dir, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is unavailable, the old copy is renamed aside first, then deleted."""
-    from hfsdp.components import outputs
+    from hfsdp.components import durable
 
-    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
     ckpts = tmp_path / "checkpoints"
     args = _save_args(tiny_model_dir)
     checkpoint.save(_WritingAccelerator(b"old"), ckpts, 1, {"step": 1}, *args)
