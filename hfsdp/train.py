@@ -32,7 +32,7 @@ from hfsdp.distributed import (
     rehearsal_problems, report_optimizer_state, report_startup,
 )
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.fsdp import check_world
+from hfsdp.fsdp import check_world, wraps_model
 from hfsdp.plugins import PluginHost
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
@@ -200,6 +200,10 @@ def check_and_prepare(config: HfsdpConfig, opts: Options) -> tuple[str, Path]:
     problems = check_world(config.fsdp, world.size, world.local_size) + models.attention_problems(config, world.on_cpu)
     if world.on_cpu:
         problems += rehearsal_problems(config)
+    if config.train.async_save and not config.fsdp.runs_as_ddp and not wraps_model(config.fsdp, world.size):
+        problems.append(("train.async_save", "one process runs the model without FSDP (fsdp.single_process: auto), "
+                                             "and its checkpoint is one file: set fsdp.single_process: fsdp, or "
+                                             "remove train.async_save"))
     if problems:
         raise ConfigError(problems, source=opts.config_source or "config")
     model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
@@ -269,6 +273,8 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                   model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
                   loss=loss)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
+        saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
+                                 config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done))
         before = run_eval.before_training()
         host.call("hfsdp_on_train_start", run=run)
 
@@ -299,14 +305,18 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
                     last_eval = run_eval(state.step, f"step{state.step}")
+                saver.poll()  # a background save every rank has written becomes complete
                 preempted = any_rank(accelerator, preemption.signum is not None)
-                saved = None
                 if (config.train.save_every and state.step % config.train.save_every == 0) or preempted:
-                    saved = save_checkpoint(run)
+                    save_checkpoint(run, saver)
                 if preempted:
+                    saved = saver.wait()
                     host.call("hfsdp_on_train_end", run=run, metrics=last_eval)
                     metrics.close()
                     raise Preempted(preemption.signum or signal.SIGTERM, state.step, saved)
+        except BaseException:
+            saver.abandon()
+            raise
         finally:
             preemption.uninstall()
             if progress is not None:
@@ -317,10 +327,12 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         after = run_eval(state.step, "after") if run_eval.enabled else last_eval
         if config.train.export_final:
             export_model(run, output_dir / "final")
+        saver.wait()
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
                    "data": data_report, "throughput": speed,
-                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or "")}
+                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
+                   "saves": saver.summary()}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
@@ -510,18 +522,24 @@ def finish(run: Run, summary: dict[str, Any], metrics: MetricsWriter,
         run.accelerator.print(plots.run_plot(run.output_dir))
 
 
-def save_checkpoint(run: Run) -> Path:
+def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
+    """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
+    is complete)."""
     accelerator = run.accelerator
     record = resume.checkpoint_record(run.config, run.state.step, accelerator.num_processes, run.plugins,
                                       run.resume_identity,
                                       resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world))
-    checkpoints_dir = run.output_dir / "checkpoints"
-    path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, run.model_files,
-                           yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False))
-    if accelerator.is_main_process:
-        checkpoint.prune(checkpoints_dir, run.config.train.keep_last)
-    run.plugins.call("hfsdp_on_checkpoint", run=run, step=run.state.step, path=path)
-    return path
+    saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record, run.model_files,
+                                  yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
+
+
+def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pending) -> None:
+    """A checkpoint is complete: prune older ones (``train.keep_last``), record its times, tell the plugins."""
+    if run.accelerator.is_main_process:
+        checkpoint.prune(done.checkpoints, run.config.train.keep_last)
+    metrics.write(run.state.step, {"checkpoint_step": done.step, "save_stall_s": done.stall_s,
+                                   "save_write_s": done.write_s})
+    run.plugins.call("hfsdp_on_checkpoint", run=run, step=done.step, path=done.final)
 
 
 def export_model(run: Run, out_dir: Path) -> None:
@@ -563,6 +581,11 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
             lines += ["", f"prompt:    {prompt}", f"expected:  {ref}", f"before:    {out_before}", f"after:     {out_after}"]
     if summary["last_checkpoint"]:
         lines.append(f"latest checkpoint: {summary['last_checkpoint']} (`hfsdp export` consolidates it)")
+    saves = summary["saves"]
+    if saves["count"]:
+        lines.append(f"checkpoints saved {saves['mode']}: {saves['count']}, training blocked "
+                     f"{saves['stall_s_median']:.2f} s per save (median), each complete after "
+                     f"{saves['write_s_median']:.2f} s")
     if config.train.export_final:
         lines.append(f"\nmodel written to {Path(config.train.output_dir) / 'final'}")
     return "\n".join(lines)
