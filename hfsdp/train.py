@@ -321,13 +321,13 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
             preemption.uninstall()
             if progress is not None:
                 progress.close()
+        saver.wait()  # the last checkpoint complete (or its failure reported) before the final eval and export
 
         # ---- finish: final eval, export, summary
         speed = meter.summary(per_rank(accelerator, throughput.peak_memory_gib(accelerator.device)))
         after = run_eval(state.step, "after") if run_eval.enabled else last_eval
         if config.train.export_final:
             export_model(run, output_dir / "final")
-        saver.wait()
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
                    "data": data_report, "throughput": speed,
