@@ -564,6 +564,10 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
                                              "background; a FULL_STATE_DICT one is gathered into one file on rank 0: "
                                              "set fsdp.state_dict_type: SHARDED_STATE_DICT, or remove "
                                              "train.async_save"))
+    if config.train.async_save and config.fsdp.version == 1:
+        problems.append(("train.async_save", "FSDP1's sharded state dict holds ShardedTensors, which DCP's "
+                                             "host-memory staging cannot copy: use fsdp.version 2, or remove "
+                                             "train.async_save"))
     if config.train.async_save and config.fsdp.runs_as_ddp:
         problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "

@@ -150,6 +150,9 @@ CASES: dict[str, Case] = {
     "train.async_save with FULL_STATE_DICT": (
         lambda d, s: ["train", _cfg(d, train={"async_save": True}, fsdp={"state_dict_type": "FULL_STATE_DICT"})],
         "train.async_save: writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the background"),
+    "train.async_save under FSDP1": (
+        lambda d, s: ["train", _cfg(d, train={"async_save": True}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.async_save: FSDP1's sharded state dict holds ShardedTensors"),
     "train.async_save on one process without a wrapper": (
         lambda d, s: ["train", _cfg(d, train={"async_save": True})],
         "train.async_save: one process runs the model without FSDP (fsdp.single_process: auto)"),
