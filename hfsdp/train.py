@@ -285,6 +285,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
         meter = throughput.StepMeter.for_run(flops, config, accelerator)
         model.train()
         last_eval: dict[str, Any] = {}
+        loop_started = time.perf_counter()
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
@@ -322,6 +323,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
             if progress is not None:
                 progress.close()
         saver.wait()  # the last checkpoint complete (or its failure reported) before the final eval and export
+        loop_s = time.perf_counter() - loop_started
 
         # ---- finish: final eval, export, summary
         speed = meter.summary(per_rank(accelerator, throughput.peak_memory_gib(accelerator.device)))
@@ -332,7 +334,7 @@ def train(config: HfsdpConfig, host: PluginHost, opts: Options) -> dict[str, Any
                    "before": before, "after": after, "startup": report, "resumed_from": str(resumed_from or ""),
                    "data": data_report, "throughput": speed,
                    "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
-                   "saves": saver.summary()}
+                   "saves": saver.summary(), "train_loop_s": loop_s}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
