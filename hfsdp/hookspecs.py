@@ -144,7 +144,8 @@ def hfsdp_on_eval(run, step, metrics):
 
 @hookspec
 def hfsdp_on_checkpoint(run, step, path):
-    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it)."""
+    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it). With
+    ``train.async_save`` that may be a few steps later: ``run.state.step`` is then past ``step``."""
 
 
 @hookspec

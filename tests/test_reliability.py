@@ -84,6 +84,34 @@ def no_traceback(proc) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def assert_disk_full_reported(proc, step: int, intact: str) -> None:
+    """One process whose disk filled inside its optimizer shard: exit 1, the cause, the checkpoint kept."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert f"checkpoint for step {step} could not be written" in proc.stderr
+    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
+    assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
+    assert f"{intact}, is intact" in proc.stderr
+
+
+def assert_rank_1_disk_full_reported(proc, step: int, intact: str) -> None:
+    """Rank 1's disk filled: both ranks learn of it and say what it was; neither waits for the other."""
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
+    for rank in (0, 1):
+        line = next((ln for ln in proc.stderr.splitlines()
+                     if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step {step}")), "")
+        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
+        assert "optimizer_0/__1_0.distcp" in line and f"{intact}, is intact" in line, line
+
+
+def one_process_chain(config: Path, run: Path):
+    """``train(faults, *extra)``: one link of a chain of one-process runs into the run folder ``run``."""
+    def train(faults: str, *extra: str):
+        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
+                       check=False, timeout=300)
+    return train
+
+
 # ---- one rank: SIGTERM, SIGINT, kill -9 inside a save, ENOSPC inside a save, then the finish
 
 
@@ -93,10 +121,7 @@ def solo(tmp_path_factory):
     config = chain_config(tmp)
     ref, run = tmp / "reference", tmp / "chain"
 
-    def train(faults: str, *extra: str):
-        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
-                       check=False, timeout=300)
-
+    train = one_process_chain(config, run)
     out = {"ref": ref, "run": run}
     run_cli("train", str(config), "--set", f"train.output_dir={ref}", env=fault_env(), timeout=300)
     out["sigterm"] = train("sigterm@2")
@@ -153,13 +178,7 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint(solo):
 
 @pytest.mark.slow
 def test_disk_full_mid_save_keeps_the_previous_checkpoint(solo):
-    proc = solo["enospc"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    no_traceback(proc)
-    assert "checkpoint for step 5 could not be written" in proc.stderr
-    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
-    assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
-    assert "step-4, is intact" in proc.stderr
+    assert_disk_full_reported(solo["enospc"], 5, "step-4")
     assert solo["after_enospc"] == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
     assert "step-4 at step 4" in solo["finish"].stdout  # and it is the one --resume picks
 
@@ -221,12 +240,7 @@ def test_nan_on_one_rank_is_skipped_on_all_ranks(duo):
 @pytest.mark.slow
 def test_disk_full_on_rank_1_mid_write_stops_both_ranks(duo):
     proc = duo["enospc"]
-    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
-    for rank in (0, 1):  # both ranks learn of rank 1's failure and say what it was; neither waits for the other
-        line = next((ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step 4")),
-                    "")
-        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
-        assert "optimizer_0/__1_0.distcp" in line and "step-2, is intact" in line, line
+    assert_rank_1_disk_full_reported(proc, 4, "step-2")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert duo["after_enospc"] == ["step-2"]  # the half-written step-4 folder was removed
     assert duo["enospc_s"] < 240, f"took {duo['enospc_s']:.0f}s"
@@ -294,10 +308,7 @@ def solo_async(tmp_path_factory):
     config = async_config(tmp)
     run = tmp / "chain"
 
-    def train(faults: str, *extra: str):
-        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
-                       check=False, timeout=300)
-
+    train = one_process_chain(config, run)
     out = {"run": run}
     # step 2's checkpoint is still being written when step 3 changes the weights and the optimizer state it saves
     # (pytorch #144657: a staging "copy" that was a view saved the later values); step 4's write is killed midway
@@ -331,12 +342,7 @@ def test_async_kill_9_mid_background_write_keeps_the_previous_checkpoint(solo_as
 
 @pytest.mark.slow
 def test_async_disk_full_mid_background_write_fails_the_run(solo_async):
-    proc = solo_async["enospc"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    no_traceback(proc)
-    assert "checkpoint for step 4 could not be written" in proc.stderr
-    assert "No space left on device" in proc.stderr and "optimizer_0/__0_0.distcp" in proc.stderr
-    assert "step-2, is intact" in proc.stderr
+    assert_disk_full_reported(solo_async["enospc"], 4, "step-2")
     assert solo_async["after_enospc"] == ["step-2"]
     assert not solo_async["final_after_enospc"]  # the run failed before its final export
 
@@ -383,13 +389,7 @@ def duo_async(tmp_path_factory):
 
 @pytest.mark.slow
 def test_async_disk_full_on_rank_1_fails_both_ranks(duo_async):
-    proc = duo_async["enospc"]
-    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
-    for rank in (0, 1):
-        line = next((ln for ln in proc.stderr.splitlines()
-                     if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step 4")), "")
-        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
-        assert "optimizer_0/__1_0.distcp" in line and "step-2, is intact" in line, line
+    assert_rank_1_disk_full_reported(duo_async["enospc"], 4, "step-2")
     assert duo_async["after_enospc"] == ["step-2"]
 
 
