@@ -6,6 +6,8 @@ registered objects such as the LR scheduler and the trainer state), ``model/`` (
 A folder without the record is never resumed from or exported, and older checkpoints are pruned only after a
 newer one is complete (Accelerate's ``total_limit`` deletes first). Every file and folder is fsynced before the
 record is written, and a re-save of an existing step swaps the new folder in atomically before deleting the old one.
+With ``train.async_save`` (:class:`Saver`) the model and optimizer shards are written in the background; the record
+still comes last, once every rank's background write has finished and been fsynced.
 """
 
 from __future__ import annotations
@@ -108,9 +110,7 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
     A failure on any rank (e.g. ENOSPC) removes the temporary folder and raises :class:`CheckpointError` on every
     rank, so that no rank waits forever for another; the previous complete checkpoint is left as it was.
     """
-    pending = Pending(accelerator, checkpoints, step, record, model_files, run_config_yaml)
-    pending.begin(lambda: accelerator.save_state(str(pending.tmp), safe_serialization=True))
-    return pending.complete()
+    return Pending(accelerator, checkpoints, step, record, model_files, run_config_yaml).write_now()
 
 
 @dataclass
@@ -146,6 +146,11 @@ class Pending:
 
         self._phase("start", start, main_only=True)
         self._phase("save_state", write)
+
+    def write_now(self) -> Path:
+        """Synchronously: Accelerate's ``save_state`` on every rank, then :meth:`complete`."""
+        self.begin(lambda: self.accelerator.save_state(str(self.tmp), safe_serialization=True))
+        return self.complete()
 
     def written(self) -> bool:
         """Whether this rank's background writes have finished (or failed)."""
@@ -228,8 +233,7 @@ class Saver:
             self.pending = pending
             pending.stall_s = time.perf_counter() - t0
         else:
-            pending.begin(lambda: self.accelerator.save_state(str(pending.tmp), safe_serialization=True))
-            pending.complete()
+            pending.write_now()
             pending.stall_s = time.perf_counter() - t0
             self._completed(pending)
 
@@ -263,14 +267,14 @@ class Saver:
             self.wait()
 
     def wait(self) -> Path | None:
-        """Wait for the save in flight and complete it (collective); its path, or None when none was in flight."""
+        """Wait for the save in flight and complete it (collective); the newest complete checkpoint this process
+        saved (None: none)."""
         pending, self.pending = self.pending, None
-        if pending is None:
-            return None
-        pending.wait_here()
-        pending.complete()
-        self._completed(pending)
-        return pending.final
+        if pending is not None:
+            pending.wait_here()
+            pending.complete()
+            self._completed(pending)
+        return self.completed[-1].final if self.completed else None
 
     def _completed(self, pending: Pending) -> None:
         self.completed.append(pending)
