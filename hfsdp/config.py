@@ -251,6 +251,9 @@ class TrainConfig(Section):
     max_eval_batches: int | None = Field(None, gt=0, description="cap on eval batches per rank.")
     save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
     keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
+    async_save: bool = Field(
+        False, description="write SHARDED checkpoints in the background while training continues (staged to a "
+                           "host-memory copy first; FSDP-wrapped models); a checkpoint counts only once complete.")
     export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
     report_to: list[Tracker] = Field(
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
@@ -557,6 +560,19 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
     if config.train.compile is not None and config.fsdp.version == 1:
         problems.append(("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
                                           "compile per block: use fsdp.version 2, or remove train.compile"))
+    if config.train.async_save and config.fsdp.state_dict_type != "SHARDED_STATE_DICT":
+        problems.append(("train.async_save", "writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the "
+                                             "background; a FULL_STATE_DICT one is gathered into one file on rank 0: "
+                                             "set fsdp.state_dict_type: SHARDED_STATE_DICT, or remove "
+                                             "train.async_save"))
+    if config.train.async_save and config.fsdp.version == 1:
+        problems.append(("train.async_save", "FSDP1's sharded state dict holds ShardedTensors, which DCP's "
+                                             "host-memory staging cannot copy: use fsdp.version 2, or remove "
+                                             "train.async_save"))
+    if config.train.async_save and config.fsdp.runs_as_ddp:
+        problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
+                                             "whose checkpoint is one file: use FULL_SHARD, or remove "
+                                             "train.async_save"))
     if config.generation_eval is not None and config.data.format not in GENERATION_FORMATS:
         problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
                                             f"and a reference answer), not '{config.data.format}': remove the section"))

@@ -237,6 +237,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         "mixed_precision": fsdp.precision_name,
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
+        "checkpoint_saves": "asynchronous" if config.train.async_save else "synchronous",
     }
     sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
     group = mesh[1] if mesh else world.size
@@ -291,6 +292,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  parameters on this rank: {report['param_bytes_this_rank'] / MIB:.1f} MiB of "
         f"{report['param_bytes_full_model'] / MIB:.1f} MiB "
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
+        + ("\n  checkpoints: asynchronous (staged into host memory, written in the background; complete once "
+           "every rank's write is on disk)" if report.get("checkpoint_saves") == "asynchronous" else "")
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
     )

@@ -153,7 +153,8 @@ def hfsdp_on_eval(run, step, metrics):
 
 @hookspec
 def hfsdp_on_checkpoint(run, step, path):
-    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it). Every rank."""
+    """A complete checkpoint for ``step`` now exists at ``path`` (all ranks finished writing it). Every rank. With
+    ``train.async_save`` that may be a few steps later: ``run.state.step`` is then past ``step``."""
 
 
 @hookspec

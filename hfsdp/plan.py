@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
-from hfsdp.fsdp import Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
+from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
 from hfsdp.models import layer_classes
 from hfsdp.units import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPES
 
@@ -106,6 +106,7 @@ class Setup:
     lora: bool
     accumulation: int
     multi_tensor_adam: bool = True  # torch's AdamW on GPUs; on CPUs it loops over parameters
+    async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
 
     def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
         """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
@@ -150,7 +151,7 @@ class Setup:
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, lora="lora" in config.plugins,
-                 accumulation=config.train.gradient_accumulation_steps)
+                 accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save)
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (setup_problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
@@ -185,7 +186,7 @@ class Estimate:
     loss_transient: int
     optimizer_step_temp: int
     device_peak: int
-    host_per_rank: int  # CPU offload: parameters, gradients and optimizer state kept in host memory
+    host_per_rank: int  # CPU offload: parameters, gradients and optimizer state; async saves: their staging copy
     host_load_per_node: int  # host RAM when the model is loaded, before sharding
     problem: str | None = None
     fits: bool | None = None
@@ -456,6 +457,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
       during forward and backward too.
     * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
+    * ``train.async_save`` stages a copy of the rank's parameters and optimizer state in host memory while a save
+      is written (one save in flight at a time): added to ``host_per_rank`` where FSDP wraps the model.
     * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
       cpu_ram_efficient_loading (FSDP only).
     """
@@ -516,6 +519,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     if setup.fsdp.cpu_offload:
         host = params + grads + optimizer
         on_device_params = on_device_grads = on_device_optim = step_temp = 0
+    if setup.async_save and setup.wrapper in FSDP_WRAPPERS:
+        host += params + optimizer
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
     # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
     # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: the

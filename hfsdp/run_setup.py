@@ -76,5 +76,10 @@ def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = 
                                 "sizes with fsdp.single_process: fsdp")
             resuming.check_resume_config(record, config, path)
             point = ResumePoint(path, record)
-    return RunSetup(config=config, world=world, wrapper=wrapper(config.fsdp, world.size), resume=point,
-                    resume_asked=bool(resume), notes=tuple(notes))
+    wraps = wrapper(config.fsdp, world.size)
+    if config.train.async_save and wraps == "none" and not config.fsdp.runs_as_ddp:
+        raise ConfigError([("train.async_save", "one process runs the model without FSDP (fsdp.single_process: "
+                                                "auto), and its checkpoint is one file: set fsdp.single_process: "
+                                                "fsdp, or remove train.async_save")], source=source)
+    return RunSetup(config=config, world=world, wrapper=wraps, resume=point, resume_asked=bool(resume),
+                    notes=tuple(notes))

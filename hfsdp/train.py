@@ -262,6 +262,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                   model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
                   loss=loss)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
+        saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
+                                 config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done))
         before = run_eval.before_training()
         host.call("hfsdp_on_train_start", run=run)
 
@@ -272,6 +274,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         meter = throughput.StepMeter.for_run(flops, config, accelerator)
         model.train()
         last_eval: dict[str, Any] = {}
+        loop_started = time.perf_counter()
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
@@ -292,18 +295,24 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
                     last_eval = run_eval(state.step, f"step{state.step}")
+                saver.poll()  # a background save every rank has written becomes complete
                 preempted = any_rank(accelerator, preemption.signum is not None)
-                saved = None
                 if (config.train.save_every and state.step % config.train.save_every == 0) or preempted:
-                    saved = save_checkpoint(run)
+                    save_checkpoint(run, saver)
                 if preempted:
+                    saved = saver.wait()
                     host.call("hfsdp_on_train_end", run=run, metrics=last_eval)
                     metrics.close()
                     raise Preempted(preemption.signum or signal.SIGTERM, state.step, saved)
+        except BaseException:
+            saver.abandon()
+            raise
         finally:
             preemption.uninstall()
             if progress is not None:
                 progress.close()
+        saver.wait()  # the last checkpoint complete (or its failure reported) before the final eval and export
+        loop_s = time.perf_counter() - loop_started
 
         # ---- finish: final eval, export, summary
         speed = meter.summary(per_rank(accelerator, throughput.peak_memory_gib(accelerator.device)))
@@ -314,7 +323,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                    "before": before, "after": after, "startup": report,
                    "resumed_from": str(setup.resume.path if setup.resume else ""),
                    "data": data_report, "throughput": speed,
-                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or "")}
+                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
+                   "saves": saver.summary(), "train_loop_s": loop_s}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
@@ -506,18 +516,24 @@ def finish(run: Run, summary: dict[str, Any], metrics: MetricsWriter,
         run.accelerator.print(plots.run_plot(run.output_dir))
 
 
-def save_checkpoint(run: Run) -> Path:
+def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
+    """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
+    is complete)."""
     accelerator = run.accelerator
     record = resume.checkpoint_record(run.config, run.state.step, accelerator.num_processes, run.plugins,
                                       run.resume_identity,
                                       resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world))
-    checkpoints_dir = run.output_dir / "checkpoints"
-    path = checkpoint.save(accelerator, checkpoints_dir, run.state.step, record, run.model_files,
-                           yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False))
-    if accelerator.is_main_process:
-        checkpoint.prune(checkpoints_dir, run.config.train.keep_last)
-    run.plugins.call("hfsdp_on_checkpoint", run=run, step=run.state.step, path=path)
-    return path
+    saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record, run.model_files,
+                                  yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
+
+
+def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pending) -> None:
+    """A checkpoint is complete: prune older ones (``train.keep_last``), record its times, tell the plugins."""
+    if run.accelerator.is_main_process:
+        checkpoint.prune(done.checkpoints, run.config.train.keep_last)
+    metrics.write(run.state.step, {"checkpoint_step": done.step, "save_stall_s": done.stall_s,
+                                   "save_write_s": done.write_s})
+    run.plugins.call("hfsdp_on_checkpoint", run=run, step=done.step, path=done.final)
 
 
 def export_model(run: Run, out_dir: Path) -> None:
@@ -559,6 +575,11 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
             lines += ["", f"prompt:    {prompt}", f"expected:  {ref}", f"before:    {out_before}", f"after:     {out_after}"]
     if summary["last_checkpoint"]:
         lines.append(f"latest checkpoint: {summary['last_checkpoint']} (`hfsdp export` consolidates it)")
+    saves = summary["saves"]
+    if saves["count"]:
+        lines.append(f"checkpoints saved {saves['mode']}: {saves['count']}, training blocked "
+                     f"{saves['stall_s_median']:.2f} s per save (median), each complete after "
+                     f"{saves['write_s_median']:.2f} s")
     if config.train.export_final:
         lines.append(f"\nmodel written to {Path(config.train.output_dir) / 'final'}")
     return "\n".join(lines)

@@ -161,6 +161,16 @@ CASES: dict[str, Case] = {
     "config with a NUL character": (lambda d, s: ["train", _write(d / "c.yaml", "model:\x00 x\n")], "malformed YAML"),
     "train.compile under FSDP1": (lambda d, s: ["train", _cfg(d, train={"compile": True}, fsdp={"version": 1})],
                                   "train.compile: FSDP1 flattens each unit's parameters into one"),
+    # --- issue 24: asynchronous saves write SHARDED checkpoints of a model FSDP wraps
+    "train.async_save with FULL_STATE_DICT": (
+        lambda d, s: ["train", _cfg(d, train={"async_save": True}, fsdp={"state_dict_type": "FULL_STATE_DICT"})],
+        "train.async_save: writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the background"),
+    "train.async_save under FSDP1": (
+        lambda d, s: ["train", _cfg(d, train={"async_save": True}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.async_save: FSDP1's sharded state dict holds ShardedTensors"),
+    "train.async_save on one process without a wrapper": (
+        lambda d, s: ["train", _cfg(d, train={"async_save": True})],
+        "train.async_save: one process runs the model without FSDP (fsdp.single_process: auto)"),
     "fsdp2 with a buffer dtype": (
         lambda d, s: ["train", _cfg(d, fsdp={"mixed_precision": {"param": "bf16", "buffer": "bf16"}})],
         "fsdp.mixed_precision.buffer: bfloat16: only FSDP1 casts buffers"),

@@ -48,6 +48,7 @@ OPTIONS = {
     "size_wrap": {"fsdp": {"wrap_policy": "size", "min_num_params": 40_000}},  # the seeds' policy, tied model
     "plain_loss": {"train": {"chunked_loss": False}},  # the full-logits loss (the chunked one is the default)
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
+    "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
 }
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -60,6 +61,9 @@ REFUSED = {(1, 1, name): "LoRA on a model with tied embeddings under FSDP1 with 
            for name in OPTIONS if name.startswith("lora")}
 # hfsdp compiles blocks before FSDP2 shards them; FSDP1 flattens them first: refused in validation.
 REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit's parameters" for world in (1, 2)})
+# DCP's host-memory staging cannot copy FSDP1's ShardedTensors: refused in validation.
+REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded state dict holds ShardedTensors"
+                for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -162,6 +166,9 @@ def test_smoke(runs, version, world, option):
         assert "samples packed into" in packed and int(packed.split("into ")[1].split()[0]) < 1000, packed
     if option == "compile":
         assert max(m.get("compile_graphs", 0) for m in read_metrics(run)) > 0
+    if option == "async_save":  # each checkpoint complete once, written while training went on
+        assert report["checkpoint_saves"] == "asynchronous"
+        assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
     if option == "size_wrap":  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
@@ -227,7 +234,7 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile")])
+                                      "size_wrap", "plain_loss", "compile", "async_save")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])

@@ -95,6 +95,14 @@ def test_activation_checkpointing_and_offload_move_memory_where_they_should(tmp_
     assert ckpt["host_load_per_node"] == LLAMA_8B_PARAMS * 4  # only rank 0 reads the weights
 
 
+def test_async_saves_count_their_host_staging_copy(tmp_path):
+    config = tiny_config(tmp_path, train={"async_save": True})
+    data = plan_json(str(config), "--nproc", "1,2", "--strategies", "FULL_SHARD,NO_SHARD")
+    staged = row(data, "FULL_SHARD", 2)
+    assert staged["host_per_rank"] == staged["params"] + staged["optimizer"] > 0  # the rank's shards, copied
+    assert row(data, "NO_SHARD", 2)["host_per_rank"] == 0  # DDP: train.async_save is refused, nothing staged
+
+
 def test_lora_adapters_alone_carry_gradients_and_optimizer_state(tmp_path):
     cfg = tiny_config(tmp_path, plugins=["lora"], fsdp={"version": 2})
     data = plan_json(str(cfg), "--nproc", "1", "--strategies", "NO_SHARD", "--device-memory", "1GiB")

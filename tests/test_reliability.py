@@ -83,6 +83,34 @@ def no_traceback(proc) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def assert_disk_full_reported(proc, step: int, intact: str) -> None:
+    """One process whose disk filled inside its optimizer shard: exit 1, the cause, the checkpoint kept."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert f"checkpoint for step {step} could not be written" in proc.stderr
+    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
+    assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
+    assert f"{intact}, is intact" in proc.stderr
+
+
+def assert_rank_1_disk_full_reported(proc, step: int, intact: str) -> None:
+    """Rank 1's disk filled: both ranks learn of it and say what it was; neither waits for the other."""
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
+    for rank in (0, 1):
+        line = next((ln for ln in proc.stderr.splitlines()
+                     if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step {step}")), "")
+        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
+        assert "optimizer_0/__1_0.distcp" in line and f"{intact}, is intact" in line, line
+
+
+def one_process_chain(config: Path, run: Path):
+    """``train(faults, *extra)``: one link of a chain of one-process runs into the run folder ``run``."""
+    def train(faults: str, *extra: str):
+        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
+                       check=False, timeout=300)
+    return train
+
+
 # ---- one rank: SIGTERM, SIGINT, kill -9 inside a save, ENOSPC inside a save, then the finish
 
 
@@ -92,10 +120,7 @@ def solo(tmp_path_factory):
     config = chain_config(tmp)
     ref, run = tmp / "reference", tmp / "chain"
 
-    def train(faults: str, *extra: str):
-        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
-                       check=False, timeout=300)
-
+    train = one_process_chain(config, run)
     out = {"ref": ref, "run": run}
     run_cli("train", str(config), "--set", f"train.output_dir={ref}", env=fault_env(), timeout=300)
     out["sigterm"] = train("sigterm@2")
@@ -152,13 +177,7 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint(solo):
 
 @pytest.mark.slow
 def test_disk_full_mid_save_keeps_the_previous_checkpoint(solo):
-    proc = solo["enospc"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    no_traceback(proc)
-    assert "checkpoint for step 5 could not be written" in proc.stderr
-    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
-    assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
-    assert "step-4, is intact" in proc.stderr
+    assert_disk_full_reported(solo["enospc"], 5, "step-4")
     assert solo["after_enospc"] == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
     assert "step-4 at step 4" in solo["finish"].stdout  # and it is the one --resume picks
 
@@ -220,12 +239,7 @@ def test_nan_on_one_rank_is_skipped_on_all_ranks(duo):
 @pytest.mark.slow
 def test_disk_full_on_rank_1_mid_write_stops_both_ranks(duo):
     proc = duo["enospc"]
-    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
-    for rank in (0, 1):  # both ranks learn of rank 1's failure and say what it was; neither waits for the other
-        line = next((ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step 4")),
-                    "")
-        assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
-        assert "optimizer_0/__1_0.distcp" in line and "step-2, is intact" in line, line
+    assert_rank_1_disk_full_reported(proc, 4, "step-2")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert duo["after_enospc"] == ["step-2"]  # the half-written step-4 folder was removed
     assert duo["enospc_s"] < 240, f"took {duo['enospc_s']:.0f}s"
@@ -278,6 +292,121 @@ def test_nan_on_one_rank_stops_both_ranks_with_the_step(tmp_path):
     assert proc.stderr.count("exitcode  : 3") >= 1
     assert listing(tmp_path / "run") == ["step-1"]  # nothing saved at or after the bad step
     assert elapsed < 240, f"took {elapsed:.0f}s: a rank waited on the other"
+
+
+# ---- train.async_save: the same faults, struck inside the background write; resume bit-exact to the references
+
+
+def async_config(tmp_path: Path, **train) -> Path:
+    return chain_config(tmp_path, async_save=True, **train)  # async_save may change on resume: same fingerprint
+
+
+@pytest.fixture(scope="module")
+def solo_async(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("solo_async")
+    config = async_config(tmp)
+    run = tmp / "chain"
+
+    train = one_process_chain(config, run)
+    out = {"run": run}
+    # step 2's checkpoint is still being written when step 3 changes the weights and the optimizer state it saves
+    # (pytorch #144657: a staging "copy" that was a view saved the later values); step 4's write is killed midway
+    out["sigkill"] = train("slow_write@2,sigkill_mid_write@4")
+    out["after_sigkill"] = listing(run)
+    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
+    out["saves_after_sigkill"] = [m for m in read_metrics(run) if "save_stall_s" in m]
+    out["enospc"] = train("enospc_mid_write@4", "--resume")  # the disk fills inside step 4's background write
+    out["after_enospc"] = listing(run)
+    out["final_after_enospc"] = (run / "final").exists()
+    out["sigterm"] = train("sigterm@5", "--resume")  # preempted while step 4's checkpoint is in flight
+    out["after_sigterm"] = listing(run)
+    out["finish"] = train("", "--resume")
+    return out
+
+
+@pytest.mark.slow
+def test_async_kill_9_mid_background_write_keeps_the_previous_checkpoint(solo_async):
+    proc = solo_async["sigkill"]
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert "checkpoints: asynchronous" in proc.stdout
+    assert solo_async["after_sigkill"] == [".tmp-step-4", "step-2"]
+    partial, whole = solo_async["partial_after_sigkill"]
+    assert 0 < partial < whole, (partial, whole)
+    (saved,) = solo_async["saves_after_sigkill"]  # step 2's: complete only after step 3 (slow_write), not before
+    assert saved["checkpoint_step"] == 2 and saved["step"] >= 3, saved
+    assert 0 < saved["save_stall_s"] < saved["save_write_s"], saved
+    nxt = solo_async["enospc"]
+    assert "removed .tmp-step-4" in nxt.stdout and "step-2 at step 2" in nxt.stdout, nxt.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_async_disk_full_mid_background_write_fails_the_run(solo_async):
+    assert_disk_full_reported(solo_async["enospc"], 4, "step-2")
+    assert solo_async["after_enospc"] == ["step-2"]
+    assert not solo_async["final_after_enospc"]  # the run failed before its final export
+
+
+@pytest.mark.slow
+def test_async_sigterm_waits_for_the_save_in_flight(solo_async):
+    proc = solo_async["sigterm"]
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "stopped by SIGTERM after step 5" in proc.stderr and "step-5 is complete" in proc.stderr
+    assert solo_async["after_sigterm"] == ["step-2", "step-4", "step-5"]
+    # the resumes dropped the records of the steps they trained again (step 2's save completed at step 3)
+    saves = [m for m in read_metrics(solo_async["run"]) if "save_stall_s" in m]
+    assert [m["checkpoint_step"] for m in saves] == [4, 5, 6], saves
+    assert all(0 < m["save_stall_s"] <= m["save_write_s"] for m in saves), saves
+
+
+@pytest.mark.slow
+def test_async_resume_is_bit_exact_on_one_rank(solo, solo_async):
+    proc = solo_async["finish"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-5 at step 5" in proc.stdout and "checkpoints saved asynchronously: 1" in proc.stdout
+    assert_same_training(solo["ref"], solo_async["run"])
+
+
+@pytest.fixture(scope="module")
+def duo_async(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("duo_async")
+    config = async_config(tmp, on_nonfinite="skip")
+    run = tmp / "chain"
+    out = {"run": run}
+
+    def train(faults: str, *extra: str):
+        return run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}", *extra,
+                            env=fault_env(faults), check=False, timeout=400)
+
+    out["enospc"] = train("nan@2:1,slow_write@2:0,slow_write@2:1,enospc_mid_write@4:1")
+    out["after_enospc"] = listing(run)
+    out["sigkill"] = train("nan@2:1,sigkill_mid_write@4:1", "--resume")
+    out["after_sigkill"] = listing(run)
+    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
+    out["finish"] = train("nan@2:1", "--resume")
+    return out
+
+
+@pytest.mark.slow
+def test_async_disk_full_on_rank_1_fails_both_ranks(duo_async):
+    assert_rank_1_disk_full_reported(duo_async["enospc"], 4, "step-2")
+    assert duo_async["after_enospc"] == ["step-2"]
+
+
+@pytest.mark.slow
+def test_async_kill_9_of_rank_1_mid_background_write_keeps_the_checkpoint(duo_async):
+    proc = duo_async["sigkill"]
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-4000:]
+    assert duo_async["after_sigkill"] == [".tmp-step-4", "step-2"]
+    partial, whole = duo_async["partial_after_sigkill"]
+    assert 0 < partial < whole, (partial, whole)
+
+
+@pytest.mark.slow
+def test_async_resume_is_bit_exact_on_two_ranks(duo, duo_async):
+    proc = duo_async["finish"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "removed .tmp-step-4" in proc.stdout and "step-2 at step 2" in proc.stdout, proc.stdout[-3000:]
+    assert_same_training(duo["ref"], duo_async["run"])
 
 
 # ---- safe loading and tensor checks (no training)

@@ -6,6 +6,8 @@ registered objects such as the LR scheduler and the trainer state), ``model/`` (
 A folder without the record is never resumed from or exported, and older checkpoints are pruned only after a
 newer one is complete (Accelerate's ``total_limit`` deletes first). Every file and folder is fsynced before the
 record is written, and a re-save of an existing step swaps the new folder in atomically before deleting the old one.
+With ``train.async_save`` (:class:`Saver`) the model and optimizer shards are written in the background; the record
+still comes last, once every rank's background write has finished and been fsynced.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import errno
 import json
 import os
 import shutil
+import time
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -103,42 +109,193 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
     A failure on any rank (e.g. ENOSPC) removes the temporary folder and raises :class:`CheckpointError` on every
     rank, so that no rank waits forever for another; the previous complete checkpoint is left as it was.
     """
-    from hfsdp.distributed import any_rank
+    return Pending(accelerator, checkpoints, step, record, model_files, run_config_yaml).write_now()
 
-    final = step_dir(checkpoints, step)
-    tmp = checkpoints / f".tmp-{PREFIX}{step}"
 
-    def start() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+@dataclass
+class Pending:
+    """A checkpoint being written, in phases that every rank runs and agrees on (:meth:`_phase`): :meth:`begin`
+    creates the temporary folder and runs each rank's writer, :meth:`complete` waits for the writes the writer left
+    running in the background (``background``), fsyncs each rank's files, then writes the completion record and
+    renames the folder into place (main process)."""
 
-    def write() -> None:
-        accelerator.save_state(str(tmp), safe_serialization=True)
-        fsync_tree(tmp)  # on every rank: its own files are on disk before the record can call them complete
+    accelerator: Any
+    checkpoints: Path
+    step: int
+    record: dict[str, Any]
+    model_files: ModelFiles
+    run_config_yaml: str
+    background: list[Future] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    stall_s: float = 0.0  # how long the training loop was blocked by this save
+    write_s: float = 0.0  # from the start of the save until the checkpoint was complete
 
-    def finish() -> None:
-        (tmp / "model").mkdir()
-        model_files.save(tmp / "model")
-        model_files.record(tmp / "model")  # so that `hfsdp export` needs no transformers
-        (tmp / CONFIG_NAME).write_text(run_config_yaml)
-        fsync_tree(tmp)  # every file and folder of the checkpoint, before the record
-        write_atomic(tmp / RECORD, json.dumps(record, indent=2, sort_keys=True))
-        fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step: swapped in, the old copy deleted only afterwards
-            replace_folder(tmp, final)
-        else:
-            os.replace(tmp, final)
-            fsync_dir(checkpoints)
+    @property
+    def tmp(self) -> Path:
+        return self.checkpoints / f".tmp-{PREFIX}{self.step}"
 
-    main = accelerator.is_main_process
-    for phase, action in (("start", start if main else None), ("save_state", write),
-                          ("finish", finish if main else None)):
-        error = _attempt(action) if action is not None else None
-        if any_rank(accelerator, error is not None):  # also the barrier between the phases
+    @property
+    def final(self) -> Path:
+        return step_dir(self.checkpoints, self.step)
+
+    def begin(self, write: Callable[[], None]) -> None:
+        def start() -> None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True)
+
+        self._phase("start", start, main_only=True)
+        self._phase("save_state", write)
+
+    def write_now(self) -> Path:
+        """Synchronously: Accelerate's ``save_state`` on every rank, then :meth:`complete`."""
+        self.begin(lambda: self.accelerator.save_state(str(self.tmp), safe_serialization=True))
+        return self.complete()
+
+    def written(self) -> bool:
+        """Whether this rank's background writes have finished (or failed)."""
+        return all(future.done() for future in self.background)
+
+    def wait_here(self) -> None:
+        """Wait for this rank's background writes, whatever they end with (an exit path: no collective)."""
+        futures.wait(self.background)
+
+    def complete(self) -> Path:
+        def settle() -> None:
+            for future in self.background:
+                future.result()  # a background write's own error (DCP's CheckpointException, an OSError)
+            fsync_tree(self.tmp)  # on every rank: its own files are on disk before the record can call them complete
+
+        def finish() -> None:
+            (self.tmp / "model").mkdir()
+            self.model_files.save(self.tmp / "model")
+            self.model_files.record(self.tmp / "model")  # so that `hfsdp export` needs no transformers
+            (self.tmp / CONFIG_NAME).write_text(self.run_config_yaml)
+            fsync_tree(self.tmp)  # every file and folder of the checkpoint, before the record
+            write_atomic(self.tmp / RECORD, json.dumps(self.record, indent=2, sort_keys=True))
+            fsync_dir(self.tmp)
+            if self.final.exists():  # a re-save of the same step: swapped in, the old copy deleted only afterwards
+                replace_folder(self.tmp, self.final)
+            else:
+                os.replace(self.tmp, self.final)
+                fsync_dir(self.checkpoints)
+
+        self._phase("settle", settle)
+        self._phase("finish", finish, main_only=True)
+        self.write_s = time.perf_counter() - self.started
+        return self.final
+
+    def _phase(self, name: str, action: Callable[[], None], main_only: bool = False) -> None:
+        from hfsdp.distributed import any_rank
+
+        main = self.accelerator.is_main_process
+        error = _attempt(action) if main or not main_only else None
+        if any_rank(self.accelerator, error is not None):  # also the barrier between the phases
             if main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failed(checkpoints, step, error)
-    return final
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise _save_failed(self.checkpoints, self.step, error)
+
+
+class Saver:
+    """The run's checkpoints, one save at a time (:meth:`save`); each complete one goes to ``on_complete``.
+
+    Synchronous: Accelerate's ``save_state`` while the training loop waits. ``train.async_save``: SHARDED
+    checkpoints whose model and optimizer shards are staged into a host-memory copy (DCP's default stager: new
+    storage, never a view of the live tensors) and written by DCP's ``async_save`` in a background thread, each of
+    the two on a gloo group of its own (created here: collective), in the folders and format ``save_state`` writes
+    (``pytorch_model_fsdp_0/``, ``optimizer_0/``), so that ``load_state`` and ``hfsdp export`` read them unchanged;
+    the rest of ``save_state`` (LR scheduler, RNG, registered objects) is small and written before training
+    continues. At most one save is in flight: the next :meth:`save` and :meth:`wait` complete it first. A checkpoint
+    is complete, as a synchronous one, only once every rank's write has finished and been fsynced (:meth:`poll`,
+    :meth:`wait`); a failed background write raises :class:`CheckpointError` there, on every rank."""
+
+    def __init__(self, accelerator, model, optimizer, asynchronous: bool, timeout_s: int,
+                 on_complete: Callable[[Pending], None]):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.asynchronous, self.on_complete = asynchronous, on_complete
+        self.pending: Pending | None = None
+        self.completed: list[Pending] = []  # in this process
+        self.groups = []
+        if asynchronous:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            self.groups = [dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) for _ in range(2)]
+
+    def save(self, pending: Pending) -> None:
+        """Start ``pending`` (synchronous: write and complete it), once the save in flight is complete."""
+        t0 = time.perf_counter()
+        self.wait()
+        pending.started = time.perf_counter()
+        if self.asynchronous:
+            pending.begin(lambda: self._write_in_background(pending))
+            self.pending = pending
+            pending.stall_s = time.perf_counter() - t0
+        else:
+            pending.write_now()
+            pending.stall_s = time.perf_counter() - t0
+            self._completed(pending)
+
+    def _write_in_background(self, pending: Pending) -> None:
+        import torch.distributed.checkpoint as dcp
+        from accelerate.checkpointing import save_accelerator_state, save_custom_state
+        from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        acc, tmp = self.accelerator, pending.tmp
+        each_node = acc.project_configuration.save_on_each_node
+        # What save_state writes besides the model and optimizer (which go to DCP below), for the same objects.
+        save_accelerator_state(str(tmp), [], [], acc._schedulers, acc._dataloaders, acc.process_index, acc.step,
+                               acc.scaler, save_on_each_node=each_node, safe_serialization=True)
+        for i, obj in enumerate(acc._custom_objects):
+            save_custom_state(obj, str(tmp), i, save_on_each_node=each_node)
+        model_state, optimizer_state = get_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
+                                                      options=StateDictOptions(full_state_dict=False))
+        for folder, key, state, group in ((f"{FSDP_MODEL_NAME}_0", "model", model_state, self.groups[0]),
+                                          (f"{OPTIMIZER_NAME}_0", "optimizer", optimizer_state, self.groups[1])):
+            # staged (copied into host memory) before it returns, then written by a thread of its own
+            pending.background.append(dcp.async_save({key: state}, checkpoint_id=str(tmp / folder),
+                                                     process_group=group))
+
+    def poll(self) -> None:
+        """Complete the save in flight if every rank's background write has finished. Collective: every rank calls
+        it at the same point of every step."""
+        from hfsdp.distributed import any_rank
+
+        if self.pending is not None and not any_rank(self.accelerator, not self.pending.written()):
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight and complete it (collective); the newest complete checkpoint this process
+        saved (None: none)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait_here()
+            pending.complete()
+            self._completed(pending)
+        return self.completed[-1].final if self.completed else None
+
+    def _completed(self, pending: Pending) -> None:
+        self.completed.append(pending)
+        self.on_complete(pending)
+
+    def summary(self) -> dict[str, Any]:
+        """How this process's saves went: their mode, count and median stall and write times (seconds)."""
+        import statistics
+
+        def median(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        return {"mode": "asynchronously" if self.asynchronous else "synchronously", "count": len(self.completed),
+                "stall_s_median": median([p.stall_s for p in self.completed]),
+                "write_s_median": median([p.write_s for p in self.completed])}
+
+    def abandon(self) -> None:
+        """An exit path (an error, perhaps another rank's): wait for this rank's background writes, without a
+        collective, and leave their checkpoint incomplete (the next ``--resume`` removes it)."""
+        if self.pending is not None:
+            self.pending.wait_here()
+            self.pending = None
 
 
 def _root_causes(error: BaseException) -> list[tuple[str, BaseException]]:

@@ -29,6 +29,7 @@ RESUMABLE_CHANGES = (
     "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "generation_eval",
     "fsdp.single_process",  # how one process runs the same steps; RunSetup keeps FSDP to resume an FSDP checkpoint
     "train.compile", "train.chunked_loss",  # the same steps, computed faster or in less memory
+    "train.async_save",  # the same checkpoint, written while training continues
 )
 # The batch keys may change on resume as long as the global batch they make stays the same.
 BATCH_KEYS = ("train.per_device_batch_size", "train.gradient_accumulation_steps")

@@ -7,10 +7,14 @@ a reference run and an interrupted run can share one config (the plugin list is 
 
 * ``sigterm`` / ``sigint``: the process signals itself at the end of optimizer step STEP;
 * ``sigkill_mid_write``: while ``save_state`` for step STEP writes the model's DCP shard file
-  (``pytorch_model_fsdp_0/__<rank>_0.distcp``), after its first tensor, half of the next tensor's bytes are written
+  (``pytorch_model_fsdp_0/__<rank>_0.distcp``, in ``.tmp-step-STEP/``, whichever thread writes it), after its first
+  tensor, half of the next tensor's bytes are written
   and synced, then the process SIGKILLs itself: a partially written shard file is left on disk;
 * ``enospc_mid_write``: the same inside the optimizer's shard file (``optimizer_0/``), then the write raises
   ``OSError(ENOSPC)``, as a full disk would;
+* ``slow_write``: the writes of the checkpoint of step STEP wait (up to 120 s) until the training loop has
+  finished step STEP + 1, so that a background save (``train.async_save``) is still writing while the next step
+  changes the parameters and optimizer state it saves (async only: a synchronous save would wait the 120 s);
 * ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK;
 * ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP.
 
@@ -21,7 +25,9 @@ Faults fire in a job's first attempt only: workers that ``torchrun --max-restart
 import errno
 import io
 import os
+import re
 import signal
+import time
 
 import torch
 
@@ -61,15 +67,19 @@ def hfsdp_modify_model(model):
 @hookimpl
 def hfsdp_on_train_start(run):
     _state["step"] = run.state.step
-    kills, enospc = _faults("sigkill_mid_write"), _faults("enospc_mid_write")
-    if not (kills or enospc):
+    kills, enospc, slow = _faults("sigkill_mid_write"), _faults("enospc_mid_write"), _faults("slow_write")
+    if not (kills or enospc or slow):
         return
     import torch.distributed.checkpoint.filesystem as dcp_files
 
     original = dcp_files._write_item  # DCP's writer looks it up at call time, once per item
 
     def write_item(transforms, stream, data, item, storage_key, serialization_format):
-        step = run.state.step  # checkpoints are saved after the step counter moved on
+        saving = re.search(r"/\.tmp-step-(\d+)/", str(stream.name))  # the step of the checkpoint being written
+        step = int(saving.group(1)) if saving else None
+        deadline = time.monotonic() + 120
+        while step in slow and _state["step"] <= step and time.monotonic() < deadline:
+            time.sleep(0.05)
         folder = "pytorch_model_fsdp_0" if step in kills else "optimizer_0" if step in enospc else None
         if folder and f"/{folder}/" in str(stream.name) and stream.tell() > 0 and isinstance(data, torch.Tensor):
             encoded = io.BytesIO()
