@@ -5,7 +5,7 @@ tokenizes them itself, by its own conventions), the same pairs in the same order
 read sequentially by TRL), the same beta, AdamW hyper-parameters, LR schedule and gradient clipping, fp32, one
 process, full fine-tuning without gradient checkpointing. TRL gets a second copy of the model as its reference;
 hfsdp computes the reference log-probs once before training (``dpo.reference: precomputed``). Prints both
-trajectories (loss and reward margin per step), their largest differences against the targets (losses within 1e-4
+trajectories (loss and reward margin per step; the first ``steps x batch`` rows of the data, one epoch), their largest differences against the targets (losses within 1e-4
 relative, margins within 1e-3), hfsdp's step-0 distance from ln 2, and the step-time ratio (median, first step left
 out).
 
@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -38,11 +37,11 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     import datasets
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     from hfsdp import data, models
     from hfsdp.cli import _cache_dir
+    from trl_sft import step_times  # benchmarks/, next to this file
 
     t = cfg.train
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
@@ -68,15 +67,6 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
             margins.append(self._metrics["train"]["rewards/margins"][-1])
             return loss
 
-    class StepTimes(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            times.append(now - self.last)
-            self.last = now
-
     torch.manual_seed(t.seed)
     model, ref_model = models.load_model(path, cfg.model), models.load_model(path, cfg.model)
     section = cfg.section("dpo")
@@ -93,7 +83,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
             loss_type=[section.loss_type], label_smoothing=section.label_smoothing, precompute_ref_log_probs=False,
         )
         trainer = InPlanOrder(model=model, ref_model=ref_model, args=args, train_dataset=ordered,
-                              processing_class=tokenizer, callbacks=[StepTimes()])
+                              processing_class=tokenizer, callbacks=[step_times(times)])
         trainer.train()
     return losses, margins, times
 
@@ -108,7 +98,13 @@ def main() -> None:
     from hfsdp.config import load_config
 
     overrides = [f"train.max_steps={args.steps}", "train.eval_every=null", "train.eval_at_start=false",
-                 "train.log_every=1", "train.export_final=false", *args.overrides]
+                 "train.log_every=1", "train.export_final=false", "data.eval_path=null", *args.overrides]
+    cfg, _ = load_config(args.config, overrides)
+    # The first rows the steps train on, as the data file: hfsdp precomputes reference log-probs for these only.
+    rows = Path(cfg.data.path).read_text().splitlines()[:args.steps * cfg.train.per_device_batch_size]
+    subset = Path(tempfile.mkdtemp()) / "pairs.jsonl"
+    subset.write_text("\n".join(rows) + "\n")
+    overrides.append(f"data.path={subset}")
     cfg, host = load_config(args.config, overrides)
     if cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no" or cfg.plugins != ["dpo"]:
         raise SystemExit("trl_dpo.py compares one process, fp32, full fine-tuning, without gradient accumulation")

@@ -522,7 +522,7 @@ class MicroBatch:
     inputs: dict[str, Any]  # what the model gets (``model_inputs``, maybe ``logits_to_keep``)
     targets: torch.Tensor  # the next-token label of each logit the model returns (IGNORE_INDEX: no loss there)
     lengths: list[int]  # real (non-padding) tokens of each row
-    num_targets: int  # labelled positions: what the loss sums over
+    num_targets: int  # what the loss sums over: labelled positions (an objective's own units, e.g. DPO's pairs)
     label_positions: torch.Tensor | None = None  # flat indices of the labelled targets (what the chunked loss reads)
 
     @property

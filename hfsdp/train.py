@@ -3,7 +3,8 @@
 Loss normalisation: every micro-batch's summed token loss is divided by the number of labelled tokens in the whole
 global batch (all micro-batches on all ranks), and multiplied by the world size because FSDP/DDP average gradients
 over ranks. A step on N ranks therefore computes exactly the gradient of a single-process step on the same global
-batch, whatever the padding or the split.
+batch, whatever the padding or the split. A plugin's objective (``hfsdp_objective``, :mod:`hfsdp.objective`) is
+normalised the same way, by its own units (``MicroBatch.num_targets``: e.g. the preference pairs of DPO).
 """
 
 from __future__ import annotations
@@ -362,8 +363,8 @@ def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_pat
                    world: World, packed: bool, objective: Objective | None = None):
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
     it (counted before sharding) and the loss to train it with (a plugin's ``objective``, else, by
-    ``train.chunked_loss``: :class:`loss.ChunkedLoss` where the probe proves it exact, else :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays
-    inside each sample."""
+    ``train.chunked_loss``: :class:`loss.ChunkedLoss` where the probe proves it exact, else
+    :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config)
     model = models.load_model(model_path, config.model, empty=empty)
