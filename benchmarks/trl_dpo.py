@@ -4,10 +4,10 @@ Both train the same model folder (hfsdp's cache of the built-in model) on the sa
 tokenizes them itself, by its own conventions), the same pairs in the same order per step (hfsdp's ``BatchPlan``,
 read sequentially by TRL), the same beta, AdamW hyper-parameters, LR schedule and gradient clipping, fp32, one
 process, full fine-tuning without gradient checkpointing. TRL gets a second copy of the model as its reference;
-hfsdp computes the reference log-probs once before training (``dpo.reference: precomputed``). Prints both
-trajectories (loss and reward margin per step; the first ``steps x batch`` rows of the data, one epoch), their largest differences against the targets (losses within 1e-4
-relative, margins within 1e-3), hfsdp's step-0 distance from ln 2, and the step-time ratio (median, first step left
-out).
+hfsdp computes the reference log-probs once before training (``dpo.reference: precomputed``). Both train one epoch
+of the data's first ``steps x batch`` rows. Prints both trajectories (loss and reward margin per step), their
+largest differences against the targets (losses within 1e-4 relative, margins within 1e-3), hfsdp's step-0
+distance from ln 2, and the step-time ratio (median, first step left out).
 
     python benchmarks/trl_dpo.py [CONFIG] --steps 8 [--set KEY=VALUE ...]
 
