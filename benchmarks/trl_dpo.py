@@ -63,7 +63,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             margins.append(self._metrics["train"]["rewards/margins"][-1])
             return loss
 
