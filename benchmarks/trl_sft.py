@@ -22,6 +22,22 @@ import time
 from pathlib import Path
 
 
+def step_times(times: list[float]):
+    """A ``TrainerCallback`` that appends the wall time of every iteration (one step end to the next) to ``times``."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            times.append(now - self.last)
+            self.last = now
+
+    return StepTimes()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config", nargs="?", default="default")
@@ -33,7 +49,6 @@ def main() -> None:
     import datasets
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from hfsdp import data, models
@@ -60,16 +75,6 @@ def main() -> None:
             return SequentialSampler(self.train_dataset)
 
     times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            times.append(now - self.last)
-            self.last = now
-
     torch.manual_seed(t.seed)
     model = models.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
@@ -84,7 +89,7 @@ def main() -> None:
             dataloader_num_workers=0, max_length=None, packing=False,
         )
         trainer = InPlanOrder(model=model, args=sft, train_dataset=ordered, processing_class=tokenizer,
-                              callbacks=[StepTimes()])
+                              callbacks=[step_times(times)])
         trainer.train()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"step_times_s": times, "tokens": step_tokens[:len(times)], "world_size": 1,

@@ -712,6 +712,9 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     formats = host.dataset_formats()
 
     def format_problems() -> list[tuple[str, str]]:
+        if config.data.format == "preference" and not host.implementers("hfsdp_objective"):
+            return [("data.format", "preference rows train a preference objective: enable one (plugins: [dpo]), or "
+                                    "use data.format: chat or instruction for supervised fine-tuning")]
         if config.data.format in formats:
             return []
         return [("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}")]

@@ -149,16 +149,21 @@ def _no_rows_fix(cfg: DataConfig) -> str:
 
 
 def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
+    """The length policy, per row. A row may hold several sequences (``input_ids``, and e.g. a preference row's
+    ``rejected_input_ids``, each with its labels column named like it): it is too long if any is, truncation cuts each
+    (keeping its start), and it has no trainable tokens if any of its labels columns has none."""
     out: dict[str, list] = {k: [] for k in batch}
     out["_truncated"], out["_dropped_long"], out["_dropped_empty"] = [], [], []
-    for i, ids in enumerate(batch["input_ids"]):
+    sequences = [k for k in batch if k.endswith("input_ids")]
+    labels = [k for k in batch if k.endswith("labels")]
+    for i in range(len(batch["input_ids"])):
         row = {k: batch[k][i] for k in batch}
-        too_long = len(ids) > cfg.max_seq_len
+        too_long = any(len(row[k]) > cfg.max_seq_len for k in sequences)
         if too_long and cfg.too_long == "truncate":
             row = {k: v[: cfg.max_seq_len] if isinstance(v, list) else v for k, v in row.items()}
         dropped_long = too_long and cfg.too_long == "drop"
         # Labels are shifted by one inside the loss, so a row needs a labelled token after position 0.
-        empty = not dropped_long and all(label == IGNORE_INDEX for label in row["labels"][1:])
+        empty = not dropped_long and any(all(label == IGNORE_INDEX for label in row[k][1:]) for k in labels)
         for k in batch:
             out[k].append(row[k])
         out["_truncated"].append(too_long and not dropped_long)
@@ -517,12 +522,17 @@ class MicroBatch:
     inputs: dict[str, Any]  # what the model gets (``model_inputs``, maybe ``logits_to_keep``)
     targets: torch.Tensor  # the next-token label of each logit the model returns (IGNORE_INDEX: no loss there)
     lengths: list[int]  # real (non-padding) tokens of each row
-    num_targets: int  # labelled positions: what the loss sums over
+    num_targets: int  # what the loss sums over: labelled positions (an objective's own units, e.g. DPO's pairs)
     label_positions: torch.Tensor | None = None  # flat indices of the labelled targets (what the chunked loss reads)
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    def make_filler(self) -> None:
+        """No loss in this batch: a filler forward, so that every rank runs the same number of them (eval)."""
+        self.targets.fill_(IGNORE_INDEX)
+        self.num_targets, self.label_positions = 0, self.label_positions[:0]
 
 
 def micro_batch(rows: list[dict[str, list[int]]], pad_id: int, device, select_logits: bool = False) -> MicroBatch:
@@ -552,9 +562,9 @@ def micro_batch(rows: list[dict[str, list[int]]], pad_id: int, device, select_lo
 
 
 def micro_batches(dataset, plan: "BatchPlan", step: int, rank: int, pad_id: int, device,
-                  select_logits: bool = False) -> list[MicroBatch]:
-    """This rank's micro-batches of optimizer step ``step``."""
-    return [micro_batch([dataset[i] for i in plan.rows(step, m, rank)], pad_id, device, select_logits)
+                  select_logits: bool = False, make: Callable[..., MicroBatch] = micro_batch) -> list[MicroBatch]:
+    """This rank's micro-batches of optimizer step ``step`` (``make``: an objective's ``micro_batch``)."""
+    return [make([dataset[i] for i in plan.rows(step, m, rank)], pad_id, device, select_logits)
             for m in range(plan.accumulation)]
 
 

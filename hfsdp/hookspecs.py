@@ -133,6 +133,20 @@ def hfsdp_on_export(out_dir, destination, config, written_by, model_config, toke
 
 
 @hookspec
+def hfsdp_objective(config, tokenizer):
+    """Replace the training objective (the summed next-token cross entropy of labelled tokens) with another one:
+    return an :class:`hfsdp.objective.Objective` or None. At most one enabled plugin may return one.
+
+    Called once on every rank, after the data is prepared and before the model loads. The loop stays the same: the
+    objective builds each micro-batch from its rows (``micro_batch``; its ``num_targets`` is what the loss is averaged
+    over, e.g. the preference pairs), gives the micro-batch's summed loss (``loss``; hfsdp divides by the global
+    batch's ``num_targets``, so N ranks compute the gradient of one process), may prepare the splits once the model is
+    sharded (``prepare``, e.g. reference log-probs) and reports its metrics (``take_metrics``) for each step and eval.
+    Preference losses (DPO, IPO, ORPO, SimPO...) read rows of the built-in ``preference`` format.
+    """
+
+
+@hookspec
 def hfsdp_on_train_start(run):
     """Training is about to start: the model is sharded and the "before" eval ran; step 1 (or the resumed step)
     comes next. Every rank. ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, optimizer,

@@ -3,7 +3,8 @@
 Loss normalisation: every micro-batch's summed token loss is divided by the number of labelled tokens in the whole
 global batch (all micro-batches on all ranks), and multiplied by the world size because FSDP/DDP average gradients
 over ranks. A step on N ranks therefore computes exactly the gradient of a single-process step on the same global
-batch, whatever the padding or the split.
+batch, whatever the padding or the split. A plugin's objective (``hfsdp_objective``, :mod:`hfsdp.objective`) is
+normalised the same way, by its own units (``MicroBatch.num_targets``: e.g. the preference pairs of DPO).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hfsdp.distributed import (
     report_optimizer_state, report_startup,
 )
 from hfsdp.errors import UserError
+from hfsdp.objective import Objective, objective_of
 from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
 
@@ -89,6 +91,7 @@ class Run:
     model_files: ModelFiles | None = None  # what checkpoints and exports write besides the weights
     resume_identity: dict[str, Any] = field(default_factory=dict)  # the schedule length and data a resume must keep
     loss: Any = losses.token_loss_sum  # loss(model, batch): the micro-batch's summed token loss (hfsdp.loss)
+    objective: Objective | None = None  # a plugin's objective (hook hfsdp_objective; then it is also ``loss``)
 
 
 @dataclass
@@ -152,23 +155,25 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
 
 @torch.no_grad()
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
-             loss_sum_of=losses.token_loss_sum) -> dict[str, float]:
+             loss_sum_of=losses.token_loss_sum, objective: Objective | None = None) -> dict[str, float]:
     model.eval()
+    make_batch = objective.micro_batch if objective is not None else data.micro_batch
     batches = data.eval_batches(len(dataset), config.train.per_device_batch_size,
                                 accelerator.num_processes, accelerator.process_index)
     if config.train.max_eval_batches:
         batches = batches[: config.train.max_eval_batches]
     loss_sum, tokens = 0.0, 0
     for rows in batches:
-        batch = data.micro_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
+        batch = make_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
         if rows is None:  # filler so that every rank runs the same number of forwards
-            batch.targets.fill_(data.IGNORE_INDEX)
-            batch.num_targets, batch.label_positions = 0, batch.label_positions[:0]
+            batch.make_filler()
         loss_sum += float(loss_sum_of(model, batch))
         tokens += batch.num_targets
     model.train()
     loss_sum, tokens = all_sum(accelerator, [loss_sum, tokens])
     loss = loss_sum / max(tokens, 1)
+    if objective is not None:  # its loss is no token cross entropy: no perplexity
+        return {"eval_loss": loss, **objective.take_metrics(accelerator, prefix="eval_")}
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
 
 
@@ -232,6 +237,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         # ---- data
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
+        objective = objective_of(host, config, tokenizer)
         plan = data.BatchPlan.for_run(train_set, config.train, world.size)
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
@@ -240,7 +246,12 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, loss = load_and_shard(accelerator, setup, host, model_path, model_config, tokenizer,
-                                                       packed="position_ids" in train_set.column_names)
+                                                       packed="position_ids" in train_set.column_names,
+                                                       objective=objective)
+        if objective is not None:  # before a resume restores the checkpoint: e.g. reference log-probs of the base
+            splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set
+                                       is not None else {})}, opts.cache_dir, model_path)
+            train_set, eval_set = splits["train"], splits.get("eval")
         unwrapped = accelerator.unwrap_model(model)
         select_logits = models.accepts_logits_to_keep(unwrapped)
         report = report_startup(setup, accelerator, model, output_dir)
@@ -260,7 +271,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer, model_config=model_config, generation_config=generation_config,
                   model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
-                  loss=loss)
+                  loss=loss, objective=objective)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
         saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
                                  config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done))
@@ -280,7 +291,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
                 batches = data.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                             tokenizer.pad_token_id, accelerator.device, select_logits)
+                                             tokenizer.pad_token_id, accelerator.device, select_logits,
+                                             objective.micro_batch if objective is not None else data.micro_batch)
                 result = train_step(run, batches, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
@@ -291,6 +303,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                     **meter.step(result.tokens, result.sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
                     **compile_metrics(config),
+                    **(objective.take_metrics(accelerator) if objective is not None else {}),
                 }
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
@@ -351,11 +364,11 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
 
 
 def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: str, model_config, tokenizer,
-                   packed: bool):
+                   packed: bool, objective: Objective | None = None):
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
-    it (counted before sharding) and the loss to train it with (``train.chunked_loss``: :class:`loss.ChunkedLoss`
-    where the probe proves it exact, else :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays
-    inside each sample."""
+    it (counted before sharding) and the loss to train it with (a plugin's ``objective``, else, by
+    ``train.chunked_loss``: :class:`loss.ChunkedLoss` where the probe proves it exact, else
+    :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
@@ -364,11 +377,14 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
                        setup=setup)
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
-    chunked = losses.ChunkedLoss(model, vocab_size) if config.train.chunked_loss and losses.output_head(model) else None
+    chunked = (losses.ChunkedLoss(model, vocab_size)
+               if config.train.chunked_loss and objective is None and losses.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     if packed:
         data.check_packed_attention(model, vocab_size, accelerator.device)
+    if objective is not None:
+        return model, optimizer, flops, objective
     loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
         else losses.token_loss_sum
     return model, optimizer, flops, loss
@@ -389,7 +405,7 @@ class Evaluator:
         results: dict[str, Any] = {}
         if self.eval_set is not None:
             results.update(evaluate(run.model, self.eval_set, run.config, run.accelerator, run.tokenizer.pad_token_id,
-                                    self.select_logits, run.loss))
+                                    self.select_logits, run.loss, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
                                            run.config.generation_eval.max_new_tokens)
@@ -495,7 +511,9 @@ def log_step(run: Run, step_metrics: dict[str, Any], metrics: MetricsWriter, pro
     step = run.state.step
     if progress is not None:
         progress.update(1)
+        shown = run.objective.progress_metrics if run.objective is not None else ()
         progress.set_postfix(loss=f"{step_metrics['loss']:.4f}", lr=f"{step_metrics['lr']:.2e}",
+                             **{name.rsplit("/", 1)[-1]: f"{step_metrics[name]:.3f}" for name in shown},
                              **meter.postfix(step_metrics))
     if step % run.config.train.log_every == 0 or step == max_steps or step == 1:
         metrics.write(step, step_metrics)
@@ -562,10 +580,12 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
              + (f", {summary['skipped_steps']} skipped" if summary["skipped_steps"] else ""),
              throughput.format_throughput(summary["throughput"])]
     if "eval_loss" in before and "eval_loss" in after:
-        lines.append(f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f} "
-                     f"(perplexity {before['eval_ppl']:.2f} -> {after['eval_ppl']:.2f})")
+        lines.append(f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}"
+                     + (f" (perplexity {before['eval_ppl']:.2f} -> {after['eval_ppl']:.2f})" if "eval_ppl" in after
+                        else ""))
     elif "eval_loss" in after:
-        lines.append(f"eval loss {after['eval_loss']:.4f} (perplexity {after['eval_ppl']:.2f})")
+        lines.append(f"eval loss {after['eval_loss']:.4f}"
+                     + (f" (perplexity {after['eval_ppl']:.2f})" if "eval_ppl" in after else ""))
     if "gen_exact_match" in before and "gen_exact_match" in after:
         lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}")
     show = config.generation_eval.show if config.generation_eval else 0

@@ -3,6 +3,9 @@
 A held-out split makes the effect of fine-tuning measurable as exact-match accuracy: the pretrained
 SmolLM2-135M-Instruct answers in prose or malformed JSON; after a few dozen steps it answers in the format.
 Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/presets/data/contacts_*.jsonl)
+
+The preference files (contacts_pref_<split>.jsonl, for ``data.format: preference``) pair the first rows' prompt with
+the right JSON (chosen) and the same JSON with one field wrong (rejected): TRL's conversational shape.
 """
 
 import json
@@ -57,12 +60,34 @@ def splits() -> dict[str, list[dict]]:
     return {split: [example(rng) for _ in range(count)] for split, count in (("train", 1000), ("eval", 64))}
 
 
+def preference(row: dict, rng: random.Random) -> dict:
+    """A preference pair of a contacts row: its answer chosen, the answer with one field wrong rejected."""
+    prompt, answer = row["messages"]
+    person = json.loads(answer["content"])
+    wrong = dict(person)
+    key = rng.choice(["age", "city", "job"])
+    if key == "age":
+        wrong["age"] = person["age"] + rng.choice([-10, -5, -1, 1, 5, 10])
+    else:
+        wrong[key] = rng.choice([v for v in (CITIES if key == "city" else JOBS) if v != person[key]])
+    return {"prompt": [prompt], "chosen": [answer],
+            "rejected": [{"role": "assistant", "content": json.dumps(wrong)}]}
+
+
+def preference_splits() -> dict[str, list[dict]]:
+    """The rows of each preference file (contacts_pref_<split>.jsonl): pairs of the first rows of each split."""
+    rng = random.Random(4321)
+    return {split: [preference(row, rng) for row in rows[:count]]
+            for (split, rows), count in zip(splits().items(), (256, 32))}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for split, rows in splits().items():
-        with open(OUT / f"contacts_{split}.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits())):
+        for split, rows in split_rows.items():
+            with open(OUT / f"{name}_{split}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -250,7 +250,40 @@ CASES: dict[str, Case] = {
         lambda d, s: ["export", str(_with_config(_fake_checkpoint(d / "run", _cfg(d)), d)), str(d / "out"),
                       "--set", "train.max_stepz=1"],
         "train.max_stepz: unknown key"),
+    # --- preference tuning (plugin dpo, format preference): refused before any weight loads
+    "preference row with an empty chosen": (
+        lambda d, s: ["train", _pref(d, [{"prompt": "Q: 1+1?", "chosen": "", "rejected": " 3"}])],
+        "row 1 (counting from 0): the chosen completion is empty"),
+    "preference row without a rejected": (
+        lambda d, s: ["train", _pref(d, [{"prompt": "Q: 1+1?", "chosen": " 2"}])],
+        "row 1 (counting from 0): the rejected completion is missing"),
+    "preference row with chosen equal to rejected": (
+        lambda d, s: ["train", _pref(d, [{"prompt": "Q: 1+1?", "chosen": " 2", "rejected": " 2"}])],
+        "row 1 (counting from 0): chosen and rejected are the same"),
+    "preference prompt that fills max_seq_len": (
+        lambda d, s: ["train", _pref(d, [{"prompt": "Q: what is one plus one, twice? " * 4, "chosen": " 4",
+                                          "rejected": " 3"}], max_seq_len=16)],
+        "row 1 (counting from 0): the prompt has 41 tokens and fills data.max_seq_len (16)"),
+    "dpo without a reference route": (
+        lambda d, s: ["train", _pref(d, [], dpo={"reference": "adapter"})],
+        "dpo.reference: adapter: the reference is the base model with the LoRA adapters disabled, but lora is not "
+        "enabled"),
+    "dpo with packing": (lambda d, s: ["train", _pref(d, [], plugins=["dpo", "packing"])],
+                         "packing cannot pack preference rows"),
+    "dpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["dpo"])],
+                         "data.format: dpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
+    "preference rows without a preference objective": (lambda d, s: ["train", _pref(d, [], plugins=[])],
+                                                       "data.format: preference rows train a preference objective"),
 }
+
+PAIR = {"prompt": "Q: what is 2+2?", "chosen": " 4", "rejected": " 5"}
+
+
+def _pref(case: Path, rows: list[dict], max_seq_len: int = 64, plugins: list[str] = ("dpo",), **sections) -> str:
+    """A dpo config on a preference file of a good pair followed by ``rows``."""
+    path = _write(case / "pref.jsonl", "".join(json.dumps(r) + "\n" for r in [PAIR, *rows]))
+    return _cfg(case, plugins=list(plugins), data={"format": "preference", "path": path, "eval_path": None,
+                                                   "max_seq_len": max_seq_len}, **sections)
 
 
 def _model_copy(shared: dict, case: Path, replace: dict) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import PRESET_DATA, read_metrics, run_cli, run_torchrun, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,10 @@ TRAIN = {"max_steps": STEPS, "save_every": 2, "lr_scheduler": "constant", "weigh
          "collective_timeout_s": 120}  # a hang fails in minutes
 LORA = {"plugins": ["lora"]}
 PACKING = {"plugins": ["packing"], "data": {"max_seq_len": 256}}  # rows of ~80 tokens: about 3 per packed row
+
+# DPO (plugin dpo) on the bundled preference pairs: full fine-tuning, reference log-probs precomputed and cached
+DPO = {"plugins": ["dpo"], "data": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
+                                    "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}}
 
 # option name -> config sections merged over the tiny preset
 OPTIONS = {
@@ -49,6 +53,7 @@ OPTIONS = {
     "plain_loss": {"train": {"chunked_loss": False}},  # the full-logits loss (the chunked one is the default)
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
     "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
+    "dpo": DPO,
 }
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -191,7 +196,7 @@ def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16"):
+    for option in ("packing", "lora", "bf16", "dpo"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -234,7 +239,7 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "async_save")])
+                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])

@@ -26,3 +26,14 @@ def test_bundled_rows_are_the_generators_and_say_an_before_a_vowel():
         wrong = [p for p in prompts if re.search(r"\ba [aeiou]", p)]
         assert not wrong, wrong[:3]
         assert sum(" an " in p for p in prompts) > 0  # "an electrician", "an engineer", "an architect"
+
+
+def test_bundled_preference_rows_are_the_generators_pairs_of_a_right_and_a_wrong_answer():
+    module = generator()
+    for split, expected in module.preference_splits().items():
+        bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_pref_{split}.jsonl").read_text().splitlines()]
+        assert bundled == expected, f"contacts_pref_{split}.jsonl is stale: run python scripts/make_demo_data.py"
+        sft = module.splits()[split]
+        for row, source in zip(bundled, sft):
+            assert row["prompt"] + row["chosen"] == source["messages"]
+            assert row["chosen"][0]["content"] != row["rejected"][0]["content"]

@@ -110,8 +110,10 @@ def test_hfsdp_plugins_lists_builtins_and_path_plugins(tmp_path):
     rows = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
     assert "built-in" in rows["chat"] and "always on" in rows["chat"]
     assert "built-in" in rows["safetensors_export"] and "always on" in rows["safetensors_export"]  # name configs use
-    for name in ("lora", "packing"):
+    assert "built-in" in rows["preference"] and "always on" in rows["preference"]
+    for name in ("lora", "packing", "dpo"):
         assert "built-in" in rows[name] and "enable in `plugins:`" in rows[name]
+    assert "hfsdp_objective" in lines[lines.index(rows["dpo"]) + 1]
     assert re.search(r"listed\s+1\.2\.3\s+path", rows["listed"])
     hooks = lines[lines.index(rows["lora"]) + 1]
     assert "hfsdp_modify_model" in hooks and "hfsdp_export" in hooks and "hfsdp_config_section" in hooks

@@ -1,0 +1,132 @@
+"""Training objectives other than next-token cross entropy, returned by a plugin's ``hfsdp_objective`` hook.
+
+The loop (``hfsdp.train``) stays one loop: each micro-batch comes from :meth:`Objective.micro_batch`, its loss from
+:meth:`Objective.loss` (summed over the micro-batch's ``num_targets`` units), and hfsdp divides it by the units of the
+whole global batch, as it does for tokens, so a step on N ranks computes the gradient of one process.
+:meth:`Objective.prepare` runs once after the model is sharded (before training, the eval at start and a resume's
+restore), and :meth:`Objective.take_metrics` turns what the loss calls recorded into metrics, after every step and
+every eval.
+
+:class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo``; a
+third-party ORPO or SimPO): rows of the built-in ``preference`` format become one micro-batch of the chosen rows
+followed by the rejected rows (one forward, so the FSDP collectives stay in lock-step), ``num_targets`` is the number
+of pairs, and :meth:`PreferenceObjective.completion_logps` gives each row's summed completion log-probability.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.data import MicroBatch, micro_batch
+from hfsdp.errors import ConfigError
+
+# The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).
+REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
+
+
+class Objective:
+    """A training objective. Subclasses implement :meth:`loss`; the other methods have working defaults."""
+
+    #: metric names :meth:`take_metrics` reports that the progress bar shows (by their last path part).
+    progress_metrics: tuple[str, ...] = ()
+
+    def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
+        """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""
+        return micro_batch(rows, pad_id, device, select_logits)
+
+    def prepare(self, model, accelerator, splits: dict[str, Any], cache_dir, model_path: str) -> dict[str, Any]:
+        """Once, every rank, after sharding and before training: return the splits (``train``, maybe ``eval``), e.g.
+        with columns added. Collective: every rank must run the same forwards."""
+        return splits
+
+    def loss(self, model, batch: MicroBatch) -> torch.Tensor:
+        """The micro-batch's summed loss (a 0-dim tensor with its graph); record metrics here, on the device."""
+        raise NotImplementedError(f"{type(self).__name__} must implement loss(model, batch)")
+
+    def __call__(self, model, batch: MicroBatch) -> torch.Tensor:  # the loop's ``run.loss(model, batch)``
+        return self.loss(model, batch)
+
+    def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
+        """The metrics recorded since the last call, over all ranks (collective), each name with ``prefix``."""
+        return {}
+
+
+def objective_of(host, config, tokenizer) -> Objective | None:
+    """The objective an enabled plugin returns from ``hfsdp_objective``, or None (next-token cross entropy)."""
+    returned = host.call("hfsdp_objective", config=config, tokenizer=tokenizer)
+    if len(returned) > 1:
+        raise ConfigError([("plugins", "two plugins replace the training objective: "
+                                       f"{', '.join(name for name, _ in returned)}; enable one of them")])
+    if not returned:
+        return None
+    plugin, objective = returned[0]
+    if not isinstance(objective, Objective):
+        raise ConfigError([(f"plugins.{plugin}", "hfsdp_objective must return an hfsdp.objective.Objective or None, "
+                                                 f"got {type(objective).__name__}")])
+    return objective
+
+
+@dataclass
+class PairBatch(MicroBatch):
+    """A micro-batch of preference pairs: rows ``0..pairs-1`` are the chosen sequences, ``pairs..2*pairs-1`` the
+    rejected ones of the same pairs. ``num_targets`` is ``pairs`` (0 for a filler batch)."""
+
+    pairs: int = 0
+    weights: torch.Tensor | None = None  # 1 for each pair, 0 in a filler batch (eval: the ranks' batch counts agree)
+    completion_tokens: torch.Tensor | None = None  # labelled tokens of each of the 2*pairs rows
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # the rows' per-pair numbers (e.g. reference logps)
+
+    def make_filler(self) -> None:
+        super().make_filler()
+        self.weights = torch.zeros_like(self.weights)
+
+
+class PreferenceObjective(Objective):
+    """Pairwise preference losses over ``preference`` rows; subclasses implement :meth:`loss` with
+    :meth:`completion_logps` and :meth:`record`."""
+
+    progress_metrics = ("rewards/margins", "rewards/accuracy")
+
+    def __init__(self):
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def micro_batch(self, rows, pad_id, device, select_logits) -> PairBatch:
+        chosen = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
+        rejected = [{"input_ids": r[REJECTED_IDS], "labels": r[REJECTED_LABELS]} for r in rows]
+        batch = micro_batch(chosen + rejected, pad_id, device, select_logits)
+        numbers = [k for k, v in rows[0].items() if isinstance(v, float)]
+        return PairBatch(**vars(batch) | {"num_targets": len(rows)}, pairs=len(rows),
+                         weights=torch.ones(len(rows), device=device),
+                         completion_tokens=(batch.targets != IGNORE_INDEX).sum(1),
+                         values={k: torch.tensor([r[k] for r in rows], dtype=torch.float32, device=device)
+                                 for k in numbers})
+
+    @staticmethod
+    def completion_logps(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected): each pair's summed log-probability of its completion tokens, in float32."""
+        logits = model(**batch.inputs).logits
+        token_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch.targets.reshape(-1),
+                                     ignore_index=IGNORE_INDEX, reduction="none")
+        logps = -token_loss.view(batch.targets.shape).sum(1)
+        return logps[:batch.pairs], logps[batch.pairs:]
+
+    def record(self, batch: PairBatch, **per_pair: torch.Tensor) -> None:
+        """Add these per-pair values (detached, summed over the batch's pairs) to the metrics of this step or eval."""
+        self._sums["pairs"] = self._sums.get("pairs", 0) + batch.weights.sum()
+        for name, values in per_pair.items():
+            self._sums[name] = self._sums.get(name, 0) + (values.detach().float() * batch.weights).sum()
+
+    def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
+        from hfsdp.distributed import all_sum
+
+        names = [k for k in self._sums if k != "pairs"]
+        sums = all_sum(accelerator, [float(self._sums.get("pairs", 0))] + [float(self._sums[k]) for k in names])
+        self._sums = {}
+        pairs = sums[0]
+        return {f"{prefix}{name}": total / pairs if pairs else math.nan for name, total in zip(names, sums[1:])}
