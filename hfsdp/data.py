@@ -261,7 +261,7 @@ def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = V
         sources.append(("data.eval_path", top, top.eval_path, top.split))
     elif top.eval_split:
         sources += [(key, cfg, path, cfg.eval_split) for key, cfg, path, _ in list(sources)]
-    checked, skipped = [], []
+    checked, skipped, columns = [], [], {}
     for key, cfg, path, split in sources:
         if data_reader_key(path, readers) is None and not is_glob(path) and not Path(path).expanduser().exists():
             skipped.append(path)  # a hub dataset: read at train time
@@ -273,7 +273,7 @@ def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = V
         for i in positions:
             row = raw[i]
             try:
-                tokenize_fn({column: [value] for column, value in row.items()}, tokenizer, cfg)
+                out = tokenize_fn({column: [value] for column, value in row.items()}, tokenizer, cfg)
             except UserError as err:
                 raise UserError(f"{key}: {_row_name(path, i)}: {err}") from None
             except Exception as err:  # a format plugin's own failure on this row
@@ -281,6 +281,10 @@ def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = V
                                 f"{type(err).__name__}: {err}. Check that the rows have the columns and types this "
                                 "format expects") from None
         checked.append(f"{len(positions)} of {len(raw)} rows of {path}{f' ({split})' if split != 'train' else ''}")
+        if positions:
+            columns.setdefault(key.removesuffix(".path"), list(out))
+    if top.datasets:
+        _check_columns(list(columns), list(columns.values()))
     formats = sorted({cfg.format for _, cfg, _, _ in sources})
     line = f"data: format {', '.join(formats)} tokenized " + ("; ".join(checked) if checked else "no rows")
     return line + (f"; not checked (not local): {', '.join(skipped)}" if skipped else "")
@@ -390,14 +394,13 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[An
         return *_build_entry(target, build, marker), False
 
 
-def _check_columns(names: list[str], tokenized: list) -> None:
+def _check_columns(names: list[str], columns: list[list[str]]) -> None:
     """Sources mixed into one training set must give the same columns (formats that fit one model's batches)."""
-    first = sorted(tokenized[0].column_names)
-    for name, ds in zip(names[1:], tokenized[1:]):
-        if sorted(ds.column_names) != first:
-            raise UserError(f"data.datasets: {name} gives the columns {sorted(ds.column_names)}, {names[0]} gives "
-                            f"{first}: sources mixed into one training set need formats whose rows have the same "
-                            "columns (e.g. text, instruction and chat mix; a format with other columns needs its own run)")
+    for name, these in zip(names[1:], columns[1:]):
+        if sorted(these) != sorted(columns[0]):
+            raise UserError(f"{name} gives the columns {sorted(these)}, {names[0]} gives {sorted(columns[0])}: "
+                            "sources mixed into one training set need formats whose rows have the same columns (text, "
+                            "instruction and chat mix; a format with other columns needs a run of its own)")
 
 
 def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path,
@@ -444,7 +447,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
             splits = {"train": train}
             if raw_eval is not None:
                 splits["eval"] = tokenized(raw_eval, i, "eval")[0]
-            _check_columns(names[: i + 1], [*trains, train])
+            _check_columns(names[: i + 1], [t.column_names for t in (*trains, train)])
             part = host.chain("hfsdp_transform_dataset", "dataset", datasets.DatasetDict(splits), config=config,
                               tokenizer=tokenizer)
             trains.append(part["train"])
@@ -666,22 +669,28 @@ class BatchPlan:
         return counts.tolist()
 
 
+# Rows of the training set hashed at a time by :func:`identity`.
+IDENTITY_CHUNK = 65536
+
+
 def identity(dataset) -> dict[str, Any]:
     """What a checkpoint records of the training rows it was trained on: their number and a hash of their tokens
     (every column, in order), so that a resume on other data, or the same file changed, is refused."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = dataset.with_format("arrow")[:]
+    table = dataset.with_format("arrow")
     digest = hashlib.sha256()
     for name in sorted(table.column_names):
-        column = table[name]
+        column_type = table.features.arrow_schema.field(name).type
         digest.update(name.encode())
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
-            digest.update(pc.list_flatten(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+        if pa.types.is_list(column_type) or pa.types.is_large_list(column_type):
+            # every row's length, then every token: read IDENTITY_CHUNK rows at a time (memory stays bounded)
+            for part in (pc.list_value_length, pc.list_flatten):
+                for batch in table.select_columns([name]).iter(batch_size=IDENTITY_CHUNK):
+                    digest.update(part(batch[name]).to_numpy(zero_copy_only=False).astype("int64").tobytes())
         else:
-            digest.update(json.dumps(column.to_pylist(), default=str).encode())
+            digest.update(json.dumps(table[name].to_pylist(), default=str).encode())
     return {"train_rows": len(dataset), "train_fingerprint": digest.hexdigest()[:16]}
 
 

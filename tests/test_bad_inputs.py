@@ -117,7 +117,11 @@ CASES: dict[str, Case] = {
     "mixture of incompatible formats": (
         lambda d, s: ["train", _mixture(d, {"path": str(CHAT)}, {"path": str(CHAT), "format": "paired"},
                                         plugins=[_write_plugin(d)])],
-        "data.datasets: data.datasets[1] gives the columns ['input_ids', 'labels', 'pair_ids']"),
+        "data.datasets[1] gives the columns ['input_ids', 'labels', 'pair_ids'], data.datasets[0] gives"),
+    "mixture of incompatible formats, validate": (
+        lambda d, s: ["validate", _mixture(d, {"path": str(CHAT)}, {"path": str(CHAT), "format": "paired"},
+                                           plugins=[_write_plugin(d)])],
+        "data.datasets[1] gives the columns ['input_ids', 'labels', 'pair_ids'], data.datasets[0] gives"),
     "empty shard": (lambda d, s: ["train", _mixture(d, {"path": str(_shards(d, ["{}\n", ""]) / "*.jsonl")})],
                     "data.datasets[0].path: the shard {d}/shards/part-1.jsonl is empty (no rows)"),
     # --- model, world, output folder, resume, export
