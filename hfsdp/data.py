@@ -409,8 +409,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
     the preprocessing cache), the raw eval rows, and a report of what was done (:func:`format_data_report`).
 
     Each training source (:meth:`DataConfig.sources`) is tokenized with its own format and transformed on its own
-    (``hfsdp_transform_dataset`` once per source; the first call also gets the eval split), so that every row
-    belongs to one source; the training split is the sources' rows one after the other (``meta["sources"]``: how
+    (``hfsdp_transform_dataset`` once per source, with its eval rows), so that every row belongs to one source; the training split is the sources' rows one after the other (``meta["sources"]``: how
     many each)."""
     import datasets
 
@@ -430,9 +429,9 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
 
     def tokenized(raw, i: int, split: str):
         procs = max(1, min(num_proc, len(raw) // MIN_ROWS_PER_PROC))  # starting a process costs more than few rows
-        where = names[i] if len(sources) > 1 else ""
+        where = [names[i], split] if len(sources) > 1 else [split]
         ds, stats = tokenize(raw, functions[i][1], tokenizer, sources[i], procs if procs > 1 else None,
-                             desc=f"tokenizing {where} {split}".replace("  ", " ").strip())
+                             desc=" ".join(["tokenizing", *where]))
         if len(ds) == 0:  # checked before caching: datasets cannot reload an empty saved split
             origin = names[i] if split == "train" else "the eval data"
             raise UserError(f"data: no {split} rows left after tokenization of {origin} ({stats.summary()}); "
@@ -643,7 +642,8 @@ class BatchPlan:
             order = self.mixture.order(epoch, self.seed)
             if self.lengths is not None:
                 generator = torch.Generator().manual_seed(self.seed + epoch)
-                torch.randperm(self.mixture.rows[0], generator=generator)  # the state it had after the order's draw
+                # grouping draws after the first source's permutation of this epoch, from its generator's state
+                torch.randperm(self.mixture.rows[0], generator=generator)
                 # Global batches run on across epochs: group from this epoch's first batch boundary on.
                 head = -epoch * self.num_rows % self.global_batch
                 order = order[:head] + group_by_length(order[head:], self.lengths, self.global_batch, generator)
