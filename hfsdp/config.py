@@ -157,6 +157,7 @@ class DataConfig(Section):
                                                              if getattr(s, k) is not None}})
                 for s in self.datasets]
 
+
 class MixedPrecisionParts(Section):
     param: DType = "bfloat16"
     reduce: DType = "float32"
@@ -630,7 +631,8 @@ def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
 
 
 def is_glob(path: str) -> bool:
-    return any(c in path for c in "*?[")
+    """A path with glob characters that names no file or folder itself (a file may have ``[`` in its name)."""
+    return any(c in path for c in "*?[") and not Path(path).expanduser().exists()
 
 
 def shard_files(path: str) -> list[Path]:

@@ -140,3 +140,34 @@ def test_a_mixture_resumed_on_another_world_size_trains_on_the_same_rows(slow_mi
     assert sorted(resumed) == [2, 3]
     for step in (2, 3):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5)
+
+
+def _tiny_entry():
+    import datasets
+
+    return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]})}), \
+        {"sources": [1]}
+
+
+def test_waiters_poll_for_the_builders_entry_and_share_its_failure(tmp_path):
+    """The node's builder writes the entry (temp folder, fsync, rename) while a waiter polls the folder; a builder
+    that fails leaves no entry, and its error reaches the waiters of the same run through the failure marker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hfsdp.errors import UserError
+
+    def failing():
+        raise UserError("data: row 3 is broken")
+
+    with pytest.raises(UserError, match="row 3 is broken"):
+        data.load_or_build(tmp_path, "k1", failing, data.Preprocessing(builder=True, run="r1"))
+    assert sorted(p.name for p in (tmp_path / "datasets").iterdir()) == ["k1.failed-r1", "k1.lock"]  # no entry
+    with pytest.raises(UserError, match="row 3 is broken"):
+        data.load_or_build(tmp_path, "k1", failing, data.Preprocessing(builder=False, run="r1"))
+    with ThreadPoolExecutor(1) as pool:  # a waiter of another run, started before its builder
+        waiter = pool.submit(data.load_or_build, tmp_path, "k1", failing, data.Preprocessing(builder=False, run="r2"))
+        built = data.load_or_build(tmp_path, "k1", _tiny_entry, data.Preprocessing(builder=True, run="r2"))
+        waited = waiter.result(timeout=60)
+    assert built[2] is False and waited[2] is True
+    assert waited[0]["train"]["input_ids"] == [[1, 2]] and waited[1] == {"sources": [1]}
+    assert not [p for p in (tmp_path / "datasets").iterdir() if ".tmp-" in p.name]  # the temp folder is gone
