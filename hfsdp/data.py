@@ -506,10 +506,10 @@ def with_realised_shares(sources: list[dict[str, Any]], plan: "BatchPlan", steps
 
 
 def format_sources(sources: list[dict[str, Any]], steps: int) -> str:
-    """The mixture, one line per source (:func:`with_realised_shares`)."""
+    """The mixture, one line per source (:func:`with_realised_shares` over ``steps``: the plan's rows of them)."""
     return "\n".join(f"  source {i}: {s['path']} ({s['format']}): {s['rows']} rows, {s['tokens']} tokens, "
-                     f"{s['truncated']} truncated; share planned {s['share_planned']:.1%}, realised over "
-                     f"{steps} steps {s['share_realised']:.1%}" for i, s in enumerate(sources))
+                     f"{s['truncated']} truncated; share planned {s['share_planned']:.1%}, "
+                     f"{s['share_realised']:.1%} of the rows of the run's {steps} steps" for i, s in enumerate(sources))
 
 
 class Mixture:

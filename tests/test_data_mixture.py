@@ -128,7 +128,9 @@ def test_two_ranks_train_through_a_preprocessing_longer_than_the_collective_time
         [("*.jsonl", 300, 0.75), ("slow.jsonl", 100, 0.25)]
     assert sum(s["share_realised"] for s in sources) == pytest.approx(1.0)
     assert all(s["tokens"] > 50 * s["rows"] for s in sources)  # chat rows of ~80 tokens
-    assert "source 1: " in slow_mixture["first"] and "share planned 25.0%" in slow_mixture["first"]
+    realised = f"{sources[1]['share_realised']:.1%} of the rows of the run's 3 steps"
+    assert f"source 1: {slow_mixture['root']}/slow.jsonl (slow_chat): 100 rows" in slow_mixture["first"]
+    assert f"share planned 25.0%, {realised}" in slow_mixture["first"]
 
 
 @pytest.mark.slow
