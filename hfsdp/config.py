@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import glob
 import hashlib
 import importlib.util
 import json
@@ -69,9 +70,32 @@ class MessageKeys(Section):
     content: str = Field("content", description="key of a message's text.")
 
 
+# The keys a data.datasets source may set for itself; a key it leaves unset takes the data section's value.
+SOURCE_KEYS = ("path", "format", "name", "split", "text_field", "messages_field", "message_keys", "roles")
+
+
+class DataSource(Section):
+    path: str = Field(description="like data.path; also a folder or glob (e.g. shards/*.jsonl) of JSONL/Parquet shards.")
+    format: str | None = Field(None, description="this source's format (default data.format).")
+    name: str | None = Field(None, description="datasets config name (default data.name).")
+    split: str | None = Field(None, description="split read for training (default data.split).")
+    text_field: str | None = Field(None, description="text format: the column holding the text (default data.text_field).")
+    messages_field: str | None = Field(None, description="chat format: the messages column (default data.messages_field).")
+    message_keys: MessageKeys | None = Field(None, description="chat format: role and text keys (default data.message_keys).")
+    roles: dict[str, ChatRole] | None = Field(None, description="chat format: role names (default data.roles).")
+    weight: float | None = Field(None, description="share of the mixture, relative to the other sources' weights "
+                                                   "(give every source a weight, or none).")
+    epochs: float | None = Field(None, description="without weights: passes over this source per epoch of the "
+                                                   "mixture (default 1: every row once).")
+
+
 class DataConfig(Section):
     format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
-    path: str = Field(description="local file (.txt/.jsonl/.json/.csv/.parquet), folder, or datasets-loadable name.")
+    path: str | None = Field(None, description="local file (.txt/.jsonl/.json/.csv/.parquet), folder or glob of "
+                                                "shards, or datasets-loadable name (or give data.datasets).")
+    datasets: list[DataSource] | None = Field(
+        None, description="several sources mixed into one training set (instead of data.path); each takes the keys "
+                          "above it leaves unset from this section.")
     name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
     split: str = Field("train", description="split of `path` used for training.")
     text_field: str = Field("text", description="text format: the column holding the text.")
@@ -90,7 +114,8 @@ class DataConfig(Section):
     eval_split: str | None = Field(None, description="split of `path` used for eval.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of train held out for eval.")
     max_eval_samples: int | None = Field(None, gt=0, description="cap on eval rows.")
-    num_proc: int | None = Field(None, gt=0, description="processes for tokenization (datasets.map).")
+    num_proc: int | None = Field(None, gt=0, description="processes for reading and tokenizing (default: the cores "
+                                                          "this process may use).")
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":
@@ -100,6 +125,37 @@ class DataConfig(Section):
         if len(sources) > 1:
             raise ValueError(f"set only one of eval_path, eval_split, eval_fraction (got {', '.join(sources)})")
         return self
+
+    @model_validator(mode="after")
+    def _one_training_source(self) -> "DataConfig":
+        if (self.path is None) == (self.datasets is None):
+            raise ValueError("give data.path (one source) or data.datasets (a list of sources), not "
+                             + ("both" if self.path is not None else "neither"))
+        if self.datasets is not None:
+            problems = [f"data.datasets[{i}]: give weight or epochs, not both" for i, s in enumerate(self.datasets)
+                        if s.weight is not None and s.epochs is not None]
+            problems += [f"data.datasets[{i}].{key}: {value:g}; it must be more than 0 (a source that should not "
+                         "train is removed from the list)" for i, s in enumerate(self.datasets)
+                         for key, value in (("weight", s.weight), ("epochs", s.epochs))
+                         if value is not None and not value > 0]
+            weighted = [s.weight is not None for s in self.datasets]
+            if any(weighted) and not all(weighted):
+                problems.append(f"data.datasets: sources {[i for i, w in enumerate(weighted) if not w]} have no "
+                                "weight: give every source a weight, or none (then each source's epochs decide)")
+            if not self.datasets:
+                problems.append("data.datasets: the list is empty; give at least one source")
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
+    def sources(self) -> list["DataConfig"]:
+        """The training sources, each as a whole data section (a data.datasets entry over this section's keys;
+        without data.datasets, this section itself)."""
+        if self.datasets is None:
+            return [self]
+        return [self.model_copy(update={"datasets": None, **{k: getattr(s, k) for k in SOURCE_KEYS
+                                                             if getattr(s, k) is not None}})
+                for s in self.datasets]
 
 
 class MixedPrecisionParts(Section):
@@ -573,9 +629,10 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
         problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "
                                              "train.async_save"))
-    if config.generation_eval is not None and config.data.format not in GENERATION_FORMATS:
+    generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
+    if config.generation_eval is not None and generated not in GENERATION_FORMATS:
         problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
-                                            f"and a reference answer), not '{config.data.format}': remove the section"))
+                                            f"and a reference answer), not '{generated}': remove the section"))
     return problems
 
 
@@ -590,35 +647,81 @@ def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
     return next((key for key in keys if not key.endswith("://") and key.lower() == suffix), None)
 
 
-def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[tuple[str, str]]:
-    """``data.path`` / ``data.eval_path``: exists, is readable, and hfsdp or an enabled plugin reads its kind.
-    A plugin's own source (``prefix://``) is the plugin's to check; a name that is no local path is a datasets name,
-    loaded (and checked) with the data."""
-    readers = list(readers)
+def is_glob(path: str) -> bool:
+    """A path with glob characters that names no file or folder itself (a file may have ``[`` in its name)."""
+    return any(c in path for c in "*?[") and not Path(path).expanduser().exists()
+
+
+def shard_files(path: str) -> list[Path]:
+    """The data files a local source is made of: the file itself, the files a glob matches (sorted), or a folder's
+    data files (a folder saved by datasets holds none: it is read as a whole)."""
+    local = Path(path).expanduser()
+    if is_glob(path):
+        return sorted(Path(p) for p in glob.glob(str(local), recursive=True) if Path(p).is_file())
+    if local.is_dir():
+        return sorted(p for p in local.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
+                      and not any(part.startswith(".") for part in p.relative_to(local).parts))
+    return [local]
+
+
+def empty_file(path: Path) -> bool:
+    """A data file without a single non-blank character in its first 4 KiB: no rows (an empty shard)."""
+    with open(path, "rb") as f:
+        return not f.read(4096).strip()
+
+
+def _source_path_problems(where: str, value: str, readers: list[str]) -> list[tuple[str, str]]:
+    claimed = data_reader_key(value, readers)
+    if claimed is not None and claimed.endswith("://"):
+        return []
+    local = Path(value).expanduser()
+    if is_glob(value):
+        files = shard_files(value)
+        if not files:
+            return [(where, f"{value} matches no file ({RELATIVE_DATA_PATHS})")]
+        kinds = sorted({f.suffix.lower() for f in files})
+        if len(kinds) > 1:
+            return [(where, f"{value} matches files of {len(kinds)} kinds ({', '.join(kinds)}): a source's shards "
+                            "are one kind; narrow the glob or give each kind its own source")]
+        if kinds[0] not in DATA_SUFFIXES:
+            return [(where, f"{value}: hfsdp reads {', '.join(DATA_SUFFIXES)} shards, not '{kinds[0]}'")]
+    elif local.is_file():
+        if claimed is None and local.suffix.lower() not in DATA_SUFFIXES:
+            plugin_kinds = [k for k in readers if not k.endswith("://")]
+            return [(where, f"{local}: hfsdp reads {', '.join(DATA_SUFFIXES)} files"
+                            + (f" (and enabled plugins {', '.join(plugin_kinds)})" if plugin_kinds else "")
+                            + f", not '{local.suffix or local.name}': convert it, or enable a plugin "
+                              "that reads it (hook hfsdp_data_readers)")]
+        files = [local]
+    elif local.is_dir():
+        if not os.access(local, os.R_OK | os.X_OK):
+            return [(where, f"cannot read the folder {local}: permission denied")]
+        files = shard_files(value)
+    elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
+        return [(where, f"{local.resolve()} does not exist ({RELATIVE_DATA_PATHS})")]
+    else:
+        return []  # a datasets name, loaded (and checked) with the data
     problems = []
-    for key in ("path", "eval_path"):
-        value = getattr(data, key)
-        if not value:
-            continue
-        claimed = data_reader_key(value, readers)
-        if claimed is not None and claimed.endswith("://"):
-            continue
-        local = Path(value).expanduser()
-        where = f"data.{key}"
-        if local.is_file():
-            if claimed is None and local.suffix.lower() not in DATA_SUFFIXES:
-                plugin_kinds = [k for k in readers if not k.endswith("://")]
-                problems.append((where, f"{local}: hfsdp reads {', '.join(DATA_SUFFIXES)} files"
-                                        + (f" (and enabled plugins {', '.join(plugin_kinds)})" if plugin_kinds else "")
-                                        + f", not '{local.suffix or local.name}': convert it, or enable a plugin "
-                                          "that reads it (hook hfsdp_data_readers)"))
-            elif not os.access(local, os.R_OK):
-                problems.append((where, f"cannot read {local}: permission denied"))
-        elif local.is_dir():
-            if not os.access(local, os.R_OK | os.X_OK):
-                problems.append((where, f"cannot read the folder {local}: permission denied"))
-        elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
-            problems.append((where, f"{local.resolve()} does not exist ({RELATIVE_DATA_PATHS})"))
+    for f in files:
+        if not os.access(f, os.R_OK):
+            problems.append((where, f"cannot read {f}: permission denied"))
+        elif len(files) > 1 and empty_file(f):
+            problems.append((where, f"the shard {f} is empty (no rows): remove it, or fill it"))
+    return problems
+
+
+def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """Every training source's path and ``data.eval_path``: exists, is readable, and hfsdp or an enabled plugin reads
+    its kind; a glob or folder of shards: matches files of one kind, none of them empty. A plugin's own source
+    (``prefix://``) is the plugin's to check; a name that is no local path is a datasets name, loaded (and checked)
+    with the data."""
+    readers = list(readers)
+    paths = [("data.path", data.path)] if data.datasets is None else \
+        [(f"data.datasets[{i}].path", s.path) for i, s in enumerate(data.datasets)]
+    problems = []
+    for where, value in paths + [("data.eval_path", data.eval_path)]:
+        if value:
+            problems += _source_path_problems(where, value, readers)
     return problems
 
 
@@ -655,13 +758,16 @@ def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
     data = raw.get("data")
     if not isinstance(data, dict):
         return
-    for key in ("path", "eval_path"):
-        value = data.get(key)
+    entries = [(data, key) for key in ("path", "eval_path")]
+    if isinstance(data.get("datasets"), list):
+        entries += [(source, "path") for source in data["datasets"] if isinstance(source, dict)]
+    for holder, key in entries:
+        value = holder.get(key)
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             continue
-        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES
+        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES or is_glob(value)
         if (base / value).exists() or looks_local or Path(value).exists():
-            data[key] = str((base / value).resolve())
+            holder[key] = str((base / value).resolve())
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -712,12 +818,15 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     formats = host.dataset_formats()
 
     def format_problems() -> list[tuple[str, str]]:
-        if config.data.format == "preference" and not host.implementers("hfsdp_objective"):
-            return [("data.format", "preference rows train a preference objective: enable one (plugins: [dpo]), or "
-                                    "use data.format: chat or instruction for supervised fine-tuning")]
-        if config.data.format in formats:
-            return []
-        return [("data.format", f"unknown format '{config.data.format}'; known: {', '.join(sorted(formats))}")]
+        named = [("data.format", config.data.format)] + [(f"data.datasets[{i}].format", s.format)
+                                                         for i, s in enumerate(config.data.datasets or []) if s.format]
+        problems = [(key, f"unknown format '{name}'; known: {', '.join(sorted(formats))}")
+                    for key, name in named if name not in formats]
+        if any(name == "preference" for _, name in named) and not host.implementers("hfsdp_objective"):
+            problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
+                                            "[dpo]), or use data.format: chat or instruction for supervised "
+                                            "fine-tuning"))
+        return problems
 
     checks = [format_problems, lambda: cross_section_problems(config)]
     if check_data:

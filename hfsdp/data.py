@@ -8,12 +8,15 @@ skips a sample, and a run on N ranks sees exactly the global batches of a single
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import shutil
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -21,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, TrainConfig, data_reader_key
+from hfsdp.config import (DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, TrainConfig,
+                          data_reader_key, empty_file, is_glob, shard_files)
 from hfsdp.errors import PluginError, RowError, UserError
 
 if TYPE_CHECKING:
@@ -69,8 +73,25 @@ def _read_with_plugin(path: str, cfg: DataConfig, split: str, plugin: str, read:
         "or a datasets.Dataset"))
 
 
+def default_num_proc() -> int:
+    """``data.num_proc``'s default: the cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _non_empty(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb"):  # surfaces an unreadable file as a PermissionError, below
+            pass
+        if empty_file(f):
+            raise UserError(f"data: {f} is empty (no rows to train on)" if len(files) == 1 else
+                            f"data: the shard {f} is empty (no rows): remove it, or fill it")
+
+
 @quiet_datasets()
-def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
+def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers, num_proc: int | None = None):
+    """One split of a source; a glob or folder of shards is read ``num_proc`` shards at a time."""
     import datasets
 
     key = data_reader_key(path, readers)
@@ -78,22 +99,29 @@ def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
         return _read_with_plugin(path, cfg, split, *readers[key])
     local = Path(path).expanduser()
     try:
-        if local.is_file():
-            loader = _LOADERS.get(local.suffix.lower())
-            if loader is None:
-                raise UserError(f"data: cannot read {local}: use one of {', '.join(_LOADERS)} or a datasets folder")
-            with open(local, "rb") as f:  # also surfaces an unreadable file as a PermissionError, below
-                if not f.read(4096).strip():
-                    raise UserError(f"data: {local} is empty (no rows to train on)")
+        if is_glob(path) or local.is_file():
+            files = shard_files(path)
+            if not files:
+                raise UserError(f"data: {path} matches no file ({RELATIVE_DATA_PATHS})")
+            loaders = {_LOADERS.get(f.suffix.lower()) for f in files}
+            if None in loaders or len(loaders) > 1:
+                raise UserError(f"data: cannot read {path}: use one kind of {', '.join(_LOADERS)} files (or a "
+                                "datasets folder)")
+            _non_empty(files)
+            loader = loaders.pop()
             extra = {"sample_by": "paragraph"} if loader == "text" else {}
-            return datasets.load_dataset(loader, data_files={split: str(local)}, split=split, **extra)
+            return datasets.load_dataset(loader, data_files={split: [str(f) for f in files]}, split=split,
+                                         num_proc=_shard_procs(num_proc, len(files)), **extra)
         if local.is_dir() and (local / "dataset_dict.json").is_file():
             return datasets.load_from_disk(str(local))[split]
-        if local.is_dir():  # a folder of data files
-            return datasets.load_dataset(str(local), cfg.name, split=split)
+        if local.is_dir():  # a folder of data files (split names taken from the file names, as datasets does)
+            files = shard_files(path)
+            _non_empty(files)
+            return datasets.load_dataset(str(local), cfg.name, split=split,
+                                         num_proc=_shard_procs(num_proc, len(files)))
         if path.startswith((".", "/", "~")) or local.suffix.lower() in _LOADERS:
             raise UserError(f"data.path: {local.resolve()} does not exist ({RELATIVE_DATA_PATHS})")
-        return datasets.load_dataset(path, cfg.name, split=split)
+        return datasets.load_dataset(path, cfg.name, split=split, num_proc=num_proc)
     except UserError:
         raise
     except PermissionError as err:
@@ -107,16 +135,25 @@ def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers):
         raise UserError(f"data: cannot read {path}: {detail}") from None
 
 
-def load_raw(cfg: DataConfig, seed: int, readers: Readers | None = None):
-    """The raw train and eval splits (eval may be None). ``readers``: the enabled plugins' data readers, which
-    read the paths they claim (see ``hfsdp_data_readers``); hfsdp reads the rest."""
+def _shard_procs(num_proc: int | None, shards: int) -> int | None:
+    """Processes that read shards: one per shard at most (datasets reads a shard in one process); None: one."""
+    procs = min(num_proc or 1, shards)
+    return procs if procs > 1 else None
+
+
+def load_raw(cfg: DataConfig, seed: int, readers: Readers | None = None, num_proc: int | None = None,
+             eval_path: bool = True):
+    """The raw train and eval splits (eval may be None) of one source (:meth:`DataConfig.sources`). ``readers``:
+    the enabled plugins' data readers, which read the paths they claim (see ``hfsdp_data_readers``); hfsdp reads
+    the rest. ``eval_path``: read ``data.eval_path`` as this source's eval rows (a mixture reads it once)."""
     readers = readers or {}
-    train = _load_split(cfg.path, cfg, cfg.split, readers)
+    train = _load_split(cfg.path, cfg, cfg.split, readers, num_proc)
     eval_ = None
     if cfg.eval_path:
-        eval_ = _load_split(cfg.eval_path, cfg, cfg.split, readers)
+        if eval_path:
+            eval_ = _load_split(cfg.eval_path, cfg, cfg.split, readers, num_proc)
     elif cfg.eval_split:
-        eval_ = _load_split(cfg.path, cfg, cfg.eval_split, readers)
+        eval_ = _load_split(cfg.path, cfg, cfg.eval_split, readers, num_proc)
     elif cfg.eval_fraction > 0:
         if len(train) < 2:
             raise UserError(f"data.eval_fraction: {cfg.path} has {len(train)} row(s), too few to hold some out")
@@ -172,7 +209,8 @@ def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
     return out
 
 
-def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, num_proc: int | None):
+def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, num_proc: int | None,
+             desc: str = "tokenizing"):
     """Tokenize a raw split with a format function, then apply the length policy; returns (dataset, stats)."""
 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -192,15 +230,19 @@ def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, 
                             f"{err}. Check that the rows have the columns and types this format expects") from None
 
     tokenized = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
-                        desc="tokenizing")
-    stats = TokenizeStats(
-        rows=len(tokenized),
-        truncated=sum(tokenized["_truncated"]),
-        dropped_too_long=sum(tokenized["_dropped_long"]),
-        dropped_no_labels=sum(tokenized["_dropped_empty"]),
-    )
-    keep = [i for i, (a, b) in enumerate(zip(tokenized["_dropped_long"], tokenized["_dropped_empty"])) if not (a or b)]
-    tokenized = tokenized.select(keep).remove_columns(["_truncated", "_dropped_long", "_dropped_empty"])
+                        desc=desc)
+    import numpy as np
+
+    table = tokenized.with_format("arrow")  # counted from the Arrow columns, never as Python lists of the corpus
+    flags = {name: table[name].to_numpy(zero_copy_only=False).astype(bool)
+             for name in ("_truncated", "_dropped_long", "_dropped_empty")}
+    stats = TokenizeStats(rows=len(tokenized), truncated=int(flags["_truncated"].sum()),
+                          dropped_too_long=int(flags["_dropped_long"].sum()),
+                          dropped_no_labels=int(flags["_dropped_empty"].sum()))
+    tokenized = tokenized.remove_columns(list(flags))
+    dropped = flags["_dropped_long"] | flags["_dropped_empty"]
+    if dropped.any():
+        tokenized = tokenized.select(np.flatnonzero(~dropped))
     return tokenized, stats
 
 
@@ -216,26 +258,27 @@ def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = V
     """Run a sample of each local data file's rows (up to ``sample``, spread over the file) through the format's
     tokenization, one row at a time, so that a row the format cannot read is reported with its number and the fix
     by ``hfsdp validate``, before anything trains. Returns what was checked, in one line."""
-    cfg = config.data
-    _, tokenize_fn = host.tokenize_function(config)
     readers = host.data_readers(config)
-    sources = [("data.path", cfg.path, cfg.split)]
-    if cfg.eval_path:
-        sources.append(("data.eval_path", cfg.eval_path, cfg.split))
-    elif cfg.eval_split:
-        sources.append(("data.path", cfg.path, cfg.eval_split))
-    checked, skipped = [], []
-    for key, path, split in sources:
-        if data_reader_key(path, readers) is None and not Path(path).expanduser().exists():
+    top = config.data
+    sources = [(f"data.datasets[{i}].path" if top.datasets else "data.path", cfg, cfg.path, cfg.split)
+               for i, cfg in enumerate(top.sources())]
+    if top.eval_path:
+        sources.append(("data.eval_path", top, top.eval_path, top.split))
+    elif top.eval_split:
+        sources += [(key, cfg, path, cfg.eval_split) for key, cfg, path, _ in list(sources)]
+    checked, skipped, columns = [], [], {}
+    for key, cfg, path, split in sources:
+        if data_reader_key(path, readers) is None and not is_glob(path) and not Path(path).expanduser().exists():
             skipped.append(path)  # a hub dataset: read at train time
             continue
+        _, tokenize_fn = host.tokenize_function(config, cfg.format)
         raw = _load_split(path, cfg, split, readers)
         count = min(len(raw), sample)
         positions = [k * len(raw) // count for k in range(count)]
         for i in positions:
             row = raw[i]
             try:
-                tokenize_fn({column: [value] for column, value in row.items()}, tokenizer, cfg)
+                out = tokenize_fn({column: [value] for column, value in row.items()}, tokenizer, cfg)
             except UserError as err:
                 raise UserError(f"{key}: {_row_name(path, i)}: {err}") from None
             except Exception as err:  # a format plugin's own failure on this row
@@ -243,7 +286,12 @@ def check_rows(config: HfsdpConfig, host: PluginHost, tokenizer, sample: int = V
                                 f"{type(err).__name__}: {err}. Check that the rows have the columns and types this "
                                 "format expects") from None
         checked.append(f"{len(positions)} of {len(raw)} rows of {path}{f' ({split})' if split != 'train' else ''}")
-    line = f"data: format {cfg.format} tokenized " + ("; ".join(checked) if checked else "no rows")
+        if positions:
+            columns.setdefault(key.removesuffix(".path"), list(out))
+    if top.datasets:
+        _check_columns(list(columns), list(columns.values()))
+    formats = sorted({cfg.format for _, cfg, _, _ in sources})
+    line = f"data: format {', '.join(formats)} tokenized " + ("; ".join(checked) if checked else "no rows")
     return line + (f"; not checked (not local): {', '.join(skipped)}" if skipped else "")
 
 
@@ -259,78 +307,282 @@ def cache_key(raw_fingerprints: list[str], tokenizer, cfg: DataConfig, format_ow
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], Any]):
-    """Return the cached DatasetDict for ``key`` or build and store it (atomically) — a second run skips tokenizing."""
+# The file that completes a preprocessing cache entry: written last, inside the folder renamed into place, so that
+# an entry is whole or absent (a killed preprocessing leaves only a temporary folder no run reads).
+CACHE_META = "hfsdp_data.json"
+# Seconds between two looks of a process waiting for its node's preprocessing (a file check, no collective).
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """Who preprocesses: ``builder`` processes tokenize (the first of each node), the others wait for the cache
+    entry they build, polling the cache folder, so no collective can time out however long it takes. ``run``
+    names this run's failure marker (the same on every rank), so that a builder's error stops the waiters too."""
+
+    builder: bool = True
+    run: str = "local"
+
+
+def _fsync(paths) -> None:
+    import os
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _load_entry(target: Path):
     import datasets
+
+    with quiet_datasets():
+        return datasets.load_from_disk(str(target)), json.loads((target / CACHE_META).read_text())
+
+
+def _build_entry(target: Path, build: Callable[[], tuple[Any, dict]], marker: Path):
+    """Build into a temporary folder next to ``target``, fsync it and rename it into place."""
+    import tempfile
+
+    try:
+        result, meta = build()
+    except Exception as err:
+        marker.write_text(json.dumps({"user_error": isinstance(err, UserError), "message": str(err)}))
+        raise
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        with quiet_datasets():
+            result.save_to_disk(str(tmp / "data"))
+        (tmp / "data" / CACHE_META).write_text(json.dumps(meta))
+        _fsync([*(tmp / "data").rglob("*"), tmp / "data"])  # on disk before it is renamed into place
+        shutil.rmtree(target, ignore_errors=True)
+        (tmp / "data").rename(target)
+        _fsync([target.parent])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load_entry(target)
+
+
+def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[Any, dict]],
+                  who: Preprocessing = Preprocessing()):
+    """The cached (DatasetDict, meta) for ``key``, or built and stored atomically by the builders (one at a time
+    per cache folder, under a file lock), while the other processes poll for the complete entry; returns
+    (dataset, meta, hit)."""
+    from filelock import FileLock
 
     if cache_dir is None:
-        return build(), False
+        return *build(), False
     target = cache_dir / "datasets" / key
-    if (target / "dataset_dict.json").is_file():
-        try:
-            with quiet_datasets():
-                return datasets.load_from_disk(str(target)), True
-        except Exception:  # a damaged cache entry is rebuilt, not fatal
-            shutil.rmtree(target, ignore_errors=True)
-    result = build()
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with quiet_datasets():
-        result.save_to_disk(str(tmp))
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-        return datasets.load_from_disk(str(target)), False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    marker = target.with_name(f"{key}.failed-{who.run}")
+    if not who.builder:
+        while True:
+            if (target / CACHE_META).is_file():
+                try:
+                    return *_load_entry(target), True
+                except Exception:  # being replaced by a builder: look again
+                    pass
+            if marker.is_file():
+                failure = json.loads(marker.read_text())
+                if failure["user_error"]:
+                    raise UserError(failure["message"])
+                raise RuntimeError(f"the preprocessing of this node failed in its first process: {failure['message']}")
+            time.sleep(POLL_S)
+    with FileLock(str(target) + ".lock"):
+        if (target / CACHE_META).is_file():
+            try:
+                return *_load_entry(target), True
+            except Exception:  # a damaged cache entry is rebuilt, not fatal
+                shutil.rmtree(target, ignore_errors=True)
+        return *_build_entry(target, build, marker), False
 
 
-# Grouping by length sorts spans of this many global batches at a time (as transformers' LengthGroupedSampler
-# sorts "megabatches" of 50): long enough to find rows of similar length, short enough to keep batches varied.
-def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path):
-    """The tokenized train and eval splits (built by the format plugin and the dataset transforms, or read from the
-    preprocessing cache), the raw eval rows, and a report of what was done (:func:`format_data_report`)."""
+def _check_columns(names: list[str], columns: list[list[str]]) -> None:
+    """Sources mixed into one training set must give the same columns (formats that fit one model's batches)."""
+    for name, these in zip(names[1:], columns[1:]):
+        if sorted(these) != sorted(columns[0]):
+            raise UserError(f"{name} gives the columns {sorted(these)}, {names[0]} gives {sorted(columns[0])}: "
+                            "sources mixed into one training set need formats whose rows have the same columns (text, "
+                            "instruction and chat mix; a format with other columns needs a run of its own)")
+
+
+def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path,
+                     who: Preprocessing = Preprocessing()):
+    """The tokenized train and eval splits (built by the format plugins and the dataset transforms, or read from
+    the preprocessing cache), the raw eval rows, and a report of what was done (:func:`format_data_report`).
+
+    Each training source (:meth:`DataConfig.sources`) is tokenized with its own format and transformed on its own
+    (``hfsdp_transform_dataset`` once per source, with its eval rows), so that every row belongs to one source; the training split is the sources' rows one after the other (``meta["sources"]``: how
+    many each)."""
     import datasets
 
-    owner, tokenize_fn = host.tokenize_function(config)
-    raw_train, raw_eval = load_raw(config.data, config.train.seed, host.data_readers(config))
-    owner_version = next((p.version for p in host.plugins if p.name == owner), "?")
+    top = config.data
+    sources = top.sources()
+    names = [f"data.datasets[{i}]" if top.datasets else "data.path" for i in range(len(sources))]
+    num_proc = top.num_proc or default_num_proc()
+    readers = host.data_readers(config)
+    raws = [load_raw(cfg, config.train.seed, readers, num_proc, eval_path=i == 0) for i, cfg in enumerate(sources)]
+    functions = [host.tokenize_function(config, cfg.format) for cfg in sources]
+    owners = sorted({f"{owner}=={next((p.version for p in host.plugins if p.name == owner), '?')}"
+                     for owner, _ in functions})
     transforms = ",".join(host.implementers("hfsdp_transform_dataset"))
-    key = cache_key([raw_train._fingerprint, raw_eval._fingerprint if raw_eval is not None else ""],
-                    tokenizer, config.data, f"{owner}=={owner_version}",
+    fingerprints = [ds._fingerprint if ds is not None else "" for pair in raws for ds in pair]
+    key = cache_key(fingerprints, tokenizer, top, ",".join(owners),
                     extra=transforms + repr(sorted((k, repr(v)) for k, v in config.plugin_config.items())))
-    stats: dict[str, TokenizeStats] = {}
+
+    def tokenized(raw, i: int, split: str):
+        procs = max(1, min(num_proc, len(raw) // MIN_ROWS_PER_PROC))  # starting a process costs more than few rows
+        where = [names[i], split] if len(sources) > 1 else [split]
+        ds, stats = tokenize(raw, functions[i][1], tokenizer, sources[i], procs if procs > 1 else None,
+                             desc=" ".join(["tokenizing", *where]))
+        if len(ds) == 0:  # checked before caching: datasets cannot reload an empty saved split
+            origin = names[i] if split == "train" else "the eval data"
+            raise UserError(f"data: no {split} rows left after tokenization of {origin} ({stats.summary()}); "
+                            + _no_rows_fix(sources[i]))
+        return ds, stats
 
     def build():
-        splits = {"train": raw_train, **({"eval": raw_eval} if raw_eval is not None else {})}
-        tokenized = {}
-        for name, split in splits.items():
-            tokenized[name], stats[name] = tokenize(split, tokenize_fn, tokenizer, config.data, config.data.num_proc)
-            if len(tokenized[name]) == 0:  # checked before caching: datasets cannot reload an empty saved split
-                where = "data.path" if name == "train" else "the eval data"
-                raise UserError(f"data: no {name} rows left after tokenization of {where} ({stats[name].summary()}); "
-                                + _no_rows_fix(config.data))
-        result = datasets.DatasetDict(tokenized)
-        return host.chain("hfsdp_transform_dataset", "dataset", result, config=config, tokenizer=tokenizer)
+        trains, evals, stats = [], [], []
+        for i, (raw_train, raw_eval) in enumerate(raws):
+            train, train_stats = tokenized(raw_train, i, "train")
+            stats.append(dataclasses.asdict(train_stats))
+            splits = {"train": train}
+            if raw_eval is not None:
+                splits["eval"] = tokenized(raw_eval, i, "eval")[0]
+            _check_columns(names[: i + 1], [t.column_names for t in (*trains, train)])
+            part = host.chain("hfsdp_transform_dataset", "dataset", datasets.DatasetDict(splits), config=config,
+                              tokenizer=tokenizer)
+            trains.append(part["train"])
+            if "eval" in part:
+                evals.append(part["eval"])
+        result = {"train": datasets.concatenate_datasets(trains) if len(trains) > 1 else trains[0]}
+        if evals:
+            result["eval"] = datasets.concatenate_datasets(evals) if len(evals) > 1 else evals[0]
+        return datasets.DatasetDict(result), {"sources": [len(t) for t in trains], "train": stats}
 
     t0 = time.perf_counter()
-    result, hit = load_or_build(cache_dir, key, build)
+    result, meta, hit = load_or_build(cache_dir, key, build, who)
     seconds = time.perf_counter() - t0
-    if len(result["train"]) == 0:
-        summary = stats["train"].summary() if "train" in stats else "no rows"
-        raise UserError(f"data: no training rows left after tokenization ({summary}); " + _no_rows_fix(config.data))
-    report = {"train": f"{len(result['train'])} rows", "cache_hit": hit, "preprocess_s": seconds,
-              "padding": padding_report(result["train"], config.train.per_device_batch_size, config.train.seed,
-                                        config.train.group_by_length)}
-    if "train" in stats:
-        report["train"] += f" ({stats['train'].summary()})"
+    train = result["train"]
+    totals = _add(*(TokenizeStats(**s) for s in meta["train"]))
+    report = {"train": f"{len(train)} rows ({totals.summary()})", "cache_hit": hit, "preprocess_s": seconds,
+              "padding": padding_report(train, config.train.per_device_batch_size, config.train.seed,
+                                        config.train.group_by_length),
+              "sources": source_rows(train, sources, top, meta)}
     if "eval" in result:
         report["eval"] = f"{len(result['eval'])} rows"
-    return result["train"], result.get("eval"), raw_eval, report
+    raw_eval = raws[0][1]
+    return train, result.get("eval"), raw_eval, report
 
 
+# A tokenizing process gets at least this many rows (fewer rows are tokenized in fewer processes).
+MIN_ROWS_PER_PROC = 1000
+
+
+def _add(*stats: TokenizeStats) -> TokenizeStats:
+    return TokenizeStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(TokenizeStats)))
+
+
+def source_rows(train, sources: list[DataConfig], top: DataConfig, meta: dict) -> list[dict[str, Any]]:
+    """Each training source's rows, tokens and truncations (config order), and its planned share of the mixture."""
+    lengths = row_lengths(train)
+    mixture = Mixture.of(top, meta["sources"])
+    out, start = [], 0
+    for cfg, rows, stats, share in zip(sources, meta["sources"], meta["train"], mixture.shares):
+        out.append({"path": cfg.path, "format": cfg.format, "rows": rows,
+                    "tokens": int(lengths[start:start + rows].sum()), "truncated": stats["truncated"],
+                    "share_planned": float(share)})
+        start += rows
+    return out
 
 
 def format_data_report(report: dict[str, Any]) -> str:
     return (f"data: train {report['train']}; eval {report.get('eval', 'none')}; {report['padding']}; "
             f"preprocessing {report['preprocess_s']:.2f} s{' (preprocessing cache hit)' if report['cache_hit'] else ''}")
+
+
+def with_realised_shares(sources: list[dict[str, Any]], plan: "BatchPlan", steps: int) -> list[dict[str, Any]]:
+    """``sources`` (:func:`source_rows`) with each one's share of the rows trained on in ``steps`` steps."""
+    counts = plan.source_counts(steps)
+    total = max(1, sum(counts))
+    return [{**source, "share_realised": count / total} for source, count in zip(sources, counts)]
+
+
+def format_sources(sources: list[dict[str, Any]], steps: int) -> str:
+    """The mixture, one line per source (:func:`with_realised_shares` over ``steps``: the plan's rows of them)."""
+    return "\n".join(f"  source {i}: {s['path']} ({s['format']}): {s['rows']} rows, {s['tokens']} tokens, "
+                     f"{s['truncated']} truncated; share planned {s['share_planned']:.1%}, "
+                     f"{s['share_realised']:.1%} of the rows of the run's {steps} steps" for i, s in enumerate(sources))
+
+
+class Mixture:
+    """How the training sources (stored one after the other) share the positions of the training stream.
+
+    Of the first ``n`` positions, source ``i`` gets ``floor(n*C_i) - floor(n*C_(i-1))``, ``C`` being the cumulative
+    shares (exact fractions): every prefix of the stream holds each source within one row of its share. Within an
+    epoch of ``epoch_rows`` positions those rows are shuffled (seeded by seed and epoch); source ``i`` reads its
+    rows as a stream of seeded per-pass permutations of its own. A single source is one permutation per epoch, the
+    plan hfsdp has always had."""
+
+    def __init__(self, rows: list[int], shares: list[Fraction], epoch_rows: int):
+        self.rows, self.shares, self.epoch_rows = list(rows), list(shares), epoch_rows
+        self.offsets = [0]
+        for n in self.rows:
+            self.offsets.append(self.offsets[-1] + n)
+        self._cumulative = list(itertools.accumulate(self.shares))
+
+    @classmethod
+    def of(cls, cfg: DataConfig, rows: list[int]) -> "Mixture":
+        """The mixture ``data.datasets`` asks for, given each source's rows: by weight (an epoch is all their
+        rows), or by epochs per source (an epoch holds each source's rows that many times; default once)."""
+        specs = cfg.datasets or [None]
+        if specs[0] is not None and specs[0].weight is not None:
+            weights = [Fraction(str(s.weight)) for s in specs]
+            return cls(rows, [w / sum(weights) for w in weights], sum(rows))
+        passes = [Fraction(str(s.epochs)) if s is not None and s.epochs is not None else Fraction(1) for s in specs]
+        sizes = [p * n for p, n in zip(passes, rows)]
+        return cls(rows, [size / sum(sizes) for size in sizes], max(1, math.floor(sum(sizes))))
+
+    def counts(self, n: int) -> list[int]:
+        """Positions of the first ``n`` that go to each source."""
+        ends = [math.floor(n * c) for c in self._cumulative[:-1]] + [n]
+        return [b - a for a, b in zip([0] + ends[:-1], ends)]
+
+    def _stream(self, source: int, start: int, stop: int, seed: int) -> list[int]:
+        """Rows ``start``..``stop`` of a source's stream (global row indices): one seeded permutation per pass."""
+        n, out = self.rows[source], []
+        for p in range(start // n, (stop - 1) // n + 1 if stop > start else start // n):
+            generator = torch.Generator().manual_seed(seed + p + source * SOURCE_SEED_STRIDE)
+            perm = torch.randperm(n, generator=generator)
+            lo, hi = max(start - p * n, 0), min(stop - p * n, n)
+            out.extend((perm[lo:hi] + self.offsets[source]).tolist())
+        return out
+
+    def order(self, epoch: int, seed: int) -> list[int]:
+        """Global row indices of the positions of ``epoch``."""
+        import numpy as np
+
+        lo, hi = self.counts(epoch * self.epoch_rows), self.counts((epoch + 1) * self.epoch_rows)
+        streams = [self._stream(i, a, b, seed) for i, (a, b) in enumerate(zip(lo, hi))]
+        if len(streams) == 1:
+            return streams[0]
+        labels = np.random.default_rng((seed, epoch)).permutation(np.repeat(np.arange(len(streams)),
+                                                                            [b - a for a, b in zip(lo, hi)]))
+        order = np.empty(labels.size, dtype=np.int64)
+        for i, stream in enumerate(streams):
+            order[labels == i] = stream
+        return order.tolist()
+
+    def source_of(self, rows) -> "Any":
+        import numpy as np
+
+        return np.searchsorted(np.asarray(self.offsets[1:]), np.asarray(rows), side="right")
+
+
+# Source i's permutations are seeded seed + pass + i * this (source 0: seed + pass, hfsdp's single-source plan).
+SOURCE_SEED_STRIDE = 2 ** 32
 
 
 GROUP_SPAN = 64
@@ -367,8 +619,9 @@ class BatchPlan:
     over ranks and micro-batches: N ranks keep training on exactly the global batches of one process."""
 
     def __init__(self, num_rows: int, per_device_batch: int, world_size: int, accumulation: int, seed: int,
-                 lengths=None):
-        self.num_rows = num_rows
+                 lengths=None, mixture: Mixture | None = None):
+        self.mixture = mixture or Mixture([num_rows], [Fraction(1)], num_rows)
+        self.num_rows = self.mixture.epoch_rows  # positions per epoch
         self.per_device_batch = per_device_batch
         self.world_size = world_size
         self.accumulation = accumulation
@@ -377,10 +630,10 @@ class BatchPlan:
         self._epoch_cache: tuple[int, list[int]] | None = None
 
     @classmethod
-    def for_run(cls, dataset, cfg: TrainConfig, world_size: int) -> "BatchPlan":
-        """The plan of a run's ``train:`` section on ``world_size`` ranks."""
+    def for_run(cls, dataset, cfg: TrainConfig, world_size: int, mixture: Mixture | None = None) -> "BatchPlan":
+        """The plan of a run's ``train:`` section on ``world_size`` ranks (``mixture``: of several sources)."""
         return cls(len(dataset), cfg.per_device_batch_size, world_size, cfg.gradient_accumulation_steps, cfg.seed,
-                   lengths=row_lengths(dataset) if cfg.group_by_length else None)
+                   lengths=row_lengths(dataset) if cfg.group_by_length else None, mixture=mixture)
 
     @property
     def global_batch(self) -> int:
@@ -391,9 +644,11 @@ class BatchPlan:
 
     def _order(self, epoch: int) -> list[int]:
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.num_rows, generator=generator).tolist()
+            order = self.mixture.order(epoch, self.seed)
             if self.lengths is not None:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                # grouping draws after the first source's permutation of this epoch, from its generator's state
+                torch.randperm(self.mixture.rows[0], generator=generator)
                 # Global batches run on across epochs: group from this epoch's first batch boundary on.
                 head = -epoch * self.num_rows % self.global_batch
                 order = order[:head] + group_by_length(order[head:], self.lengths, self.global_batch, generator)
@@ -407,6 +662,21 @@ class BatchPlan:
     def epoch_of(self, step: int) -> float:
         return step * self.global_batch / self.num_rows
 
+    def source_counts(self, steps: int) -> list[int]:
+        """Rows of each source in the global batches of the first ``steps`` steps."""
+        import numpy as np
+
+        counts = np.zeros(len(self.mixture.rows), dtype=np.int64)
+        end = steps * self.global_batch
+        for epoch in range(0, (end - 1) // self.num_rows + 1 if end else 0):
+            order = self._order(epoch)[: end - epoch * self.num_rows]
+            counts += np.bincount(self.mixture.source_of(order), minlength=counts.size)
+        return counts.tolist()
+
+
+# Rows of the training set hashed at a time by :func:`identity`.
+IDENTITY_CHUNK = 65536
+
 
 def identity(dataset) -> dict[str, Any]:
     """What a checkpoint records of the training rows it was trained on: their number and a hash of their tokens
@@ -414,16 +684,18 @@ def identity(dataset) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = dataset.with_format("arrow")[:]
+    table = dataset.with_format("arrow")
     digest = hashlib.sha256()
     for name in sorted(table.column_names):
-        column = table[name]
+        column_type = table.features.arrow_schema.field(name).type
         digest.update(name.encode())
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
-            digest.update(pc.list_flatten(column).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+        if pa.types.is_list(column_type) or pa.types.is_large_list(column_type):
+            # every row's length, then every token: read IDENTITY_CHUNK rows at a time (memory stays bounded)
+            for part in (pc.list_value_length, pc.list_flatten):
+                for batch in table.select_columns([name]).iter(batch_size=IDENTITY_CHUNK):
+                    digest.update(part(batch[name]).to_numpy(zero_copy_only=False).astype("int64").tobytes())
         else:
-            digest.update(json.dumps(column.to_pylist(), default=str).encode())
+            digest.update(json.dumps(table[name].to_pylist(), default=str).encode())
     return {"train_rows": len(dataset), "train_fingerprint": digest.hexdigest()[:16]}
 
 

@@ -75,7 +75,9 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 
     Return a new DatasetDict or None to keep it. Rows must keep ``input_ids`` and ``labels``; they may add
     ``position_ids`` (packing restarts them at each packed sample). Runs only when the preprocessing cache misses,
-    on the main process (the other ranks read its cached result), so it must depend on nothing but its arguments.
+    on the first process of each node (the other ranks read its cached result), so it must depend on nothing but
+    its arguments. With several ``data.datasets`` sources it runs once per source (that source's ``train`` rows,
+    and its ``eval`` rows if it has some), so that every training row stays one source's.
     """
 
 

@@ -260,9 +260,10 @@ class PluginHost:
                 formats[name] = (plugin, fn)
         return formats
 
-    def tokenize_function(self, config: Any) -> tuple[str, Callable[..., Any]]:
-        """(plugin, tokenize) of ``data.format``, given its plugin's section if it takes ``section``."""
-        plugin, fn = self.dataset_formats()[config.data.format]
+    def tokenize_function(self, config: Any, name: str | None = None) -> tuple[str, Callable[..., Any]]:
+        """(plugin, tokenize) of the format ``name`` (default ``data.format``), given its plugin's section if it
+        takes ``section``."""
+        plugin, fn = self.dataset_formats()[name or config.data.format]
         return plugin, WithSection(fn, self.section_of(plugin, config))
 
     def data_readers(self, config: Any = None) -> dict[str, tuple[str, Callable[..., Any]]]:

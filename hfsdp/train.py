@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,8 +239,11 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         objective = objective_of(host, config, tokenizer)
-        plan = data.BatchPlan.for_run(train_set, config.train, world.size)
+        plan = data.BatchPlan.for_run(train_set, config.train, world.size,
+                                      data.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
+        if config.data.datasets:
+            say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
         identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
         if setup.resume:  # its schedule and data, now that the data is read: still before any weight loads
             resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
@@ -335,7 +339,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report,
                    "resumed_from": str(setup.resume.path if setup.resume else ""),
-                   "data": data_report, "throughput": speed,
+                   "data": {**data_report, "sources": data.with_realised_shares(data_report["sources"], plan,
+                                                                                 state.step)},
+                   "throughput": speed,
                    "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
                    "saves": saver.summary(), "train_loop_s": loop_s}
         finish(run, summary, metrics, run_eval.generations)
@@ -353,12 +359,20 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
 
 def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path):
     """The tokenized train and eval splits, the generation-eval items and the data report (printed)."""
-    with accelerator.main_process_first():
-        train_set, eval_set, raw_eval, report = data.prepare_datasets(config, host, tokenizer, cache_dir)
+    # The first process of each node preprocesses; the others poll the cache for its result (no collective waits
+    # on it, however long it takes), then all meet in a short barrier.
+    from accelerate.utils import broadcast_object_list
+
+    run_id = uuid.uuid4().hex
+    if accelerator.num_processes > 1:
+        run_id = broadcast_object_list([run_id])[0]
+    who = data.Preprocessing(builder=accelerator.is_local_main_process, run=run_id)
+    train_set, eval_set, raw_eval, report = data.prepare_datasets(config, host, tokenizer, cache_dir, who)
+    accelerator.wait_for_everyone()
     accelerator.print(data.format_data_report(report))
     gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
     if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
-        gen_items = generation.prompts_and_references(raw_eval, config.data, tokenizer,
+        gen_items = generation.prompts_and_references(raw_eval, config.data.sources()[0], tokenizer,
                                                       config.generation_eval.num_samples)
     return train_set, eval_set, gen_items, report
 

@@ -122,6 +122,24 @@ CASES: dict[str, Case] = {
     "eval_fraction of one row": (lambda d, s: ["train", _cfg(d, data={
         "path": _write(d / "one.jsonl", json.dumps({"text": "a"}) + "\n"), "format": "text", "eval_path": None,
         "eval_fraction": 0.5})], "too few to hold some out"),
+    # --- data.datasets mixtures and shards
+    "mixture weight zero": (lambda d, s: ["train", _mixture(d, {"path": str(CHAT), "weight": 0})],
+                            "data.datasets[0].weight: 0; it must be more than 0"),
+    "mixture weight negative": (lambda d, s: ["validate", _mixture(d, {"path": str(CHAT), "weight": 1},
+                                                             {"path": str(CHAT), "weight": -2})],
+                                "data.datasets[1].weight: -2; it must be more than 0"),
+    "mixture source missing": (lambda d, s: ["train", _mixture(d, {"path": str(CHAT)}, {"path": str(d / "no.jsonl")})],
+                               "data.datasets[1].path: {d}/no.jsonl does not exist"),
+    "mixture of incompatible formats": (
+        lambda d, s: ["train", _mixture(d, {"path": str(CHAT)}, {"path": str(CHAT), "format": "paired"},
+                                        plugins=[_write_plugin(d)])],
+        "data.datasets[1] gives the columns ['input_ids', 'labels', 'pair_ids'], data.datasets[0] gives"),
+    "mixture of incompatible formats, validate": (
+        lambda d, s: ["validate", _mixture(d, {"path": str(CHAT)}, {"path": str(CHAT), "format": "paired"},
+                                           plugins=[_write_plugin(d)])],
+        "data.datasets[1] gives the columns ['input_ids', 'labels', 'pair_ids'], data.datasets[0] gives"),
+    "empty shard": (lambda d, s: ["train", _mixture(d, {"path": str(_shards(d, ["{}\n", ""]) / "*.jsonl")})],
+                    "data.datasets[0].path: the shard {d}/shards/part-1.jsonl is empty (no rows)"),
     # --- model, world, output folder, resume, export
     "model path does not exist": (lambda d, s: ["train", _cfg(d, model={"name_or_path": str(d / "no-model")})],
                                   "model.name_or_path: " + "{d}/no-model does not exist"),
@@ -284,6 +302,25 @@ def _pref(case: Path, rows: list[dict], max_seq_len: int = 64, plugins: list[str
     path = _write(case / "pref.jsonl", "".join(json.dumps(r) + "\n" for r in [PAIR, *rows]))
     return _cfg(case, plugins=list(plugins), data={"format": "preference", "path": path, "eval_path": None,
                                                    "max_seq_len": max_seq_len}, **sections)
+
+
+def _mixture(case: Path, *sources: dict, **sections) -> str:
+    return _cfg(case, data={"path": None, "datasets": list(sources)}, **sections)
+
+
+def _shards(case: Path, texts: list[str]) -> Path:
+    for k, text in enumerate(texts):
+        _write(case / "shards" / f"part-{k}.jsonl", text)
+    return case / "shards"
+
+
+def _write_plugin(case: Path) -> str:
+    """A plugin module (imported from the working directory) with a format whose rows carry one more column."""
+    _write(case / "paired_format.py", "from hfsdp import hookimpl\nfrom hfsdp.builtin.chat import tokenize_chat\n\n"
+           "def paired(batch, tokenizer, cfg):\n    out = tokenize_chat(batch, tokenizer, cfg)\n"
+           "    return {**out, 'pair_ids': out['input_ids']}\n\n"
+           "@hookimpl\ndef hfsdp_dataset_formats():\n    return {'paired': paired}\n")
+    return "paired_format"
 
 
 def _model_copy(shared: dict, case: Path, replace: dict) -> Path:

@@ -54,7 +54,12 @@ OPTIONS = {
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
     "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
     "dpo": DPO,
+    "mixture": {"data": {"path": None, "datasets": [  # two sources 3:1, the second with its own format
+        {"path": str(PRESET_DATA / "contacts_train.jsonl"), "weight": 3},
+        {"path": str(PRESET_DATA / "contacts_eval.jsonl"), "format": "chat", "weight": 1}]}},
 }
+# Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
+DATA_OPTIONS = ("mixture",)
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -136,7 +141,7 @@ def startup(run: Path) -> dict:
     return json.loads((run / "startup_rank0.json").read_text())
 
 
-SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2)]
+SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or o not in DATA_OPTIONS]
 
 
 @pytest.mark.parametrize("version,world,option", SMOKE, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in SMOKE])
@@ -169,6 +174,9 @@ def test_smoke(runs, version, world, option):
         summary = json.loads((run / "summary.json").read_text())
         packed = summary["data"]["padding"]
         assert "samples packed into" in packed and int(packed.split("into ")[1].split()[0]) < 1000, packed
+    if option == "mixture":
+        sources = json.loads((run / "summary.json").read_text())["data"]["sources"]
+        assert [(s["rows"], s["share_planned"]) for s in sources] == [(1000, 0.75), (64, 0.25)], sources
     if option == "compile":
         assert max(m.get("compile_graphs", 0) for m in read_metrics(run)) > 0
     if option == "async_save":  # each checkpoint complete once, written while training went on
@@ -180,7 +188,7 @@ def test_smoke(runs, version, world, option):
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
 
 
-PAIRS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED]
+PAIRS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in DATA_OPTIONS]
 
 
 @pytest.mark.parametrize("world,option", PAIRS, ids=[f"x{w}-{o}" for w, o in PAIRS])
@@ -196,7 +204,7 @@ def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16", "dpo"):
+    for option in ("packing", "lora", "bf16", "dpo", "mixture"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -239,7 +247,7 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo")])
+                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo", "mixture")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
