@@ -162,6 +162,9 @@ def _quiet(verbose: bool) -> None:
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
     logging.getLogger("accelerate.utils.dataclasses").addFilter(
         lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
+    # bitsandbytes on the CPU looks for an optional faster kernel package on import and falls back to its own.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

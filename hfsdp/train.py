@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from hfsdp import data, loss as losses, models
+from hfsdp import data, loss as losses, models, quantization
 from hfsdp.components import checkpoint, generation, plots, resume, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
@@ -354,13 +354,15 @@ def load_and_shard(accelerator, config: HfsdpConfig, host: PluginHost, model_pat
     inside each sample."""
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config)
-    model = models.load_model(model_path, config.model, empty=empty)
+    model = models.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world)
+    probe = quantization.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
     chunked = losses.ChunkedLoss(model, vocab_size) if config.train.chunked_loss and losses.output_head(model) else None
     model, optimizer = prepare_model_and_optimizer(accelerator, config, world.size, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
+    quantization.check_sharded_forward(model, probe, accelerator)
     if packed:
         data.check_packed_attention(model, vocab_size, accelerator.device)
     loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \

@@ -1,0 +1,210 @@
+"""QLoRA: a 4-bit base model (bitsandbytes, loaded through transformers' ``BitsAndBytesConfig``), LoRA on top.
+
+Decisions, made once from the config before any weight loads (:func:`settings`, :func:`problems`):
+
+* FSDP2 shards the packed 4-bit data when it is stored in a floating-point dtype: by default the dtype the
+  frozen weights are gathered in (the mixed-precision param dtype, else ``model.dtype``), so that mixed precision
+  never casts the packed bytes (a cast would scramble them: a config error). Packed data stored in ``uint8`` is
+  kept out of FSDP2 by Accelerate (``ignored_params``): replicated on every rank, exact, at 0.5 byte per weight
+  per rank; the start-up report and ``hfsdp plan`` state it.
+* bf16 storage can form NaN bit patterns, which a GPU all-gather may canonicalise (bitsandbytes #1945); that is
+  what the start-up probe is for.
+* FSDP1 is refused: its flat parameters view each rank's shard of the packed data, and bitsandbytes' forward on a
+  rank whose shard is empty fails (``shape '[64, 32]' is invalid for input of size 0`` on 2 CPU ranks).
+* The quantization state (scales, code book) lives on each ``Linear4bit`` module, not on the parameter FSDP
+  replaces; bitsandbytes re-attaches it to the gathered weight in every forward.
+
+:func:`check_sharded_forward` is the start-up probe: one quantized layer's forward after sharding must equal,
+bit for bit, the same layer's forward before sharding, and every quantized layer's gathered packed bytes must
+equal the loaded ones, or training is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hfsdp.errors import UserError
+
+if TYPE_CHECKING:
+    from hfsdp.config import HfsdpConfig
+
+BITSANDBYTES = "bitsandbytes==0.50.2"  # what hfsdp is tested with (pyproject's qlora extra)
+# Bytes of quantization state per packed weight element: one absmax per 64-weight block, in fp32 (4 bytes), or,
+# with double quantization, one uint8 code per block plus an fp32 absmax (and offset) per 256 blocks.
+BLOCK_SIZE = 64
+NESTED_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    quant_type: str
+    double_quant: bool
+    compute_dtype: str
+    quant_storage: str
+
+    @property
+    def state_bytes_per_weight(self) -> float:
+        """Bytes of quantization state per weight (absmax, nested absmax and offset; the 16-entry code book of
+        each layer is left out: 64 bytes per layer)."""
+        if self.double_quant:
+            return (1 + (4 + 4) / NESTED_BLOCK_SIZE) / BLOCK_SIZE
+        return 4 / BLOCK_SIZE
+
+
+def settings(config: "HfsdpConfig") -> QuantSettings | None:
+    """The resolved quantization (None without ``model.quantization``)."""
+    q = config.model.quantization
+    if q is None:
+        return None
+    gathered = _gathered_dtype(config)
+    compute = q.compute_dtype or gathered
+    storage = q.quant_storage or gathered
+    return QuantSettings(q.quant_type or "nf4", True if q.double_quant is None else q.double_quant, compute, storage)
+
+
+def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What cannot work, found from the config alone (before any weight loads)."""
+    q = settings(config)
+    if q is None:
+        return []
+    out = []
+    where = "model.quantization"
+    if "lora" not in config.plugins:
+        out.append((where, "a 4-bit base cannot be trained in full (its packed weights have no gradients): enable "
+                           "the lora plugin (`plugins: [lora]`) to train adapters on it (QLoRA), or remove "
+                           "model.quantization"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        out.append((where, f"needs bitsandbytes, which is not installed: pip install '{BITSANDBYTES}' "
+                           "(or pip install 'hfsdp[qlora]')"))
+    gathered = _gathered_dtype(config)
+    if config.fsdp.version == 1:
+        out.append(("fsdp.version", "QLoRA runs under FSDP2 only: FSDP1's flat parameters hold each rank's slice of "
+                                    "the packed 4-bit data, and bitsandbytes cannot run a layer from a slice (its "
+                                    "forward fails on a rank whose slice is empty): use fsdp.version: 2"))
+    elif q.quant_storage not in ("uint8", gathered):
+        out.append((f"{where}.quant_storage",
+                    f"{q.quant_storage}: FSDP2 gathers floating-point parameters in {gathered} (the mixed-precision "
+                    f"param dtype, else model.dtype) and would cast the packed 4-bit bytes to it, scrambling them: "
+                    f"set quant_storage: {gathered} (the default: sharded) or uint8 (replicated on every rank)"))
+    if config.fsdp.cpu_ram_efficient_loading:
+        out.append(("fsdp.cpu_ram_efficient_loading",
+                    "every rank quantizes the base as it loads it (host memory: the 4-bit model, not the full one); "
+                    "rank 0's 4-bit weights cannot be broadcast into empty ones: remove cpu_ram_efficient_loading"))
+    return out
+
+
+def _gathered_dtype(config: "HfsdpConfig") -> str:
+    """The dtype FSDP2 gathers floating-point parameters in: the mixed-precision param dtype, else model.dtype."""
+    from hfsdp.fsdp import precision_parts
+
+    parts = precision_parts(config.fsdp)
+    return parts.param if parts is not None else config.model.dtype
+
+
+def bnb_config(q: QuantSettings):
+    """transformers' ``BitsAndBytesConfig`` for ``q``."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_quant_storage=getattr(torch, q.quant_storage))
+
+
+def quantized_linears(model) -> list[tuple[str, Any]]:
+    """(name, module) of every bitsandbytes 4-bit Linear in ``model``."""
+    from bitsandbytes.nn import Linear4bit
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear4bit)]
+
+
+def keep_packing(model) -> None:
+    """bitsandbytes' CPU inference path (AVX512-BF16 CPUs, eval mode) repacks a 4-bit weight in place on its first
+    forward, rewriting the gathered copy FSDP frees and the quant state all shards share: switched off."""
+    for _, module in quantized_linears(model):
+        module.support_avx512bf16_for_cpu = False
+
+
+@dataclass
+class LayerProbe:
+    """Taken before sharding: one quantized Linear's output on a fixed input, and every quantized Linear's packed
+    bytes as a fingerprint; :func:`check_sharded_forward` compares them after."""
+
+    name: str
+    x: Any
+    expected: Any
+    fingerprints: dict[str, int]
+
+
+def _fingerprint(weight) -> int:
+    """A position-weighted sum of the packed bytes (a changed byte, a NaN canonicalised, changes it)."""
+    import torch
+
+    data = weight.detach().contiguous().view(-1).view(torch.uint8).long()
+    return int((data * (torch.arange(data.numel()) % 251 + 1)).sum())
+
+
+def probe_before_sharding(model) -> LayerProbe | None:
+    """Switch off in-place repacking (:func:`keep_packing`), then take the probe (:class:`LayerProbe`)."""
+    import torch
+
+    keep_packing(model)
+    layers = quantized_linears(model)
+    if not layers:
+        return None
+    name, module = layers[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, module.in_features, generator=generator).to(module.compute_dtype or torch.float32)
+    with torch.no_grad():
+        expected = module(x).clone()
+    return LayerProbe(name, x, expected, {n: _fingerprint(m.weight) for n, m in layers})
+
+
+def _owner(model, name: str):
+    """The FSDP2 unit whose all-gather holds ``name``'s parameters (None: not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = name.split(".")
+    owners = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1))
+    return next((m for m in owners if isinstance(m, FSDPModule)), None)
+
+
+def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
+    """The probe: in the sharded ``model`` (each FSDP unit gathered in turn), ``probe``'s layer must give the output
+    it gave before sharding and every quantized layer its loaded packed bytes, bit for bit, on every rank; else
+    UserError (nothing trained). Collective under FSDP: every rank gathers the same units in the same order."""
+    import torch
+
+    from hfsdp.distributed import any_rank
+
+    if probe is None:
+        return
+    by_owner: dict[int, tuple[Any, list[str]]] = {}
+    for name in probe.fingerprints:
+        owner = _owner(model, name)
+        by_owner.setdefault(id(owner), (owner, []))[1].append(name)
+    changed: list[str] = []
+    worst = 0.0
+    with torch.no_grad():
+        for owner, names in by_owner.values():
+            if owner is not None:
+                owner.unshard()
+            try:
+                changed += [n for n in names if _fingerprint(model.get_submodule(n).weight) != probe.fingerprints[n]]
+                if probe.name in names:
+                    got = model.get_submodule(probe.name)(probe.x.to(accelerator.device)).cpu()
+                    if not torch.equal(got, probe.expected):
+                        worst = float((got.float() - probe.expected.float()).abs().max())
+                        changed.append(f"{probe.name} (forward: max difference {worst:.3g})")
+            finally:
+                if owner is not None:
+                    owner.reshard()
+    if any_rank(accelerator, bool(changed)):
+        where = (f"on rank {accelerator.process_index}: {len(changed)} layer(s) changed, e.g. {changed[0]}"
+                 if changed else "on another rank")
+        raise UserError(
+            f"model.quantization: the 4-bit weights did not survive sharding ({where}); bitsandbytes #1945: a bf16 "
+            "storage's NaN bit patterns canonicalised by the all-gather. Set model.quantization.quant_storage: "
+            "uint8 (the 4-bit base then stays whole on every rank), or float32")
