@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hfsdp import __version__, models
+from hfsdp import __version__, models, quantization
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wraps_model
@@ -239,6 +239,10 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
         "param_bytes_this_rank": local,
         "param_bytes_full_model": full,
     }
+    quant = quantization.settings(config)
+    if quant is not None:
+        report["quantized_base"] = quantization.base_report(model, quant)
+        report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     sharded = fsdp.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and uses_fsdp(config, world.size)
     group = mesh[1] if mesh else world.size
     if sharded and group > 1 and local > 0.75 * full:
@@ -250,9 +254,13 @@ def startup_report(config: HfsdpConfig, accelerator, model, world: World) -> dic
     return report
 
 
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> None:
     """Every rank's own startup numbers (what it holds, its peak RSS so far), as ``<output_dir>/startup_rank<r>.json``."""
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak_rss = peak_rss_bytes()
     report.setdefault("peak_rss_bytes_after_sharding", peak_rss)
     (output_dir / f"startup_rank{rank}.json").write_text(
         json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
@@ -295,6 +303,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
+        + ("\n" + quantization.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
+           if "quantized_base" in report else "")
     )
 
 

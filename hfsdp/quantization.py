@@ -208,3 +208,43 @@ def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
             f"model.quantization: the 4-bit weights did not survive sharding ({where}); bitsandbytes #1945: a bf16 "
             "storage's NaN bit patterns canonicalised by the all-gather. Set model.quantization.quant_storage: "
             "uint8 (the 4-bit base then stays whole on every rank), or float32")
+
+
+def quant_state_bytes(module) -> int:
+    """Bytes of a 4-bit Linear's quantization state (absmax, code book; nested ones with double quantization)."""
+    state = getattr(module.weight, "quant_state", None) or module.quant_state
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def base_report(model, q: QuantSettings) -> dict[str, Any]:
+    """What the 4-bit base costs this rank: packed bytes held (of the full packed bytes), whether FSDP shards them,
+    and the quantization state (on every rank: it lives on the modules)."""
+    from torch.distributed.tensor import DTensor
+
+    from hfsdp.distributed import local_tensor
+
+    layers = [m for _, m in quantized_linears(model)]
+    return {
+        "quant_type": q.quant_type, "double_quant": q.double_quant, "quant_storage": q.quant_storage,
+        "compute_dtype": q.compute_dtype, "layers": len(layers),
+        "packed_bytes_this_rank": sum(local_tensor(m.weight).numel() * m.weight.element_size() for m in layers),
+        "packed_bytes_full": sum(m.weight.numel() * m.weight.element_size() for m in layers),
+        "sharded": any(isinstance(m.weight, DTensor) for m in layers),
+        "quant_state_bytes": sum(quant_state_bytes(m) for m in layers),
+    }
+
+
+def format_base_report(report: dict[str, Any], peak_rss_bytes: int) -> str:
+    mib = 1024**2
+    how = ("sharded by FSDP2" if report["sharded"] else
+           "whole on every rank: uint8 storage is kept out of FSDP2 (Accelerate's ignored_params); a floating "
+           "quant_storage shards it")
+    return (f"  4-bit base: {report['layers']} {report['quant_type']} Linears"
+            f"{', double quant' if report['double_quant'] else ''}, stored {report['quant_storage']}, compute "
+            f"{report['compute_dtype']}: {report['packed_bytes_this_rank'] / mib:.1f} of "
+            f"{report['packed_bytes_full'] / mib:.1f} MiB packed on this rank ({how}) + "
+            f"{report['quant_state_bytes'] / mib:.2f} MiB quant state (on every rank); checked after sharding; "
+            f"peak host memory so far {peak_rss_bytes / mib:.0f} MiB")
