@@ -75,7 +75,7 @@ def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
         out.append((where, "a 4-bit base cannot be trained in full (its packed weights have no gradients): enable "
                            "the lora plugin (`plugins: [lora]`) to train adapters on it (QLoRA), or remove "
                            "model.quantization"))
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not _installed("bitsandbytes"):
         out.append((where, f"needs bitsandbytes, which is not installed: pip install '{BITSANDBYTES}' "
                            "(or pip install 'hfsdp[qlora]')"))
     gathered = _gathered_dtype(config)
@@ -93,6 +93,14 @@ def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                     "every rank quantizes the base as it loads it (host memory: the 4-bit model, not the full one); "
                     "rank 0's 4-bit weights cannot be broadcast into empty ones: remove cpu_ram_efficient_loading"))
     return out
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (bitsandbytes imports torch)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # an import hook that refuses it
+        return False
 
 
 def _gathered_dtype(config: "HfsdpConfig") -> str:

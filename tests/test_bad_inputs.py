@@ -200,6 +200,21 @@ CASES: dict[str, Case] = {
     "model weights file damaged": (
         lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(s, d, {"model.safetensors": b"\x00" * 64}))})],
         "model.name_or_path: cannot load the weights of"),
+    # --- QLoRA (model.quantization)
+    "qlora without the lora plugin": (lambda d, s: ["train", _cfg(d, model={"quantization": {"bits": 4}})],
+                                      "a 4-bit base cannot be trained in full"),
+    "qlora storage that FSDP would cast": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4, "quant_storage": "bf16"}},
+                                    fsdp={"mixed_precision": "fp16"})],
+        "bfloat16: FSDP2 gathers floating-point parameters in float16"),
+    "qlora under fsdp1": (lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4}},
+                                                      fsdp={"version": 1})], "QLoRA runs under FSDP2 only"),
+    "qlora 8-bit with a 4-bit option": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 8, "quant_type": "nf4"}})],
+        "bits 8 is not supported: bitsandbytes' 8-bit weights keep their scales on the parameter"),
+    "qlora without bitsandbytes installed": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4}})],
+        "needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2'"),
     # --- output and checkpoint paths, resume and export arguments
     "output_dir is an existing file": (
         lambda d, s: ["train", _cfg(d, train={"output_dir": _write(d / "out", "not a folder")})],
@@ -226,6 +241,9 @@ CASES: dict[str, Case] = {
                       "--set", "train.max_stepz=1"],
         "train.max_stepz: unknown key"),
 }
+
+# Cases that need another environment than the others.
+CASE_ENV = {"qlora without bitsandbytes installed": {"PYTHONPATH": str(Path(__file__).parent / "no_bitsandbytes")}}
 
 
 def _model_copy(shared: dict, case: Path, replace: dict) -> Path:
@@ -254,8 +272,8 @@ def _run(case: str, shared: dict) -> subprocess.CompletedProcess:
     folder.mkdir()
     setup, _ = CASES[case]
     argv = setup(folder, shared)
-    proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(**CASE_ENV.get(case, {})),
+                          capture_output=True, text=True, timeout=300)
     proc.folder = folder
     return proc
 

@@ -48,6 +48,7 @@ OPTIONS = {
     "size_wrap": {"fsdp": {"wrap_policy": "size", "min_num_params": 40_000}},  # the seeds' policy, tied model
     "plain_loss": {"train": {"chunked_loss": False}},  # the full-logits loss (the chunked one is the default)
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
+    "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
 }
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -60,6 +61,8 @@ REFUSED = {(1, 1, name): "LoRA on a model with tied embeddings under FSDP1 with 
            for name in OPTIONS if name.startswith("lora")}
 # hfsdp compiles blocks before FSDP2 shards them; FSDP1 flattens them first: refused in validation.
 REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit's parameters" for world in (1, 2)})
+# QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
+REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -154,6 +157,8 @@ def test_smoke(runs, version, world, option):
     assert (report["checkpointed_layers"] > 0) == bool(sections["fsdp"].get("activation_checkpointing"))
     if "lora" in option:
         assert "adapter_model.safetensors" in weights
+    if option == "qlora":
+        assert report["quantized_base"]["sharded"] == (world == 2), report
     else:
         assert "model.safetensors" in weights
     if "packing" in option:
@@ -227,7 +232,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile")])
+                                      "size_wrap", "plain_loss", "compile")]
+          + [(2, w, "qlora") for w in (1, 2)])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
