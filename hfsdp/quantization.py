@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from hfsdp.config import HfsdpConfig
 
 BITSANDBYTES = "bitsandbytes==0.50.2"  # what hfsdp is tested with (pyproject's qlora extra)
-# Bytes of quantization state per packed weight element: one absmax per 64-weight block, in fp32 (4 bytes), or,
-# with double quantization, one uint8 code per block plus an fp32 absmax (and offset) per 256 blocks.
+# bitsandbytes' blocks: one absmax per 64 weights; double quantization quantizes 256 absmax values at a time.
+ITEMSIZE = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2}
 BLOCK_SIZE = 64
 NESTED_BLOCK_SIZE = 256
 
@@ -44,13 +44,14 @@ class QuantSettings:
     compute_dtype: str
     quant_storage: str
 
-    @property
-    def state_bytes_per_weight(self) -> float:
-        """Bytes of quantization state per weight (absmax, nested absmax and offset; the 16-entry code book of
-        each layer is left out: 64 bytes per layer)."""
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of one layer's quantization state (what :func:`quant_state_bytes` counts on a live layer): an
+        fp32 absmax per block of 64 weights and the 16-entry fp32 code book; with double quantization the absmax
+        as uint8 codes plus an fp32 absmax per 256 blocks, their fp32 offset and 256-entry code book."""
+        blocks = -(-numel // BLOCK_SIZE)
         if self.double_quant:
-            return (1 + (4 + 4) / NESTED_BLOCK_SIZE) / BLOCK_SIZE
-        return 4 / BLOCK_SIZE
+            return blocks + 4 * -(-blocks // NESTED_BLOCK_SIZE) + 4 + 4 * 256 + 4 * 16
+        return 4 * blocks + 4 * 16
 
 
 def settings(config: "HfsdpConfig") -> QuantSettings | None:
@@ -119,6 +120,16 @@ def bnb_config(q: QuantSettings):
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_quant_storage=getattr(torch, q.quant_storage))
+
+
+def linears_to_quantize(model) -> list:
+    """The nn.Linear modules transformers' bitsandbytes integration replaces: every one but the output head (and
+    the adapters peft adds)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return [m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in name]
 
 
 def quantized_linears(model) -> list[tuple[str, Any]]:

@@ -158,7 +158,7 @@ def test_smoke(runs, version, world, option):
     if "lora" in option:
         assert "adapter_model.safetensors" in weights
     if option == "qlora":
-        assert report["quantized_base"]["sharded"] == (world == 2), report
+        assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
     else:
         assert "model.safetensors" in weights
     if "packing" in option:
@@ -233,7 +233,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile")]
-          + [(2, w, "qlora") for w in (1, 2)])
+          + [(2, 2, "qlora")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])

@@ -131,3 +131,15 @@ def test_full_checkpoint_resumes_bit_for_bit(runs, tmp_path):
     assert got == {step: want[step] for step in (3, 4)}
     a, b = load_file(run / "final" / "adapter_model.safetensors"), load_file(two / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_plan_predicts_the_4bit_base_bytes_each_rank_holds(runs):
+    two, _ = runs["two"]
+    proc = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD", "--json")
+    row = json.loads(proc.stdout)["rows"][0]
+    for rank in (0, 1):
+        report = _report(two, rank)
+        held = report["param_bytes_this_rank"] + report["quantized_base"]["quant_state_bytes"]
+        assert row["params"] == pytest.approx(held, rel=0.01), (row["params"], held)
+    text = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD").stdout
+    assert "4-bit base (nf4, double quant, stored float32)" in text and "sharded by FSDP2" in text
