@@ -272,7 +272,7 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite)
+                                overwrite=overwrite, cache_dir=_cache_dir())
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 

@@ -22,8 +22,9 @@ equal the loaded ones, or training is refused.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hfsdp.errors import UserError
 
@@ -267,3 +268,75 @@ def format_base_report(report: dict[str, Any], peak_rss_bytes: int) -> str:
             f"{report['packed_bytes_full'] / mib:.1f} MiB packed on this rank ({how}) + "
             f"{report['quant_state_bytes'] / mib:.2f} MiB quant state (on every rank); checked after sharding; "
             f"peak host memory so far {peak_rss_bytes / mib:.0f} MiB")
+
+
+def _layer_name(name: str) -> str:
+    """A 4-bit Linear's name in the base model, from its name in the peft model (or in the base itself)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+class DequantizedBase(Mapping):
+    """A QLoRA run's full state dict as exports read it: each packed 4-bit weight dequantized (lazily, one tensor
+    at a time) into its weights in the compute dtype, and bitsandbytes' quant-state entries (``<layer>.weight.absmax``
+    and the like, which a model without a wrapper has in its state dict) left out. ``layers()`` gives the 4-bit
+    Linears whose quant state dequantizes them: the trained model's own, or a base loaded again for ``hfsdp export``,
+    which must then hold the same packed bytes (else UserError: not the base this run trained on)."""
+
+    def __init__(self, state_dict: Mapping[str, Any], layers: Callable[[], dict[str, Any]], compute_dtype: str,
+                 check_bytes: bool):
+        self.sd, self._layers, self._by_name = state_dict, layers, None
+        self.compute_dtype, self.check_bytes = compute_dtype, check_bytes
+        self.keys_ = [k for k in state_dict if ".weight." not in k]  # no ordinary weight name has it
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __getitem__(self, key: str):
+        import torch
+        from bitsandbytes.functional import dequantize_4bit
+
+        tensor = self.sd[key]
+        if not key.endswith(".weight"):
+            return tensor
+        if self._by_name is None:
+            self._by_name = {_layer_name(n): m for n, m in self._layers().items()}
+        layer = self._by_name.get(_layer_name(key.removesuffix(".weight")))
+        if layer is None:
+            return tensor
+        if self.check_bytes and _fingerprint(tensor) != _fingerprint(layer.weight):
+            raise UserError(f"export: {key} holds other 4-bit bytes than the base model loaded for the merge: the "
+                            "base (model.name_or_path) changed since this run trained on it")
+        state = getattr(layer.weight, "quant_state", None) or layer.quant_state
+        return dequantize_4bit(tensor.contiguous(), state).to(getattr(torch, self.compute_dtype))
+
+
+def exported_weights(state_dict: Mapping[str, Any], config: "HfsdpConfig", layers: Callable[[], dict[str, Any]],
+                     check_bytes: bool) -> Mapping[str, Any]:
+    """What the export hooks receive: ``state_dict`` as it is, or for QLoRA :class:`DequantizedBase`."""
+    q = settings(config)
+    return state_dict if q is None else DequantizedBase(state_dict, layers, q.compute_dtype, check_bytes)
+
+
+def base_not_in_cache(name_or_path: str) -> str | None:
+    """Why the base model cannot be loaded again for a merged export without the network, or None if it can: a
+    built-in or local model always can; a hub id only once it is in the local Hugging Face cache."""
+    from pathlib import Path
+
+    from hfsdp.models import BUILTIN_MODELS
+
+    if name_or_path in BUILTIN_MODELS or Path(name_or_path).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(name_or_path, local_files_only=True)
+        return None
+    except Exception:  # LocalEntryNotFoundError, a malformed id
+        return (f"the merged export of a 4-bit base dequantizes the weights with the base's quantization state, so "
+                f"it loads the base again: '{name_or_path}' is not in the local Hugging Face cache (and hfsdp "
+                "export does not download). Download it first (huggingface-cli download "
+                f"{name_or_path}), set model.name_or_path to a local copy with --set, or export the adapter "
+                "(without --merge-lora)")

@@ -529,6 +529,10 @@ def save_checkpoint(run: Run) -> Path:
 def export_model(run: Run, out_dir: Path) -> None:
     accelerator = run.accelerator
     state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
+    unwrapped = accelerator.unwrap_model(run.model)
+    state_dict = quantization.exported_weights(state_dict, run.config,
+                                               lambda: dict(quantization.quantized_linears(unwrapped)),
+                                               check_bytes=False)
     if accelerator.is_main_process:
         with staged_export(out_dir, overwrite=True) as tmp:
             run.plugins.export(state_dict=state_dict, model_config=run.model_config, tokenizer=run.tokenizer,

@@ -215,6 +215,11 @@ CASES: dict[str, Case] = {
     "qlora without bitsandbytes installed": (
         lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4}})],
         "needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2'"),
+    "qlora merged export of a base not in the cache": (
+        lambda d, s: ["export", str(_with_config(_fake_checkpoint(d / "run", _cfg(
+            d, plugins=["lora"], model={"name_or_path": "acme/llama-not-downloaded", "quantization": {"bits": 4}})),
+            d)), str(d / "out"), "--merge-lora"],
+        "'acme/llama-not-downloaded' is not in the local Hugging Face cache"),
     # --- output and checkpoint paths, resume and export arguments
     "output_dir is an existing file": (
         lambda d, s: ["train", _cfg(d, train={"output_dir": _write(d / "out", "not a folder")})],

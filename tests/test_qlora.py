@@ -5,8 +5,10 @@ top, FSDP2 FULL_SHARD on 2 gloo ranks against one process on the same global bat
   start-up probe compared them with the loaded ones);
 * the exported adapter, loaded with ``PeftModel`` over the same 4-bit base in plain transformers, gives the logits
   the trained model gave at the end of training (``tests/logits_plugin``);
+* ``lora.merge: true`` (the one-process run) writes the base dequantized with the adapters merged, a plain
+  Hugging Face folder that transformers loads without bitsandbytes and that gives the trained logits;
 * a FULL_STATE_DICT checkpoint resumes on 2 ranks bit for bit (SHARDED ones: tests/test_combinations.py);
-* ``uint8`` storage keeps the 4-bit base whole on every rank, and says so, with the same losses.
+* ``hfsdp plan`` predicts the bytes each rank holds.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def _env() -> dict[str, str]:
     return base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])))
 
 
-def _config(folder: Path, per_device: int, **quant) -> Path:
-    return tiny_config(folder, plugins=["lora", "hfsdp_logits"],
-                       model={"name_or_path": "smollm2-tiny", "quantization": {**QUANT, **quant}},
+def _config(folder: Path, per_device: int, lora: dict) -> Path:
+    return tiny_config(folder, plugins=["lora", "hfsdp_logits"], lora=lora,
+                       model={"name_or_path": "smollm2-tiny", "quantization": QUANT},
                        train={**TRAIN, "per_device_batch_size": per_device},
                        fsdp={"version": 2, "sharding_strategy": "FULL_SHARD", "state_dict_type": "FULL_STATE_DICT"})
 
@@ -46,10 +48,9 @@ def _config(folder: Path, per_device: int, **quant) -> Path:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     out = {}
-    for name, world, per_device, quant in (("one", 1, 4, {}), ("two", 2, 2, {}),
-                                           ("two_uint8", 2, 2, {"quant_storage": "uint8"})):
+    for name, world, per_device, lora in (("one", 1, 4, {"merge": True}), ("two", 2, 2, {})):
         (root / name).mkdir()
-        config = _config(root / name, per_device, **quant)
+        config = _config(root / name, per_device, lora)
         args = ("train", str(config))
         proc = run_cli(*args, env=_env()) if world == 1 else run_torchrun(world, *args, env=_env())
         out[name] = (root / name / "run", proc.stdout + proc.stderr)
@@ -78,14 +79,6 @@ def test_two_ranks_compute_one_process_steps_on_a_sharded_4bit_base(runs):
         assert base["sharded"] and base["layers"] == 14 and base["quant_storage"] == "float32"
         assert base["packed_bytes_this_rank"] == base["packed_bytes_full"] // 2
     assert "4-bit base: 14 nf4 Linears, double quant, stored float32" in log and "(sharded by FSDP2)" in log
-
-
-def test_uint8_storage_keeps_the_base_whole_on_every_rank(runs):
-    two_uint8, log = runs["two_uint8"]
-    base = _report(two_uint8, 1)["quantized_base"]
-    assert not base["sharded"] and base["packed_bytes_this_rank"] == base["packed_bytes_full"]
-    assert "whole on every rank" in log
-    assert step_losses(two_uint8) == step_losses(runs["two"][0])  # the same packed bits, the same steps
 
 
 def test_exported_adapter_over_the_same_4bit_base_gives_the_trained_logits(runs, tiny_model_dir, monkeypatch):
@@ -135,11 +128,33 @@ def test_full_checkpoint_resumes_bit_for_bit(runs, tmp_path):
 
 def test_plan_predicts_the_4bit_base_bytes_each_rank_holds(runs):
     two, _ = runs["two"]
-    proc = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD", "--json")
+    proc = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD", "--json",
+                   env=_env())
     row = json.loads(proc.stdout)["rows"][0]
     for rank in (0, 1):
         report = _report(two, rank)
         held = report["param_bytes_this_rank"] + report["quantized_base"]["quant_state_bytes"]
         assert row["params"] == pytest.approx(held, rel=0.01), (row["params"], held)
-    text = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD").stdout
+    text = run_cli("plan", str(two.parent / "config.yaml"), "--nproc", "2", "--strategies", "FULL_SHARD",
+                   env=_env()).stdout
     assert "4-bit base (nf4, double quant, stored float32)" in text and "sharded by FSDP2" in text
+
+
+def test_merged_export_is_a_plain_model_with_the_trained_logits(runs):
+    import subprocess
+    import sys
+
+    one, _ = runs["one"]
+    final = one / "final"
+    assert not (final / "adapter_config.json").exists() and (final / "model.safetensors").is_file()
+    # a fresh interpreter in which bitsandbytes cannot be imported (tests/no_bitsandbytes) loads it
+    script = (f"import sys, torch; sys.path.insert(0, {str(PLUGIN_DIR)!r}); from hfsdp_logits import IDS; "
+              "from transformers import AutoModelForCausalLM; "
+              f"m = AutoModelForCausalLM.from_pretrained({str(final)!r}).eval(); "
+              "assert all(type(l).__name__ == 'Linear' for l in m.model.layers[0].mlp.children() if hasattr(l, 'weight')); "
+              f"torch.save(m(input_ids=IDS).logits.detach(), {str(one / 'merged_logits.pt')!r})")
+    subprocess.run([sys.executable, "-c", script], check=True, env=base_env(PYTHONPATH=str(Path(__file__).parent / "no_bitsandbytes")))
+    import torch
+
+    merged, trained = torch.load(one / "merged_logits.pt"), torch.load(one / "trained_logits.pt")
+    torch.testing.assert_close(merged, trained, atol=1e-4, rtol=0)

@@ -1,14 +1,7 @@
-"""Test-only: with this folder on PYTHONPATH, Python starts as if bitsandbytes were not installed (an import finder
-that answers "no such module" for it), so the bad-input test sees what a user without it sees."""
+"""Test-only: with this folder on PYTHONPATH, Python starts as if bitsandbytes were not installed
+(``importlib.util.find_spec`` answers None for a module whose ``sys.modules`` entry is None, and importing it
+fails), so tests see what a user without it sees."""
 
 import sys
 
-
-class _Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name == "bitsandbytes" or name.startswith("bitsandbytes."):
-            raise ModuleNotFoundError(f"No module named '{name}'")
-        return None
-
-
-sys.meta_path.insert(0, _Hide())
+sys.modules["bitsandbytes"] = None
