@@ -87,7 +87,10 @@ class ModelConfig(Section):
         "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
                             "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
     quantization: QuantizationConfig | None = Field(
-        None, description="load the base in 4 bits and train LoRA on it (QLoRA; README: QLoRA), e.g. {bits: 4}.")
+        None, description="QLoRA: load the base's Linears in 4 bits (bitsandbytes) and train LoRA on them (README: "
+                          "QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), compute_dtype (default: "
+                          "the mixed-precision param dtype, else dtype), quant_storage (default: the same: sharded by "
+                          "FSDP2; uint8: whole on every rank)}.")
 
     @model_validator(mode="before")
     @classmethod
