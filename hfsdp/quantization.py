@@ -206,7 +206,7 @@ def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
         owner = _owner(model, name)
         by_owner.setdefault(id(owner), (owner, []))[1].append(name)
     changed: list[str] = []
-    worst = 0.0
+    forward = ""
     with torch.no_grad():
         for owner, names in by_owner.values():
             if owner is not None:
@@ -217,16 +217,18 @@ def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
                     got = model.get_submodule(probe.name)(probe.x.to(accelerator.device)).cpu()
                     if not torch.equal(got, probe.expected):
                         worst = float((got.float() - probe.expected.float()).abs().max())
-                        changed.append(f"{probe.name} (forward: max difference {worst:.3g})")
+                        forward = f"; {probe.name}'s forward differs by up to {worst:.3g}"
             finally:
                 if owner is not None:
                     owner.reshard()
-    if any_rank(accelerator, bool(changed)):
-        where = (f"on rank {accelerator.process_index}: {len(changed)} layer(s) changed, e.g. {changed[0]}"
-                 if changed else "on another rank")
+    if any_rank(accelerator, bool(changed or forward)):
+        where = (f"on rank {accelerator.process_index}: {len(changed)} layer(s) with other packed bytes"
+                 f"{', e.g. ' + changed[0] if changed else ''}{forward}"
+                 if changed or forward else "on another rank")
         raise UserError(
-            f"model.quantization: the 4-bit weights did not survive sharding ({where}); bitsandbytes #1945: a bf16 "
-            "storage's NaN bit patterns canonicalised by the all-gather. Set model.quantization.quant_storage: "
+            f"model.quantization: the 4-bit weights did not survive sharding ({where}); nothing was trained "
+            "(bitsandbytes #1945: GPU all-gathers can canonicalise the NaN bit patterns of bf16-stored packed "
+            "data). Set model.quantization.quant_storage: "
             "uint8 (the 4-bit base then stays whole on every rank), or float32")
 
 

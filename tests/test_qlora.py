@@ -155,3 +155,14 @@ def test_merged_export_is_a_plain_model_with_the_trained_logits(runs):
 
     merged, trained = torch.load(one / "merged_logits.pt"), torch.load(one / "trained_logits.pt")
     torch.testing.assert_close(merged, trained, atol=1e-4, rtol=0)
+
+
+def test_a_packed_byte_changed_by_sharding_is_refused_before_training(tmp_path):
+    """bitsandbytes #1945 simulated (tests/logits_plugin/hfsdp_corrupt_shard.py flips one packed byte inside
+    fully_shard): the start-up probe names the layer and the run stops before its first step."""
+    config = tiny_config(tmp_path, plugins=["lora", "hfsdp_corrupt_shard"], model={"quantization": QUANT},
+                         fsdp={"single_process": "fsdp"}, train={"max_steps": 2, "eval_at_start": False})
+    proc = run_cli("train", str(config), env=_env(), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the 4-bit weights did not survive sharding" in proc.stderr and "layer(s) with other packed bytes" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()
