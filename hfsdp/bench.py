@@ -185,6 +185,8 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "device": r0["device"],
         "memory_kind": r0["memory_kind"],
         "param_bytes": worst("param_bytes"),
+        "quant_linear_bytes": worst("quant_linear_bytes"),  # QLoRA: the 4-bit Linears with their quant state
+        "quant_linear_bf16_bytes": worst("quant_linear_bf16_bytes"),
         "grad_bytes": worst("grad_bytes"),
         "optim_bytes": worst("optim_bytes"),
         "state_bytes": state,

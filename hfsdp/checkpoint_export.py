@@ -13,19 +13,36 @@ from pathlib import Path
 from hfsdp.components import checkpoint
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.outputs import check_export_target, staged_export
+from hfsdp import quantization
 from hfsdp.config import load_config
+from hfsdp.errors import ConfigError
 from hfsdp.plugins import Lazy
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
-                      max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+                      max_shard_bytes: int | None = None, overwrite: bool = False, cache_dir: Path | None = None) -> Path:
     """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
-    or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete."""
+    or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
+    ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
     checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
     config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
-    weights = checkpoint.CheckpointWeights(checkpoint_dir)
+    quant = quantization.settings(config)
+    merge = getattr(config.section("lora"), "merge", False)
+    if quant is not None and merge:
+        problem = quantization.base_not_in_cache(config.model.name_or_path)
+        if problem:
+            raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
+
+    def base_layers() -> dict:  # the 4-bit base loaded again, quantized as the run loaded it
+        from hfsdp import models
+
+        path = models.resolve_model_path(config.model.name_or_path, cache_dir)
+        return dict(quantization.quantized_linears(models.load_model(path, config.model, quant=quant)))
+
+    weights = quantization.exported_weights(checkpoint.CheckpointWeights(checkpoint_dir), config, base_layers,
+                                            check_bytes=True)
 
     def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)
         import transformers

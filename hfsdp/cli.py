@@ -147,6 +147,9 @@ def _quiet(verbose: bool) -> None:
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
     logging.getLogger("accelerate.utils.dataclasses").addFilter(
         lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
+    # bitsandbytes on the CPU looks for an optional faster kernel package on import and falls back to its own.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -257,7 +260,7 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite)
+                                overwrite=overwrite, cache_dir=_cache_dir())
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from hfsdp import plugins as plugin_host
+from hfsdp import plugins as plugin_host, quantization
 from hfsdp.errors import ConfigError, InvalidSectionRead
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -45,6 +45,40 @@ class Section(BaseModel):
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
+QuantStorage = Literal["uint8", "float32", "bfloat16", "float16"]
+
+
+class QuantizationConfig(Section):
+    """``model.quantization``: load the base model in 4 bits (bitsandbytes, through transformers'
+    BitsAndBytesConfig) and train LoRA adapters on top (QLoRA; needs the lora plugin)."""
+
+    bits: Literal[4, 8] = Field(description="4: bitsandbytes 4-bit Linear layers (QLoRA; FSDP2); 8 is refused under FSDP.")
+    quant_type: Literal["nf4", "fp4"] | None = Field(None, description="4-bit data type (default nf4).")
+    double_quant: bool | None = Field(None, description="quantize the per-block scales too (default true).")
+    compute_dtype: DType | None = Field(
+        None, description="dtype the 4-bit weights are dequantized to for each matmul; default: the mixed-precision "
+                          "param dtype, else model.dtype.")
+    quant_storage: QuantStorage | None = Field(
+        None, description="dtype the packed 4-bit data is stored in; default: the dtype FSDP2 gathers in (the "
+                          "mixed-precision param dtype, else model.dtype): sharded; uint8: kept whole on every rank.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: _dtype_alias(v) if k in ("compute_dtype", "quant_storage") else v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _eight_bit(self) -> "QuantizationConfig":
+        if self.bits == 8:
+            given = [k for k in ("quant_type", "double_quant", "quant_storage") if getattr(self, k) is not None]
+            raise ValueError("bits 8 is not supported: bitsandbytes' 8-bit weights keep their scales on the "
+                             "parameter, which FSDP replaces when it shards" +
+                             (f", and {', '.join(given)} only apply to 4 bits" if given else "") + "; use bits: 4")
+        return self
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
     dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
@@ -53,6 +87,11 @@ class ModelConfig(Section):
     attn_implementation: Literal[ATTENTION_KERNELS] = Field(
         "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
                             "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
+    quantization: QuantizationConfig | None = Field(
+        None, description="QLoRA: load the base's Linears in 4 bits (bitsandbytes) and train LoRA on them "
+                          "(docs/guide.md: QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), compute_dtype (default: "
+                          "the mixed-precision param dtype, else dtype), quant_storage (default: the same: sharded by "
+                          "FSDP2; uint8: whole on every rank)}.")
 
     @model_validator(mode="before")
     @classmethod
@@ -629,6 +668,7 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
         problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "
                                              "train.async_save"))
+    problems += quantization.problems(config)
     generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
     if config.generation_eval is not None and generated not in GENERATION_FORMATS:
         problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfsdp import __version__, models
+from hfsdp import __version__, models, quantization
 from hfsdp.config import HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, build_fsdp_plugin, build_parallelism_config, copies, hybrid_mesh_shape, wrapper
@@ -239,6 +239,10 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         "param_bytes_full_model": full,
         "checkpoint_saves": "asynchronous" if config.train.async_save else "synchronous",
     }
+    quant = quantization.settings(config)
+    if quant is not None:
+        report["quantized_base"] = quantization.base_report(model, quant)
+        report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
     group = mesh[1] if mesh else world.size
     if sharded and group > 1 and local > 0.75 * full:
@@ -250,9 +254,13 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
     return report
 
 
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def write_rank_report(output_dir: Path, rank: int, report: dict[str, Any]) -> None:
     """Every rank's own startup numbers (what it holds, its peak RSS so far), as ``<output_dir>/startup_rank<r>.json``."""
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak_rss = peak_rss_bytes()
     report.setdefault("peak_rss_bytes_after_sharding", peak_rss)
     (output_dir / f"startup_rank{rank}.json").write_text(
         json.dumps({"rank": rank, **report, "peak_rss_bytes": peak_rss}, indent=2))
@@ -296,6 +304,8 @@ def format_report(report: dict[str, Any]) -> str:
            "every rank's write is on disk)" if report.get("checkpoint_saves") == "asynchronous" else "")
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
+        + ("\n" + quantization.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
+           if "quantized_base" in report else "")
     )
 
 

@@ -109,7 +109,8 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     """Write consolidated weights. The first plugin that returns a truthy value handles the export.
 
     ``state_dict`` maps names to full CPU tensors (as ``model.state_dict()`` of the unwrapped model would),
-    ``model_config`` is the transformers config, ``generation_config`` the base model's (or None). ``out_dir`` is an
+    ``model_config`` is the transformers config, ``generation_config`` the base model's (or None); in a QLoRA run
+    (``model.quantization``) the 4-bit weights arrive dequantized in the compute dtype, on first access. ``out_dir`` is an
     empty temporary folder next to the destination: write the files there; hfsdp records them and renames the folder
     into place once the export hooks return (and removes it if one raises). ``model_files``
     (``hfsdp.components.hf_folder.ModelFiles``) writes the config, generation config and tokenizer files and knows the

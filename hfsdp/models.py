@@ -255,9 +255,10 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         return None
 
 
-def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
+def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
     """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
-    ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded)."""
+    ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded); ``quant``
+    (:class:`hfsdp.quantization.QuantSettings`): its decoder Linears quantized to 4 bits as they load."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -287,10 +288,20 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False):
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=cfg.attn_implementation, **quantized_loading(quant),
         )
     except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
         raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
+
+
+def quantized_loading(quant) -> dict:
+    """``from_pretrained`` arguments that quantize the weights as they load (one tensor at a time, so the host
+    never holds the full-precision model): transformers' bitsandbytes integration, on the CPU."""
+    if quant is None:
+        return {}
+    from hfsdp.quantization import bnb_config
+
+    return {"quantization_config": bnb_config(quant), "device_map": "cpu"}
 
 
 def accepts_logits_to_keep(model) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+from hfsdp import quantization
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.errors import UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
@@ -39,6 +40,9 @@ class Param:
     itemsize: int
     trainable: bool
     unit: int  # index into ModelFacts.units; 0 is the root unit
+    cast: bool = True  # mixed precision gathers it in the compute dtype (not packed 4-bit data)
+    replicated: bool = False  # kept whole on every rank (uint8-stored 4-bit data)
+    weights: int | None = None  # packed 4-bit data: the weights it holds (two a byte)
 
 
 @dataclass(frozen=True)
@@ -51,17 +55,22 @@ class ModelFacts:
     num_layers: int
     tied_embeddings: bool
     tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
+    quant_state_bytes: int = 0  # QLoRA: the 4-bit layers' quant state, on the modules, whole on every rank
 
     @property
     def total_params(self) -> int:
-        return sum(p.numel for p in self.params)
+        return sum(p.weights or p.numel for p in self.params)
 
     @property
     def trainable_params(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
 
     def unit_bytes(self, unit: int, itemsize: int | None = None) -> int:
-        return sum(p.numel * (itemsize or p.itemsize) for p in self.params if p.unit == unit)
+        return sum(p.numel * _gathered_itemsize(p, itemsize) for p in self.params if p.unit == unit)
+
+
+def _gathered_itemsize(p: Param, compute: int | None) -> int:
+    return compute if compute and p.cast else p.itemsize
 
 
 @dataclass(frozen=True)
@@ -251,13 +260,27 @@ def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
     shared = model.get_input_embeddings().weight
     tied_numel = shared.numel() if tied and shared.requires_grad else 0
     owner, units = _unit_of(model, set(classes), config.fsdp.wrap_policy, config.fsdp.min_num_params)
-    params = tuple(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
-                         trainable=p.requires_grad, unit=owner.get(id(p), 0))
-                   for p in model.parameters())  # tied parameters appear once
+    quant = quantization.settings(config) if lora else None
+    packed = {id(m.weight): m.weight.numel() for m in quantization.linears_to_quantize(model)} if quant else {}
+    params = []
+    for p in model.parameters():  # tied parameters appear once
+        unit = owner.get(id(p), 0)
+        if id(p) not in packed:
+            params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
+                                trainable=p.requires_grad, unit=unit))
+            continue
+        # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
+        # stays on the module, whole on every rank
+        itemsize = quantization.ITEMSIZE[quant.quant_storage]
+        rows = p.numel() // 2 // itemsize
+        params.append(Param(numel=rows, rows=rows, itemsize=itemsize, trainable=False, unit=unit, cast=False,
+                            replicated=quant.quant_storage == "uint8", weights=p.numel()))
+    params = tuple(params)
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
-                      tied_embeddings=tied, tied_trainable_numel=tied_numel)
+                      tied_embeddings=tied, tied_trainable_numel=tied_numel,
+                      quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0)
 
 
 # ---- 2. activations, traced on the meta device
@@ -385,7 +408,7 @@ def _chunk(n: int, parts: int, rank: int) -> int:
 
 def _fsdp2_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool]) -> int:
     """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks."""
-    return max(sum(_chunk(p.rows, group, r) * (p.numel // max(p.rows, 1)) * p.itemsize
+    return max(sum((p.numel if p.replicated else _chunk(p.rows, group, r) * (p.numel // max(p.rows, 1))) * p.itemsize
                    for p in facts.params if select(p)) for r in range(group))
 
 
@@ -464,11 +487,11 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     """
     everything = lambda p: True  # noqa: E731
     trainable = lambda p: p.trainable  # noqa: E731
-    params = sharded_bytes(facts, setup, everything, whole_flat=True)
+    params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
     grads = sharded_bytes(facts, setup, trainable)
     optimizer = 2 * grads
     compute = DTYPE_BYTES[PRECISION_DTYPES.get(setup.precision, "float32")] if setup.precision != "no" else None
-    full_compute = sum(p.numel * (compute or p.itemsize) for p in facts.params)
+    full_compute = sum(p.numel * _gathered_itemsize(p, compute) for p in facts.params)
     root = facts.unit_bytes(0, compute)
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
@@ -697,7 +720,23 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
             f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
             f"attention {config.model.attn_implementation}, loss "
             f"{'chunked' if config.train.chunked_loss else 'plain (full logits)'}; device budget {budget / GIB:.1f} GiB per rank; "
-            f"sizes in {table_unit(rows)[0]} per rank")
+            f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config))
+
+
+def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
+    """QLoRA: what the 4-bit base costs beside what it would in the compute dtype."""
+    quant = quantization.settings(config)
+    packed = [p for p in facts.params if p.weights]
+    if not packed:
+        return ""
+    state = facts.quant_state_bytes
+    packed_bytes = sum(p.numel * p.itemsize for p in packed)
+    weights = sum(p.weights for p in packed)
+    where = "whole on every rank (uint8 storage)" if quant.quant_storage == "uint8" else "sharded by FSDP2"
+    return (f"\n4-bit base ({quant.quant_type}{', double quant' if quant.double_quant else ''}, stored "
+            f"{quant.quant_storage}): {_count(weights)} weights in {packed_bytes / GIB:.2f} GiB packed, {where}, "
+            f"+ {state / GIB:.2f} GiB quant state on every rank; in bf16 they would be {2 * weights / GIB:.2f} GiB "
+            f"({(packed_bytes + state) / (2 * weights):.2f} of it)")
 
 
 def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The configuration reference as Markdown, generated from the schemas: the core sections and every plugin section
-(``hfsdp config-reference [SECTION]``; ``scripts/config_reference.py`` writes the README's copy)."""
+(``hfsdp config-reference [SECTION]``; ``scripts/reference_docs.py`` writes docs/configuration.md), and the hook
+reference from ``hfsdp.hookspecs`` (docs/hooks.md)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from hfsdp import data, loss as losses, models
+from hfsdp import data, loss as losses, models, quantization
 from hfsdp.components import checkpoint, generation, plots, resume, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
@@ -386,15 +386,17 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
-    model = models.load_model(model_path, config.model, empty=empty)
+    model = models.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world,
                        setup=setup)
+    probe = quantization.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
     chunked = (losses.ChunkedLoss(model, vocab_size)
                if config.train.chunked_loss and objective is None and losses.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
+    quantization.check_sharded_forward(model, probe, accelerator)
     if packed:
         data.check_packed_attention(model, vocab_size, accelerator.device)
     if objective is not None:
@@ -571,6 +573,10 @@ def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pendi
 def export_model(run: Run, out_dir: Path) -> None:
     accelerator = run.accelerator
     state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
+    unwrapped = accelerator.unwrap_model(run.model)
+    state_dict = quantization.exported_weights(state_dict, run.config,
+                                               lambda: dict(quantization.quantized_linears(unwrapped)),
+                                               check_bytes=False)
     if accelerator.is_main_process:
         with staged_export(out_dir, overwrite=True) as tmp:
             run.plugins.export(state_dict=state_dict, model_config=run.model_config, tokenizer=run.tokenizer,

@@ -8,6 +8,7 @@
 # that case exit 3 instead (for jobs that must run on a GPU).
 # Time limit: GPU_CHECK_TIMEOUT seconds (default 600) for the whole pytest run.
 # Issue 21 (chunked loss, compiled blocks, attention kernels incl. flash_attention_2): scripts/gpu_check.sh -k chunked_loss_compile
+# Issue 22 (QLoRA: 4-bit bf16-stored weights gathered by FSDP2 on CUDA, the start-up probe): scripts/gpu_check.sh -k qlora
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2

@@ -243,6 +243,26 @@ CASES: dict[str, Case] = {
     "model weights file damaged": (
         lambda d, s: ["train", _cfg(d, model={"name_or_path": str(_model_copy(s, d, {"model.safetensors": b"\x00" * 64}))})],
         "model.name_or_path: cannot load the weights of"),
+    # --- QLoRA (model.quantization)
+    "qlora without the lora plugin": (lambda d, s: ["train", _cfg(d, model={"quantization": {"bits": 4}})],
+                                      "a 4-bit base cannot be trained in full"),
+    "qlora storage that FSDP would cast": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4, "quant_storage": "bf16"}},
+                                    fsdp={"mixed_precision": "fp16"})],
+        "bfloat16: FSDP2 gathers floating-point parameters in float16"),
+    "qlora under fsdp1": (lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4}},
+                                                      fsdp={"version": 1})], "QLoRA runs under FSDP2 only"),
+    "qlora 8-bit with a 4-bit option": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 8, "quant_type": "nf4"}})],
+        "bits 8 is not supported: bitsandbytes' 8-bit weights keep their scales on the parameter"),
+    "qlora without bitsandbytes installed": (
+        lambda d, s: ["train", _cfg(d, plugins=["lora"], model={"quantization": {"bits": 4}})],
+        "needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2'"),
+    "qlora merged export of a base not in the cache": (
+        lambda d, s: ["export", str(_with_config(_fake_checkpoint(d / "run", _cfg(
+            d, plugins=["lora"], model={"name_or_path": "acme/llama-not-downloaded", "quantization": {"bits": 4}})),
+            d)), str(d / "out"), "--merge-lora"],
+        "'acme/llama-not-downloaded' is not in the local Hugging Face cache"),
     # --- output and checkpoint paths, resume and export arguments
     "output_dir is an existing file": (
         lambda d, s: ["train", _cfg(d, train={"output_dir": _write(d / "out", "not a folder")})],
@@ -323,6 +343,10 @@ def _write_plugin(case: Path) -> str:
     return "paired_format"
 
 
+# Cases that need another environment than the others.
+CASE_ENV = {"qlora without bitsandbytes installed": {"PYTHONPATH": str(Path(__file__).parent / "no_bitsandbytes")}}
+
+
 def _model_copy(shared: dict, case: Path, replace: dict) -> Path:
     """A copy of the tiny model folder with files replaced (text/bytes) or removed (None)."""
     folder = case / "model"
@@ -349,8 +373,8 @@ def _run(case: str, shared: dict) -> subprocess.CompletedProcess:
     folder.mkdir()
     setup, _ = CASES[case]
     argv = setup(folder, shared)
-    proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(**CASE_ENV.get(case, {})),
+                          capture_output=True, text=True, timeout=300)
     proc.folder = folder
     return proc
 

@@ -57,6 +57,7 @@ OPTIONS = {
     "mixture": {"data": {"path": None, "datasets": [  # two sources 3:1, the second with its own format
         {"path": str(PRESET_DATA / "contacts_train.jsonl"), "weight": 3},
         {"path": str(PRESET_DATA / "contacts_eval.jsonl"), "format": "chat", "weight": 1}]}},
+    "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
 }
 # Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
 DATA_OPTIONS = ("mixture",)
@@ -74,6 +75,8 @@ REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit'
 # DCP's host-memory staging cannot copy FSDP1's ShardedTensors: refused in validation.
 REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded state dict holds ShardedTensors"
                 for world in (1, 2)})
+# QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
+REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -168,6 +171,8 @@ def test_smoke(runs, version, world, option):
     assert (report["checkpointed_layers"] > 0) == bool(sections["fsdp"].get("activation_checkpointing"))
     if "lora" in option:
         assert "adapter_model.safetensors" in weights
+    if option == "qlora":
+        assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
     else:
         assert "model.safetensors" in weights
     if "packing" in option:
@@ -247,7 +252,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo", "mixture")])
+                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo", "mixture")]
+          + [(2, 2, "qlora")])
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])

@@ -4,7 +4,8 @@ Enabled by ``hfsdp bench`` (``plugins: [bench_probe]``); harmless but pointless 
 
 * bytes of parameters, gradients and optimizer state this rank holds, counted from live tensors: the local
   shard of each DTensor (FSDP2), the rank's views of FSDP1 flat parameters (``use_orig_params``), plain tensors
-  (DDP). Gradients are counted right before the optimizer step (they are freed after it), optimizer state
+  (DDP); with ``model.quantization`` the 4-bit Linears' quant state too, and those Linears' own bytes
+  (``quant_linear_bytes``) beside what they would take in bf16 on this rank (``quant_linear_bf16_bytes``). Gradients are counted right before the optimizer step (they are freed after it), optimizer state
   right after it;
 * memory: on CUDA ``memory_allocated`` after prepare and ``max_memory_allocated`` during the steps; on CPU the
   resident set size (RSS) before the model is loaded, after it is loaded, after prepare, and its peak during the
@@ -110,12 +111,20 @@ def hfsdp_modify_model(model):
 def hfsdp_on_train_start(run):
     import torch
 
+    from hfsdp import quantization
     from hfsdp.distributed import local_parameter_bytes
 
     model, accelerator = run.model, run.accelerator
     cuda = accelerator.device.type == "cuda"
     local, full = local_parameter_bytes(model)
     fsdp = run.config.fsdp
+    quant = quantization.settings(run.config)
+    if quant is not None:  # QLoRA: the 4-bit Linears' quant state lives on the modules, beside the parameters
+        base = quantization.base_report(model, quant)
+        local += base["quant_state_bytes"]
+        weights = 2 * base["packed_bytes_full"]  # two 4-bit weights per byte
+        _state.update(quant_linear_bytes=base["packed_bytes_this_rank"] + base["quant_state_bytes"],
+                      quant_linear_bf16_bytes=2 * weights // accelerator.num_processes)
     _state.update(
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         device=str(accelerator.device), distributed_type=accelerator.distributed_type.value,
