@@ -7,7 +7,7 @@ whole global batch, as it does for tokens, so a step on N ranks computes the gra
 restore), and :meth:`Objective.take_metrics` turns what the loss calls recorded into metrics, after every step and
 every eval.
 
-:class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo``; a
+:class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo_loss``; a
 third-party ORPO or SimPO): rows of the built-in ``preference`` format become one micro-batch of the chosen rows
 followed by the rejected rows (one forward, so the FSDP collectives stay in lock-step), ``num_targets`` is the number
 of pairs, and :meth:`PreferenceObjective.completion_logps` gives each row's summed completion log-probability.

@@ -104,7 +104,8 @@ def test_the_adapter_reference_is_the_base_model(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfsdp.builtin.dpo import DPO, DpoSection
+    from hfsdp.builtin.dpo import DpoSection
+    from hfsdp.builtin.dpo_loss import DPO
     from hfsdp.builtin.preference import tokenize_pair
     from hfsdp.config import DataConfig
 
