@@ -1,7 +1,7 @@
 """The baseline for hfsdp's per-step overhead: a bare, hand-written Accelerate training loop.
 
 Same model, same tokenized rows and batch order (hfsdp's own cache and BatchPlan), the same wrapper (one process:
-none; several: the FSDP plugin from hfsdp.fsdp.build_fsdp_plugin via hfsdp.distributed.build_accelerator, which
+none; several: the FSDP plugin from hfsdp.fsdp.build_fsdp_plugin via hfsdp.wrapping.build_accelerator, which
 also applies the CPU adaptation), the same AdamW (fused, as hfsdp and TRL's SFTTrainer use it) and gradient
 clipping, the model's own loss on the collated batch with its attention mask, and nothing else: no metrics, no
 hooks, no progress bar, no per-step collectives beyond FSDP's own. Batches are collated before the loop starts.
@@ -34,8 +34,8 @@ def main() -> None:
     from hfsdp import data, models
     from hfsdp.cli import _cache_dir, _world_from_env
     from hfsdp.config import load_config
-    from hfsdp.distributed import build_accelerator
     from hfsdp.data import prepare_datasets
+    from hfsdp.wrapping import build_accelerator
 
     cfg, host = load_config(args.config, args.overrides)
     world = _world_from_env(cfg)

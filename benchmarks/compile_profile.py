@@ -43,9 +43,9 @@ def main() -> None:
     from hfsdp import data, models
     from hfsdp.cli import _cache_dir
     from hfsdp.config import load_config
-    from hfsdp.distributed import compile_blocks
     from hfsdp.loss import ChunkedLoss
     from hfsdp.train import build_optimizer
+    from hfsdp.wrapping import compile_blocks
 
     results = {}
     for variant in ("eager", "compiled"):

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config import HfsdpConfig
-from hfsdp.distributed import World, rehearsal_problems
+from hfsdp.distributed import World
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, wrapper
 from hfsdp.models import attention_problems
+from hfsdp.wrapping import rehearsal_problems
 
 
 @dataclass(frozen=True)

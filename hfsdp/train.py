@@ -28,15 +28,14 @@ from hfsdp.components import checkpoint, generation, plots, resume, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
+from hfsdp.components.startup import report_optimizer_state, report_startup
 from hfsdp.config import HfsdpConfig
-from hfsdp.distributed import (
-    World, all_sum, any_rank, build_accelerator, clip_grad_norm, grad_scaler, per_rank, prepare_model_and_optimizer,
-    report_optimizer_state, report_startup,
-)
+from hfsdp.distributed import World, all_sum, any_rank, clip_grad_norm, per_rank
 from hfsdp.errors import UserError
 from hfsdp.objective import Objective, objective_of
 from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
+from hfsdp.wrapping import build_accelerator, grad_scaler, prepare_model_and_optimizer
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
 

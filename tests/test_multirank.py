@@ -188,8 +188,9 @@ def test_an_unsharded_model_is_refused_at_startup():
 
     import torch
 
+    from hfsdp.components.startup import startup_report
     from hfsdp.config import HfsdpConfig
-    from hfsdp.distributed import World, startup_report
+    from hfsdp.distributed import World
     from hfsdp.errors import UserError
     from hfsdp.run_setup import decide
 
@@ -340,7 +341,7 @@ def test_gpu_only_options_are_refused_in_rehearsal(tmp_path):
 
 def test_rehearsal_problems_name_every_gpu_only_option():
     from hfsdp.config import FSDPConfig, HfsdpConfig
-    from hfsdp.distributed import rehearsal_problems
+    from hfsdp.wrapping import rehearsal_problems
 
     def problems(**fsdp):
         config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},

@@ -112,7 +112,7 @@ def hfsdp_on_train_start(run):
     import torch
 
     from hfsdp import quantization
-    from hfsdp.distributed import local_parameter_bytes
+    from hfsdp.components.startup import local_parameter_bytes
 
     model, accelerator = run.model, run.accelerator
     cuda = accelerator.device.type == "cuda"
