@@ -31,7 +31,7 @@ def main() -> None:
 
     import torch
 
-    from hfsdp import data, models
+    from hfsdp import batches, models
     from hfsdp.cli import _cache_dir, _world_from_env
     from hfsdp.config import load_config
     from hfsdp.data import prepare_datasets
@@ -46,10 +46,10 @@ def main() -> None:
     tokenizer = models.load_tokenizer(path, cfg.model)
     with accelerator.main_process_first():
         train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
-    plan = data.BatchPlan(len(train_set), cfg.train.per_device_batch_size, world.size, 1, cfg.train.seed)
+    plan = batches.BatchPlan(len(train_set), cfg.train.per_device_batch_size, world.size, 1, cfg.train.seed)
     batches = [
         {k: v.to(accelerator.device) for k, v in
-         data.collate([train_set[i] for i in plan.rows(step, 0, accelerator.process_index)], tokenizer.pad_token_id).items()}
+         batches.collate([train_set[i] for i in plan.rows(step, 0, accelerator.process_index)], tokenizer.pad_token_id).items()}
         for step in range(args.steps)
     ]
 

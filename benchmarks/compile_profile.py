@@ -40,7 +40,7 @@ def main() -> None:
 
     import torch
 
-    from hfsdp import data, models
+    from hfsdp import batches, data, models
     from hfsdp.cli import _cache_dir
     from hfsdp.config import load_config
     from hfsdp.loss import ChunkedLoss
@@ -53,7 +53,7 @@ def main() -> None:
         path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
         tokenizer = models.load_tokenizer(path, cfg.model)
         train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
-        plan = data.BatchPlan.for_run(train_set, cfg.train, 1)
+        plan = batches.BatchPlan.for_run(train_set, cfg.train, 1)
         torch.manual_seed(0)
         model = models.load_model(path, cfg.model)
         loss_fn = ChunkedLoss(model, model.config.vocab_size)
@@ -65,7 +65,7 @@ def main() -> None:
 
         def step(s: int) -> None:
             t0 = time.perf_counter()
-            batch = data.micro_batches(train_set, plan, s, 0, tokenizer.pad_token_id, "cpu", True)[0]
+            batch = batches.micro_batches(train_set, plan, s, 0, tokenizer.pad_token_id, "cpu", True)[0]
             loss = loss_fn(model, batch) / batch.num_targets
             t1 = time.perf_counter()
             loss.backward()

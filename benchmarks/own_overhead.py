@@ -36,7 +36,7 @@ def main() -> None:
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfsdp import data, models
+    from hfsdp import batches, models
     from hfsdp.cli import _cache_dir
     from hfsdp.components.metrics import MetricsWriter
     from hfsdp.config import load_config
@@ -47,11 +47,11 @@ def main() -> None:
     tokenizer = models.load_tokenizer(path, cfg.model)
     train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
     t = cfg.train
-    plan = data.BatchPlan(len(train_set), t.per_device_batch_size, 1, t.gradient_accumulation_steps, t.seed)
+    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, t.gradient_accumulation_steps, t.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # for the parameter list only
     results = {
         "micro-batches (read rows, collate, count, mask/logit choice)": per_step_us(
-            lambda s: data.micro_batches(train_set, plan, s, 0, tokenizer.pad_token_id, "cpu", True), a.steps),
+            lambda s: batches.micro_batches(train_set, plan, s, 0, tokenizer.pad_token_id, "cpu", True), a.steps),
         "trainable-parameter list": per_step_us(lambda s: [q for q in model.parameters() if q.requires_grad], a.steps),
     }
     with tempfile.TemporaryDirectory() as out:

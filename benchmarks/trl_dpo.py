@@ -39,7 +39,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     from torch.utils.data import SequentialSampler
     from trl import DPOConfig, DPOTrainer
 
-    from hfsdp import data, models
+    from hfsdp import batches, data, models
     from hfsdp.cli import _cache_dir
     from trl_sft import step_times  # benchmarks/, next to this file
 
@@ -50,7 +50,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     # hfsdp's plan over its tokenized rows: the same row count (no row is dropped in this data), so the same order
     train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
     assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
-    plan = data.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed)
+    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed)
     ordered = datasets.Dataset.from_list([raw[i] for step in range(steps) for i in plan.rows(step, 0, 0)])
 
     losses: list[float] = []

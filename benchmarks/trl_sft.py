@@ -51,7 +51,7 @@ def main() -> None:
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
 
-    from hfsdp import data, models
+    from hfsdp import batches, models
     from hfsdp.cli import _cache_dir
     from hfsdp.config import load_config
     from hfsdp.data import prepare_datasets
@@ -63,8 +63,8 @@ def main() -> None:
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
     tokenizer = models.load_tokenizer(path, cfg.model)
     train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
-    plan = data.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed,
-                          lengths=data.row_lengths(train_set) if t.group_by_length else None)
+    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed,
+                          lengths=batches.row_lengths(train_set) if t.group_by_length else None)
     rows = [train_set[i] for step in range(args.steps) for i in plan.rows(step, 0, 0)]
     ordered = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     step_tokens = [sum(len(r["input_ids"]) for r in rows[s * t.per_device_batch_size:(s + 1) * t.per_device_batch_size])

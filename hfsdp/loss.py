@@ -129,7 +129,7 @@ def check_chunked_loss(model, loss: ChunkedLoss, vocab_size: int, device, select
     returns are exactly its head's output (no soft-capping, scaling or other step after the head), and the chunked
     loss of a probe micro-batch (several chunks, masked labels) equals the loss from those logits. Every rank runs
     the same forwards (FSDP collectives)."""
-    from hfsdp.data import micro_batch, reshard
+    from hfsdp.batches import micro_batch, reshard
 
     generator = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (9, 6)]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.data import MicroBatch, micro_batch
+from hfsdp.batches import MicroBatch, micro_batch
 from hfsdp.errors import ConfigError
 
 # The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).

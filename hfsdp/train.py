@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import yaml
 
-from hfsdp import data, loss as losses, models, quantization
-from hfsdp.components import checkpoint, generation, plots, resume, throughput
+from hfsdp import batches, data, loss as losses, models, quantization
+from hfsdp.components import checkpoint, data_cache, generation, plots, resume, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
@@ -157,13 +157,13 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
              loss_sum_of=losses.token_loss_sum, objective: Objective | None = None) -> dict[str, float]:
     model.eval()
-    make_batch = objective.micro_batch if objective is not None else data.micro_batch
-    batches = data.eval_batches(len(dataset), config.train.per_device_batch_size,
-                                accelerator.num_processes, accelerator.process_index)
+    make_batch = objective.micro_batch if objective is not None else batches.micro_batch
+    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size,
+                                        accelerator.num_processes, accelerator.process_index)
     if config.train.max_eval_batches:
-        batches = batches[: config.train.max_eval_batches]
+        rank_batches = rank_batches[: config.train.max_eval_batches]
     loss_sum, tokens = 0.0, 0
-    for rows in batches:
+    for rows in rank_batches:
         batch = make_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
         if rows is None:  # filler so that every rank runs the same number of forwards
             batch.make_filler()
@@ -238,12 +238,12 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         objective = objective_of(host, config, tokenizer)
-        plan = data.BatchPlan.for_run(train_set, config.train, world.size,
-                                      data.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
+        plan = batches.BatchPlan.for_run(train_set, config.train, world.size,
+                                      batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
         max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
         if config.data.datasets:
             say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
-        identity = {"max_steps": max_steps, **data.identity(train_set)}  # what a checkpoint must resume on
+        identity = {"max_steps": max_steps, **batches.identity(train_set)}  # what a checkpoint must resume on
         if setup.resume:  # its schedule and data, now that the data is read: still before any weight loads
             resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
 
@@ -293,10 +293,10 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             while state.step < max_steps:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
-                batches = data.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                             tokenizer.pad_token_id, accelerator.device, select_logits,
-                                             objective.micro_batch if objective is not None else data.micro_batch)
-                result = train_step(run, batches, scaler, scheduler)
+                micro = batches.micro_batches(train_set, plan, state.step, accelerator.process_index,
+                                              tokenizer.pad_token_id, accelerator.device, select_logits,
+                                              objective.micro_batch if objective is not None else batches.micro_batch)
+                result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
                 elapsed = time.perf_counter() - t0
@@ -365,7 +365,7 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
     run_id = uuid.uuid4().hex
     if accelerator.num_processes > 1:
         run_id = broadcast_object_list([run_id])[0]
-    who = data.Preprocessing(builder=accelerator.is_local_main_process, run=run_id)
+    who = data_cache.Preprocessing(builder=accelerator.is_local_main_process, run=run_id)
     train_set, eval_set, raw_eval, report = data.prepare_datasets(config, host, tokenizer, cache_dir, who)
     accelerator.wait_for_everyone()
     accelerator.print(data.format_data_report(report))
@@ -397,7 +397,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     quantization.check_sharded_forward(model, probe, accelerator)
     if packed:
-        data.check_packed_attention(model, vocab_size, accelerator.device)
+        batches.check_packed_attention(model, vocab_size, accelerator.device)
     if objective is not None:
         return model, optimizer, flops, objective
     loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
@@ -452,17 +452,17 @@ class StepResult:
     stepped: bool  # False: a non-finite loss or gradient norm skipped the step (train.on_nonfinite: skip)
 
 
-def train_step(run: Run, batches: list[data.MicroBatch], scaler, scheduler) -> StepResult:
+def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> StepResult:
     """One optimizer step on this rank's micro-batches of the global batch: forward and backward (the loss normalised
     as the module docstring says), gradient clipping, then the optimizer step, or, on a non-finite loss or gradient
     norm, ``train.on_nonfinite``; then the LR schedule and ``run.state`` advance. Collective: every rank calls it for
     every step."""
     accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
-    local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(batches)
+    local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
     global_labels, global_tokens, global_sq_lengths = all_sum(
-        accelerator, [sum(b.num_targets for b in batches), local_tokens, local_sq_lengths])
+        accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for batch in batches:  # no host sync in here: the loss is summed on the device
+    for batch in micro:  # no host sync in here: the loss is summed on the device
         part = run.loss(model, batch)
         loss = part * run.world.size / max(global_labels, 1)
         accelerator.backward(scaler.scale(loss) if scaler else loss)

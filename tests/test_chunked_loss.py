@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import read_metrics, run_cli, run_torchrun, tiny_config
-from hfsdp import IGNORE_INDEX, data
+from hfsdp import batches, IGNORE_INDEX
 from hfsdp.loss import LOSS_CHUNK_ELEMENTS, ChunkedLoss, check_chunked_loss, token_loss_sum
 
 
@@ -52,7 +52,7 @@ def _tiny(tiny_model_dir):
 def test_chunked_loss_and_gradients_equal_the_plain_ones(tiny_model_dir, select_logits):
     model = _tiny(tiny_model_dir)
     assert model.config.tie_word_embeddings  # the head is the input embedding
-    batch = data.micro_batch(_rows(model.config.vocab_size), pad_id=0, device="cpu", select_logits=select_logits)
+    batch = batches.micro_batch(_rows(model.config.vocab_size), pad_id=0, device="cpu", select_logits=select_logits)
     plain = _loss_and_grads(model, token_loss_sum, batch)
     chunked = ChunkedLoss(model, model.config.vocab_size)
     chunked.chunk_tokens = 7  # the batch's 69 labelled positions in 10 chunks
@@ -73,7 +73,7 @@ def test_chunked_loss_with_lora_on_the_head(tiny_model_dir):
     base.config.tie_word_embeddings = False  # LoRA adapters on an untied head, and on attention
     base.lm_head.weight = torch.nn.Parameter(base.lm_head.weight.detach().clone())
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
-    batch = data.micro_batch(_rows(base.config.vocab_size), pad_id=0, device="cpu", select_logits=True)
+    batch = batches.micro_batch(_rows(base.config.vocab_size), pad_id=0, device="cpu", select_logits=True)
     plain = _loss_and_grads(model, token_loss_sum, batch)
     assert any("lm_head.lora_B" in n for n in plain[1])
     chunked = ChunkedLoss(model, base.config.vocab_size)
@@ -106,7 +106,7 @@ def test_the_full_logits_never_exist(tiny_model_dir):
     config.vocab_size = 128256
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    batch = data.micro_batch(_rows(config.vocab_size, lengths=(300, 300)), 0, "cpu", select_logits=True)
+    batch = batches.micro_batch(_rows(config.vocab_size, lengths=(300, 300)), 0, "cpu", select_logits=True)
     full = batch.inputs["logits_to_keep"].numel() * len(batch.lengths) * config.vocab_size
     sizes = {}
     chunked_model = copy.deepcopy(model)

@@ -1,6 +1,6 @@
 """Data at scale (issue 25): ``data.datasets`` mixtures, shards, and a preprocessing that no collective waits on.
 
-* The mixture plan, as a pure function (:class:`hfsdp.data.Mixture` in :class:`hfsdp.data.BatchPlan`): shares
+* The mixture plan, as a pure function (:class:`hfsdp.batches.Mixture` in :class:`hfsdp.batches.BatchPlan`): shares
   realised over 1,000 steps within 2 % of the weights (by weight and by epochs), the same global batches on any
   world size and from a fresh plan at any step, and a one-source list that is the single-source plan itself.
 * Real processes: 2 gloo ranks with ``train.collective_timeout_s: 20`` and a source whose format (a test plugin)
@@ -18,7 +18,8 @@ import textwrap
 import pytest
 
 from conftest import PRESET_DATA, base_env, read_metrics, run_cli, run_torchrun, step_losses, tiny_config
-from hfsdp import data
+from hfsdp import batches
+from hfsdp.components import data_cache
 from hfsdp.config import DataConfig
 
 STEPS = 1000
@@ -26,8 +27,8 @@ STEPS = 1000
 
 def _plan(rows: list[int], datasets: list[dict], world: int = 1, accumulation: int = 1, lengths=None):
     cfg = DataConfig(datasets=[{"path": f"s{i}.jsonl", **d} for i, d in enumerate(datasets)])
-    return data.BatchPlan(sum(rows), 2, world, accumulation, seed=3, lengths=lengths,
-                          mixture=data.Mixture.of(cfg, rows))
+    return batches.BatchPlan(sum(rows), 2, world, accumulation, seed=3, lengths=lengths,
+                          mixture=batches.Mixture.of(cfg, rows))
 
 
 @pytest.mark.parametrize("rows, datasets, expected", [
@@ -68,7 +69,7 @@ def test_rows_of_a_step_depend_only_on_seed_step_and_global_batch():
 def test_one_source_list_is_the_single_source_plan():
     lengths = [(7 * i) % 23 + 1 for i in range(45)]
     for grouped in (None, lengths):
-        alone = data.BatchPlan(45, 2, 2, 1, seed=3, lengths=grouped)
+        alone = batches.BatchPlan(45, 2, 2, 1, seed=3, lengths=grouped)
         listed = _plan([45], [{}], world=2, lengths=grouped)
         assert [alone.rows(s, 0, r) for s in range(60) for r in (0, 1)] == \
             [listed.rows(s, 0, r) for s in range(60) for r in (0, 1)]
@@ -161,13 +162,13 @@ def test_waiters_poll_for_the_builders_entry_and_share_its_failure(tmp_path):
         raise UserError("data: row 3 is broken")
 
     with pytest.raises(UserError, match="row 3 is broken"):
-        data.load_or_build(tmp_path, "k1", failing, data.Preprocessing(builder=True, run="r1"))
+        data_cache.load_or_build(tmp_path, "k1", failing, data_cache.Preprocessing(builder=True, run="r1"))
     assert sorted(p.name for p in (tmp_path / "datasets").iterdir()) == ["k1.failed-r1", "k1.lock"]  # no entry
     with pytest.raises(UserError, match="row 3 is broken"):
-        data.load_or_build(tmp_path, "k1", failing, data.Preprocessing(builder=False, run="r1"))
+        data_cache.load_or_build(tmp_path, "k1", failing, data_cache.Preprocessing(builder=False, run="r1"))
     with ThreadPoolExecutor(1) as pool:  # a waiter of another run, started before its builder
-        waiter = pool.submit(data.load_or_build, tmp_path, "k1", failing, data.Preprocessing(builder=False, run="r2"))
-        built = data.load_or_build(tmp_path, "k1", _tiny_entry, data.Preprocessing(builder=True, run="r2"))
+        waiter = pool.submit(data_cache.load_or_build, tmp_path, "k1", failing, data_cache.Preprocessing(builder=False, run="r2"))
+        built = data_cache.load_or_build(tmp_path, "k1", _tiny_entry, data_cache.Preprocessing(builder=True, run="r2"))
         waited = waiter.result(timeout=60)
     assert built[2] is False and waited[2] is True
     assert waited[0]["train"]["input_ids"] == [[1, 2]] and waited[1] == {"sources": [1]}

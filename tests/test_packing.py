@@ -16,7 +16,7 @@ import pytest
 
 from conftest import CACHE_DIR, PRESET_DATA, base_env, run_cli, step_losses, tiny_config
 
-from hfsdp import data
+from hfsdp import batches
 from hfsdp.builtin.packing import pack
 
 
@@ -31,17 +31,17 @@ def test_pack_is_greedy_restarts_positions_and_drops_boundary_labels():
 
 
 def test_collate_pads_packed_rows_as_a_block_of_their_own():
-    batch = data.collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 0]},
+    batch = batches.collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 0]},
                           {"input_ids": [8], "labels": [8], "position_ids": [0]}], pad_id=0)
     assert batch["position_ids"].tolist() == [[0, 1, 0], [0, 0, 1]]
-    inputs = data.model_inputs(batch)  # transformers then masks by where position_ids restart
+    inputs = batches.model_inputs(batch)  # transformers then masks by where position_ids restart
     assert "attention_mask" not in inputs and inputs["use_cache"] is False
-    assert "attention_mask" in data.model_inputs({k: v for k, v in batch.items() if k != "position_ids"})
+    assert "attention_mask" in batches.model_inputs({k: v for k, v in batch.items() if k != "position_ids"})
 
 
 def test_padding_fraction():
-    assert data.padding_fraction([4, 4, 4, 4], 2, seed=0) == 0.0
-    assert data.padding_fraction([2, 4], 2, seed=0) == pytest.approx(0.25)
+    assert batches.padding_fraction([4, 4, 4, 4], 2, seed=0) == 0.0
+    assert batches.padding_fraction([2, 4], 2, seed=0) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -64,21 +64,21 @@ def test_packed_loss_equals_separate_losses(tiny_model_dir, attn):
     assert len(packed["input_ids"]) == 2 and len(packed["input_ids"][0]) != len(packed["input_ids"][1])
     with torch.no_grad():
         packed_rows = [{k: packed[k][i] for k in packed} for i in range(2)]
-        packed_batch = data.micro_batch(packed_rows, tokenizer.pad_token_id, "cpu")
+        packed_batch = batches.micro_batch(packed_rows, tokenizer.pad_token_id, "cpu")
         packed_sum, packed_n = token_loss_sum(model, packed_batch), packed_batch.num_targets
         separate_sum, separate_n = 0.0, 0
         for i, l in zip(ids, labels):
-            single = data.micro_batch([{"input_ids": i, "labels": l}], tokenizer.pad_token_id, "cpu")
+            single = batches.micro_batch([{"input_ids": i, "labels": l}], tokenizer.pad_token_id, "cpu")
             separate_sum += float(token_loss_sum(model, single))
             separate_n += single.num_targets
-        batch = data.collate(packed_rows, tokenizer.pad_token_id)
+        batch = batches.collate(packed_rows, tokenizer.pad_token_id)
     assert packed_n == separate_n
     assert float(packed_sum) == pytest.approx(separate_sum, rel=1e-5)
     # and without the block-diagonal mask (a plain 2D mask) the samples would see each other: the test has teeth
     with torch.no_grad():
         leaky = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                       position_ids=batch["position_ids"]).logits
-        sealed = model(**data.model_inputs(batch)).logits
+        sealed = model(**batches.model_inputs(batch)).logits
     assert not torch.allclose(leaky, sealed, atol=1e-4)
 
 
@@ -151,10 +151,10 @@ def test_packing_probe_passes_on_llama_and_refuses_a_model_that_leaks(tmp_path, 
 
     for attn in ("sdpa", "eager"):
         llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn, dtype=torch.float32)
-        data.check_packed_attention(llama, llama.config.vocab_size, "cpu")
+        batches.check_packed_attention(llama, llama.config.vocab_size, "cpu")
     opt = AutoModelForCausalLM.from_pretrained(_opt_model_dir(tmp_path, tiny_model_dir))
     with pytest.raises(UserError, match="packing: this model lets packed samples attend to each other"):
-        data.check_packed_attention(opt, opt.config.vocab_size, "cpu")
+        batches.check_packed_attention(opt, opt.config.vocab_size, "cpu")
 
 
 @pytest.mark.slow

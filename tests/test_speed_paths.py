@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_cli, tiny_config
-from hfsdp import data
+from hfsdp import batches
 
 
 def _plan(lengths, per_device, world, accumulation, seed=3, grouped=True):
-    return data.BatchPlan(len(lengths), per_device, world, accumulation, seed, lengths=lengths if grouped else None)
+    return batches.BatchPlan(len(lengths), per_device, world, accumulation, seed, lengths=lengths if grouped else None)
 
 
 def _global_batches(plan, steps):
@@ -51,16 +51,16 @@ def test_grouping_by_length_keeps_global_batches_whatever_the_split():
     split = (4, 2, 2)
     grouped, plain = _plan(lengths, *split), _plan(lengths, *split, grouped=False)
     assert _padding(grouped, lengths, steps) < 0.25 * _padding(plain, lengths, steps)
-    assert data.padding_fraction(lengths, 4, 3, grouped=True) < 0.25 * data.padding_fraction(lengths, 4, 3)
+    assert batches.padding_fraction(lengths, 4, 3, grouped=True) < 0.25 * batches.padding_fraction(lengths, 4, 3)
 
 
 def test_micro_batches_without_padding_have_no_attention_mask():
     same = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5, 6], "labels": [4, 5, 6]}]
-    batch = data.micro_batch(same, pad_id=0, device="cpu")
+    batch = batches.micro_batch(same, pad_id=0, device="cpu")
     assert set(batch.inputs) == {"input_ids", "use_cache"} and batch.inputs["use_cache"] is False  # no KV cache
     assert (batch.tokens, batch.num_targets) == (6, 4)
     assert batch.targets.tolist() == [[2, 3, -100], [5, 6, -100]]  # the label of the token after each position
-    ragged = data.micro_batch(same[:1] + [{"input_ids": [7], "labels": [7]}], pad_id=0, device="cpu")
+    ragged = batches.micro_batch(same[:1] + [{"input_ids": [7], "labels": [7]}], pad_id=0, device="cpu")
     assert ragged.inputs["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert (ragged.tokens, ragged.num_targets) == (4, 2)
 
@@ -68,13 +68,13 @@ def test_micro_batches_without_padding_have_no_attention_mask():
 def test_logits_only_where_a_row_has_a_label():
     prompt_then_answer = [{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, -100, -100, 5, 6]},
                           {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, -100, 4, 5]}]
-    batch = data.micro_batch(prompt_then_answer, pad_id=0, device="cpu", select_logits=True)
+    batch = batches.micro_batch(prompt_then_answer, pad_id=0, device="cpu", select_logits=True)
     assert batch.inputs["logits_to_keep"].tolist() == [2, 3, 4]  # positions 0, 1 and 5 predict no label
     assert batch.targets.tolist() == [[-100, 5, 6], [4, 5, -100]]
     assert batch.num_targets == 4
-    every_position = data.micro_batch([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}], 0, "cpu", select_logits=True)
+    every_position = batches.micro_batch([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}], 0, "cpu", select_logits=True)
     assert every_position.inputs["logits_to_keep"].tolist() == [0, 1] and every_position.targets.tolist() == [[2, 3]]
-    nothing = data.micro_batch([{"input_ids": [1, 2], "labels": [-100, -100]}], 0, "cpu", select_logits=True)
+    nothing = batches.micro_batch([{"input_ids": [1, 2], "labels": [-100, -100]}], 0, "cpu", select_logits=True)
     assert nothing.inputs["logits_to_keep"].tolist() == [0] and nothing.targets.tolist() == [[-100]]
 
 
@@ -90,16 +90,16 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
     rows = [{"input_ids": list(range(10, 30)), "labels": [-100] * 12 + list(range(22, 30))},
             {"input_ids": list(range(40, 60)), "labels": [-100] * 15 + list(range(55, 60))}]
     with torch.no_grad():
-        plain = data.micro_batch(rows, pad_id=0, device="cpu")
+        plain = batches.micro_batch(rows, pad_id=0, device="cpu")
         reference = token_loss_sum(model, plain)
         plain.inputs["attention_mask"] = torch.ones_like(plain.inputs["input_ids"])
         torch.testing.assert_close(token_loss_sum(model, plain), reference)
-        selected = data.micro_batch(rows, pad_id=0, device="cpu", select_logits=True)
+        selected = batches.micro_batch(rows, pad_id=0, device="cpu", select_logits=True)
         assert selected.inputs["logits_to_keep"].numel() == 8
         torch.testing.assert_close(token_loss_sum(model, selected), reference)
         ragged = rows[:1] + [{"input_ids": list(range(40, 52)), "labels": [-100] * 9 + [49, 50, 51]}]
-        torch.testing.assert_close(token_loss_sum(model, data.micro_batch(ragged, 0, "cpu", select_logits=True)),
-                                   token_loss_sum(model, data.micro_batch(ragged, 0, "cpu")))
+        torch.testing.assert_close(token_loss_sum(model, batches.micro_batch(ragged, 0, "cpu", select_logits=True)),
+                                   token_loss_sum(model, batches.micro_batch(ragged, 0, "cpu")))
 
 
 def test_what_wraps_the_model():

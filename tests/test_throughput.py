@@ -47,10 +47,10 @@ def test_step_flops_is_6n_per_token_plus_the_causal_attention_term():
 
 
 def test_tokens_and_square_lengths_of_micro_batches():
-    from hfsdp import data
+    from hfsdp import batches
 
     rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
-    batches = [data.micro_batch(rows, 0, "cpu"), data.micro_batch([{"input_ids": [6] * 4, "labels": [6] * 4}], 0, "cpu")]
+    batches = [batches.micro_batch(rows, 0, "cpu"), batches.micro_batch([{"input_ids": [6] * 4, "labels": [6] * 4}], 0, "cpu")]
     assert tokens_and_square_lengths(batches) == (9, 9 + 4 + 16)
 
 

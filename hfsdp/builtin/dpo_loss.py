@@ -78,7 +78,7 @@ class DPO(PreferenceObjective):
                 for name, split in splits.items()}
 
     def _with_reference(self, model, accelerator, split, cache_dir: Path, identity: str, name: str):
-        from hfsdp.data import identity as rows_identity
+        from hfsdp.batches import identity as rows_identity
         from hfsdp.distributed import any_rank
 
         key = hashlib.sha256(json.dumps([identity, rows_identity(split), self.config.model.model_dump(mode="json"),
@@ -104,7 +104,7 @@ class DPO(PreferenceObjective):
     @torch.no_grad()
     def _compute(self, model, accelerator, split, name: str) -> list[list[float]]:
         """[chosen, rejected] reference log-probs of every row, each rank computing its share (collective)."""
-        from hfsdp.data import eval_batches, reshard
+        from hfsdp.batches import eval_batches, reshard
         from hfsdp.distributed import gather_objects
 
         from hfsdp.models import accepts_logits_to_keep

@@ -1,6 +1,6 @@
 """Resuming on another number of processes: what must stay the same, and what hfsdp adapts.
 
-A step's data depends only on (seed, step, global batch) (``data.BatchPlan``), and model and optimizer state are
+A step's data depends only on (seed, step, global batch) (``batches.BatchPlan``), and model and optimizer state are
 resharded on load (torch DCP for SHARDED_STATE_DICT, a broadcast of the full tensors for FULL_STATE_DICT). So a
 checkpoint resumes on any world size that can keep its global batch (per-device batch x accumulation x ranks):
 hfsdp adapts ``train.gradient_accumulation_steps`` when that suffices and otherwise refuses, naming the values that
@@ -97,7 +97,7 @@ def check_resume_config(record: dict[str, Any], config: HfsdpConfig, path: Path)
 
 def check_resume_record(record: dict[str, Any], path: Path, identity: dict[str, Any], lr_scheduler: str) -> None:
     """The checkpoint continues this run's schedule on its data, once the data is read (still before any weight
-    loads). ``identity``: this run's schedule length and training data (:func:`data.identity`), as the record keeps
+    loads). ``identity``: this run's schedule length and training data (:func:`batches.identity`), as the record keeps
     them (records written before they were recorded are not checked for them)."""
     problems = []
     saved_steps = record.get("max_steps", identity["max_steps"])

@@ -76,7 +76,7 @@ class FlopsModel:
 
 
 def tokens_and_square_lengths(batches: list[Any]) -> tuple[int, int]:
-    """(tokens, sum of squared row lengths) of a step's micro-batches (``data.MicroBatch``, counted on the host)."""
+    """(tokens, sum of squared row lengths) of a step's micro-batches (``batches.MicroBatch``, counted on the host)."""
     lengths = [n for batch in batches for n in batch.lengths]
     return sum(lengths), sum(n * n for n in lengths)
 
