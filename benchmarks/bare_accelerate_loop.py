@@ -33,7 +33,7 @@ def main() -> None:
 
     from hfsdp import batches, models
     from hfsdp.cli import _cache_dir, _world_from_env
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.data import prepare_datasets
     from hfsdp.wrapping import build_accelerator
 

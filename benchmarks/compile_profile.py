@@ -42,7 +42,7 @@ def main() -> None:
 
     from hfsdp import batches, data, models
     from hfsdp.cli import _cache_dir
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.loss import ChunkedLoss
     from hfsdp.train import build_optimizer
     from hfsdp.wrapping import compile_blocks

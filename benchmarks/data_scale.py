@@ -64,7 +64,7 @@ def child(kind: str, corpus: Path, shards: int, num_proc: int, work: Path, token
         rows = len(out)
     else:
         from hfsdp import data
-        from hfsdp.config import load_config
+        from hfsdp.config_files import load_config
 
         split = shards * 3 // 4
         for name, part in (("a", files[:split]), ("b", files[split:])):

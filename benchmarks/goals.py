@@ -73,7 +73,7 @@ def goal_help(reps: int) -> dict:
 
 
 def goal_preprocess(config: str) -> dict:
-    code = ("import json, sys; from pathlib import Path; from hfsdp import models; from hfsdp.config import load_config; "
+    code = ("import json, sys; from pathlib import Path; from hfsdp import models; from hfsdp.config_files import load_config; "
             "from hfsdp.data import prepare_datasets; cfg, host = load_config(sys.argv[1]); cache = Path(sys.argv[2]); "
             "tok = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path, Path(sys.argv[3])), cfg.model); "
             "print(json.dumps(prepare_datasets(cfg, host, tok, cache)[3]))")

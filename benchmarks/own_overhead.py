@@ -39,7 +39,7 @@ def main() -> None:
     from hfsdp import batches, models
     from hfsdp.cli import _cache_dir
     from hfsdp.components.metrics import MetricsWriter
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.data import prepare_datasets
 
     cfg, host = load_config(a.config, a.overrides)

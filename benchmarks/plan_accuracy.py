@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hfsdp.config import load_config  # noqa: E402
+from hfsdp.config_files import load_config  # noqa: E402
 from hfsdp.models import architecture_config  # noqa: E402
 from hfsdp.plan import MIB, Planner, setup_from_config  # noqa: E402
 

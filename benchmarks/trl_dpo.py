@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
 
     overrides = [f"train.max_steps={args.steps}", "train.eval_every=null", "train.eval_at_start=false",
                  "train.log_every=1", "train.export_final=false", "data.eval_path=null", *args.overrides]

@@ -53,7 +53,7 @@ def main() -> None:
 
     from hfsdp import batches, models
     from hfsdp.cli import _cache_dir
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.data import prepare_datasets
 
     cfg, host = load_config(args.config, args.overrides)

@@ -90,7 +90,7 @@ def _probe_plugin() -> str:
 
 
 def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
-    from hfsdp.config import apply_overrides, read_config, resolve_config_path
+    from hfsdp.config_files import apply_overrides, read_config, resolve_config_path
 
     return apply_overrides(read_config(resolve_config_path(config)), overrides)
 

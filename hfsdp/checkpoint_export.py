@@ -14,7 +14,7 @@ from hfsdp.components import checkpoint
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.outputs import check_export_target, staged_export
 from hfsdp import quantization
-from hfsdp.config import load_config
+from hfsdp.config_files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.plugins import Lazy
 

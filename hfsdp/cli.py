@@ -177,7 +177,7 @@ def cli(verbose: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an earlier run in train.output_dir.")
 def train(config: str | None, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
     """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
-    from hfsdp.config import load_config, resolve_config_path
+    from hfsdp.config_files import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
     _check_launcher_variables()
@@ -221,7 +221,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
     not at train time; a summary line goes to stderr. --no-rows skips that."""
     import yaml
 
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
 
     cfg, host = load_config(config, overrides)
     if not no_rows:
@@ -289,7 +289,7 @@ def presets() -> None:
     """List the bundled presets (usable as `hfsdp train NAME`)."""
     import yaml
 
-    from hfsdp.config import list_presets
+    from hfsdp.config_files import list_presets
 
     for name, path in list_presets().items():
         first = yaml.safe_load(path.read_text()) or {}
@@ -378,7 +378,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
 
     from hfsdp.bench import parse_list
     from hfsdp.components.hf_folder import parse_size
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.models import architecture_config
     from hfsdp.config import STRATEGIES
     from hfsdp.plan import Planner, header, plan as run_plan, plot, text_table, to_json

@@ -1,7 +1,7 @@
-"""The training config: YAML → overrides → validated pydantic objects.
+"""The training config's schema: the pydantic sections and their validation (``validate_config``, the cross-section
+rules, the data paths); reading config files is ``hfsdp.config_files``.
 
-A config file may name a ``base:`` (a preset or another file) that it overrides key by key. Unknown keys are errors
-everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin declares; a section of an
+Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin declares; a section of an
 installed plugin that is not enabled is an error that says which plugin to enable. Every problem is reported at
 once: the core's, the plugin sections', the plugins' own checks (for the sections that validated) and ``data:``'s.
 This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
@@ -9,7 +9,6 @@ This module imports neither torch nor transformers, so ``hfsdp validate`` and ``
 
 from __future__ import annotations
 
-import copy
 import difflib
 import glob
 import hashlib
@@ -20,11 +19,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from hfsdp import plugins as plugin_host, quantization
-from hfsdp.errors import ConfigError, InvalidSectionRead
+from hfsdp.errors import InvalidSectionRead
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
@@ -468,60 +466,6 @@ class HfsdpConfig(Section):
 CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError([("", f"{path} is a folder, not a config file (give a YAML file or a preset name)")])
-    if not path.is_file():
-        raise ConfigError([("", f"config file not found: {path} (give a YAML file or a preset name, see `hfsdp presets`)")])
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError([("", f"not a text file: byte {err.start} is not UTF-8; a config is a YAML text file")],
-                          source=str(path)) from None
-    except OSError as err:
-        raise ConfigError([("", f"cannot read the config file: {err.strerror}")], source=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([("", f"malformed YAML{where}: {getattr(err, 'problem', err)}")], source=str(path)) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError([("", f"the top level must be a mapping of sections, got {type(data).__name__}")], str(path))
-    return data
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set a.b.c=value`` overrides; values are parsed as YAML so they get the schema's types."""
-    raw = copy.deepcopy(raw)
-    problems = []
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            problems.append((item, "overrides look like --set section.key=value"))
-            continue
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
-        node = raw
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                problems.append((key, f"'{part}' is not a section"))
-                break
-            node = child
-        else:
-            node[parts[-1]] = value
-    if problems:
-        raise ConfigError(problems, source="--set")
-    return raw
-
-
 def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
     """The section model of field ``name`` (also inside ``X | None`` and other unions), if it is one."""
     field = model.model_fields.get(name)
@@ -765,117 +709,8 @@ def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[
     return problems
 
 
-PRESET_DIR = Path(__file__).parent / "presets"
-
-
-def list_presets() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(PRESET_DIR.glob("*.yaml"))}
-
-
-def resolve_config_path(name_or_path: str | None) -> Path:
-    """A YAML path, or the name of a bundled preset (``None`` means the ``default`` preset)."""
-    if name_or_path is None:
-        return list_presets()["default"]
-    path = Path(name_or_path)
-    if path.is_file() or path.suffix in (".yaml", ".yml") or "/" in name_or_path:
-        return path
-    presets = list_presets()
-    if name_or_path in presets:
-        return presets[name_or_path]
-    raise ConfigError([("", f"'{name_or_path}' is neither a config file nor a preset; presets: {', '.join(presets)}")])
-
-
 # The one rule for relative data paths, named wherever a missing path is reported.
 RELATIVE_DATA_PATHS = ("a relative path in a config file is taken from the config file's folder; one given with "
                        "--set, from the working directory")
 
 
-def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
-    """The one rule for relative data paths written in a config file: they are relative to that file's folder
-    (never to the working directory). A relative value that names nothing there and does not look like a file
-    (no data suffix, no leading ``.``/``~``, nothing of that name in the working directory either) is left as it
-    is: a datasets name. Paths given with ``--set`` are applied after this, relative to the working directory."""
-    data = raw.get("data")
-    if not isinstance(data, dict):
-        return
-    entries = [(data, key) for key in ("path", "eval_path")]
-    if isinstance(data.get("datasets"), list):
-        entries += [(source, "path") for source in data["datasets"] if isinstance(source, dict)]
-    for holder, key in entries:
-        value = holder.get(key)
-        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
-            continue
-        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES or is_glob(value)
-        if (base / value).exists() or looks_local or Path(value).exists():
-            holder[key] = str((base / value).resolve())
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``override`` over ``base``: mappings merge key by key, anything else (values, lists, null) replaces."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def read_config(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A config file as raw data, with its ``base:`` (a preset name, or a file relative to this one) merged under
-    it; data paths are anchored to the folder of the file that names them."""
-    raw = read_yaml(path)
-    _anchor_data_paths(raw, path.parent)
-    if "base" not in raw:
-        return raw
-    base = raw.pop("base")
-    chain = (*_chain, path.resolve())
-    if not isinstance(base, str) or not base:
-        raise ConfigError([("base", "give a preset name or a config file path")], source=str(path))
-    base_path = path.parent / base
-    if not base_path.is_file():
-        presets = list_presets()
-        if base not in presets:
-            raise ConfigError([("base", f"'{base}' is neither a config file ({base_path} does not exist) nor a "
-                                        f"preset; presets: {', '.join(presets)}")], source=str(path))
-        base_path = presets[base]
-    if base_path.resolve() in chain:
-        raise ConfigError([("base", "configs name each other as base: "
-                                    + " -> ".join(str(p) for p in (*chain, base_path.resolve())))], source=str(path))
-    return _merge(read_config(base_path, chain), raw)
-
-
-def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_data: bool = True
-                ) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
-    """Read, override and validate a config, enabling the plugins it names, and report every problem at once.
-    ``check_data``: also check that ``data.path`` / ``data.eval_path`` can be read (off for ``hfsdp export``, which
-    needs no data). Nothing heavy is imported."""
-    path = resolve_config_path(name_or_path)
-    raw = apply_overrides(read_config(path), list(overrides))
-    enabled = raw.get("plugins") or []
-    if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
-        raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], str(path))
-    host = plugin_host.PluginHost(enabled)
-    config, problems = validate_config(raw, host.config_sections())
-    problems += host.validation_problems(config)
-    formats = host.dataset_formats()
-
-    def format_problems() -> list[tuple[str, str]]:
-        named = [("data.format", config.data.format)] + [(f"data.datasets[{i}].format", s.format)
-                                                         for i, s in enumerate(config.data.datasets or []) if s.format]
-        problems = [(key, f"unknown format '{name}'; known: {', '.join(sorted(formats))}")
-                    for key, name in named if name not in formats]
-        if any(name == "preference" for _, name in named) and not host.implementers("hfsdp_objective"):
-            problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
-                                            "[dpo]), or use data.format: chat or instruction for supervised "
-                                            "fine-tuning"))
-        return problems
-
-    checks = [format_problems, lambda: cross_section_problems(config)]
-    if check_data:
-        checks.append(lambda: data_path_problems(config.data, host.data_readers()))
-    for check in checks:
-        try:
-            problems += check()
-        except InvalidSectionRead:
-            continue  # it reads a section that has problems of its own, reported above
-    if problems:
-        raise ConfigError(problems, source=str(path))
-    return config, host

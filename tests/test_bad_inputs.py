@@ -15,7 +15,7 @@ import pytest
 
 from conftest import PRESET_DATA, base_env, tiny_config
 from hfsdp.components import checkpoint
-from hfsdp.config import load_config
+from hfsdp.config_files import load_config
 from hfsdp.components.resume import run_fingerprint
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ def test_examples_cover_sizes_methods_and_data_formats():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_validates_and_fits_the_hardware_in_its_comment(path: Path):
-    from hfsdp.config import load_config
+    from hfsdp.config_files import load_config
     from hfsdp.models import architecture_config
     from hfsdp.plan import GIB, Planner, plan
 

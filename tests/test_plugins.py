@@ -309,7 +309,7 @@ def test_tokenize_and_reader_get_their_plugins_section(installed, tmp_path, tiny
     try:
         from transformers import AutoTokenizer
 
-        from hfsdp.config import load_config
+        from hfsdp.config_files import load_config
 
         tsv = _qa_csv(tmp_path / "qa.tsv", 3, delimiter="\t")
         config, host = load_config(str(tiny_config(tmp_path, plugins=["csv_qa"], csv_qa={"system": "Be brief."},
