@@ -171,10 +171,10 @@ def test_smoke(runs, version, world, option):
     assert (report["checkpointed_layers"] > 0) == bool(sections["fsdp"].get("activation_checkpointing"))
     if "lora" in option:
         assert "adapter_model.safetensors" in weights
-    if option == "qlora":
-        assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
     else:
         assert "model.safetensors" in weights
+    if option == "qlora":
+        assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
     if "packing" in option:
         summary = json.loads((run / "summary.json").read_text())
         packed = summary["data"]["padding"]
