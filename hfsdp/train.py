@@ -238,14 +238,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         objective = objective_of(host, config, tokenizer)
-        plan = batches.BatchPlan.for_run(train_set, config.train, world.size,
-                                      batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
-        max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
-        if config.data.datasets:
-            say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
-        identity = {"max_steps": max_steps, **batches.identity(train_set)}  # what a checkpoint must resume on
-        if setup.resume:  # its schedule and data, now that the data is read: still before any weight loads
-            resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
+        plan, max_steps, identity = plan_steps(setup, train_set, data_report, say)
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, loss = load_and_shard(accelerator, setup, host, model_path, model_config, tokenizer,
@@ -286,6 +279,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         preemption.install()
         progress = _progress(is_main, state.step, max_steps)
         meter = throughput.StepMeter.for_run(flops, config, accelerator)
+        make_batch = objective.micro_batch if objective is not None else batches.micro_batch
         model.train()
         last_eval: dict[str, Any] = {}
         loop_started = time.perf_counter()
@@ -294,8 +288,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
                 micro = batches.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                              tokenizer.pad_token_id, accelerator.device, select_logits,
-                                              objective.micro_batch if objective is not None else batches.micro_batch)
+                                              tokenizer.pad_token_id, accelerator.device, select_logits, make_batch)
                 result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
@@ -354,6 +347,22 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             model = run = run_eval = None  # noqa: F841
             accelerator.free_memory()
             accelerator.end_training()
+
+
+def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say) -> tuple[batches.BatchPlan, int, dict]:
+    """The rows of every step (a pure function of seed and step, over the mixture of the sources), the run's length,
+    and what a checkpoint must resume on (its schedule length and data); a resume's checkpoint is checked against
+    them here, before any weight loads."""
+    config = setup.config
+    plan = batches.BatchPlan.for_run(train_set, config.train, setup.world.size,
+                                     batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
+    max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
+    if config.data.datasets:
+        say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
+    identity = {"max_steps": max_steps, **batches.identity(train_set)}
+    if setup.resume:
+        resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
+    return plan, max_steps, identity
 
 
 def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir: Path):
