@@ -249,10 +249,12 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
             assert torch.equal(got[name][key], tensor), (name, key)
 
 
+# async_save resumes exactly on 2 ranks in test_reliability.py (test_async_resume_is_bit_exact_on_two_ranks, the
+# same combination after a chain of faults), so it is not run again here.
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "async_save", "dpo", "mixture")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture")]
           + [(2, 2, "qlora")])
 
 
