@@ -56,7 +56,7 @@ def test_a_first_run_shows_one_bar_per_phase_and_says_what_runs(tmp_path):
     bars = {line.split(":")[0] for line in proc.stderr.replace("\r", "\n").splitlines() if "%|" in line or "it/s" in line
             or "examples/s" in line}
     assert "preprocessing cache hit" not in proc.stdout  # the datasets bars only show on a miss
-    assert {"tokenizing", "training"} <= bars, bars
+    assert {"tokenizing train", "tokenizing eval", "training"} <= bars, bars  # one bar per split (and per source)
     assert not {b for b in bars if b.startswith(("Generating", "Saving the dataset", "Loading dataset"))}, bars
     assert f"hfsdp {__version__} | 1 process on cpu, no wrapper\n" in proc.stdout, proc.stdout[:500]
     assert "NO on cpu" not in proc.stdout
