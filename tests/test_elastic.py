@@ -55,8 +55,11 @@ def run(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 600) ->
 
 
 def step_records(output_dir: Path) -> list[tuple[int, str]]:
-    """(step, kind) of every metrics.jsonl record, in file order: kind is "train" or "eval"."""
-    return [(m["step"], "train" if "loss" in m else "eval") for m in read_metrics(output_dir)]
+    """(step, kind) of every training and eval record of metrics.jsonl, in file order: kind is "train" or "eval"
+    (the records of completed checkpoints, ``checkpoint_step``, are left out: a resume from a checkpoint does not
+    log its completion again)."""
+    return [(m["step"], "train" if "loss" in m else "eval") for m in read_metrics(output_dir)
+            if "checkpoint_step" not in m]
 
 
 @pytest.mark.slow
