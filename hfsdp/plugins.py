@@ -187,7 +187,7 @@ class PluginHost:
 
     def implementers(self, hook: str) -> list[str]:
         """The plugins implementing ``hook``, in the order pluggy calls them."""
-        return [impl.plugin_name for impl in reversed(self._caller(hook).get_hookimpls())]
+        return [impl.plugin_name for impl in self._in_order(hook)]
 
     def call(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call ``hook`` through pluggy; ``(plugin, result)`` of every implementation that returned something, in

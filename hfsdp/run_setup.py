@@ -33,10 +33,14 @@ class ResumePoint:
 class RunSetup:
     config: HfsdpConfig  # the effective config: what this run trains with (see decide)
     world: World
-    wrapper: Wrapper
     resume: ResumePoint | None  # None: from step 0 (no --resume, or no complete checkpoint yet)
     resume_asked: bool = False  # --resume was given
     notes: tuple[str, ...] = ()  # what decide changed in the config and why, for the console
+
+    @property
+    def wrapper(self) -> Wrapper:
+        """What wraps the model: the one rule (``hfsdp.fsdp.wrapper``) applied to the effective config."""
+        return wrapper(self.config.fsdp, self.world.size)
 
     @property
     def fsdp(self) -> bool:
@@ -77,10 +81,9 @@ def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = 
                                 "sizes with fsdp.single_process: fsdp")
             resuming.check_resume_config(record, config, path)
             point = ResumePoint(path, record)
-    wraps = wrapper(config.fsdp, world.size)
-    if config.train.async_save and wraps == "none" and not config.fsdp.runs_as_ddp:
+    setup = RunSetup(config=config, world=world, resume=point, resume_asked=bool(resume), notes=tuple(notes))
+    if config.train.async_save and setup.wrapper == "none" and not config.fsdp.runs_as_ddp:
         raise ConfigError([("train.async_save", "one process runs the model without FSDP (fsdp.single_process: "
                                                 "auto), and its checkpoint is one file: set fsdp.single_process: "
                                                 "fsdp, or remove train.async_save")], source=source)
-    return RunSetup(config=config, world=world, wrapper=wraps, resume=point, resume_asked=bool(resume),
-                    notes=tuple(notes))
+    return setup
