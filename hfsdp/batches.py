@@ -208,14 +208,21 @@ def identity(dataset) -> dict[str, Any]:
     return {"train_rows": len(dataset), "train_fingerprint": digest.hexdigest()[:16]}
 
 
+def is_packed(columns) -> bool:
+    """Rows (a dataset's ``column_names``, a row, a batch) with ``position_ids`` are packed rows: several samples
+    each, positions restarting at 0 where a sample begins. That is the contract of ``hfsdp_transform_dataset``
+    (the packing plugin keeps it; any plugin may): hfsdp then keeps attention inside each sample
+    (:func:`model_inputs`) and proves the model does before step 1 (:func:`check_packed_attention`)."""
+    return "position_ids" in columns
+
+
 def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a micro-batch; padding has label -100 and attention mask 0."""
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
-    has_positions = "position_ids" in rows[0]
-    positions = torch.zeros((len(rows), width), dtype=torch.long) if has_positions else None
+    positions = torch.zeros((len(rows), width), dtype=torch.long) if is_packed(rows[0]) else None
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         input_ids[i, :n] = torch.tensor(r["input_ids"])
@@ -246,7 +253,7 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     inputs["use_cache"] = False
-    if "position_ids" in inputs:
+    if is_packed(inputs):
         inputs.pop("attention_mask", None)
     elif "attention_mask" in inputs and bool(inputs["attention_mask"].all()):
         inputs.pop("attention_mask")
@@ -375,7 +382,7 @@ def padding_report(dataset, batch_size: int, seed: int, grouped: bool = False) -
 
     rows = row_lengths(dataset)
     after = padding_fraction(rows, batch_size, seed, grouped)
-    if "position_ids" not in dataset.column_names:
+    if not is_packed(dataset.column_names):
         return f"padding {after:.1%}" + (" (grouped by length)" if grouped else "")
     table = dataset.with_format("arrow")
     flat = pc.list_flatten(table["position_ids"]).to_numpy(zero_copy_only=False)

@@ -400,7 +400,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     hf_logging.set_verbosity_error()
     planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget)
     rows = run_plan(planner, names, sizes, nodes)
-    facts = planner.facts("lora" in cfg.plugins)
+    facts = planner.facts(tuple(cfg.plugins))
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget), indent=2))
     else:

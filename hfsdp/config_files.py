@@ -151,10 +151,23 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     ``check_data``: also check that ``data.path`` / ``data.eval_path`` can be read (off for ``hfsdp export``, which
     needs no data). Nothing heavy is imported."""
     path = resolve_config_path(name_or_path)
-    raw = apply_overrides(read_config(path), list(overrides))
+    return validate_raw(apply_overrides(read_config(path), list(overrides)), str(path), check_data=check_data)
+
+
+def with_plugins(config: HfsdpConfig, plugins: list[str]) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
+    """``config`` with ``plugins`` enabled instead of its own (a new plugin's section at its defaults), validated
+    again as :func:`load_config` would (ConfigError), without reading the data: what ``hfsdp plan`` tries when it
+    suggests a plugin."""
+    return validate_raw({**config.to_yaml_dict(), "plugins": list(plugins)}, "config", check_data=False)
+
+
+def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
+                 ) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
+    """Raw config data (``base:`` merged, overrides applied) validated with the plugins it enables: the config and
+    the plugin host, or ConfigError with every problem, each tied to its key in ``source``."""
     enabled = raw.get("plugins") or []
     if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
-        raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], str(path))
+        raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], source)
     host = plugin_host.PluginHost(enabled)
     config, problems = validate_config(raw, host.config_sections())
     problems += host.validation_problems(config)
@@ -180,5 +193,5 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
         except InvalidSectionRead:
             continue  # it reads a section that has problems of its own, reported above
     if problems:
-        raise ConfigError(problems, source=str(path))
+        raise ConfigError(problems, source=source)
     return config, host

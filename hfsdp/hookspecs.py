@@ -74,7 +74,9 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
     """Chained: transform the tokenized ``datasets.DatasetDict`` (``train`` and maybe ``eval``).
 
     Return a new DatasetDict or None to keep it. Rows must keep ``input_ids`` and ``labels``; they may add
-    ``position_ids`` (packing restarts them at each packed sample). Runs only when the preprocessing cache misses,
+    ``position_ids``, which makes them packed rows (several samples each, positions restarting at 0 where a sample
+    begins, as the packing plugin writes them): hfsdp then gives the model no attention mask, so that attention
+    stays inside each sample, and before step 1 proves on the sharded model that it does. Runs only when the preprocessing cache misses,
     on the first process of each node (the other ranks read its cached result), so it must depend on nothing but
     its arguments. With several ``data.datasets`` sources it runs once per source (that source's ``train`` rows,
     and its ``eval`` rows if it has some), so that every training row stays one source's.
@@ -89,7 +91,8 @@ def hfsdp_before_model_load(config, world, model_config, setup):
     ``model_config`` is the model's transformers config (no weight is loaded yet): raise a ``ConfigError`` here for
     a combination the model cannot run, before any weight loads. ``setup`` is the run as decided before anything
     loaded (:class:`hfsdp.run_setup.RunSetup`: ``wrapper`` ``none``/``ddp``/``fsdp1``/``fsdp2``, ``world``, the
-    effective ``config``, the ``resume`` point).
+    effective ``config``, the ``resume`` point). ``hfsdp plan`` calls it for each row it predicts (rank 0 of that
+    row's world, no resume): a ConfigError raised here is the row's reason it cannot run.
     """
 
 
@@ -100,7 +103,9 @@ def hfsdp_modify_model(model, config, tokenizer, world, setup):
     Runs on every rank, after loading and before ``accelerator.prepare``. Return the replacement model or None
     when the model was changed in place. Only parameters with ``requires_grad`` are given to the optimizer.
     ``world`` is an :class:`hfsdp.distributed.World` (``rank``, ``size``, ``local_size``, ``on_cpu``); ``setup``
-    the run as decided (see ``hfsdp_before_model_load``).
+    the run as decided (see ``hfsdp_before_model_load``). ``hfsdp plan`` calls it too, to predict what training
+    holds: the model is then on the meta device (no weights), ``tokenizer`` is None, ``world`` is one process, and
+    what the plugin prints is not shown.
     """
 
 

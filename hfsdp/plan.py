@@ -3,8 +3,8 @@ anything is launched and without loading weights.
 
 Three steps, each a function of the previous one's result:
 
-1. :func:`model_facts`: the model is built on the meta device from its config (LoRA adapters added by peft on the
-   meta device too). What is kept: every parameter's shape, dtype, trainability and the FSDP unit it lands in
+1. :func:`model_facts`: the model is built on the meta device from its config and changed by the enabled plugins'
+   ``hfsdp_modify_model``, as training changes it (LoRA's adapters, on the meta device too). What is kept: every parameter's shape, dtype, trainability and the FSDP unit it lands in
    (the wrap policy, emulated).
 2. :func:`trace_activations`: one forward and the training loss of a micro-batch on the meta device, with a
    saved-tensors hook that records every tensor autograd keeps for the backward pass, tagged by the decoder layer
@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from hfsdp import quantization
 from hfsdp.config import FSDPConfig, HfsdpConfig
-from hfsdp.errors import UserError
+from hfsdp.config_files import with_plugins
+from hfsdp.distributed import World
+from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
 from hfsdp.models import layer_classes
 from hfsdp.units import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPES
@@ -112,7 +114,7 @@ class Setup:
     fsdp: FSDPConfig
     nproc_per_node: int
     nodes: int
-    lora: bool
+    plugins: tuple[str, ...]  # enabled, in order (varied when a plugin is suggested)
     accumulation: int
     multi_tensor_adam: bool = True  # torch's AdamW on GPUs; on CPUs it loops over parameters
     async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
@@ -159,26 +161,10 @@ class Setup:
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
-    base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, lora="lora" in config.plugins,
+    base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save)
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (setup_problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
-
-
-def setup_problem(setup: Setup, facts: ModelFacts) -> str | None:
-    """Why this combination cannot run at all: the config's own rules, the trainer's world checks and the lora
-    plugin's refusal."""
-    try:
-        FSDPConfig.model_validate(setup.fsdp.model_dump())
-    except ValueError as err:
-        return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-    problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
-    if problems:
-        return problems[0][1]
-    if (setup.lora and setup.fsdp.version == 1 and facts.tied_embeddings and setup.shard_group() == 1
-            and setup.wrapper != "none"):
-        return "LoRA with tied embeddings under FSDP1 needs 2+ shards (use FSDP2)"
-    return None
 
 
 @dataclass
@@ -230,37 +216,38 @@ def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: i
     return owner, units
 
 
-def build_meta_model(model_config, config: HfsdpConfig, lora: bool, dtype: str):
-    """The architecture on the meta device in ``dtype``, with the adapters the lora plugin would add."""
+def build_meta_model(model_config, config: HfsdpConfig, host, dtype: str):
+    """The architecture on the meta device in ``dtype``, changed by the enabled plugins as training changes it: their
+    ``hfsdp_modify_model`` (LoRA's adapters) gets the meta model, no tokenizer and a world of one process; what they
+    print meanwhile is not plan's output."""
+    import contextlib
+    import io
     import warnings
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), warnings.catch_warnings():
+    from hfsdp.run_setup import RunSetup
+
+    world = World(rank=0, size=1, local_size=1, on_cpu=False)
+    with torch.device("meta"), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
         # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
         attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn)
-        if lora:
-            from peft import get_peft_model
-
-            from hfsdp.builtin.lora import LoraSection, default_target_modules, peft_config
-
-            section = config.section("lora") or LoraSection()
-            targets = section.target_modules or default_target_modules(model, config.fsdp)
-            model = get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
+        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
+                           setup=RunSetup(config=config, world=world, resume=None))
     return model.to(getattr(torch, dtype))
 
 
-def model_facts(model_config, config: HfsdpConfig, lora: bool) -> ModelFacts:
-    model = build_meta_model(model_config, config, lora, config.model.dtype)
+def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
+    model = build_meta_model(model_config, config, host, config.model.dtype)
     classes = layer_classes(config.fsdp, model_config)
     tied = bool(getattr(model_config, "tie_word_embeddings", False))
     shared = model.get_input_embeddings().weight
     tied_numel = shared.numel() if tied and shared.requires_grad else 0
     owner, units = _unit_of(model, set(classes), config.fsdp.wrap_policy, config.fsdp.min_num_params)
-    quant = quantization.settings(config) if lora else None
+    quant = quantization.settings(config)
     packed = {id(m.weight): m.weight.numel() for m in quantization.linears_to_quantize(model)} if quant else {}
     params = []
     for p in model.parameters():  # tied parameters appear once
@@ -309,7 +296,7 @@ def _fused_sdpa():
     return sdpa
 
 
-def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: str) -> Activations:
+def trace_activations(model_config, config: HfsdpConfig, host, precision: str) -> Activations:
     """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens)
     in the compute dtype of ``precision``."""
     import contextlib
@@ -323,7 +310,7 @@ def trace_activations(model_config, config: HfsdpConfig, lora: bool, precision: 
     from hfsdp.loss import token_loss_sum
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
-    model = build_meta_model(model_config, config, lora, compute_dtype(config, precision))
+    model = build_meta_model(model_config, config, host, compute_dtype(config, precision))
     model.train()
     classes = set(layer_classes(config.fsdp, model_config))
     params = {id(p) for p in model.parameters()}
@@ -571,25 +558,66 @@ class Planner:
     model_config: Any
     config: HfsdpConfig
     budget: int
+    _variants: dict = field(default_factory=dict)
     _facts: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
 
-    def facts(self, lora: bool) -> ModelFacts:
-        if lora not in self._facts:
-            self._facts[lora] = model_facts(self.model_config, self.config, lora)
-        return self._facts[lora]
+    def variant(self, plugins: tuple[str, ...]):
+        """The config with ``plugins`` enabled (its own, or with a suggested plugin added, validated again:
+        ConfigError) and their plugin host."""
+        if plugins not in self._variants:
+            from hfsdp.plugins import PluginHost
+
+            try:
+                self._variants[plugins] = ((self.config, PluginHost(self.config.plugins))
+                                           if list(plugins) == self.config.plugins else
+                                           with_plugins(self.config, list(plugins)))
+            except ConfigError as err:
+                self._variants[plugins] = err
+        if isinstance(self._variants[plugins], ConfigError):
+            raise self._variants[plugins]
+        return self._variants[plugins]
+
+    def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
+        if plugins not in self._facts:
+            self._facts[plugins] = model_facts(self.model_config, *self.variant(plugins))
+        return self._facts[plugins]
 
     def estimate(self, setup: Setup) -> Estimate:
-        facts = self.facts(setup.lora)
-        key = (setup.lora, compute_dtype(self.config, setup.precision))
+        facts = self.facts(setup.plugins)
+        key = (setup.plugins, compute_dtype(self.config, setup.precision))
         if key not in self._traces:
-            self._traces[key] = trace_activations(self.model_config, self.config, setup.lora, setup.precision)
+            self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision)
         acts = self._traces[key]
         est = estimate(facts, acts, setup)
-        est.problem = setup_problem(setup, facts)
+        est.problem = self.problem(setup)
         if est.problem is None:
             est.fits = est.device_peak <= self.budget
         return est
+
+    def problem(self, setup: Setup) -> str | None:
+        """Why this combination cannot run at all, by the checks training makes before any weight loads: the
+        ``fsdp`` section's own rules, the world checks, and what the enabled plugins refuse (their config checks,
+        and their ``hfsdp_before_model_load`` for this world, e.g. LoRA's FSDP1 single-shard refusal)."""
+        from hfsdp.run_setup import RunSetup
+
+        try:
+            FSDPConfig.model_validate(setup.fsdp.model_dump())
+        except ValueError as err:
+            return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
+        config, host = self.variant(setup.plugins)
+        config = config.model_copy(update={"fsdp": setup.fsdp})
+        problems = problems or host.validation_problems(config)
+        if problems:
+            return problems[0][1]
+        world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False)
+        try:
+            host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
+                      setup=RunSetup(config=config, world=world, resume=None))
+        except ConfigError as err:
+            return err.problems[0][1]
+        return None
 
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
@@ -609,8 +637,10 @@ class Planner:
             if n > setup.nproc_per_node:
                 changes.append(Change(f"--nproc {n} ({n * setup.nodes} ranks)", job={"nproc_per_node": n},
                                       group="nproc"))
-        if not setup.lora:
-            changes.append(Change("plugins=[lora]", job={"lora": True}))
+        facts = self.facts(setup.plugins)
+        if facts.trainable_params == facts.total_params:  # no plugin trains adapters (or freezes layers) yet
+            plugins = (*setup.plugins, "lora")
+            changes.append(Change(f"plugins=[{','.join(plugins)}]", job={"plugins": plugins}))
         if not setup.fsdp.cpu_offload:
             changes.append(Change("fsdp.cpu_offload=true", fsdp={"cpu_offload": True}))
         for chosen in change_sets(changes):
@@ -618,9 +648,9 @@ class Planner:
             job = {k: v for c in chosen for k, v in c.job.items()}
             try:
                 candidate = setup.changed(fsdp=fsdp, **job)
-            except ValueError:  # e.g. cpu_offload with NO_SHARD under FSDP2
+                est = self.estimate(candidate)
+            except (ValueError, ConfigError):  # e.g. cpu_offload with NO_SHARD under FSDP2; lora's config checks
                 continue
-            est = self.estimate(candidate)
             if est.problem is None and est.fits:
                 # Launch options first (as they are typed), then --set keys.
                 words = sorted((c.words for c in chosen), key=lambda w: not w.startswith(("--", "plugins")))
@@ -711,9 +741,9 @@ def text_table(rows: list[Estimate]) -> str:
 
 def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate]) -> str:
     fsdp = config.fsdp
-    lora = "lora" in config.plugins
+    adapted = facts.trainable_params < facts.total_params
     return (f"{facts.name}: {_count(facts.total_params)} parameters"
-            + (f" ({_count(facts.trainable_params)} trainable, LoRA)" if lora else "")
+            + (f" ({_count(facts.trainable_params)} trainable)" if adapted else "")
             + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
@@ -746,7 +776,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
                  world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.fsdp.runs_as_ddp,
                  runs_as=e.setup.runs_as,
-                 lora=e.setup.lora, fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
+                 plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
             "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget, "rows": out}

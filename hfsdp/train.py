@@ -242,7 +242,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, loss = load_and_shard(accelerator, setup, host, model_path, model_config, tokenizer,
-                                                       packed="position_ids" in train_set.column_names,
+                                                       packed=batches.is_packed(train_set.column_names),
                                                        objective=objective)
         if objective is not None:  # before a resume restores the checkpoint: e.g. reference log-probs of the base
             splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set

@@ -135,7 +135,7 @@ def test_plan_estimate_shards_params_grads_and_optimizer_state():
     total = sum(p.numel for p in params) * 4
 
     def at(nproc: int, **fsdp) -> "Estimate":  # noqa: F821
-        return estimate(facts, acts, Setup(fsdp=FSDPConfig(**fsdp), nproc_per_node=nproc, nodes=1, lora=False,
+        return estimate(facts, acts, Setup(fsdp=FSDPConfig(**fsdp), nproc_per_node=nproc, nodes=1, plugins=(),
                                            accumulation=1))
 
     one, full, ddp = at(1), at(2), at(2, sharding_strategy="NO_SHARD")

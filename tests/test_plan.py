@@ -115,6 +115,31 @@ def test_lora_adapters_alone_carry_gradients_and_optimizer_state(tmp_path):
     assert r["params"] == data["parameters"] * 4
 
 
+def test_a_third_party_plugin_shapes_the_plan_through_the_model_hooks(tmp_path):
+    """plan builds its meta model through the same ``hfsdp_modify_model`` training runs and asks the plugins'
+    ``hfsdp_before_model_load`` about each row's world: a plugin that freezes all but the last layer is planned with
+    that layer's gradients and optimizer state alone, its refusal is the row's reason, what it prints stays out of
+    the JSON, and plan suggests no LoRA on top of it."""
+    env = base_env(PYTHONPATH=str(Path(__file__).resolve().parent / "adapter_plugin"), HF_HUB_OFFLINE="1")
+
+    def plan_of(*args: str, **sections) -> dict:
+        cfg = tiny_config(tmp_path, plugins=["hfsdp_freeze"], **sections)
+        return json.loads(run_cli("plan", str(cfg), "--json", "--device-memory", "1MiB", *args, env=env).stdout)
+
+    data = plan_of("--nproc", "1", "--strategies", "FULL_SHARD")
+    # smollm2-tiny's layer: q, o 64x64, k, v 32x64, gate, up 256x64, down 64x256, two norms of 64; final norm 64
+    layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 256 * 64 + 2 * 64
+    assert data["trainable_parameters"] == layer + 64 == 61632
+    (one,) = data["rows"]
+    assert one["runs_as"] == "no wrapper" and (one["grads"], one["optimizer"]) == (61632 * 4, 2 * 61632 * 4)
+    assert one["fits"] is False and "lora" not in (one["suggestion"] or ""), one["suggestion"]
+    data = plan_of("--nproc", "1,2", "--strategies", "FULL_SHARD,NO_SHARD",
+                   fsdp={"version": 1, "single_process": "fsdp"})
+    for strategy, world in (("FULL_SHARD", 1), ("NO_SHARD", 1), ("NO_SHARD", 2)):
+        assert "frozen tied embeddings under FSDP1 need 2+ shards" in row(data, strategy, world)["problem"]
+    assert row(data, "FULL_SHARD", 2)["problem"] is None
+
+
 def test_one_process_is_planned_as_train_runs_it(tmp_path):
     """One process trains without a wrapper by default (fsdp.single_process: auto): plan predicts that run (whole
     state, no FSDP buffers), and FSDP only when single_process: fsdp asks for it. The unwrapped figures are the
