@@ -207,6 +207,8 @@ def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if setup.world.rank != 0:  # one "Loading weights" bar, beside rank 0's other bars (not one per rank)
+        hf_logging.disable_progress_bar()
     return model_path, output_dir
 
 

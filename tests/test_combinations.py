@@ -161,6 +161,7 @@ def test_smoke(runs, version, world, option):
         assert "Loading weights" not in proc.stderr  # refused from the model's config, before its weights load
         assert not (run / "checkpoints").exists()
         return
+    assert proc.stderr.count("Loading weights:   0%") == 1, proc.stderr[-3000:]  # rank 0's bar alone
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
