@@ -1,4 +1,4 @@
-"""Training objectives other than next-token cross entropy, returned by a plugin's ``hfsdp_objective`` hook.
+"""Training objectives: :class:`TokenCrossEntropy` (the default), or what a plugin's ``hfsdp_objective`` returns.
 
 The loop (``hfsdp.train``) stays one loop: each micro-batch comes from :meth:`Objective.micro_batch`, its loss from
 :meth:`Objective.loss` (summed over the micro-batch's ``num_targets`` units), and hfsdp divides it by the units of the
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from hfsdp import IGNORE_INDEX
 from hfsdp.batches import MicroBatch, micro_batch
 from hfsdp.errors import ConfigError
+from hfsdp.loss import token_loss_sum
 
 # The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
@@ -55,6 +56,24 @@ class Objective:
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         """The metrics recorded since the last call, over all ranks (collective), each name with ``prefix``."""
         return {}
+
+    def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
+        """An eval's metrics from its mean loss over ``targets`` units (before :meth:`take_metrics`'s)."""
+        return {"eval_loss": loss}
+
+
+class TokenCrossEntropy(Objective):
+    """The default objective: the summed next-token cross entropy of the labelled tokens, computed by ``loss_sum``
+    (``hfsdp.loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
+
+    def __init__(self, loss_sum=token_loss_sum):
+        self.loss_sum = loss_sum
+
+    def loss(self, model, batch: MicroBatch) -> torch.Tensor:
+        return self.loss_sum(model, batch)
+
+    def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(targets)}
 
 
 def objective_of(host, config, tokenizer) -> Objective | None:

@@ -32,7 +32,7 @@ from hfsdp.components.startup import report_optimizer_state, report_startup
 from hfsdp.config import HfsdpConfig
 from hfsdp.distributed import World, all_sum, any_rank, clip_grad_norm, per_rank
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective, objective_of
+from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
 from hfsdp.wrapping import build_accelerator, grad_scaler, prepare_model_and_optimizer
@@ -90,8 +90,8 @@ class Run:
     generation_config: dict[str, Any] | None = None  # the model's generation_config.json, as exports write it
     model_files: ModelFiles | None = None  # what checkpoints and exports write besides the weights
     resume_identity: dict[str, Any] = field(default_factory=dict)  # the schedule length and data a resume must keep
-    loss: Any = losses.token_loss_sum  # loss(model, batch): the micro-batch's summed token loss (hfsdp.loss)
-    objective: Objective | None = None  # a plugin's objective (hook hfsdp_objective; then it is also ``loss``)
+    objective: Objective = field(default_factory=TokenCrossEntropy)  # what the loop trains: ``objective(model,
+    # batch)`` is the micro-batch's summed loss (a plugin's, hook hfsdp_objective, else next-token cross entropy)
 
 
 @dataclass
@@ -155,26 +155,23 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
 
 @torch.no_grad()
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
-             loss_sum_of=losses.token_loss_sum, objective: Objective | None = None) -> dict[str, float]:
+             objective: Objective) -> dict[str, float]:
     model.eval()
-    make_batch = objective.micro_batch if objective is not None else batches.micro_batch
     rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size,
                                         accelerator.num_processes, accelerator.process_index)
     if config.train.max_eval_batches:
         rank_batches = rank_batches[: config.train.max_eval_batches]
     loss_sum, tokens = 0.0, 0
     for rows in rank_batches:
-        batch = make_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
+        batch = objective.micro_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
         if rows is None:  # filler so that every rank runs the same number of forwards
             batch.make_filler()
-        loss_sum += float(loss_sum_of(model, batch))
+        loss_sum += float(objective(model, batch))
         tokens += batch.num_targets
     model.train()
     loss_sum, tokens = all_sum(accelerator, [loss_sum, tokens])
-    loss = loss_sum / max(tokens, 1)
-    if objective is not None:  # its loss is no token cross entropy: no perplexity
-        return {"eval_loss": loss, **objective.take_metrics(accelerator, prefix="eval_")}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+    return {**objective.eval_metrics(loss_sum / max(tokens, 1), tokens),
+            **objective.take_metrics(accelerator, prefix="eval_")}
 
 
 def build_optimizer(model, cfg, matrices: set[str] | None = None) -> torch.optim.Optimizer:
@@ -239,17 +236,17 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         # ---- data
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
-        objective = objective_of(host, config, tokenizer)
+        replaced = objective_of(host, config, tokenizer)  # a plugin's objective, or None
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say)
 
         # ---- model: load, let plugins modify it (LoRA), shard
-        model, optimizer, flops, loss = load_and_shard(accelerator, setup, host, model_path, model_config, tokenizer,
-                                                       packed=batches.is_packed(train_set.column_names),
-                                                       objective=objective)
-        if objective is not None:  # before a resume restores the checkpoint: e.g. reference log-probs of the base
-            splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set
-                                       is not None else {})}, opts.cache_dir, model_path)
-            train_set, eval_set = splits["train"], splits.get("eval")
+        model, optimizer, flops, objective = load_and_shard(accelerator, setup, host, model_path, model_config,
+                                                            tokenizer, packed=batches.is_packed(train_set.column_names),
+                                                            replaced=replaced)
+        # before a resume restores the checkpoint: e.g. DPO's reference log-probs of the base
+        splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set
+                                   is not None else {})}, opts.cache_dir, model_path)
+        train_set, eval_set = splits["train"], splits.get("eval")
         unwrapped = accelerator.unwrap_model(model)
         select_logits = models.accepts_logits_to_keep(unwrapped)
         report = report_startup(setup, accelerator, model, output_dir)
@@ -269,7 +266,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         run = Run(config, accelerator, model, tokenizer, output_dir, state, host, is_main, world=world,
                   optimizer=optimizer, model_config=model_config, generation_config=generation_config,
                   model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
-                  loss=loss, objective=objective)
+                  objective=objective)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
         saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
                                  config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done))
@@ -281,7 +278,6 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         preemption.install()
         progress = _progress(is_main, state.step, max_steps)
         meter = throughput.StepMeter.for_run(flops, config, accelerator)
-        make_batch = objective.micro_batch if objective is not None else batches.micro_batch
         model.train()
         last_eval: dict[str, Any] = {}
         loop_started = time.perf_counter()
@@ -290,7 +286,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
                 micro = batches.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                              tokenizer.pad_token_id, accelerator.device, select_logits, make_batch)
+                                              tokenizer.pad_token_id, accelerator.device, select_logits,
+                                              objective.micro_batch)
                 result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
@@ -301,7 +298,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                     **meter.step(result.tokens, result.sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
                     **compile_metrics(config),
-                    **(objective.take_metrics(accelerator) if objective is not None else {}),
+                    **objective.take_metrics(accelerator),
                 }
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
@@ -388,10 +385,10 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
 
 
 def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: str, model_config, tokenizer,
-                   packed: bool, objective: Objective | None = None):
+                   packed: bool, replaced: Objective | None = None):
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
-    it (counted before sharding) and the loss to train it with (a plugin's ``objective``, else, by
-    ``train.chunked_loss``: :class:`loss.ChunkedLoss` where the probe proves it exact, else
+    it (counted before sharding) and the objective to train it with (``replaced``, a plugin's, else next-token cross
+    entropy through, by ``train.chunked_loss``, :class:`loss.ChunkedLoss` where the probe proves it exact, else
     :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
@@ -403,17 +400,17 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
     chunked = (losses.ChunkedLoss(model, vocab_size)
-               if config.train.chunked_loss and objective is None and losses.output_head(model) else None)
+               if config.train.chunked_loss and replaced is None and losses.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: build_optimizer(m, config.train, matrices))
     quantization.check_sharded_forward(model, probe, accelerator)
     if packed:
         batches.check_packed_attention(model, vocab_size, accelerator.device)
-    if objective is not None:
-        return model, optimizer, flops, objective
-    loss = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
+    if replaced is not None:
+        return model, optimizer, flops, replaced
+    loss_sum = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
         else losses.token_loss_sum
-    return model, optimizer, flops, loss
+    return model, optimizer, flops, TokenCrossEntropy(loss_sum)
 
 
 class Evaluator:
@@ -431,7 +428,7 @@ class Evaluator:
         results: dict[str, Any] = {}
         if self.eval_set is not None:
             results.update(evaluate(run.model, self.eval_set, run.config, run.accelerator, run.tokenizer.pad_token_id,
-                                    self.select_logits, run.loss, run.objective))
+                                    self.select_logits, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
                                            run.config.generation_eval.max_new_tokens)
@@ -474,7 +471,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
-        part = run.loss(model, batch)
+        part = run.objective(model, batch)
         loss = part * run.world.size / max(global_labels, 1)
         accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
@@ -537,7 +534,7 @@ def log_step(run: Run, step_metrics: dict[str, Any], metrics: MetricsWriter, pro
     step = run.state.step
     if progress is not None:
         progress.update(1)
-        shown = run.objective.progress_metrics if run.objective is not None else ()
+        shown = run.objective.progress_metrics
         progress.set_postfix(loss=f"{step_metrics['loss']:.4f}", lr=f"{step_metrics['lr']:.2e}",
                              **{name.rsplit("/", 1)[-1]: f"{step_metrics[name]:.3f}" for name in shown},
                              **meter.postfix(step_metrics))
