@@ -299,9 +299,7 @@ def quantized_loading(quant) -> dict:
     never holds the full-precision model): transformers' bitsandbytes integration, on the CPU."""
     if quant is None:
         return {}
-    from hfsdp.quantization import bnb_config
-
-    return {"quantization_config": bnb_config(quant), "device_map": "cpu"}
+    return {"quantization_config": quant.bnb_config(), "device_map": "cpu"}
 
 
 def accepts_logits_to_keep(model) -> bool:

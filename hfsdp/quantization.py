@@ -54,6 +54,16 @@ class QuantSettings:
             return blocks + 4 * -(-blocks // NESTED_BLOCK_SIZE) + 4 + 4 * 256 + 4 * 16
         return 4 * blocks + 4 * 16
 
+    def bnb_config(self):
+        """transformers' ``BitsAndBytesConfig`` for these settings."""
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
+            bnb_4bit_quant_storage=getattr(torch, self.quant_storage))
+
 
 def settings(config: "HfsdpConfig") -> QuantSettings | None:
     """The resolved quantization (None without ``model.quantization``)."""
@@ -111,16 +121,6 @@ def _gathered_dtype(config: "HfsdpConfig") -> str:
 
     parts = precision_parts(config.fsdp)
     return parts.param if parts is not None else config.model.dtype
-
-
-def bnb_config(q: QuantSettings):
-    """transformers' ``BitsAndBytesConfig`` for ``q``."""
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_quant_storage=getattr(torch, q.quant_storage))
 
 
 def linears_to_quantize(model) -> list:
