@@ -404,7 +404,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget), indent=2))
     else:
-        click.echo(header(facts, cfg, budget, rows))
+        click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins))))
         click.echo(text_table(rows))
     if png is not None:
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")

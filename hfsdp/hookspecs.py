@@ -150,7 +150,9 @@ def hfsdp_objective(config, tokenizer):
     over, e.g. the preference pairs), gives the micro-batch's summed loss (``loss``; hfsdp divides by the global
     batch's ``num_targets``, so N ranks compute the gradient of one process), may prepare the splits once the model is
     sharded (``prepare``, e.g. reference log-probs) and reports its metrics (``take_metrics``) for each step and eval.
-    Preference losses (DPO, IPO, ORPO, SimPO...) read rows of the built-in ``preference`` format.
+    Preference losses (DPO, IPO, ORPO, SimPO...) read rows of the built-in ``preference`` format. ``hfsdp plan``
+    calls it too, with ``tokenizer`` None, to learn what a micro-batch forwards (``Objective.sequences_per_row``):
+    keep the construction light and read the tokenizer when the objective runs.
     """
 
 

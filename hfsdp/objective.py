@@ -36,6 +36,9 @@ class Objective:
 
     #: metric names :meth:`take_metrics` reports that the progress bar shows (by their last path part).
     progress_metrics: tuple[str, ...] = ()
+    #: sequences :meth:`micro_batch` forwards per dataset row (``hfsdp plan`` traces a micro-batch that many times
+    #: larger; a loss other than :class:`TokenCrossEntropy` is planned with the full logits, as it computes them).
+    sequences_per_row: int = 1
 
     def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
         """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""
@@ -111,6 +114,7 @@ class PreferenceObjective(Objective):
     :meth:`completion_logps` and :meth:`record`."""
 
     progress_metrics = ("rewards/margins", "rewards/accuracy")
+    sequences_per_row = 2  # the chosen and the rejected completion
 
     def __init__(self):
         self._sums: dict[str, torch.Tensor] = {}

@@ -6,7 +6,8 @@ Three steps, each a function of the previous one's result:
 1. :func:`model_facts`: the model is built on the meta device from its config and changed by the enabled plugins'
    ``hfsdp_modify_model``, as training changes it (LoRA's adapters, on the meta device too). What is kept: every parameter's shape, dtype, trainability and the FSDP unit it lands in
    (the wrap policy, emulated).
-2. :func:`trace_activations`: one forward and the training loss of a micro-batch on the meta device, with a
+2. :func:`trace_activations`: one forward and the training loss of a micro-batch on the meta device (a plugin's
+   objective: the sequences it forwards per row, e.g. DPO's chosen and rejected, and its full logits), with a
    saved-tensors hook that records every tensor autograd keeps for the backward pass, tagged by the decoder layer
    that saved it. SDPA is traced as the fused kernels GPUs and CPUs run (they keep q, k, v, the output and the
    log-sum-exp, never the attention matrix); eager attention is traced as it is.
@@ -296,9 +297,10 @@ def _fused_sdpa():
     return sdpa
 
 
-def trace_activations(model_config, config: HfsdpConfig, host, precision: str) -> Activations:
-    """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens)
-    in the compute dtype of ``precision``."""
+def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
+    """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens,
+    times a plugin ``objective``'s sequences per row) in the compute dtype of ``precision``. Only the default
+    objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full logits."""
     import contextlib
     from unittest import mock
 
@@ -310,6 +312,8 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str) -
     from hfsdp.loss import token_loss_sum
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
+    batch *= objective.sequences_per_row if objective is not None else 1
+    chunked = config.train.chunked_loss and objective is None
     model = build_meta_model(model_config, config, host, compute_dtype(config, precision))
     model.train()
     classes = set(layer_classes(config.fsdp, model_config))
@@ -375,7 +379,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str) -
     from hfsdp.loss import LOSS_CHUNK_ELEMENTS
 
     vocab = model_config.vocab_size
-    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if config.train.chunked_loss else 0
+    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked else 0
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
                        logits_bytes=batch * seq * vocab * 4, loss_saved=loss_saved, chunk_bytes=chunk)
 
@@ -559,6 +563,7 @@ class Planner:
     config: HfsdpConfig
     budget: int
     _variants: dict = field(default_factory=dict)
+    _objectives: dict = field(default_factory=dict)
     _facts: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
 
@@ -578,6 +583,15 @@ class Planner:
             raise self._variants[plugins]
         return self._variants[plugins]
 
+    def objective(self, plugins: tuple[str, ...]):
+        """The objective these plugins train (``hfsdp_objective``, asked without a tokenizer), or None: the default."""
+        from hfsdp.objective import objective_of
+
+        if plugins not in self._objectives:
+            config, host = self.variant(plugins)
+            self._objectives[plugins] = objective_of(host, config, None)
+        return self._objectives[plugins]
+
     def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
         if plugins not in self._facts:
             self._facts[plugins] = model_facts(self.model_config, *self.variant(plugins))
@@ -587,7 +601,8 @@ class Planner:
         facts = self.facts(setup.plugins)
         key = (setup.plugins, compute_dtype(self.config, setup.precision))
         if key not in self._traces:
-            self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision)
+            self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
+                                                  self.objective(setup.plugins))
         acts = self._traces[key]
         est = estimate(facts, acts, setup)
         est.problem = self.problem(setup)
@@ -739,17 +754,20 @@ def text_table(rows: list[Estimate]) -> str:
                                for i in range(len(columns))).rstrip() for c in cells)
 
 
-def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate]) -> str:
+def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None) -> str:
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
+    if objective is not None:
+        loss = (f"{type(objective).__name__} ({objective.sequences_per_row} sequence(s) a row, full logits)")
+    else:
+        loss = "chunked" if config.train.chunked_loss else "plain (full logits)"
     return (f"{facts.name}: {_count(facts.total_params)} parameters"
             + (f" ({_count(facts.trainable_params)} trainable)" if adapted else "")
             + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
             f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
-            f"attention {config.model.attn_implementation}, loss "
-            f"{'chunked' if config.train.chunked_loss else 'plain (full logits)'}; device budget {budget / GIB:.1f} GiB per rank; "
+            f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
             f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config))
 
 

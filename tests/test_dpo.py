@@ -113,7 +113,7 @@ def test_the_adapter_reference_is_the_base_model(tiny_model_dir):
     cfg = DataConfig(format="preference", path="unused", max_seq_len=64)
     rows = [tokenize_pair("Q: 2+2?", " 4", " five", tokenizer, cfg), tokenize_pair("Q: 3+1?", " 4.", " 2", tokenizer, cfg)]
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    objective = DPO(DpoSection(), "adapter", None, tokenizer.pad_token_id)
+    objective = DPO(DpoSection(), "adapter", None, tokenizer)
     batch = objective.micro_batch(rows, tokenizer.pad_token_id, "cpu", select_logits=True)
     with torch.no_grad():
         want = objective.completion_logps(base, batch)

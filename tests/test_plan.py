@@ -140,6 +140,21 @@ def test_a_third_party_plugin_shapes_the_plan_through_the_model_hooks(tmp_path):
     assert row(data, "FULL_SHARD", 2)["problem"] is None
 
 
+def test_dpo_is_planned_with_both_completions_and_full_logits(tmp_path):
+    """A DPO micro-batch of N pairs forwards 2N sequences (chosen, then rejected) and its loss computes the full
+    logits (no chunked loss): planned as the plain loss on twice the rows."""
+    pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")}
+    (tmp_path / "dpo").mkdir(), (tmp_path / "sft").mkdir()
+    dpo = tiny_config(tmp_path / "dpo", plugins=["dpo"], data=pairs, train={"per_device_batch_size": 1})
+    sft = tiny_config(tmp_path / "sft", train={"per_device_batch_size": 2, "chunked_loss": False})
+    rows = [row(plan_json(str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD"), "FULL_SHARD", 2)
+            for cfg in (dpo, sft)]
+    for key in ("activations", "loss_transient", "device_peak"):
+        assert rows[0][key] == rows[1][key] > 0, key
+    header = run_cli("plan", str(dpo), "--nproc", "2", "--strategies", "FULL_SHARD").stdout.splitlines()[1]
+    assert "micro-batch 1 x 96 tokens" in header and "loss DPO (2 sequence(s) a row, full logits)" in header
+
+
 def test_one_process_is_planned_as_train_runs_it(tmp_path):
     """One process trains without a wrapper by default (fsdp.single_process: auto): plan predicts that run (whole
     state, no FSDP buffers), and FSDP only when single_process: fsdp asks for it. The unwrapped figures are the

@@ -54,4 +54,4 @@ def hfsdp_validate_config(config):
 def hfsdp_objective(config, tokenizer):
     from hfsdp.builtin.dpo_loss import DPO
 
-    return DPO(config.section("dpo"), reference_route(config), config, tokenizer.pad_token_id)
+    return DPO(config.section("dpo"), reference_route(config), config, tokenizer)

@@ -57,9 +57,9 @@ def weights_identity(model_path: str, config) -> str:
 
 
 class DPO(PreferenceObjective):
-    def __init__(self, section: DpoSection, reference: str, config, pad_id: int):
+    def __init__(self, section: DpoSection, reference: str, config, tokenizer):
         super().__init__()
-        self.section, self.reference, self.config, self.pad_id = section, reference, config, pad_id
+        self.section, self.reference, self.config, self.tokenizer = section, reference, config, tokenizer
         self.unwrapped = None
 
     def base_only(self):
@@ -119,7 +119,8 @@ class DPO(PreferenceObjective):
         model.eval()
         try:
             for rows in batches:
-                batch = self.micro_batch([split[i] for i in (rows or [0])], self.pad_id, accelerator.device, select)
+                batch = self.micro_batch([split[i] for i in (rows or [0])], self.tokenizer.pad_token_id,
+                                         accelerator.device, select)
                 with self.base_only():
                     chosen, rejected = self.completion_logps(model, batch)
                 for k, i in enumerate(rows or []):
