@@ -252,8 +252,9 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
             assert torch.equal(got[name][key], tensor), (name, key)
 
 
-# async_save resumes exactly on 2 ranks in test_reliability.py (test_async_resume_is_bit_exact_on_two_ranks, the
-# same combination after a chain of faults), so it is not run again here.
+# async_save resumes exactly on 2 ranks in test_reliability.py (the same combination, resumed after a kill -9 of
+# rank 1 mid-write: test_async_kill_9_of_rank_1_mid_background_write_then_the_resume_is_bit_exact_on_two_ranks),
+# so it is not run again here.
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",

@@ -1,9 +1,17 @@
 """Checkpoints you can trust: preemption exits, bit-exact resume on 1 and 2 ranks across injected faults (SIGTERM,
-SIGINT, kill -9 mid-save, ENOSPC mid-save), NaN on one rank (stop and skip), safe loading, tensor checks.
+SIGINT, kill -9 mid-save, ENOSPC mid-save; synchronous and asynchronous saves), NaN on one rank (stop and skip),
+safe loading, tensor checks.
 
 Faults come from the test-only plugin ``tests/fault_plugin/hfsdp_faults.py``, driven by HFSDP_TEST_FAULTS, so they
 fire at exact steps. The plugin is in every run's config (the plugin list is part of the resume fingerprint) and
 does nothing without the variable.
+
+Every fault test stands alone (``pytest -k NAME`` runs it): it trains in a run folder of its own. One
+uninterrupted reference run per world size (the module fixtures ``solo_reference``, ``duo_reference``) keeps a
+checkpoint of every step. A test whose fault strikes after a resume starts its run folder with copies of the
+reference's checkpoints (:func:`seed`: what an earlier interrupted run would have left there; ``output_dir``,
+``save_every`` and ``keep_last`` may change on resume), and a test that resumes after its fault compares every step
+its run folder logged, and the final weights, with the reference bit for bit (:func:`assert_same_training`).
 """
 
 from __future__ import annotations
@@ -12,7 +20,10 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,6 +36,8 @@ from hfsdp.components.hf_folder import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
 
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
+MAX_STEPS = 6
+REFERENCE_SAVES = {"save_every": 1, "keep_last": None}  # a checkpoint of every step, all kept: the seeds
 
 
 def fault_env(faults: str = "") -> dict[str, str]:
@@ -32,10 +45,44 @@ def fault_env(faults: str = "") -> dict[str, str]:
     return base_env(PYTHONPATH=path, HFSDP_TEST_FAULTS=faults)
 
 
-def chain_config(tmp_path: Path, **train) -> Path:
+def fault_config(tmp_path: Path, **train) -> Path:
+    """``tmp_path/config.yaml``, training into ``tmp_path/run``, a checkpoint every 2 steps."""
     # FSDP on one process too (not the unwrapped default): the faults are injected into DCP shard files.
     return tiny_config(tmp_path, plugins=["hfsdp_faults"], fsdp={"single_process": "fsdp"},
-                       train={"max_steps": 6, "save_every": 2, "deterministic": True, **train})
+                       train={"max_steps": MAX_STEPS, "save_every": 2, "deterministic": True, **train})
+
+
+def async_config(tmp_path: Path, **train) -> Path:
+    return fault_config(tmp_path, async_save=True, **train)  # async_save may change on resume: same fingerprint
+
+
+def train(config: Path, faults: str, *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    """One run of ``hfsdp train CONFIG EXTRA`` with the faults ``faults``, on ``nproc`` processes (torchrun for 2)."""
+    if nproc == 1:
+        return run_cli("train", str(config), *extra, env=fault_env(faults), check=False, timeout=300)
+    return run_torchrun(nproc, "train", str(config), *extra, env=fault_env(faults), check=False, timeout=400)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An uninterrupted run: its folder (a checkpoint of every step) and its console."""
+
+    run: Path
+    proc: subprocess.CompletedProcess
+
+
+def reference_run(tmp: Path, nproc: int, faults: str = "", **train_keys) -> Reference:
+    proc = train(fault_config(tmp, **REFERENCE_SAVES, **train_keys), faults, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Reference(tmp / "run", proc)
+
+
+def seed(run: Path, reference: Reference, steps: Iterable[int]) -> None:
+    """Start the run folder ``run`` with copies of the reference's checkpoints of ``steps``: the folder an earlier
+    interrupted run of the same training would have left."""
+    for step in steps:
+        shutil.copytree(checkpoint.step_dir(reference.run / "checkpoints", step),
+                        checkpoint.step_dir(run / "checkpoints", step))
 
 
 def listing(run: Path) -> list[str]:
@@ -55,20 +102,39 @@ def losses_by_step(run: Path) -> dict[int, list]:
     return out
 
 
-def assert_same_training(reference: Path, resumed: Path) -> None:
-    """Every logged loss of the interrupted chain equals the uninterrupted run's at that step (bit for bit), and
-    the final weights are identical tensors."""
-    ref, got = losses_by_step(reference), losses_by_step(resumed)
-    assert sorted(got) == sorted(ref) == list(range(1, 7))
-    for step, values in got.items():
-        assert all(v == ref[step][0] for v in values), (step, values, ref[step])
-    a, b = load_file(str(reference / "final" / "model.safetensors")), load_file(str(resumed / "final" / "model.safetensors"))
+def save_records(run: Path) -> list[dict]:
+    return [m for m in read_metrics(run) if "save_stall_s" in m]
+
+
+def assert_same_weights(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys() and len(a) > 10
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def assert_checkpoint_as_reference(run: Path, reference: Reference, step: int) -> None:
+    """The model weights of ``run``'s checkpoint of ``step`` are the reference's at that step, tensor for tensor."""
+    assert_same_weights(checkpoint.CheckpointWeights(checkpoint.step_dir(reference.run / "checkpoints", step)),
+                        checkpoint.CheckpointWeights(checkpoint.step_dir(run / "checkpoints", step)))
+
+
+def assert_same_training(reference: Reference, resumed: Path, first_step: int = 1) -> None:
+    """Every step the interrupted run folder logged (``first_step`` to the end, each once: a run seeded with the
+    checkpoint of step ``first_step - 1`` logged none before) has the uninterrupted run's loss, bit for bit, and the
+    final weights are identical tensors."""
+    ref, got = losses_by_step(reference.run), losses_by_step(resumed)
+    assert sorted(ref) == list(range(1, MAX_STEPS + 1))
+    assert got == {step: ref[step] for step in range(first_step, MAX_STEPS + 1)}, (got, ref)
+    assert_same_weights(load_file(str(reference.run / "final" / "model.safetensors")),
+                        load_file(str(resumed / "final" / "model.safetensors")))
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def still_in(folder: Path, before: dict[str, bytes]) -> bool:
+    """Every file of the snapshot ``before`` is in ``folder`` now, byte for byte."""
+    return {k: v for k, v in snapshot(folder).items() if k in before} == before
 
 
 def partial_shard(checkpoints: Path, step: int, folder: str, rank: int) -> tuple[int, int]:
@@ -81,6 +147,10 @@ def partial_shard(checkpoints: Path, step: int, folder: str, rank: int) -> tuple
 
 def no_traceback(proc) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def assert_finished(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def assert_disk_full_reported(proc, step: int, intact: str) -> None:
@@ -103,186 +173,161 @@ def assert_rank_1_disk_full_reported(proc, step: int, intact: str) -> None:
         assert "optimizer_0/__1_0.distcp" in line and f"{intact}, is intact" in line, line
 
 
-def one_process_chain(config: Path, run: Path):
-    """``train(faults, *extra)``: one link of a chain of one-process runs into the run folder ``run``."""
-    def train(faults: str, *extra: str):
-        return run_cli("train", str(config), "--set", f"train.output_dir={run}", *extra, env=fault_env(faults),
-                       check=False, timeout=300)
-    return train
+def assert_resumed_from(proc, step: int, removed: str | None = None) -> None:
+    """The --resume ``proc`` took the checkpoint of ``step`` (after removing the leftover ``removed``)."""
+    assert "resumed from" in proc.stdout and f"step-{step} at step {step}" in proc.stdout, proc.stdout[-3000:]
+    if removed:
+        assert f"removed {removed}" in proc.stdout, proc.stdout[-3000:]
 
 
-# ---- one rank: SIGTERM, SIGINT, kill -9 inside a save, ENOSPC inside a save, then the finish
+# ---- one rank: SIGTERM, SIGINT, kill -9 inside a save, ENOSPC inside a save; each resumed bit-exact
 
 
 @pytest.fixture(scope="module")
-def solo(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("solo")
-    config = chain_config(tmp)
-    ref, run = tmp / "reference", tmp / "chain"
-
-    train = one_process_chain(config, run)
-    out = {"ref": ref, "run": run}
-    run_cli("train", str(config), "--set", f"train.output_dir={ref}", env=fault_env(), timeout=300)
-    out["sigterm"] = train("sigterm@2")
-    out["after_sigterm"] = listing(run)
-    out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-2")
-    out["sigint"] = train("sigint@3", "--resume")
-    out["after_sigint"] = listing(run)
-    intact = snapshot(run / "checkpoints")
-    out["sigkill"] = train("sigkill_mid_write@4", "--resume", "--set", "train.save_every=1")
-    out["after_sigkill"] = listing(run)
-    out["complete_after_sigkill"] = complete_steps(run)
-    out["intact_after_sigkill"] = {k: v for k, v in snapshot(run / "checkpoints").items() if k in intact} == intact
-    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
-    out["enospc"] = train("enospc_mid_write@5", "--resume", "--set", "train.save_every=1")
-    out["after_enospc"] = listing(run)
-    out["finish"] = train("", "--resume")
-    return out
+def solo_reference(tmp_path_factory) -> Reference:
+    return reference_run(tmp_path_factory.mktemp("solo_reference"), nproc=1)
 
 
 @pytest.mark.slow
-def test_sigterm_exits_143_after_a_complete_checkpoint(solo):
-    proc = solo["sigterm"]
+def test_sigterm_exits_143_then_the_resume_is_bit_exact_on_one_rank(tmp_path, solo_reference):
+    config, run = fault_config(tmp_path), tmp_path / "run"
+    proc = train(config, "sigterm@2")
     assert proc.returncode == 143, proc.stderr[-3000:]
     no_traceback(proc)
     assert "stopped by SIGTERM after step 2" in proc.stderr and "--resume" in proc.stderr
-    assert solo["after_sigterm"] == ["step-2"]
-    assert solo["record_after_sigterm"]["step"] == 2 and solo["record_after_sigterm"]["world_size"] == 1
+    assert listing(run) == ["step-2"]
+    record = checkpoint.read_record(run / "checkpoints" / "step-2")
+    assert record["step"] == 2 and record["world_size"] == 1
+
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 2)
+    assert_same_training(solo_reference, run)  # steps 1-2 before the signal, 3-6 after it
+    ref_summary = json.loads((solo_reference.run / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["after"]["eval_loss"] == ref_summary["after"]["eval_loss"]
+    assert summary["steps"] == MAX_STEPS and summary["tokens_seen"] == ref_summary["tokens_seen"]
 
 
 @pytest.mark.slow
-def test_sigint_exits_130_after_a_complete_checkpoint(solo):
-    proc = solo["sigint"]
+def test_sigint_exits_130_after_a_complete_checkpoint(tmp_path, solo_reference):
+    run = tmp_path / "run"
+    seed(run, solo_reference, [2])
+    proc = train(fault_config(tmp_path), "sigint@3", "--resume")
     assert proc.returncode == 130, proc.stderr[-3000:]
     no_traceback(proc)
-    assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
+    assert_resumed_from(proc, 2)
     assert "stopped by SIGINT after step 3" in proc.stderr
-    assert solo["after_sigint"] == ["step-2", "step-3"]
+    assert listing(run) == ["step-2", "step-3"]
+    assert_checkpoint_as_reference(run, solo_reference, 3)
 
 
 @pytest.mark.slow
-def test_kill_9_mid_save_keeps_the_previous_checkpoint(solo):
-    proc = solo["sigkill"]
+def test_kill_9_mid_save_keeps_the_previous_checkpoint(tmp_path, solo_reference):
+    config, run = fault_config(tmp_path), tmp_path / "run"
+    seed(run, solo_reference, [2, 3])
+    intact = snapshot(run / "checkpoints")
+    proc = train(config, "sigkill_mid_write@4", "--resume", "--set", "train.save_every=1")
     assert proc.returncode == -9
     # the killed save left its temporary folder with a half-written model shard; the complete checkpoints are untouched
-    assert solo["after_sigkill"] == [".tmp-step-4", "step-2", "step-3"]
-    partial, whole = solo["partial_after_sigkill"]
+    assert listing(run) == [".tmp-step-4", "step-2", "step-3"]
+    partial, whole = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
     assert 0 < partial < whole, (partial, whole)
-    assert solo["complete_after_sigkill"] == [2, 3]
-    assert solo["intact_after_sigkill"]
-    # the next --resume removes the leftover and continues from the last complete checkpoint
-    nxt = solo["enospc"]
-    assert "removed .tmp-step-4" in nxt.stdout and "step-3 at step 3" in nxt.stdout, nxt.stdout[-2000:]
+    assert complete_steps(run) == [2, 3]
+    assert still_in(run / "checkpoints", intact)
+
+    # the next --resume removes the leftover, continues from the last complete checkpoint, and trains as the reference
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 3, removed=".tmp-step-4")
+    assert_same_training(solo_reference, run, first_step=4)
 
 
 @pytest.mark.slow
-def test_disk_full_mid_save_keeps_the_previous_checkpoint(solo):
-    assert_disk_full_reported(solo["enospc"], 5, "step-4")
-    assert solo["after_enospc"] == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
-    assert "step-4 at step 4" in solo["finish"].stdout  # and it is the one --resume picks
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, solo_reference):
+    config, run = fault_config(tmp_path), tmp_path / "run"
+    seed(run, solo_reference, [2, 3])
+    proc = train(config, "enospc_mid_write@5", "--resume", "--set", "train.save_every=1")
+    assert_disk_full_reported(proc, 5, "step-4")
+    assert listing(run) == ["step-2", "step-3", "step-4"]  # no .tmp-step-5 left behind
+
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 4)  # the checkpoint the failed run wrote before the failed save
+    assert_same_training(solo_reference, run, first_step=4)
+    assert listing(run) == ["step-3", "step-4", "step-6"]  # keep_last 3, pruned after completion
 
 
-@pytest.mark.slow
-def test_resume_is_bit_exact_on_one_rank(solo):
-    assert solo["finish"].returncode == 0, solo["finish"].stderr[-3000:]
-    assert_same_training(solo["ref"], solo["run"])
-    ref_summary = json.loads((solo["ref"] / "summary.json").read_text())
-    summary = json.loads((solo["run"] / "summary.json").read_text())
-    assert summary["after"]["eval_loss"] == ref_summary["after"]["eval_loss"]
-    assert summary["steps"] == 6 and summary["tokens_seen"] == ref_summary["tokens_seen"]
-    assert listing(solo["run"]) == ["step-3", "step-4", "step-6"]  # keep_last 3, pruned after completion
-
-
-# ---- two ranks: a NaN on rank 1 (skipped), SIGTERM on rank 0 only, resume
+# ---- two ranks: a NaN on rank 1 (skipped), ENOSPC and kill -9 on rank 1, SIGTERM on rank 0 only
 
 
 @pytest.fixture(scope="module")
-def duo(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("duo")
-    config = chain_config(tmp, on_nonfinite="skip")
-    ref, run = tmp / "reference", tmp / "chain"
-    out = {"ref": ref, "run": run}
-    out["ref_proc"] = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={ref}",
-                                   env=fault_env("nan@2:1"), timeout=400)
-
-    def timed(faults: str, *extra: str):
-        t0 = time.monotonic()
-        proc = run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}", *extra,
-                            env=fault_env(faults), check=False, timeout=400)
-        return proc, time.monotonic() - t0
-
-    out["enospc"], out["enospc_s"] = timed("nan@2:1,enospc_mid_write@4:1")  # rank 1's disk fills mid-write
-    out["after_enospc"] = listing(run)
-    intact = snapshot(run / "checkpoints")
-    out["sigkill"], out["sigkill_s"] = timed("nan@2:1,sigkill_mid_write@4:1", "--resume")  # rank 1 dies mid-write
-    out["after_sigkill"] = listing(run)
-    out["intact_after_sigkill"] = {k: v for k, v in snapshot(run / "checkpoints").items() if k in intact} == intact
-    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
-    out["sigterm"], _ = timed("nan@2:1,sigterm@4:0", "--resume")
-    out["after_sigterm"] = listing(run)
-    out["record_after_sigterm"] = checkpoint.read_record(run / "checkpoints" / "step-4")
-    out["finish"] = run_torchrun(2, "train", str(config), "--resume", "--set", f"train.output_dir={run}",
-                                 env=fault_env("nan@2:1"), check=False, timeout=400)
-    return out
+def duo_reference(tmp_path_factory) -> Reference:
+    return reference_run(tmp_path_factory.mktemp("duo_reference"), nproc=2, faults="nan@2:1", on_nonfinite="skip")
 
 
 @pytest.mark.slow
-def test_nan_on_one_rank_is_skipped_on_all_ranks(duo):
-    summary = json.loads((duo["ref"] / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["skipped_steps"] == 1
-    losses = losses_by_step(duo["ref"])
+def test_nan_on_one_rank_is_skipped_on_all_ranks(duo_reference):
+    summary = json.loads((duo_reference.run / "summary.json").read_text())
+    assert summary["steps"] == MAX_STEPS and summary["skipped_steps"] == 1
+    losses = losses_by_step(duo_reference.run)
     assert losses[2] == ["nan"] and all(isinstance(losses[s][0], float) for s in (1, 3, 4, 5, 6))
-    assert "non-finite loss/grad norm at step 2" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
-    assert "step skipped" in duo["ref_proc"].stdout + duo["ref_proc"].stderr
+    console = duo_reference.proc.stdout + duo_reference.proc.stderr
+    assert "non-finite loss/grad norm at step 2" in console and "step skipped" in console
 
 
 @pytest.mark.slow
-def test_disk_full_on_rank_1_mid_write_stops_both_ranks(duo):
-    proc = duo["enospc"]
+def test_disk_full_on_rank_1_mid_write_stops_both_ranks(tmp_path):
+    t0 = time.monotonic()
+    proc = train(fault_config(tmp_path, on_nonfinite="skip"), "nan@2:1,enospc_mid_write@4:1", nproc=2)
+    elapsed = time.monotonic() - t0
     assert_rank_1_disk_full_reported(proc, 4, "step-2")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
-    assert duo["after_enospc"] == ["step-2"]  # the half-written step-4 folder was removed
-    assert duo["enospc_s"] < 240, f"took {duo['enospc_s']:.0f}s"
+    assert listing(tmp_path / "run") == ["step-2"]  # the half-written step-4 folder was removed
+    assert elapsed < 240, f"took {elapsed:.0f}s"
 
 
 @pytest.mark.slow
-def test_kill_9_of_rank_1_mid_write_ends_the_job_and_keeps_the_checkpoint(duo):
-    proc = duo["sigkill"]
+def test_kill_9_of_rank_1_mid_write_ends_the_job_then_the_resume_is_bit_exact_on_two_ranks(tmp_path, duo_reference):
+    config, run = fault_config(tmp_path, on_nonfinite="skip"), tmp_path / "run"
+    seed(run, duo_reference, [2])  # step 2, the NaN step the reference skipped, is not trained again
+    intact = snapshot(run / "checkpoints")
+    t0 = time.monotonic()
+    proc = train(config, "sigkill_mid_write@4:1", "--resume", nproc=2)  # rank 1 dies mid-write
+    elapsed = time.monotonic() - t0
     assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-4000:]
-    assert duo["after_sigkill"] == [".tmp-step-4", "step-2"]
-    partial, whole = duo["partial_after_sigkill"]
+    assert listing(run) == [".tmp-step-4", "step-2"]
+    partial, whole = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
     assert 0 < partial < whole, (partial, whole)  # rank 1's model shard was cut in the middle
-    assert duo["intact_after_sigkill"]
-    assert duo["sigkill_s"] < 240, f"took {duo['sigkill_s']:.0f}s: rank 0 waited too long for the dead rank"
-    # the next --resume removes the half-written folder and continues from step 2
-    nxt = duo["sigterm"]
-    assert "removed .tmp-step-4" in nxt.stdout and "step-2 at step 2" in nxt.stdout, nxt.stdout[-3000:]
+    assert still_in(run / "checkpoints", intact)
+    assert elapsed < 240, f"took {elapsed:.0f}s: rank 0 waited too long for the dead rank"
 
-
-@pytest.mark.slow
-def test_sigterm_on_one_rank_checkpoints_all_ranks(duo):
-    proc = duo["sigterm"]
-    assert proc.returncode != 0  # torchrun reports its workers' exit 143 as a failure of its own
-    assert "exitcode  : 143" in proc.stderr
-    assert "stopped by SIGTERM after step 4" in proc.stderr
-    assert duo["after_sigterm"] == ["step-2", "step-4"]
-    record = duo["record_after_sigterm"]
-    assert record["world_size"] == 2 and record["step"] == 4
-
-
-@pytest.mark.slow
-def test_resume_is_bit_exact_on_two_ranks(duo):
-    proc = duo["finish"]
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "step-4 at step 4" in proc.stdout
-    assert_same_training(duo["ref"], duo["run"])
-    summary = json.loads((duo["run"] / "summary.json").read_text())
+    # the next --resume removes the half-written folder and continues from step 2, as the reference trained
+    finish = train(config, "", "--resume", nproc=2)
+    assert_finished(finish)
+    assert_resumed_from(finish, 2, removed=".tmp-step-4")
+    assert_same_training(duo_reference, run, first_step=3)
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["skipped_steps"] == 1  # the skip before the interruption travelled in the checkpoint
 
 
 @pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_all_ranks(tmp_path, duo_reference):
+    run = tmp_path / "run"
+    seed(run, duo_reference, [2])
+    proc = train(fault_config(tmp_path, on_nonfinite="skip"), "sigterm@4:0", "--resume", nproc=2)
+    assert proc.returncode != 0  # torchrun reports its workers' exit 143 as a failure of its own
+    assert "exitcode  : 143" in proc.stderr
+    assert "stopped by SIGTERM after step 4" in proc.stderr
+    assert listing(run) == ["step-2", "step-4"]
+    record = checkpoint.read_record(run / "checkpoints" / "step-4")
+    assert record["world_size"] == 2 and record["step"] == 4
+    assert_checkpoint_as_reference(run, duo_reference, 4)
+
+
+@pytest.mark.slow
 def test_nan_on_one_rank_stops_both_ranks_with_the_step(tmp_path):
-    config = chain_config(tmp_path, max_steps=4, save_every=1, eval_at_start=False)
+    config = fault_config(tmp_path, max_steps=4, save_every=1, eval_at_start=False)
     t0 = time.monotonic()
     proc = run_torchrun(2, "train", str(config), env=fault_env("nan@2:1"), check=False, timeout=300)
     elapsed = time.monotonic() - t0
@@ -297,116 +342,77 @@ def test_nan_on_one_rank_stops_both_ranks_with_the_step(tmp_path):
 # ---- train.async_save: the same faults, struck inside the background write; resume bit-exact to the references
 
 
-def async_config(tmp_path: Path, **train) -> Path:
-    return chain_config(tmp_path, async_save=True, **train)  # async_save may change on resume: same fingerprint
-
-
-@pytest.fixture(scope="module")
-def solo_async(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("solo_async")
-    config = async_config(tmp)
-    run = tmp / "chain"
-
-    train = one_process_chain(config, run)
-    out = {"run": run}
+@pytest.mark.slow
+def test_async_kill_9_mid_background_write_then_the_resume_is_bit_exact_on_one_rank(tmp_path, solo_reference):
+    config, run = async_config(tmp_path), tmp_path / "run"
     # step 2's checkpoint is still being written when step 3 changes the weights and the optimizer state it saves
     # (pytorch #144657: a staging "copy" that was a view saved the later values); step 4's write is killed midway
-    out["sigkill"] = train("slow_write@2,sigkill_mid_write@4")
-    out["after_sigkill"] = listing(run)
-    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
-    out["saves_after_sigkill"] = [m for m in read_metrics(run) if "save_stall_s" in m]
-    out["enospc"] = train("enospc_mid_write@4", "--resume")  # the disk fills inside step 4's background write
-    out["after_enospc"] = listing(run)
-    out["final_after_enospc"] = (run / "final").exists()
-    out["sigterm"] = train("sigterm@5", "--resume")  # preempted while step 4's checkpoint is in flight
-    out["after_sigterm"] = listing(run)
-    out["finish"] = train("", "--resume")
-    return out
-
-
-@pytest.mark.slow
-def test_async_kill_9_mid_background_write_keeps_the_previous_checkpoint(solo_async):
-    proc = solo_async["sigkill"]
+    proc = train(config, "slow_write@2,sigkill_mid_write@4")
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert "checkpoints: asynchronous" in proc.stdout
-    assert solo_async["after_sigkill"] == [".tmp-step-4", "step-2"]
-    partial, whole = solo_async["partial_after_sigkill"]
+    assert listing(run) == [".tmp-step-4", "step-2"]
+    partial, whole = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=0)
     assert 0 < partial < whole, (partial, whole)
-    (saved,) = solo_async["saves_after_sigkill"]  # step 2's: complete only after step 3 (slow_write), not before
+    (saved,) = save_records(run)  # step 2's: complete only after step 3 (slow_write), not before
     assert saved["checkpoint_step"] == 2 and saved["step"] >= 3, saved
     assert 0 < saved["save_stall_s"] < saved["save_write_s"], saved
-    nxt = solo_async["enospc"]
-    assert "removed .tmp-step-4" in nxt.stdout and "step-2 at step 2" in nxt.stdout, nxt.stdout[-2000:]
+
+    # resumed from the checkpoint written while step 3 ran, it trains as the (synchronous) reference
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 2, removed=".tmp-step-4")
+    assert "checkpoints saved asynchronously: 2" in finish.stdout  # steps 4 and 6
+    assert_same_training(solo_reference, run)
+    # the resume dropped the records of the steps it trained again (step 2's save completed at step 3)
+    assert [m["checkpoint_step"] for m in save_records(run)] == [4, 6]
 
 
 @pytest.mark.slow
-def test_async_disk_full_mid_background_write_fails_the_run(solo_async):
-    assert_disk_full_reported(solo_async["enospc"], 4, "step-2")
-    assert solo_async["after_enospc"] == ["step-2"]
-    assert not solo_async["final_after_enospc"]  # the run failed before its final export
+def test_async_disk_full_mid_background_write_fails_the_run(tmp_path, solo_reference):
+    run = tmp_path / "run"
+    seed(run, solo_reference, [2])
+    proc = train(async_config(tmp_path), "enospc_mid_write@4", "--resume")  # the disk fills in step 4's write
+    assert_disk_full_reported(proc, 4, "step-2")
+    assert listing(run) == ["step-2"]
+    assert not (run / "final").exists()  # the run failed before its final export
 
 
 @pytest.mark.slow
-def test_async_sigterm_waits_for_the_save_in_flight(solo_async):
-    proc = solo_async["sigterm"]
+def test_async_sigterm_waits_for_the_save_in_flight(tmp_path, solo_reference):
+    run = tmp_path / "run"
+    seed(run, solo_reference, [2])
+    proc = train(async_config(tmp_path), "sigterm@5", "--resume")  # preempted while step 4's checkpoint is in flight
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "stopped by SIGTERM after step 5" in proc.stderr and "step-5 is complete" in proc.stderr
-    assert solo_async["after_sigterm"] == ["step-2", "step-4", "step-5"]
-    # the resumes dropped the records of the steps they trained again (step 2's save completed at step 3)
-    saves = [m for m in read_metrics(solo_async["run"]) if "save_stall_s" in m]
-    assert [m["checkpoint_step"] for m in saves] == [4, 5, 6], saves
+    assert listing(run) == ["step-2", "step-4", "step-5"]
+    saves = save_records(run)
+    assert [m["checkpoint_step"] for m in saves] == [4, 5], saves
     assert all(0 < m["save_stall_s"] <= m["save_write_s"] for m in saves), saves
+    for step in (4, 5):
+        assert_checkpoint_as_reference(run, solo_reference, step)
 
 
 @pytest.mark.slow
-def test_async_resume_is_bit_exact_on_one_rank(solo, solo_async):
-    proc = solo_async["finish"]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step-5 at step 5" in proc.stdout and "checkpoints saved asynchronously: 1" in proc.stdout
-    assert_same_training(solo["ref"], solo_async["run"])
-
-
-@pytest.fixture(scope="module")
-def duo_async(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("duo_async")
-    config = async_config(tmp, on_nonfinite="skip")
-    run = tmp / "chain"
-    out = {"run": run}
-
-    def train(faults: str, *extra: str):
-        return run_torchrun(2, "train", str(config), "--set", f"train.output_dir={run}", *extra,
-                            env=fault_env(faults), check=False, timeout=400)
-
-    out["enospc"] = train("nan@2:1,slow_write@2:0,slow_write@2:1,enospc_mid_write@4:1")
-    out["after_enospc"] = listing(run)
-    out["sigkill"] = train("nan@2:1,sigkill_mid_write@4:1", "--resume")
-    out["after_sigkill"] = listing(run)
-    out["partial_after_sigkill"] = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
-    out["finish"] = train("nan@2:1", "--resume")
-    return out
+def test_async_disk_full_on_rank_1_fails_both_ranks(tmp_path):
+    proc = train(async_config(tmp_path, on_nonfinite="skip"), "nan@2:1,enospc_mid_write@4:1", nproc=2)
+    assert_rank_1_disk_full_reported(proc, 4, "step-2")
+    assert listing(tmp_path / "run") == ["step-2"]
 
 
 @pytest.mark.slow
-def test_async_disk_full_on_rank_1_fails_both_ranks(duo_async):
-    assert_rank_1_disk_full_reported(duo_async["enospc"], 4, "step-2")
-    assert duo_async["after_enospc"] == ["step-2"]
-
-
-@pytest.mark.slow
-def test_async_kill_9_of_rank_1_mid_background_write_keeps_the_checkpoint(duo_async):
-    proc = duo_async["sigkill"]
+def test_async_kill_9_of_rank_1_mid_background_write_then_the_resume_is_bit_exact_on_two_ranks(tmp_path, duo_reference):
+    config, run = async_config(tmp_path, on_nonfinite="skip"), tmp_path / "run"
+    # both ranks' writes of step 2 are held until step 3 has run; rank 1 dies inside its write of step 4
+    proc = train(config, "nan@2:1,slow_write@2:0,slow_write@2:1,sigkill_mid_write@4:1", nproc=2)
     assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-4000:]
-    assert duo_async["after_sigkill"] == [".tmp-step-4", "step-2"]
-    partial, whole = duo_async["partial_after_sigkill"]
+    assert listing(run) == [".tmp-step-4", "step-2"]
+    partial, whole = partial_shard(run / "checkpoints", 4, "pytorch_model_fsdp_0", rank=1)
     assert 0 < partial < whole, (partial, whole)
 
-
-@pytest.mark.slow
-def test_async_resume_is_bit_exact_on_two_ranks(duo, duo_async):
-    proc = duo_async["finish"]
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "removed .tmp-step-4" in proc.stdout and "step-2 at step 2" in proc.stdout, proc.stdout[-3000:]
-    assert_same_training(duo["ref"], duo_async["run"])
+    finish = train(config, "", "--resume", nproc=2)
+    assert_finished(finish)
+    assert_resumed_from(finish, 2, removed=".tmp-step-4")
+    assert_same_training(duo_reference, run)
 
 
 # ---- safe loading and tensor checks (no training)
