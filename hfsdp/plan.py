@@ -4,8 +4,8 @@ anything is launched and without loading weights.
 Three steps, each a function of the previous one's result:
 
 1. :func:`model_facts`: the model is built on the meta device from its config and changed by the enabled plugins'
-   ``hfsdp_modify_model``, as training changes it (LoRA's adapters, on the meta device too). What is kept: every parameter's shape, dtype, trainability and the FSDP unit it lands in
-   (the wrap policy, emulated).
+   ``hfsdp_modify_model``, as training changes it (LoRA's adapters, on the meta device too). What is kept: every
+   parameter's shape, dtype, trainability and the FSDP unit it lands in (the wrap policy, emulated).
 2. :func:`trace_activations`: one forward and the training loss of a micro-batch on the meta device (a plugin's
    objective: the sequences it forwards per row, e.g. DPO's chosen and rejected, and its full logits), with a
    saved-tensors hook that records every tensor autograd keeps for the backward pass, tagged by the decoder layer
@@ -164,7 +164,7 @@ class Setup:
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save)
-    # Not validated here: a strategy the rest of the section rules out becomes a row saying why (setup_problem).
+    # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
 
