@@ -72,6 +72,11 @@ CASES: dict[str, Case] = {
                    "train.per_device_batch_size: Input should be a valid integer"),
     "bad enum": (lambda d, s: ["train", _cfg(d, fsdp={"sharding_strategy": "ZeRO-3"})],
                  "fsdp.sharding_strategy: Input should be 'FULL_SHARD'"),
+    "lora target not in the model": (lambda d, s: ["train", _cfg(d, plugins=["lora"],
+                                                                 lora={"target_modules": ["qkv_proj"]})],
+                                     "lora.target_modules: Target modules {'qkv_proj'} not found in the base model"),
+    "lora on tied embeddings": (lambda d, s: ["train", _cfg(d, plugins=["lora"], lora={"modules_to_save": ["lm_head"]})],
+                                "lm_head is tied to the output embeddings of this model"),
     "fsdp1 knob on fsdp2": (lambda d, s: ["train", _cfg(d, fsdp={"forward_prefetch": True})],
                             "forward_prefetch only exist in FSDP1"),
     "size policy without min_num_params": (lambda d, s: ["train", _cfg(d, fsdp={"wrap_policy": "size"})],
@@ -407,6 +412,12 @@ def test_bad_input(case, results):
     assert expected in proc.stderr, proc.stderr[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hfsdp: error:")]
     assert len(errors) == 1, proc.stderr[-4000:]  # one message, not one per layer that saw the problem
+
+
+def test_lora_targets_are_refused_before_the_weights_load(results):
+    """The adapters are tried on the meta model before loading: no "Loading weights" bar, no minutes lost."""
+    for case in ("lora target not in the model", "lora on tied embeddings"):
+        assert "Loading weights" not in results[case].stderr, results[case].stderr[-3000:]
 
 
 def test_output_folder_of_a_refused_run_is_untouched(results):

@@ -112,8 +112,52 @@ def _check_tied(model, targets: list[str], modules_to_save: list[str] | None) ->
                                      "and the export could not reproduce the trained model: leave it out")])
 
 
+def adapted(model, config, section: LoraSection):
+    """``model`` with LoRA adapters (peft), or ConfigError for targets the model does not have or that would untie
+    its embeddings. Adapters take the base weights' dtype (``autocast_adapter_dtype=False``), so that every FSDP
+    unit has one parameter dtype."""
+    from peft import get_peft_model
+
+    targets = section.target_modules or default_target_modules(model, config.fsdp)
+    _check_tied(model, targets, section.modules_to_save)
+    try:
+        return get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
+    except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
+        raise ConfigError([("lora.target_modules", str(err))]) from None
+
+
+def _meta_model(model_config, config):
+    """The architecture on the meta device: names and shapes, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+
+
+_META_CHECKS: dict[str, ConfigError | None] = {}  # key of check_targets -> its refusal, or None
+
+
+def check_targets(model_config, config, section: LoraSection) -> None:
+    """:func:`adapted` on the meta device (no memory, no weights): ConfigError for targets the model lacks, before
+    any weight loads. Remembered per architecture, section and layer classes (``hfsdp plan`` asks for every row)."""
+    import json
+
+    key = json.dumps([model_config.to_json_string(), section.model_dump(mode="json"),
+                      config.fsdp.transformer_layer_cls, config.model.trust_remote_code])
+    if key not in _META_CHECKS:
+        try:
+            adapted(_meta_model(model_config, config), config, section)
+            _META_CHECKS[key] = None
+        except ConfigError as err:
+            _META_CHECKS[key] = err
+    if _META_CHECKS[key] is not None:
+        raise _META_CHECKS[key]
+
+
 @hookimpl
 def hfsdp_before_model_load(config, world, model_config, setup):
+    check_targets(model_config, config, config.section("lora"))
     unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
     if setup.wrapper == "fsdp1" and unsharded and getattr(model_config, "tie_word_embeddings", False):
         # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
@@ -125,18 +169,10 @@ def hfsdp_before_model_load(config, world, model_config, setup):
 
 @hookimpl
 def hfsdp_modify_model(model, config, world):
-    from peft import get_peft_model
-
     section: LoraSection = config.section("lora")
-    targets = section.target_modules or default_target_modules(model, config.fsdp)
-    _check_tied(model, targets, section.modules_to_save)
     base_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    # autocast_adapter_dtype=False: adapters in the base dtype, so every FSDP unit has one parameter dtype.
-    try:
-        peft_model = get_peft_model(model, peft_config(section, targets),
-                                    autocast_adapter_dtype=False)
-    except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
-        raise ConfigError([("lora.target_modules", str(err))]) from None
+    peft_model = adapted(model, config, section)
+    targets = sorted(peft_model.peft_config[ADAPTER].target_modules)
     for p in peft_model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != base_dtype:
             p.data = p.data.to(base_dtype)
@@ -157,16 +193,9 @@ def _is_lora_key(key: str) -> bool:
 
 
 def _meta_peft_model(model_config, config, section: LoraSection):
-    """The peft-wrapped architecture on the meta device: names and shapes, no memory."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(model_config)
-        targets = section.target_modules or default_target_modules(base, config.fsdp)
-        lora_cfg = peft_config(section, targets)
-        meta_model = get_peft_model(base, lora_cfg, autocast_adapter_dtype=False)
+    """The peft-wrapped architecture on the meta device and its LoRA config."""
+    meta_model = adapted(_meta_model(model_config, config), config, section)
+    lora_cfg = meta_model.peft_config[ADAPTER]
     lora_cfg.base_model_name_or_path = config.model.name_or_path  # what adapter_config.json names as the base
     return meta_model, lora_cfg
 
