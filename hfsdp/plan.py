@@ -716,7 +716,9 @@ def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int)
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
 def table_unit(rows: list[Estimate]) -> tuple[str, int]:
@@ -758,7 +760,8 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
     if objective is not None:
-        loss = (f"{type(objective).__name__} ({objective.sequences_per_row} sequence(s) a row, full logits)")
+        n = objective.sequences_per_row
+        loss = f"{type(objective).__name__} ({n} sequence{'s' if n != 1 else ''} a row, full logits)"
     else:
         loss = "chunked" if config.train.chunked_loss else "plain (full logits)"
     return (f"{facts.name}: {_count(facts.total_params)} parameters"

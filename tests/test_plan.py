@@ -152,7 +152,7 @@ def test_dpo_is_planned_with_both_completions_and_full_logits(tmp_path):
     for key in ("activations", "loss_transient", "device_peak"):
         assert rows[0][key] == rows[1][key] > 0, key
     header = run_cli("plan", str(dpo), "--nproc", "2", "--strategies", "FULL_SHARD").stdout.splitlines()[1]
-    assert "micro-batch 1 x 96 tokens" in header and "loss DPO (2 sequence(s) a row, full logits)" in header
+    assert "micro-batch 1 x 96 tokens" in header and "loss DPO (2 sequences a row, full logits)" in header
 
 
 def test_one_process_is_planned_as_train_runs_it(tmp_path):
