@@ -621,18 +621,19 @@ class Planner:
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
-        config, host = self.variant(setup.plugins)
-        config = config.model_copy(update={"fsdp": setup.fsdp})
-        problems = problems or host.validation_problems(config)
         if problems:
             return problems[0][1]
-        world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False)
-        try:
-            host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
-                      setup=RunSetup(config=config, world=world, resume=None))
-        except ConfigError as err:
-            return err.problems[0][1]
-        return None
+        config, host = self.variant(setup.plugins)
+        config = config.model_copy(update={"fsdp": setup.fsdp})
+        problems = host.validation_problems(config)
+        if not problems:
+            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False)
+            try:
+                host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
+                          setup=RunSetup(config=config, world=world, resume=None))
+            except ConfigError as err:
+                problems = err.problems
+        return f"{problems[0][0]}: {problems[0][1]}" if problems else None  # a plugin's: with the key it names
 
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
