@@ -255,6 +255,18 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         return None
 
 
+def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights.
+    What the caller then does to it (a plugin's adapters) stays on the meta device inside its own
+    ``torch.device("meta")``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code, **kwargs)
+
+
 def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
     """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
     ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded); ``quant``

@@ -29,7 +29,7 @@ from hfsdp.config_files import with_plugins
 from hfsdp.distributed import World
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, hybrid_mesh_shape, precision_parts, wrapper
-from hfsdp.models import layer_classes
+from hfsdp.models import layer_classes, meta_model
 from hfsdp.units import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPES
 
 # FSDP1 with use_orig_params pads each original parameter inside its flat parameter to a 16-byte boundary.
@@ -226,7 +226,6 @@ def build_meta_model(model_config, config: HfsdpConfig, host, dtype: str):
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from hfsdp.run_setup import RunSetup
 
@@ -235,7 +234,7 @@ def build_meta_model(model_config, config: HfsdpConfig, host, dtype: str):
         warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
         # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
         attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
-        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn)
+        model = meta_model(model_config, config.model.trust_remote_code, attn)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
                            setup=RunSetup(config=config, world=world, resume=None))
     return model.to(getattr(torch, dtype))

@@ -126,13 +126,14 @@ def adapted(model, config, section: LoraSection):
         raise ConfigError([("lora.target_modules", str(err))]) from None
 
 
-def _meta_model(model_config, config):
-    """The architecture on the meta device: names and shapes, no memory."""
+def _meta_adapted(model_config, config, section: LoraSection):
+    """:func:`adapted` on the meta device, adapters included: names and shapes, no memory, no weights."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from hfsdp.models import meta_model
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+        return adapted(meta_model(model_config, config.model.trust_remote_code), config, section)
 
 
 _META_CHECKS: dict[str, ConfigError | None] = {}  # key of check_targets -> its refusal, or None
@@ -147,7 +148,7 @@ def check_targets(model_config, config, section: LoraSection) -> None:
                       config.fsdp.transformer_layer_cls, config.model.trust_remote_code])
     if key not in _META_CHECKS:
         try:
-            adapted(_meta_model(model_config, config), config, section)
+            _meta_adapted(model_config, config, section)
             _META_CHECKS[key] = None
         except ConfigError as err:
             _META_CHECKS[key] = err
@@ -194,10 +195,10 @@ def _is_lora_key(key: str) -> bool:
 
 def _meta_peft_model(model_config, config, section: LoraSection):
     """The peft-wrapped architecture on the meta device and its LoRA config."""
-    meta_model = adapted(_meta_model(model_config, config), config, section)
-    lora_cfg = meta_model.peft_config[ADAPTER]
+    model = _meta_adapted(model_config, config, section)
+    lora_cfg = model.peft_config[ADAPTER]
     lora_cfg.base_model_name_or_path = config.model.name_or_path  # what adapter_config.json names as the base
-    return meta_model, lora_cfg
+    return model, lora_cfg
 
 
 def write_adapter(state_dict: Mapping[str, Any], model_config, tokenizer, out_dir: Path, config) -> Path:

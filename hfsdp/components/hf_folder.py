@@ -41,11 +41,9 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def expected_shapes(model_config) -> dict[str, tuple[int, ...]]:
     """Parameter and persistent-buffer shapes of the architecture, from a model built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from hfsdp.models import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in meta_model(model_config).state_dict().items()}
 
 
 def write_hf_weights(
