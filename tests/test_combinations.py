@@ -16,6 +16,7 @@ import itertools
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -127,18 +128,24 @@ class Runs:
     def run(self, key: str, world: int, sections: dict, *extra: str, config_dir: Path | None = None,
             check: bool = True):
         """The run of ``key``; one run serves every key of the same world, sections and arguments (a pair of
-        features that is also an option of the smoke matrix trains once)."""
+        features that is also an option of the smoke matrix trains once). A run that failed is kept failed: every
+        test that reads it fails with its error, without running it again."""
         same = json.dumps([world, sections, extra, str(config_dir)], sort_keys=True)
         if key not in self.done and same in self.done:
             self.done[key] = self.done[same]
-        if key in self.done:
-            return self.done[key]
-        folder = config_dir or (self.root / key)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = tiny_config(folder, **sections)
-        args = ("train", str(config), *extra)
-        proc = (run_cli(*args, check=check) if world == 1 else run_torchrun(world, *args, check=check))
-        self.done[key] = self.done[same] = (folder / "run", proc)
+        if key not in self.done:
+            folder = config_dir or (self.root / key)
+            folder.mkdir(parents=True, exist_ok=True)
+            config = tiny_config(folder, **sections)
+            args = ("train", str(config), *extra)
+            try:
+                done = (folder / "run", run_cli(*args, check=check) if world == 1
+                        else run_torchrun(world, *args, check=check))
+            except (AssertionError, subprocess.TimeoutExpired) as failed:
+                done = failed
+            self.done[key] = self.done[same] = done
+        if isinstance(self.done[key], Exception):
+            raise AssertionError(f"run {key} failed (once, for every test that reads it): {self.done[key]}")
         return self.done[key]
 
 
