@@ -91,6 +91,7 @@ OPTIONS = {
     "dpo": DPO,
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
+    "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
 }
 # Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
 DATA_OPTIONS = ("mixture",)
@@ -109,7 +110,8 @@ REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit'
 REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded state dict holds ShardedTensors"
                 for world in (1, 2)})
 # QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
-REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
+REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1, 2) for name in OPTIONS
+                if name.startswith("qlora")})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -229,7 +231,7 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert "adapter_model.safetensors" in weights
     else:
         assert "model.safetensors" in weights
-    if "qlora" in options:
+    if any(option.startswith("qlora") for option in options):
         assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
     if any("packing" in option for option in options):
         packed = summary["data"]["padding"]
@@ -400,7 +402,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "mixture")]
-          + [(2, 2, "qlora")])
+          + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
