@@ -42,12 +42,20 @@ def size_units(model: torch.nn.Module, min_num_params: int) -> list[str]:
         params = {id(p): p for p in module.parameters()}
         if tied & params.keys():
             return
-        if sum(p.numel() for pid, p in params.items() if pid not in in_unit) >= min_num_params:
+        if sum(_num_params(p) for pid, p in params.items() if pid not in in_unit) >= min_num_params:
             units.append(name)
             in_unit.update(params)
 
     visit("", model)
     return units
+
+
+def _num_params(param: torch.Tensor) -> int:
+    """The weights a parameter holds: a packed 4-bit weight (bitsandbytes' ``Params4bit``, QLoRA) counts the
+    weights of its layer, not its packed storage elements (8 per float32), so the units of a 4-bit base are those
+    of the model it quantizes (and those ``hfsdp plan`` predicts from the unquantized meta model)."""
+    state = getattr(param, "quant_state", None)
+    return state.shape.numel() if state is not None else param.numel()
 
 
 class SizeUnits(CustomPolicy):
