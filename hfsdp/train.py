@@ -133,25 +133,20 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
         raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
                         "set train.output_dir to a folder (it is created if missing)")
     check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
+    existing = [name for name in OUTPUTS if (output_dir / name).exists()]
+    if existing and not resuming and not opts.overwrite:
+        raise UserError(
+            f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to continue "
+            "it, --overwrite to replace it, or set another train.output_dir"
+        )
     _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
     lock = storage.RunLock.take(output_dir) if is_main else None
-    try:
-        existing = [name for name in OUTPUTS if (output_dir / name).exists()]
-        if existing and not resuming and not opts.overwrite:
-            raise UserError(
-                f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to "
-                "continue it, --overwrite to replace it, or set another train.output_dir"
-            )
-        if existing and opts.overwrite and is_main:
-            for name in existing:
-                target = output_dir / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            for stale in output_dir.glob("startup_rank*.json"):
-                stale.unlink()
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
+    if existing and opts.overwrite and is_main:  # only once the folder is this run's
+        for name in existing:
+            target = output_dir / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        for stale in output_dir.glob("startup_rank*.json"):
+            stale.unlink()
     return lock
 
 
