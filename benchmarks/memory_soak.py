@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--check-step", type=int, default=300)
     p.add_argument("--ratio", type=float, default=1.05)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--window", type=int, default=50, help="steps of the medians also printed")
+    p.add_argument("--report-only", action="store_true", help="read the run already in --out, do not train")
     a = p.parse_args()
     if a.check_step >= a.steps:
         raise SystemExit("--check-step must be before the last step")
@@ -47,9 +49,17 @@ def main() -> None:
            *[arg for s in sets for arg in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if not a.report_only:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    sys.exit(1 if report(run, a) else 0)
+
+
+def report(run: Path, a) -> bool:
+    """Print each rank's figures; True when a rank crept (the last step above ``ratio`` x the check step)."""
+    import statistics
+
     print(f"{a.nproc} gloo ranks, FSDP2 FULL_SHARD, tiny preset, {a.steps} steps, a checkpoint every "
           f"{a.save_every}, an eval every {a.eval_every}; RSS in MiB after the step")
     crept = False
@@ -63,7 +73,12 @@ def main() -> None:
         print(f"  rank {rank}: last / step {a.check_step} = {rss[a.steps] / MIB:.1f} / {rss[a.check_step] / MIB:.1f} "
               f"= {ratio:.4f} ({'above' if ratio > a.ratio else 'within'} {a.ratio}); peak "
               f"{max(rss.values()) / MIB:.1f} at step {max(rss, key=rss.get)}")
-    sys.exit(1 if crept else 0)
+        w = a.window  # the RSS after a step moves by a few percent from step to step: medians of windows too
+        early = statistics.median(rss[s] for s in range(a.check_step - w + 1, a.check_step + 1))
+        late = statistics.median(rss[s] for s in range(a.steps - w + 1, a.steps + 1))
+        print(f"  rank {rank}: median of the {w} steps up to the last / up to step {a.check_step} = "
+              f"{late / MIB:.1f} / {early / MIB:.1f} = {late / early:.4f}")
+    return crept
 
 
 if __name__ == "__main__":

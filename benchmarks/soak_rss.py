@@ -17,6 +17,6 @@ _files = {}
 def hfsdp_on_step_end(run, step):
     rank = run.accelerator.process_index
     if rank not in _files:
-        _files[rank] = open(run.output_dir / f"rss_rank{rank}.jsonl", "a")
+        _files[rank] = open(run.output_dir / f"rss_rank{rank}.jsonl", "w")  # this run's steps only
     _files[rank].write(json.dumps({"step": step, "rss": psutil.Process().memory_info().rss}) + "\n")
     _files[rank].flush()
