@@ -823,3 +823,22 @@ def test_memory_soak_benchmark_answers_help():
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" /
                                               "memory_soak.py"), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--check-step" in proc.stdout and "RSS" in proc.stdout, proc.stderr
+
+
+def test_a_full_disk_under_the_preprocessing_cache_is_reported_as_a_full_disk(tmp_path, tmpfs):
+    import datasets
+
+    from hfsdp.components import data_cache
+
+    disk = tmpfs("cache", 1)
+    rows = datasets.Dataset.from_dict({"input_ids": [list(range(512))] * 1024})  # 4 MiB of int64 tokens
+    with pytest.raises(UserError) as info:
+        data_cache.load_or_build(disk, "entry", lambda: (rows, {}), data_cache.Preprocessing(builder=True, run="r"))
+    message = str(info.value)
+    assert message.startswith(f"preprocessing cache: no space left on device: tmpfs at {disk} has "), message
+    assert message.endswith("; nothing was cached. Free space there or set HFSDP_CACHE_DIR to a folder with more "
+                            "room"), message
+    assert info.value.exit_code == 1
+    entries = disk / "datasets"
+    assert sorted(p.name for p in entries.iterdir()) == ["entry.failed-r", "entry.lock"]  # no partial entry
+    assert json.loads((entries / "entry.failed-r").read_text()) == {"user_error": True, "message": message}
