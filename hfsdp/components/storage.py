@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +165,10 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no locks on this fs
+                print(f"hfsdp: warning: {path}: the file system of train.output_dir does not support locks "
+                      f"({err.strerror}), so a second run into the folder is not refused", file=sys.stderr)
+                return cls(path, fd, os.fstat(fd).st_ino)
             holder = _holder(fd)
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
