@@ -369,6 +369,10 @@ class TrainConfig(Section):
     collective_timeout_s: int = Field(
         600, gt=0, description="seconds a rank waits in a collective for the others before the job fails "
                                "(a hung or frozen rank); also bounds rank 0's first-time tokenization.")
+    save_timeout_s: float | None = Field(
+        3600, gt=0, description="seconds a checkpoint may take from the start of its save until it is complete; "
+                                "a save that takes longer (storage too slow or hung) stops every rank with the step, "
+                                "the path and the time instead of hanging (null: no limit).")
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from hfsdp import batches, data, loss as losses, models, quantization
-from hfsdp.components import checkpoint, data_cache, generation, plots, resume, throughput
+from hfsdp.components import checkpoint, data_cache, generation, plots, resume, storage, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
 from hfsdp.components.outputs import check_export_target, staged_export
@@ -125,7 +125,9 @@ class PreemptionFlag:
               "(send it again to exit now)", file=sys.stderr, flush=True)
 
 
-def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> None:
+def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> storage.RunLock | None:
+    """Check and prepare ``train.output_dir`` (writable; not another live run's: the main process takes its
+    :class:`storage.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
     blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
@@ -137,20 +139,26 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
             f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to continue "
             "it, --overwrite to replace it, or set another train.output_dir"
         )
-    if existing and opts.overwrite and is_main:
+    _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
+    lock = storage.RunLock.take(output_dir) if is_main else None
+    if existing and opts.overwrite and is_main:  # only once the folder is this run's
         for name in existing:
             target = output_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         for stale in output_dir.glob("startup_rank*.json"):
             stale.unlink()
+    return lock
+
+
+def _check_writable(folder: Path, what: str, fix: str) -> None:
+    """``folder`` exists (created if missing) and this process can create a file in it."""
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".hfsdp-write-test-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hfsdp-write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as err:
-        raise UserError(f"train.output_dir {output_dir}: cannot write there ({err.strerror}); "
-                        "choose a folder you can write to") from None
+        raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
 
 
 @torch.no_grad()
@@ -192,13 +200,20 @@ def build_optimizer(model, cfg, matrices: set[str] | None = None) -> torch.optim
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
 
 
-def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path]:
+def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
     """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
-    lock) and the prepared output folder, for a run whose checks :func:`hfsdp.run_setup.decide` made."""
+    lock), the prepared output folder and its lock (main process), for a run whose checks
+    :func:`hfsdp.run_setup.decide` made. The cache folder and the output folder are checked writable first."""
     config = setup.config
-    model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
+    _check_writable(opts.cache_dir, "the hfsdp cache folder", "set HFSDP_CACHE_DIR to a folder you can write to")
     output_dir = Path(config.train.output_dir)
-    prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
+    lock = prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
+    try:
+        model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     from transformers.utils import logging as hf_logging
@@ -206,7 +221,7 @@ def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path]:
     hf_logging.set_verbosity_error()
     if setup.world.rank != 0:  # one "Loading weights" bar, beside rank 0's other bars (not one per rank)
         hf_logging.disable_progress_bar()
-    return model_path, output_dir
+    return model_path, output_dir, lock
 
 
 def build_scheduler(optimizer, cfg, max_steps: int):
@@ -219,18 +234,20 @@ def build_scheduler(optimizer, cfg, max_steps: int):
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     # ---- set up: the run was decided and checked before anything loads (hfsdp.run_setup.decide)
     config, world = setup.config, setup.world
-    model_path, output_dir = prepare(setup, opts)
+    model_path, output_dir, lock = prepare(setup, opts)
     from accelerate.utils import set_seed
 
     accelerator = None
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
         model_config = models.load_model_config(model_path, config.model)
+        checkpoint_bytes, export_bytes = storage.estimate(model_config, config, host)  # before any weight loads
+        space_warning = storage.check_space(output_dir, checkpoint_bytes, export_bytes, config)
         accelerator = build_accelerator(setup, models.fsdp_layer_classes(config.fsdp, model_config))
         set_seed(config.train.seed)
         is_main = accelerator.is_main_process
         say = accelerator.print
-        for note in setup.notes:
+        for note in setup.notes + ((space_warning,) if space_warning else ()):
             say(note)
 
         # ---- data
@@ -269,7 +286,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                   objective=objective)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
         saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
-                                 config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done))
+                                 config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done),
+                                 estimate=checkpoint_bytes, lock=lock, save_timeout_s=config.train.save_timeout_s)
         before = run_eval.before_training()
         host.call("hfsdp_on_train_start", run=run)
 
@@ -346,6 +364,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             model = run = run_eval = None  # noqa: F841
             accelerator.free_memory()
             accelerator.end_training()
+        if lock is not None:
+            lock.release()
 
 
 def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say) -> tuple[batches.BatchPlan, int, dict]:

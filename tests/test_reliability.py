@@ -158,7 +158,8 @@ def assert_disk_full_reported(proc, step: int, intact: str) -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]
     no_traceback(proc)
     assert f"checkpoint for step {step} could not be written" in proc.stderr
-    assert "No space left on device" in proc.stderr and "the disk is full" in proc.stderr
+    assert f"checkpoint for step {step} could not be written: no space left on device: " in proc.stderr
+    assert "free, and the checkpoint needs about " in proc.stderr and "[Errno 28] No space left on device" in proc.stderr
     assert "optimizer_0/__0_0.distcp" in proc.stderr  # it struck inside the optimizer's shard file
     assert f"{intact}, is intact" in proc.stderr
 
@@ -169,6 +170,7 @@ def assert_rank_1_disk_full_reported(proc, step: int, intact: str) -> None:
     for rank in (0, 1):
         line = next((ln for ln in proc.stderr.splitlines()
                      if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step {step}")), "")
+        assert "could not be written: no space left on device: " in line, proc.stderr[-4000:]
         assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
         assert "optimizer_0/__1_0.distcp" in line and f"{intact}, is intact" in line, line
 
@@ -595,3 +597,248 @@ def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_mo
     checkpoint.save(_WritingAccelerator(b"new"), ckpts, 1, {"step": 1}, *args)
     assert (ckpts / "step-1" / "custom_checkpoint_0.pkl").read_bytes() == b"new"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+
+
+# ---- the host fails the run: a second run into the folder, a full disk, a read-only or vanishing folder, a slow
+# disk. A real small tmpfs is mounted for a full or read-only disk (root only; skipped with the reason otherwise).
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(name, size_mib, read_only=False)``: a fresh tmpfs of that size at ``tmp_path/name``, unmounted after
+    the test."""
+    if os.geteuid() != 0:
+        pytest.skip("a real full or read-only disk is a small tmpfs mounted by the test, which needs root")
+    points: list[Path] = []
+
+    def mount(name: str, size_mib: int, read_only: bool = False) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m" + (",ro" if read_only else ""),
+                               "tmpfs", str(point)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        points.append(point)
+        return point
+
+    yield mount
+    for point in reversed(points):
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def error_line(proc) -> str:
+    return next((ln for ln in proc.stderr.splitlines() if "hfsdp: error:" in ln), "")
+
+
+def stopped(proc, exit_code: int = 1) -> str:
+    """The one error line of a run that stopped with ``exit_code`` and no traceback."""
+    assert proc.returncode == exit_code, proc.stderr[-3000:]
+    no_traceback(proc)
+    return error_line(proc)
+
+
+def wait_until_stopped(pid: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_live_runs_folder_is_refused_even_with_overwrite_and_a_killed_runs_lock_is_free(
+        tmp_path, solo_reference):
+    import socket
+    import sys
+
+    config, run = fault_config(tmp_path, save_every=1), tmp_path / "run"
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen([sys.executable, "-m", "hfsdp", "train", str(config)], env=fault_env("sigstop@2"),
+                             stdout=log, stderr=subprocess.STDOUT)  # frozen at the end of step 2: a live run
+    try:
+        wait_until_stopped(first.pid)
+        before = snapshot(run)
+        second = train(config, "", "--overwrite")  # a requeued job started into the same folder
+        assert second.returncode == 2, second.stderr[-3000:]
+        no_traceback(second)
+        line = error_line(second)
+        assert line.startswith(f"hfsdp: error: train.output_dir {run} is in use by another run (pid {first.pid} on "
+                               f"host {socket.gethostname()}, started "), line
+        assert line.endswith(f"UTC), which holds {run}/.hfsdp-run.lock; nothing of it was changed. Wait for that "
+                             "run to end (or stop it), or set another train.output_dir"), line
+        assert "Loading weights" not in second.stderr
+        assert snapshot(run) == before  # the first run's metrics, config and checkpoint, byte for byte
+        assert listing(run) == ["step-1"]
+    finally:
+        first.kill()  # kill -9: the lock goes with the process, its file stays
+        first.wait()
+        log.close()
+    assert (run / ".hfsdp-run.lock").is_file()
+    finish = train(config, "", "--resume")  # the lock of the killed run is free: the requeued job continues
+    assert_finished(finish)
+    assert_resumed_from(finish, 1)
+    assert_same_training(solo_reference, run)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_at_the_save_that_does_not_fit_saying_so_then_the_run_resumes_elsewhere_bit_exact(
+        tmp_path, tmpfs, solo_reference):
+    from hfsdp.components.storage import folder_bytes, size_text
+
+    disk = tmpfs("disk", 140)  # two checkpoints of the tiny model (53 MiB each) fit, a third does not
+    run = disk / "run"
+    config = fault_config(tmp_path, save_every=1, output_dir=str(run))
+    proc = train(config, "")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    no_traceback(proc)
+    assert ("warning: tmpfs at " + str(disk)) in proc.stdout and "this run holds at once (4 checkpoints: " \
+        "train.keep_last 3 + the one being written, and the final export); it stops at the save that does not " \
+        "fit, the last complete checkpoint kept" in proc.stdout, proc.stdout[-3000:]
+    needed = folder_bytes(run / "checkpoints" / "step-2")
+    line = error_line(proc)
+    head = f"hfsdp: error: checkpoint for step 3 could not be written: no space left on device: tmpfs at {disk} has "
+    assert line.startswith(head), line
+    free = int(line[len(head):].split("(", 1)[1].split(" bytes) free", 1)[0])
+    assert free < needed
+    assert line.endswith(f" bytes) free, and the checkpoint needs about {size_text(needed)}; the last complete "
+                         f"checkpoint, {run}/checkpoints/step-2, is intact and `--resume` continues from it: free "
+                         "space there, or copy the run folder to a disk with room and `--resume` there"), line
+    assert listing(run) == ["step-1", "step-2"]  # nothing partial; the complete checkpoints as they were
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run, elsewhere)
+    finish = train(config, "", "--resume", "--set", f"train.output_dir={elsewhere}")
+    assert_finished(finish)
+    assert_resumed_from(finish, 2)
+    assert_same_training(solo_reference, elsewhere)
+
+    # a disk smaller than one checkpoint: refused at start-up, before any weight loads
+    small = tmpfs("small", 32)  # an export (16 MiB) fits once
+    start = train(config, "", "--set", f"train.output_dir={small / 'run'}")
+    assert start.returncode == 2 and "Loading weights" not in start.stderr, start.stderr[-3000:]
+    line = error_line(start)
+    assert line.startswith(f"hfsdp: error: no space left on device for this run: tmpfs at {small} has 32.0 MiB ("), line
+    assert line.endswith(" bytes) free and one checkpoint of this model needs about 49.4 MiB (51810048 bytes); free "
+                         "space there or set train.output_dir to a folder with more room"), line
+
+    # `hfsdp export` onto the small disk: the first export fits; a second, with --overwrite, does not, and neither
+    # the first export nor the checkpoint is touched
+    out, source = small / "out", elsewhere / "checkpoints" / "step-6"
+    run_cli("export", str(source), str(out), env=fault_env(), timeout=300)
+    exported, kept = snapshot(out), snapshot(source)
+    again = run_cli("export", str(source), str(out), "--overwrite", env=fault_env(), check=False, timeout=300)
+    assert again.returncode == 1, again.stderr[-3000:]
+    no_traceback(again)
+    line = error_line(again)
+    assert line.startswith(f"hfsdp: error: export: no space left on device: tmpfs at {small} has "), line
+    assert line.endswith(f"; nothing was changed: {out} and {source} are as they were. Free space there or export "
+                         "to a folder with more room"), line
+    assert snapshot(out) == exported and snapshot(source) == kept
+    assert [p.name for p in small.iterdir() if p.name.startswith(".out")] == []  # the temporary folder removed
+
+
+def test_a_full_disk_inside_torchs_own_writer_is_reported_as_a_full_disk(tmp_path, tmpfs, tiny_model_dir):
+    """torch's zip writer (torch.save) reports a short write as 'unexpected pos N vs M', without the errno."""
+    disk = tmpfs("disk", 8)  # the model files (3.5 MiB of tokenizer) fit once; an 8 MiB tensor does not
+
+    class TensorWriter(_FailingAccelerator):
+        def save_state(self, output_dir, **kwargs):
+            torch.save({"w": torch.zeros(2**21)}, Path(output_dir, "optimizer.bin"))
+
+    args = _save_args(tiny_model_dir)
+    ckpts = disk / "checkpoints"
+    good = checkpoint.save(_WritingAccelerator(b"weights"), ckpts, 1, {"step": 1}, *args)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.save(TensorWriter(False), ckpts, 2, {"step": 2}, *args)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint for step 2 could not be written: no space left on device: tmpfs at {disk} "
+                              "has 0 bytes (0 bytes) free, and the checkpoint needs more than the "), message
+    assert "written before the disk filled (RuntimeError: [enforce fail at inline_container.cc:" in message
+    assert "unexpected pos" in message
+    assert message.endswith(f"; the last complete checkpoint, {good}, is intact and `--resume` continues from it: "
+                            "free space there, or copy the run folder to a disk with room and `--resume` there")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+
+
+def test_a_read_only_output_or_cache_folder_is_refused_before_any_weight_loads(tmp_path, tmpfs):
+    frozen = tmpfs("frozen", 1, read_only=True)
+    proc = train(fault_config(tmp_path, output_dir=str(frozen / "run")), "")
+    assert proc.returncode == 2 and "Loading weights" not in proc.stderr, proc.stderr[-3000:]
+    assert error_line(proc) == (f"hfsdp: error: train.output_dir {frozen / 'run'}: cannot write there (Read-only file "
+                                "system); choose a folder you can write to")
+    proc = run_cli("train", str(fault_config(tmp_path)), env={**fault_env(), "HFSDP_CACHE_DIR": str(frozen)},
+                   check=False, timeout=300)
+    assert proc.returncode == 2 and "Loading weights" not in proc.stderr, proc.stderr[-3000:]
+    assert error_line(proc) == (f"hfsdp: error: the hfsdp cache folder {frozen}: cannot write there (Read-only file "
+                                "system); set HFSDP_CACHE_DIR to a folder you can write to")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_replaced_or_a_run_folder_deleted_under_the_run_is_found_at_the_next_save(tmp_path):
+    config, run = fault_config(tmp_path, save_every=1, max_steps=3), tmp_path / "run"
+    proc = train(config, "replace_record@2")  # another job rewrote step-1's record during step 2
+    assert stopped(proc) == (
+        f"hfsdp: error: checkpoint for step 2 could not be written: {run}/checkpoints/step-1, the checkpoint this run "
+        "completed at step 1, was replaced while the run trained (its hfsdp_checkpoint.json is not the one this run "
+        f"wrote); another job may be writing into train.output_dir {run}, so nothing was written over it. Find what "
+        "else writes there, then resume from a checkpoint you trust; the last complete checkpoint, "
+        f"{run}/checkpoints/step-1, is intact and `--resume` continues from it")
+    assert listing(run) == ["step-1"]
+    assert json.loads((run / "checkpoints" / "step-1" / checkpoint.RECORD).read_text())["written_by"] == "another job"
+
+    proc = train(config, "delete_output@2", "--overwrite")
+    assert stopped(proc).startswith(
+        f"hfsdp: error: checkpoint for step 2 could not be written: train.output_dir {run} was deleted or replaced "
+        "while this run trained (the lock file .hfsdp-run.lock this run holds there is gone or another's); nothing "
+        "was written into it."), error_line(proc)
+    assert not run.exists()  # not created again
+
+
+@pytest.mark.slow
+def test_a_save_slower_than_save_timeout_stops_the_run_with_the_step_path_and_time_then_resumes_bit_exact(
+        tmp_path, solo_reference):
+    config, run = fault_config(tmp_path, save_every=1, save_timeout_s=4), tmp_path / "run"
+    t0 = time.monotonic()
+    proc = train(config, "slow_write@2")  # step 2's write hangs (up to 120 s)
+    elapsed = time.monotonic() - t0
+    assert stopped(proc) == (
+        f"hfsdp: error: checkpoint for step 2 ({run}/checkpoints/.tmp-step-2) was not complete after 4 s, more than "
+        "train.save_timeout_s (4 s): the storage is too slow or hung, so the run stopped; the last complete "
+        f"checkpoint, {run}/checkpoints/step-1, is intact and `--resume` continues from it. Raise "
+        "train.save_timeout_s for slower storage")
+    assert elapsed < 100, f"took {elapsed:.0f}s"
+    assert listing(run) == [".tmp-step-2", "step-1"]
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 1, removed=".tmp-step-2")
+    assert_same_training(solo_reference, run)
+
+
+def test_memory_soak_benchmark_answers_help():
+    """The soak itself (1,500 steps on 2 ranks) is a benchmark, not CI: docs/benchmarks.md has its figures."""
+    import sys
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" /
+                                              "memory_soak.py"), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--check-step" in proc.stdout and "RSS" in proc.stdout, proc.stderr
+
+
+def test_a_full_disk_under_the_preprocessing_cache_is_reported_as_a_full_disk(tmp_path, tmpfs):
+    import datasets
+
+    from hfsdp.components import data_cache
+
+    disk = tmpfs("cache", 1)
+    rows = datasets.Dataset.from_dict({"input_ids": [list(range(512))] * 1024})  # 4 MiB of int64 tokens
+    with pytest.raises(UserError) as info:
+        data_cache.load_or_build(disk, "entry", lambda: (rows, {}), data_cache.Preprocessing(builder=True, run="r"))
+    message = str(info.value)
+    assert message.startswith(f"preprocessing cache: no space left on device: tmpfs at {disk} has "), message
+    assert message.endswith("; nothing was cached. Free space there or set HFSDP_CACHE_DIR to a folder with more "
+                            "room"), message
+    assert info.value.exit_code == 1
+    entries = disk / "datasets"
+    assert sorted(p.name for p in entries.iterdir()) == ["entry.failed-r", "entry.lock"]  # no partial entry
+    assert json.loads((entries / "entry.failed-r").read_text()) == {"user_error": True, "message": message}

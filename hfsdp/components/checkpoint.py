@@ -16,6 +16,8 @@ import errno
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -26,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from hfsdp.components.hf_folder import ModelFiles
+from hfsdp.components import storage
 from hfsdp.components.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
 from hfsdp.components.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
@@ -92,6 +95,13 @@ class CheckpointError(UserError):
     exit_code = 1
 
 
+class NoRoom(OSError):
+    """The file system holds less than a checkpoint needs, found before writing it."""
+
+    def __init__(self, path: Path):
+        super().__init__(errno.ENOSPC, "found before writing it", str(path))
+
+
 def _attempt(action) -> BaseException | None:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's failed save
 
@@ -115,9 +125,11 @@ def save(accelerator, checkpoints: Path, step: int, record: dict[str, Any], mode
 @dataclass
 class Pending:
     """A checkpoint being written, in phases that every rank runs and agrees on (:meth:`_phase`): :meth:`begin`
-    creates the temporary folder and runs each rank's writer, :meth:`complete` waits for the writes the writer left
-    running in the background (``background``), fsyncs each rank's files, then writes the completion record and
-    renames the folder into place (main process)."""
+    checks where it goes (:meth:`_check_place`), creates the temporary folder and runs each rank's writer,
+    :meth:`complete` waits for the writes the writer left running in the background (``background``), fsyncs each
+    rank's files, then writes the completion record and renames the folder into place (main process). A save not
+    complete ``timeout_s`` after it began stops the process (:meth:`_timed_out`) instead of waiting for the storage
+    forever."""
 
     accelerator: Any
     checkpoints: Path
@@ -129,6 +141,12 @@ class Pending:
     started: float = field(default_factory=time.perf_counter)
     stall_s: float = 0.0  # how long the training loop was blocked by this save
     write_s: float = 0.0  # from the start of the save until the checkpoint was complete
+    estimate: int = 0  # bytes a checkpoint of this run takes at least (storage.estimate), before one exists
+    needed: int = 0  # bytes this checkpoint is expected to take: the last complete one's, else ``estimate``
+    lock: storage.RunLock | None = None  # the run's lock of train.output_dir (main process)
+    previous: "Pending | None" = None  # the last checkpoint this process completed
+    timeout_s: float | None = None
+    _watchdog: threading.Timer | None = None
 
     @property
     def tmp(self) -> Path:
@@ -138,13 +156,63 @@ class Pending:
     def final(self) -> Path:
         return step_dir(self.checkpoints, self.step)
 
+    @property
+    def record_text(self) -> str:
+        return json.dumps(self.record, indent=2, sort_keys=True)
+
     def begin(self, write: Callable[[], None]) -> None:
         def start() -> None:
+            self._check_place()
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(parents=True)
 
+        last = latest(self.checkpoints)
+        self.needed = storage.folder_bytes(last) if last is not None else self.estimate
+        if self.timeout_s:
+            self._watchdog = threading.Timer(self.timeout_s, self._timed_out)
+            self._watchdog.daemon = True
+            self._watchdog.start()
         self._phase("start", start, main_only=True)
         self._phase("save_state", write)
+
+    def _check_place(self) -> None:
+        """The run's folder is still the one it started in, its last checkpoint still the one it wrote, and there is
+        room for this one: otherwise nothing is written (main process)."""
+        run_dir = self.checkpoints.parent
+        if self.lock is not None and not self.lock.still_ours():
+            raise UserError(f"train.output_dir {run_dir} was deleted or replaced while this run trained (the lock "
+                            f"file {self.lock.path.name} this run holds there is gone or another's); nothing was "
+                            "written into it. Find what else writes there, then resume from a copy of the run's "
+                            "checkpoints")
+        prev = self.previous
+        if prev is not None:
+            try:
+                found = (prev.final / RECORD).read_text()
+            except OSError:
+                found = None
+            if found != prev.record_text:
+                raise UserError(f"{prev.final}, the checkpoint this run completed at step {prev.step}, was "
+                                f"{'deleted' if found is None else 'replaced'} while the run trained (its {RECORD} "
+                                "is not the one this run wrote); another job may be writing into train.output_dir "
+                                f"{run_dir}, so nothing was written over it. Find what else writes there, then "
+                                "resume from a checkpoint you trust")
+        if self.needed and storage.space_of(self.checkpoints).free < self.needed:
+            raise NoRoom(self.checkpoints)
+
+    def _timed_out(self) -> None:
+        """The watchdog: this save has not completed in ``timeout_s``; say so and end the process (every rank has a
+        watchdog of its own, so every rank stops; the lock goes with the process)."""
+        acc = self.accelerator
+        where = f"[rank {acc.process_index}] " if acc.num_processes > 1 else ""
+        print(f"\n{where}hfsdp: error: checkpoint for step {self.step} ({self.tmp}) was not complete after "
+              f"{time.perf_counter() - self.started:.0f} s, more than train.save_timeout_s ({self.timeout_s:g} s): "
+              f"the storage is too slow or hung, so the run stopped; {_kept(self.checkpoints, self.step)}. "
+              "Raise train.save_timeout_s for slower storage", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def write_now(self) -> Path:
         """Synchronously: Accelerate's ``save_state`` on every rank, then :meth:`complete`."""
@@ -171,7 +239,7 @@ class Pending:
             self.model_files.record(self.tmp / "model")  # so that `hfsdp export` needs no transformers
             (self.tmp / CONFIG_NAME).write_text(self.run_config_yaml)
             fsync_tree(self.tmp)  # every file and folder of the checkpoint, before the record
-            write_atomic(self.tmp / RECORD, json.dumps(self.record, indent=2, sort_keys=True))
+            write_atomic(self.tmp / RECORD, self.record_text)
             fsync_dir(self.tmp)
             if self.final.exists():  # a re-save of the same step: swapped in, the old copy deleted only afterwards
                 replace_folder(self.tmp, self.final)
@@ -181,18 +249,26 @@ class Pending:
 
         self._phase("settle", settle)
         self._phase("finish", finish, main_only=True)
+        self._stop_watchdog()
         self.write_s = time.perf_counter() - self.started
         return self.final
 
     def _phase(self, name: str, action: Callable[[], None], main_only: bool = False) -> None:
-        from hfsdp.distributed import any_rank
+        from hfsdp.distributed import any_rank, gather_objects
 
         main = self.accelerator.is_main_process
         error = _attempt(action) if main or not main_only else None
+        said = _describe(error, self) if error is not None else None  # before the failed write's files go
         if any_rank(self.accelerator, error is not None):  # also the barrier between the phases
+            said = next((s for s in gather_objects(self.accelerator, said) if s), None)  # the first failed rank's
+            self._stop_watchdog()
             if main:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-            raise _save_failed(self.checkpoints, self.step, error)
+            err = CheckpointError(f"checkpoint for step {self.step} could not be written: "
+                                  f"{said or 'another rank failed to write its part'}; "
+                                  f"{_kept(self.checkpoints, self.step)}" + (_ROOM if "no space left" in (said or "") else ""))
+            err.__cause__ = error
+            raise err
 
 
 class Saver:
@@ -209,9 +285,11 @@ class Saver:
     :meth:`wait`); a failed background write raises :class:`CheckpointError` there, on every rank."""
 
     def __init__(self, accelerator, model, optimizer, asynchronous: bool, timeout_s: int,
-                 on_complete: Callable[[Pending], None]):
+                 on_complete: Callable[[Pending], None], estimate: int = 0, lock: storage.RunLock | None = None,
+                 save_timeout_s: float | None = None):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.asynchronous, self.on_complete = asynchronous, on_complete
+        self.estimate, self.lock, self.save_timeout_s = estimate, lock, save_timeout_s
         self.pending: Pending | None = None
         self.completed: list[Pending] = []  # in this process
         self.groups = []
@@ -227,6 +305,8 @@ class Saver:
         t0 = time.perf_counter()
         self.wait()
         pending.started = time.perf_counter()
+        pending.estimate, pending.lock, pending.timeout_s = self.estimate, self.lock, self.save_timeout_s
+        pending.previous = self.completed[-1] if self.completed else None
         if self.asynchronous:
             pending.begin(lambda: self._write_in_background(pending))
             self.pending = pending
@@ -295,6 +375,7 @@ class Saver:
         collective, and leave their checkpoint incomplete (the next ``--resume`` removes it)."""
         if self.pending is not None:
             self.pending.wait_here()
+            self.pending._stop_watchdog()
             self.pending = None
 
 
@@ -308,18 +389,29 @@ def _root_causes(error: BaseException) -> list[tuple[str, BaseException]]:
     return [("", error)]
 
 
-def _save_failed(checkpoints: Path, step: int, error: BaseException | None) -> CheckpointError:
-    causes = _root_causes(error) if error is not None else []
-    cause = "; ".join(f"{where}{type(e).__name__}: {e}" for where, e in causes) or \
-        "another rank failed to write its part"
-    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for _, e in causes):
-        cause += " (the disk is full: free space or point train.output_dir elsewhere)"
+_ROOM = ": free space there, or copy the run folder to a disk with room and `--resume` there"
+
+
+def _describe(error: BaseException, pending: Pending) -> str:
+    """What went wrong, in the words of the rank it went wrong on: a full disk as such (the file system, its free
+    bytes and what the checkpoint needs), our own findings as they are, anything else as the writer's error."""
+    if isinstance(error, UserError):
+        return str(error)
+    cause = "; ".join(f"{where}{type(e).__name__}: {e}" for where, e in _root_causes(error))
+    space = storage.disk_full(error, pending.checkpoints)
+    if space is None:
+        return cause
+    written = storage.folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
+    need = (f"the checkpoint needs about {storage.size_text(pending.needed)}" if pending.needed > written else
+            f"the checkpoint needs more than the {storage.size_text(written)} written before the disk filled")
+    return (f"no space left on device: {space.text()}, and {need}"
+            + ("" if isinstance(error, NoRoom) else f" ({cause})"))
+
+
+def _kept(checkpoints: Path, step: int) -> str:
     previous = [path for found, path in complete_checkpoints(checkpoints) if found != step]
-    kept = (f"the last complete checkpoint, {previous[-1]}, is intact and `--resume` continues from it"
+    return (f"the last complete checkpoint, {previous[-1]}, is intact and `--resume` continues from it"
             if previous else "no earlier complete checkpoint exists")
-    err = CheckpointError(f"checkpoint for step {step} could not be written: {cause}; {kept}")
-    err.__cause__ = error
-    return err
 
 
 def prune(checkpoints: Path, keep_last: int | None) -> list[Path]:

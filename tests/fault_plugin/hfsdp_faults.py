@@ -16,7 +16,11 @@ a reference run and an interrupted run can share one config (the plugin list is 
   finished step STEP + 1, so that a background save (``train.async_save``) is still writing while the next step
   changes the parameters and optimizer state it saves (async only: a synchronous save would wait the 120 s);
 * ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK;
-* ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP.
+* ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP;
+* ``replace_record``: at the end of step STEP, before its save, the newest complete checkpoint's
+  ``hfsdp_checkpoint.json`` is rewritten with another record, as another job saving into the folder would;
+* ``delete_output``: at the end of step STEP, before its save, ``train.output_dir`` is deleted, as a cleanup job
+  (or a user) would.
 
 Faults fire in a job's first attempt only: workers that ``torchrun --max-restarts`` started again
 (``TORCHELASTIC_RESTART_COUNT`` > 0) run clean.
@@ -96,8 +100,18 @@ def hfsdp_on_train_start(run):
 
 
 @hookimpl
-def hfsdp_on_step_end(step):
+def hfsdp_on_step_end(run, step):
     _state["step"] = step
+    if step in _faults("replace_record"):
+        import json
+
+        newest = max((p for p in (run.output_dir / "checkpoints").glob("step-*")), key=lambda p: int(p.name[5:]))
+        record = newest / "hfsdp_checkpoint.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "written_by": "another job"}))
+    if step in _faults("delete_output"):
+        import shutil
+
+        shutil.rmtree(run.output_dir)
     if step in _faults("sigterm"):
         os.kill(os.getpid(), signal.SIGTERM)
     if step in _faults("sigint"):
