@@ -37,7 +37,8 @@ from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
 from hfsdp.wrapping import build_accelerator, grad_scaler, prepare_model_and_optimizer
 
-OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
+OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
+           "completions.jsonl")
 
 
 class NonFiniteLoss(UserError):
@@ -237,7 +238,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer)  # a plugin's objective, or None
-        plan, max_steps, identity = plan_steps(setup, train_set, data_report, say)
+        plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, objective = load_and_shard(accelerator, setup, host, model_path, model_config,
@@ -285,9 +286,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             while state.step < max_steps:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
-                micro = batches.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                              tokenizer.pad_token_id, accelerator.device, select_logits,
-                                              objective.micro_batch)
+                micro = objective.step_batches(model, train_set, plan, state.step, accelerator.process_index,
+                                               tokenizer.pad_token_id, accelerator.device, select_logits)
                 result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
@@ -348,13 +348,14 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             accelerator.end_training()
 
 
-def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say) -> tuple[batches.BatchPlan, int, dict]:
-    """The rows of every step (a pure function of seed and step, over the mixture of the sources), the run's length,
-    and what a checkpoint must resume on (its schedule length and data); a resume's checkpoint is checked against
-    them here, before any weight loads."""
+def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
+               objective: Objective) -> tuple[batches.BatchPlan, int, dict]:
+    """The rows of every step (a pure function of seed and step, over the mixture of the sources; the objective's
+    plan), the run's length, and what a checkpoint must resume on (its schedule length and data); a resume's
+    checkpoint is checked against them here, before any weight loads."""
     config = setup.config
-    plan = batches.BatchPlan.for_run(train_set, config.train, setup.world.size,
-                                     batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
+    plan = objective.batch_plan(train_set, config.train, setup.world.size,
+                                batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
     if config.data.datasets:
         say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
