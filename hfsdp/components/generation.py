@@ -51,14 +51,19 @@ def _normalise(text: str) -> str:
 @contextlib.contextmanager
 def generating(model):
     """The model ready for ``generate`` on its unwrapped module, in eval mode: under FSDP1 its parameters gathered
-    (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2 each
-    forward gathers them, so every rank must generate the same batches. Afterwards back in its mode, resharded."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2
+    each forward gathers them, so every rank must generate the same batches. Afterwards back in its mode, resharded."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
     from hfsdp.batches import reshard
 
     was_training = model.training
     model.eval()
+    if isinstance(model, FSDPModule):
+        # generate() may call an inner module (a peft model's base) and never the root's forward: set the root up
+        # (what its first forward does) and gather the parameters it holds itself, which only its forward would.
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
     gather = (FSDP.summon_full_params(model, writeback=False, recurse=True)
               if isinstance(model, FSDP) else contextlib.nullcontext())
     try:
