@@ -20,17 +20,17 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 REWARDS = REPO / "tests" / "reward_plugin"
-METRICS = ("reward", "reward_std", "rewards/grpo_test_rewards:letters/mean", "rewards/json_fields/mean",
+METRICS = ("reward", "reward_std", "rewards/letters/mean", "rewards/json_fields/mean",
            "completion_length", "clip_ratio", "kl", "entropy")
 
 
 def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     return tiny_config(
-        folder, plugins=["grpo", "lora"],
+        folder, plugins=["grpo", "lora", "grpo_test_rewards"],  # a plugin offering the reward "letters"
         data={"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"), "eval_path": None},
         grpo={"num_generations": 2, "max_new_tokens": 6, "beta": 0.04, "num_iterations": 2, "log_completions": 16,
-              "rewards": rewards or [{"name": "grpo_test_rewards:letters"}, {"name": "json_fields", "weight": 0.5}]},
+              "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}]},
         train={"max_steps": STEPS, "per_device_batch_size": 4, "gradient_accumulation_steps": 2 // world,
                "lr_scheduler": "constant", "eval_at_start": False, "collective_timeout_s": 120})
 
@@ -77,9 +77,8 @@ def test_the_metrics_completions_and_progress_bar_show_the_run(runs):
     assert metrics[2]["kl"] > 0
     assert metrics[1]["clip_ratio"] == 0  # the first step of a round is on its own samples (ratio 1)
     first = completions(run)[0]
-    assert set(first) == {"step", "row", "prompt", "completion", "advantage", "rewards"}
-    assert first["prompt"][0]["role"] == "user" and set(first["rewards"]) == {"grpo_test_rewards:letters",
-                                                                              "json_fields"}
+    assert set(first) == {"step", "row", "prompt", "completion", "completion_ids", "advantage", "rewards"}
+    assert first["prompt"][0]["role"] == "user" and set(first["rewards"]) == {"letters", "json_fields"}
     assert "reward=" in console
 
 

@@ -398,7 +398,8 @@ class GRPO(Objective):
                     break
                 prompt = json.loads(dataset[entry["rows"][j // group]][ROW_COLUMN])["prompt"]
                 lines.append(json.dumps({"step": step + 1, "row": entry["rows"][j // group], "prompt": prompt,
-                                         "completion": text, "advantage": entry["advantages"][j],
+                                         "completion": text, "completion_ids": entry["completion_ids"][j],
+                                         "advantage": entry["advantages"][j],
                                          "rewards": {name: (None if math.isnan(v) else v) for (name, *_), v
                                                      in zip(self.rewards, entry["rewards"][j])}}))
         with open(out, "a") as f:

@@ -1,5 +1,9 @@
-"""Reward functions for the grpo tests, named as module:function (TRL's calling convention): they score the random
-tiny model's completions with numbers that differ within a group, so that the advantages and the loss are not 0."""
+"""Reward functions for the grpo tests (TRL's calling convention), named as module:function or, enabled as a plugin
+(``plugins: [grpo, grpo_test_rewards]``), by the names its ``hfsdp_reward_functions`` offers. ``letters`` scores the
+random tiny model's completions with numbers that differ within a group, so that the advantages and the loss are
+not 0."""
+
+import hfsdp
 
 
 def letters(completions, **kwargs):
@@ -19,3 +23,8 @@ def fails_on_rank_1(completions, **kwargs):
     if os.environ.get("RANK") == "1":
         raise ValueError("a reward server is down")
     return [0.5] * len(completions)
+
+
+@hfsdp.hookimpl
+def hfsdp_reward_functions():
+    return {"letters": letters}
