@@ -56,7 +56,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
     from hfsdp.builtin.grpo_loss import GRPO
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import _cache_dir
-    from trl_sft import step_times  # benchmarks/, next to this file
+    from trl_sft import step_times, training_args  # benchmarks/, next to this file
 
     t, s = cfg.train, cfg.section("grpo")
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
@@ -100,14 +100,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
     model = models.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=1,
-            max_steps=steps, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler if
-            t.lr_scheduler != "constant" else "constant_with_warmup", warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-            adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm or 0.0, seed=t.seed, logging_steps=1,
-            save_strategy="no", eval_strategy="no", report_to="none", bf16=False, fp16=False,
-            gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-            num_generations=s.num_generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+            **training_args(t, out, steps), num_generations=s.num_generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
             num_iterations=s.num_iterations, scale_rewards=s.scale_rewards, loss_type=s.loss_type,
             shuffle_dataset=False, log_completions=False, reward_weights=[w for *_, w in rewards],
