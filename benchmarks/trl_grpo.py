@@ -121,7 +121,8 @@ def main() -> None:
 
     from hfsdp.config_files import load_config
 
-    overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.log_every=1",
+    overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
+                 "data.eval_path=null", "train.log_every=1",
                  "train.export_final=false", "grpo.log_completions=100000", *args.overrides]
     cfg, host = load_config(args.config, overrides)
     s = cfg.section("grpo")

@@ -62,6 +62,11 @@ class Objective:
         with columns added. Collective: every rank must run the same forwards."""
         return splits
 
+    def evaluate(self, model, dataset, accelerator, pad_id: int, select_logits: bool) -> dict[str, float] | None:
+        """An eval of its own on the eval split (collective; e.g. GRPO's mean reward of generated completions), or
+        None for hfsdp's: the mean of :meth:`loss` over the split's batches, with :meth:`eval_metrics`."""
+        return None
+
     def loss(self, model, batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's summed loss (a 0-dim tensor with its graph); record metrics here, on the device."""
         raise NotImplementedError(f"{type(self).__name__} must implement loss(model, batch)")

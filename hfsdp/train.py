@@ -334,7 +334,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                                                                                  state.step)},
                    "throughput": speed,
                    "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
-                   "saves": saver.summary(), "train_loop_s": loop_s}
+                   "saves": saver.summary(), "train_loop_s": loop_s,
+                   **({"eval_reward": {"before": before.get("eval_reward"), "after": after["eval_reward"]}}
+                      if "eval_reward" in after else {})}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
@@ -428,8 +430,10 @@ class Evaluator:
         run = self.run
         results: dict[str, Any] = {}
         if self.eval_set is not None:
-            results.update(evaluate(run.model, self.eval_set, run.config, run.accelerator, run.tokenizer.pad_token_id,
-                                    self.select_logits, run.objective))
+            results.update(run.objective.evaluate(run.model, self.eval_set, run.accelerator, run.tokenizer.pad_token_id,
+                                                  self.select_logits)
+                           or evaluate(run.model, self.eval_set, run.config, run.accelerator,
+                                       run.tokenizer.pad_token_id, self.select_logits, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
                                            run.config.generation_eval.max_new_tokens)
@@ -447,7 +451,8 @@ class Evaluator:
         before = self(self.run.state.step, "before")
         if before:
             self.run.accelerator.print(
-                f"eval before training: loss {before.get('eval_loss', float('nan')):.4f}"
+                "eval before training: " + (f"reward {before['eval_reward']:.4f}" if "eval_reward" in before else
+                                            f"loss {before.get('eval_loss', float('nan')):.4f}")
                 + (f", exact match {before['gen_exact_match']:.1%}" if "gen_exact_match" in before else ""))
         return before
 
@@ -614,6 +619,9 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
     elif "eval_loss" in after:
         lines.append(f"eval loss {after['eval_loss']:.4f}"
                      + (f" (perplexity {after['eval_ppl']:.2f})" if "eval_ppl" in after else ""))
+    if "eval_reward" in after:
+        lines.append(f"eval reward {before['eval_reward']:.4f} -> {after['eval_reward']:.4f}" if "eval_reward" in before
+                     else f"eval reward {after['eval_reward']:.4f}")
     if "gen_exact_match" in before and "gen_exact_match" in after:
         lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}")
     show = config.generation_eval.show if config.generation_eval else 0

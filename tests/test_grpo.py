@@ -28,11 +28,12 @@ def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None) -> 
     folder.mkdir(parents=True, exist_ok=True)
     return tiny_config(
         folder, plugins=["grpo", "lora", "grpo_test_rewards"],  # a plugin offering the reward "letters"
-        data={"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"), "eval_path": None},
+        data={"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"),
+              "eval_path": str(PRESET_DATA / "contacts_prompts_eval.jsonl"), "max_eval_samples": 4},
         grpo={"num_generations": 2, "max_new_tokens": 6, "beta": 0.04, "num_iterations": 2, "log_completions": 16,
               "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}]},
         train={"max_steps": STEPS, "per_device_batch_size": 4, "gradient_accumulation_steps": 2 // world,
-               "lr_scheduler": "constant", "eval_at_start": False, "collective_timeout_s": 120})
+               "lr_scheduler": "constant", "collective_timeout_s": 120})
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,10 @@ def steps(run: Path) -> dict[int, dict]:
     return {m["step"]: m for m in read_metrics(run) if "loss" in m}
 
 
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
 def completions(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
 
@@ -61,6 +66,7 @@ def test_two_ranks_sample_score_and_train_what_one_process_does(runs):
     assert completions(one) == completions(two)  # the same tokens, rewards and advantages, every completion
     assert len(completions(one)) == 16 and {c["step"] for c in completions(one)} == {1, 3}  # a round is 2 steps
     a, b = steps(one), steps(two)
+    assert summary(one)["eval_reward"] == pytest.approx(summary(two)["eval_reward"], rel=1e-6)
     for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm") + METRICS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
@@ -80,6 +86,11 @@ def test_the_metrics_completions_and_progress_bar_show_the_run(runs):
     assert set(first) == {"step", "row", "prompt", "completion", "completion_ids", "advantage", "rewards"}
     assert first["prompt"][0]["role"] == "user" and set(first["rewards"]) == {"letters", "json_fields"}
     assert "reward=" in console
+    evals = [m for m in read_metrics(run) if "eval_reward" in m]  # greedy completions of the 4 eval prompts
+    assert [m["step"] for m in evals] == [0, STEPS] and {"eval_rewards/letters/mean"} <= evals[0].keys()
+    reward = summary(run)["eval_reward"]
+    assert reward == {"before": evals[0]["eval_reward"], "after": evals[1]["eval_reward"]}
+    assert f"eval reward {reward['before']:.4f} -> {reward['after']:.4f}" in console
 
 
 def test_a_reward_that_raises_on_one_rank_stops_both(tmp_path):

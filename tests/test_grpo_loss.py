@@ -100,3 +100,13 @@ def test_the_advantages_are_trls(scale):
     std = nanstd(total.view(-1, 4), dim=1).repeat_interleave(4) if scale != "batch" else nanstd(total).expand(8)
     expected = (total - mean) / (std + 1e-4) if scale != "none" else total - mean
     assert torch.allclose(advantages_of(rewards, weights, 4, scale), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_json_fields_is_the_share_of_expected_fields_right():
+    from hfsdp.builtin.grpo import json_fields
+
+    answer = '{"name": "Olga Khan", "age": 30, "city": "Nairobi", "job": "chef"}'
+    completions = [[{"role": "assistant", "content": answer}],
+                   [{"role": "assistant", "content": 'Sure: {"name": "Olga Khan", "age": "30", "city": "Nairobi"}'}],
+                   "not JSON at all", '{"name": "Olga Khan", "age": 30, "city": "Lima", "job": "chef"} and more']
+    assert json_fields(completions, answer=[answer] * 4) == [1.0, 0.5, 0.0, 0.75]

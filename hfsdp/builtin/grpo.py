@@ -165,11 +165,11 @@ def hfsdp_validate_config(config):
     if section.beta > 0 and "lora" not in config.plugins:
         problems.append(("grpo.beta", "the KL reference is the base model with the LoRA adapters disabled: add lora "
                                       "to plugins, or set beta: 0 (a frozen copy for full fine-tuning is not built yet)"))
-    for key, on in (("data.eval_path", config.data.eval_path), ("data.eval_split", config.data.eval_split),
-                    ("data.eval_fraction", getattr(config.data, "eval_fraction", None)),
-                    ("generation_eval", config.generation_eval), ("train.group_by_length", config.train.group_by_length)):
-        if on:
-            problems.append((key, "not with grpo yet (its eval would generate and score completions): remove it"))
+    if config.generation_eval:
+        problems.append(("generation_eval", "grpo's eval is the mean reward of a greedy completion of each eval "
+                                            "prompt (eval_reward): remove the generation_eval section"))
+    if config.train.group_by_length:
+        problems.append(("train.group_by_length", "grpo's batches are prompts with their groups: remove it"))
     if "packing" in config.plugins:
         problems.append(("plugins", "packing cannot pack grpo's rows: each completion is scored whole; remove packing"))
     try:

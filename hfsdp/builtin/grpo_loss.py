@@ -276,12 +276,7 @@ class GRPO(Objective):
                                                          for _ in range(group)],
                             "completion_ids": completions[start:start + per_micro]})
         mine = [k for k, (m, r) in enumerate(slots) if r == rank]
-        scored = {k: self._score(dataset, entries[k]) for k in mine}
-        everyone = gather_objects(accelerator, scored)
-        failure = next((v for part in everyone for v in part.values() if isinstance(v, str)), None)
-        if failure is not None:
-            raise UserError(failure)
-        rewards_of = {k: v for part in everyone for k, v in part.items()}
+        rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
         advantages = advantages_of(rewards, weights, group, s.scale_rewards)
@@ -312,8 +307,9 @@ class GRPO(Objective):
         self._log_completions(step, dataset, entries)
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int) -> list[list[int]]:
-        """Completions (token ids up to and including the first EOS) of left-padded prompts, one generator each."""
+    def _sample(self, prompts: list[list[int]], seeds: list[int] | None, pad_id: int) -> list[list[int]]:
+        """Completions (token ids up to and including the first EOS) of left-padded prompts, one generator each
+        (``seeds`` None: greedy)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         s, model = self.section, self.unwrapped
@@ -324,20 +320,19 @@ class GRPO(Objective):
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else self.tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                                   eos_token_id=eos_ids, use_cache=True)
+        sampler = [] if seeds is None else [seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds],
+                                                           s.temperature, s.top_k, s.top_p)]
         out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                             logits_processor=LogitsProcessorList([seeded_sampler(generators, s.temperature, s.top_k,
-                                                                                  s.top_p)]))
+                             logits_processor=LogitsProcessorList(sampler))
         generated = out[:, width:]
         mask = completion_mask(generated, eos_ids)
         return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
 
     # ---- rewards
 
-    def _reward_inputs(self, dataset, entry: dict[str, Any]) -> dict[str, list]:
-        group = self.section.num_generations
+    def _reward_inputs(self, dataset, entry: dict[str, Any], group: int) -> dict[str, list]:
         raw = [json.loads(dataset[i][ROW_COLUMN]) for i in entry["rows"] for _ in range(group)]
         texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
         conversational = isinstance(raw[0]["prompt"], list)
@@ -346,10 +341,11 @@ class GRPO(Objective):
         return {"prompts": [r["prompt"] for r in raw], "completions": completions,
                 "completion_ids": entry["completion_ids"], **columns}
 
-    def _score(self, dataset, entry: dict[str, Any]) -> list[list[float]] | str:
-        """``[completion][function]`` rewards (NaN: None), or the message of what went wrong."""
-        kwargs = self._reward_inputs(dataset, entry)
-        count, group = len(entry["completion_ids"]), self.section.num_generations
+    def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
+        """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
+        went wrong."""
+        kwargs = self._reward_inputs(dataset, entry, group)
+        count = len(entry["completion_ids"])
         columns = []
         for name, source, fn, _ in self.rewards:
             where = f"grpo reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
@@ -372,17 +368,44 @@ class GRPO(Objective):
             columns.append([math.nan if v is None else float(v) for v in values])
         return [list(r) for r in zip(*columns)]
 
-    def _round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
+    def _gathered_scores(self, dataset, mine: dict[int, dict[str, Any]], group: int) -> dict[int, list]:
+        """Every rank's scores of its entries (key -> rewards), on every rank; a failure on any rank raises on all."""
+        from hfsdp.distributed import gather_objects
+
+        everyone = gather_objects(self.accelerator, {k: self._score(dataset, e, group) for k, e in mine.items()})
+        failure = next((v for part in everyone for v in part.values() if isinstance(v, str)), None)
+        if failure is not None:
+            raise UserError(failure)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
+        """The weighted reward of a greedy completion of every eval prompt (``eval_reward``) and each function's
+        mean. Every rank generates them all (FSDP's collectives); each scores its share."""
+        from hfsdp.components.generation import generating
+
+        world, rank = accelerator.num_processes, accelerator.process_index
+        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        with generating(model):
+            completions = self._sample(prompts, None, pad_id)
+        mine = {i: {"rows": [i], "completion_ids": [completions[i]]} for i in range(rank, len(dataset), world)}
+        scores = self._gathered_scores(dataset, mine, 1)
+        rewards = torch.tensor([scores[i][0] for i in range(len(dataset))], dtype=torch.float32)
+        stats = self._reward_stats(rewards)
+        return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
+
+    def _reward_stats(self, rewards: torch.Tensor) -> dict[str, float]:
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
         total = (rewards * weights[None]).nansum(1)
         total[torch.isnan(rewards).all(1)] = math.nan
-        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
-        stats = {"reward": float(torch.nanmean(total)), "reward_std": float(nanstd(total)),
-                 "completion_length": float(lengths.mean())}
+        stats = {"reward": float(torch.nanmean(total)), "reward_std": float(nanstd(total))}
         for i, (name, *_) in enumerate(self.rewards):
             stats[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, i]))
             stats[f"rewards/{name}/std"] = float(nanstd(rewards[:, i]))
         return stats
+
+    def _round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
+        return {**self._reward_stats(rewards), "completion_length": float(lengths.mean())}
 
     def _log_completions(self, step: int, dataset, entries: list[dict[str, Any]]) -> None:
         n = self.section.log_completions
