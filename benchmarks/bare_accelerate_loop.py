@@ -32,22 +32,25 @@ def main() -> None:
     import torch
 
     from hfsdp import batches, models
-    from hfsdp.cli import _cache_dir, _world_from_env
+    from hfsdp.cli import _apply_wrapper_to_env, _cache_dir, _launched_world
     from hfsdp.config_files import load_config
     from hfsdp.data import prepare_datasets
+    from hfsdp.run_setup import decide
     from hfsdp.wrapping import build_accelerator
 
     cfg, host = load_config(args.config, args.overrides)
-    world = _world_from_env(cfg)
+    setup = decide(cfg, _launched_world(), resume=None)
+    _apply_wrapper_to_env(setup)  # as hfsdp train: one process without a wrapper joins no process group
+    cfg, world = setup.config, setup.world
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
     layers = models.fsdp_layer_classes(cfg.fsdp, models.load_model_config(path, cfg.model))
-    accelerator = build_accelerator(cfg, layers, world)
+    accelerator = build_accelerator(setup, layers)
     torch.manual_seed(cfg.train.seed)
     tokenizer = models.load_tokenizer(path, cfg.model)
     with accelerator.main_process_first():
         train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
     plan = batches.BatchPlan(len(train_set), cfg.train.per_device_batch_size, world.size, 1, cfg.train.seed)
-    batches = [
+    collated = [
         {k: v.to(accelerator.device) for k, v in
          batches.collate([train_set[i] for i in plan.rows(step, 0, accelerator.process_index)], tokenizer.pad_token_id).items()}
         for step in range(args.steps)
@@ -63,7 +66,7 @@ def main() -> None:
         return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
                                  weight_decay=t.weight_decay, fused=True)
 
-    if cfg.fsdp.version == 1 and accelerator.distributed_type.value == "FSDP":
+    if setup.fsdp and cfg.fsdp.version == 1:
         model = accelerator.prepare(model)
         optimizer = accelerator.prepare(adamw(model.parameters()))
     else:
@@ -72,7 +75,7 @@ def main() -> None:
     model.train()
     times, tokens = [], []
     last = time.perf_counter()
-    for step, batch in enumerate(batches):
+    for step, batch in enumerate(collated):
         loss = model(**batch).loss
         accelerator.backward(loss)
         if t.max_grad_norm:

@@ -313,14 +313,15 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
         return ds, stats
 
     def build():
-        trains, evals, stats = [], [], []
+        trains, evals, stats, columns = [], [], [], []
         for i, (raw_train, raw_eval) in enumerate(raws):
             train, train_stats = tokenized(raw_train, i, "train")
             stats.append(dataclasses.asdict(train_stats))
             splits = {"train": train}
             if raw_eval is not None:
                 splits["eval"] = tokenized(raw_eval, i, "eval")[0]
-            _check_columns(names[: i + 1], [t.column_names for t in (*trains, train)])
+            columns.append(train.column_names)  # the formats' rows, compared before any transform
+            _check_columns(names[: i + 1], columns)
             part = host.chain("hfsdp_transform_dataset", "dataset", datasets.DatasetDict(splits), config=config,
                               tokenizer=tokenizer)
             trains.append(part["train"])

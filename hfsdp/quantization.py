@@ -182,13 +182,21 @@ def probe_before_sharding(model) -> LayerProbe | None:
     return LayerProbe(name, x, expected, {n: _fingerprint(m.weight) for n, m in layers})
 
 
-def _owner(model, name: str):
-    """The FSDP2 unit whose all-gather holds ``name``'s parameters (None: not sharded)."""
+def _owners(model) -> dict[int, Any]:
+    """id(module) -> the FSDP2 unit whose all-gather holds that module's parameters (None: not sharded), for every
+    module of ``model``. Walked over the real module tree: a wrapper that forwards attribute access (activation
+    checkpointing's ``CheckpointWrapper``) makes a dotted name resolve past the unit it hides, so an ancestor found
+    by splitting the name would be the wrong one."""
     from torch.distributed.fsdp import FSDPModule
 
-    parts = name.split(".")
-    owners = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1))
-    return next((m for m in owners if isinstance(m, FSDPModule)), None)
+    owners: dict[int, Any] = {}
+    stack = [(model, None)]
+    while stack:
+        module, owner = stack.pop()
+        owner = module if isinstance(module, FSDPModule) else owner
+        owners[id(module)] = owner
+        stack.extend((child, owner) for child in module.children())
+    return owners
 
 
 def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
@@ -201,9 +209,10 @@ def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
 
     if probe is None:
         return
+    owners = _owners(model)
     by_owner: dict[int, tuple[Any, list[str]]] = {}
     for name in probe.fingerprints:
-        owner = _owner(model, name)
+        owner = owners[id(model.get_submodule(name))]
         by_owner.setdefault(id(owner), (owner, []))[1].append(name)
     changed: list[str] = []
     forward = ""

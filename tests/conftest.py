@@ -143,3 +143,8 @@ def sharegpt_rows() -> list[dict[str, Any]]:
     import gzip
 
     return json.loads(gzip.decompress(SHAREGPT_ROWS.read_bytes()))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all-pairs", action="store_true", dest="all_pairs",
+                     help="test_combinations.py: every pair of features, not only those that share code (CI's)")

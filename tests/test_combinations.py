@@ -12,9 +12,11 @@ Runs are made once per module and shared between the tests that read them (:clas
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,39 @@ GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DAT
                  "rewards": [{"name": "grpo_test_rewards:letters"}]}}
 ENV = base_env(PYTHONPATH=str(REPO / "tests" / "reward_plugin"))  # where GRPO's reward function is
 
-# option name -> config sections merged over the tiny preset
+
+def _merge(*parts: dict) -> dict:
+    """Config sections merged in order (a section's keys over the earlier ones'); ``plugins`` lists are joined."""
+    merged: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "plugins":
+                merged[key] = [*merged.get(key, []), *(p for p in value if p not in merged.get(key, []))]
+            else:
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    return merged
+
+
+def mixture_of(sections: dict) -> dict:
+    """``sections`` with its training data made a mixture: its train file (weight 3) and its eval file (weight 1,
+    with its format set on the source itself), whatever format the other options chose."""
+    data = {"path": str(PRESET_DATA / "contacts_train.jsonl"), "eval_path": str(PRESET_DATA / "contacts_eval.jsonl"),
+            "format": "chat", **sections.get("data", {})}
+    return _merge(sections, {"data": {"path": None, "datasets": [
+        {"path": data["path"], "weight": 3}, {"path": data["eval_path"], "format": data["format"], "weight": 1}]}})
+
+
+def compose(*parts) -> dict:
+    """Options (:data:`OPTIONS` values: sections, or a function of the sections so far, applied after the plain
+    ones) over base sections."""
+    sections = _merge(*(p for p in parts if not callable(p)))
+    for part in parts:
+        if callable(part):
+            sections = part(sections)
+    return sections
+
+
+# option name -> config sections merged over the tiny preset (or a function of them: :func:`compose`)
 OPTIONS = {
     "base": {},
     "checkpointing": {"fsdp": {"activation_checkpointing": True}},
@@ -63,10 +97,9 @@ OPTIONS = {
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
     "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
     "dpo": DPO,
-    "mixture": {"data": {"path": None, "datasets": [  # two sources 3:1, the second with its own format
-        {"path": str(PRESET_DATA / "contacts_train.jsonl"), "weight": 3},
-        {"path": str(PRESET_DATA / "contacts_eval.jsonl"), "format": "chat", "weight": 1}]}},
+    "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
+    "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
 }
 # Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
@@ -86,21 +119,14 @@ REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit'
 REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded state dict holds ShardedTensors"
                 for world in (1, 2)})
 # QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
-REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
+REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1, 2) for name in OPTIONS
+                if name.startswith("qlora")})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
 DEFAULT_LOSS_REL = 1e-5
 GRAD_REL = {"bf16": 5e-2}
 DEFAULT_GRAD_REL = 1e-3
-
-
-def _merge(*parts: dict) -> dict:
-    merged: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
-    return merged
 
 
 class Runs:
@@ -112,14 +138,25 @@ class Runs:
 
     def run(self, key: str, world: int, sections: dict, *extra: str, config_dir: Path | None = None,
             check: bool = True):
-        if key in self.done:
-            return self.done[key]
-        folder = config_dir or (self.root / key)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = tiny_config(folder, **sections)
-        args = ("train", str(config), *extra)
-        proc = (run_cli(*args, check=check, env=ENV) if world == 1 else run_torchrun(world, *args, check=check, env=ENV))
-        self.done[key] = (folder / "run", proc)
+        """The run of ``key``; one run serves every key of the same world, sections and arguments (a pair of
+        features that is also an option of the smoke matrix trains once). A run that failed is kept failed: every
+        test that reads it fails with its error, without running it again."""
+        same = json.dumps([world, sections, extra, str(config_dir)], sort_keys=True)
+        if key not in self.done and same in self.done:
+            self.done[key] = self.done[same]
+        if key not in self.done:
+            folder = config_dir or (self.root / key)
+            folder.mkdir(parents=True, exist_ok=True)
+            config = tiny_config(folder, **sections)
+            args = ("train", str(config), *extra)
+            try:
+                done = (folder / "run", run_cli(*args, check=check, env=ENV) if world == 1
+                        else run_torchrun(world, *args, check=check, env=ENV))
+            except (AssertionError, subprocess.TimeoutExpired) as failed:
+                done = failed
+            self.done[key] = self.done[same] = done
+        if isinstance(self.done[key], Exception):
+            raise AssertionError(f"run {key} failed (once, for every test that reads it): {self.done[key]}")
         return self.done[key]
 
 
@@ -130,7 +167,7 @@ def runs(tmp_path_factory) -> Runs:
 
 def smoke_sections(version: int, world: int, option: str) -> dict:
     fsdp = {"version": version, "sharding_strategy": "FULL_SHARD", "single_process": "fsdp"}
-    return _merge({"train": TRAIN, "fsdp": fsdp}, OPTIONS[option])
+    return compose({"train": TRAIN, "fsdp": fsdp}, OPTIONS[option])
 
 
 def smoke_run(runs: Runs, version: int, world: int, option: str):
@@ -161,60 +198,90 @@ def startup(run: Path) -> dict:
 SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or o not in DATA_OPTIONS]
 
 
-@pytest.mark.parametrize("version,world,option", SMOKE, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in SMOKE])
-def test_smoke(runs, version, world, option):
-    run, proc = smoke_run(runs, version, world, option)
-    if (version, world, option) in REFUSED:
-        if world == 1:
-            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        else:  # torchrun reports its failed workers with a traceback of its own; each rank's error is one line,
-            # and the first rank to fail ends the others (a refusal in validation may leave only one line)
-            assert proc.returncode != 0 and re.search(r"\[rank [01]\] hfsdp: error:", proc.stderr), proc.stderr[-3000:]
-        assert REFUSED[version, world, option] in proc.stderr, proc.stderr[-3000:]
-        assert "Loading weights" not in proc.stderr  # refused from the model's config, before its weights load
-        assert not (run / "checkpoints").exists()
-        return
+def assert_refused(proc, run: Path, world: int, reason: str) -> None:
+    """Refused up front: exit 2 (one process) or each rank's one-line error, ``reason`` said, no weights loaded."""
+    if world == 1:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    else:  # torchrun reports its failed workers with a traceback of its own; each rank's error is one line,
+        # and the first rank to fail ends the others (a refusal in validation may leave only one line)
+        assert proc.returncode != 0 and re.search(r"\[rank [01]\] hfsdp: error:", proc.stderr), proc.stderr[-3000:]
+    assert reason in proc.stderr, proc.stderr[-3000:]
+    assert "Loading weights" not in proc.stderr  # refused from the model's config, before its weights load
+    assert not (run / "checkpoints").exists()
+
+
+def assert_mixture_shares(sources: list[dict], train: dict, world: int) -> None:
+    """The run's plan over the rows its sources gave (packed rows, preference pairs, ...): over 1,000 steps each
+    source's share within 2 % of its weight (a few steps of a shuffled epoch are no measure of it)."""
+    from hfsdp import batches
+    from hfsdp.config import DataConfig
+
+    rows = [s["rows"] for s in sources]
+    mixture = batches.Mixture.of(DataConfig(datasets=[{"path": s["path"], "weight": w}
+                                                      for s, w in zip(sources, (3, 1))]), rows)
+    plan = batches.BatchPlan(sum(rows), train["per_device_batch_size"], world,
+                             train.get("gradient_accumulation_steps", 1), 7, mixture=mixture)  # tiny_config seed
+    counts = plan.source_counts(1000)
+    assert all(abs(c / sum(counts) - s["share_planned"]) < 0.02 for c, s in zip(counts, sources)), (counts, sources)
+    assert [s["share_realised"] for s in sources] == [c / sum(plan.source_counts(STEPS))
+                                                      for c in plan.source_counts(STEPS)], sources
+
+
+def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], version: int, world: int) -> None:
+    """A smoke run trained every step, checkpointed, exported, and each of ``options`` acted."""
     assert proc.stderr.count("Loading weights:   0%") == 1, proc.stderr[-3000:]  # rank 0's bar alone
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    assert all(loss == loss and (0 < loss or option == "grpo") and abs(loss) < 20 for loss, _ in steps.values()), steps
+    assert all(loss == loss and (0 < loss or "grpo" in options) and abs(loss) < 20  # GRPO's loss may be <= 0
+               for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
     weights = exported(run)
     report = startup(run)
+    summary = json.loads((run / "summary.json").read_text())
     assert report["distributed_type"] == "FSDP" and report["fsdp_version"] == version
-    sections = smoke_sections(version, world, option)
     assert (report["checkpointed_layers"] > 0) == bool(sections["fsdp"].get("activation_checkpointing"))
-    if "lora" in option:
+    if any("lora" in option for option in options):
         assert "adapter_model.safetensors" in weights
     else:
         assert "model.safetensors" in weights
-    if option == "qlora":
+    if any(option.startswith("qlora") for option in options):
         assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
-    if "packing" in option:
-        summary = json.loads((run / "summary.json").read_text())
+    if any("packing" in option for option in options):
         packed = summary["data"]["padding"]
         assert "samples packed into" in packed and int(packed.split("into ")[1].split()[0]) < 1000, packed
-    if option == "mixture":
-        sources = json.loads((run / "summary.json").read_text())["data"]["sources"]
-        assert [(s["rows"], s["share_planned"]) for s in sources] == [(1000, 0.75), (64, 0.25)], sources
-    if option == "compile":
+    if "mixture" in options:
+        sources = summary["data"]["sources"]
+        assert [s["share_planned"] for s in sources] == [0.75, 0.25], sources
+        if options == ("mixture",):
+            assert [s["rows"] for s in sources] == [1000, 64], sources
+        assert_mixture_shares(sources, sections["train"], world)
+    if "compile" in options:
         assert max(m.get("compile_graphs", 0) for m in read_metrics(run)) > 0
-    if option == "async_save":  # each checkpoint complete once, written while training went on
+    if "async_save" in options:  # each checkpoint complete once, written while training went on
         assert report["checkpoint_saves"] == "asynchronous"
         assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
-    if option == "grpo":  # completions sampled at the first step of each round (3 steps each)
+    if "grpo" in options:  # completions sampled at the first step of each round (3 steps each)
         assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
-    if option == "size_wrap":  # units of the policy's own (the MLPs of the tiny model), besides the root
+    if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
 
 
-PAIRS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in DATA_OPTIONS]
+@pytest.mark.parametrize("version,world,option", SMOKE, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in SMOKE])
+def test_smoke(runs, version, world, option):
+    run, proc = smoke_run(runs, version, world, option)
+    if (version, world, option) in REFUSED:
+        assert_refused(proc, run, world, REFUSED[version, world, option])
+        return
+    assert_trained(run, proc, smoke_sections(version, world, option), (option,), version, world)
 
 
-@pytest.mark.parametrize("world,option", PAIRS, ids=[f"x{w}-{o}" for w, o in PAIRS])
+VERSIONS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in DATA_OPTIONS]
+
+
+@pytest.mark.parametrize("world,option", VERSIONS, ids=[f"x{w}-{o}" for w, o in VERSIONS])
 def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
     one, _ = smoke_run(runs, 1, world, option)
     two, _ = smoke_run(runs, 2, world, option)
@@ -234,6 +301,83 @@ def test_options_act(runs):
     for option in ("accumulation", "checkpointing", "plain_loss", "compile"):
         same = losses(smoke_run(runs, 2, 2, option)[0])
         assert same[STEPS][0] == pytest.approx(base[STEPS][0], rel=1e-4), option
+
+
+# Pairs (issue 34): each feature here meets each other one, the pairs generated from this table, on 2 ranks (FSDP2;
+# FSDP1 when fsdp1 is one of the pair). A feature names the parts of hfsdp it changes: pairs whose features share a
+# part run in CI (smoke and resume); the others, which share no code, run with ``pytest --all-pairs``. A feature
+# that lands adds a row here and so meets every other one.
+FEATURES = {
+    "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
+    "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
+    "size_wrap": {"layers", "units"},           # FSDP units of its own policy
+    "fsdp1": {"units", "params", "state"},      # flat parameters, ShardedTensor state dicts
+    "lora": {"params", "state"},                # adapters trained and exported
+    "qlora": {"params", "layers", "state"},     # a 4-bit Linear in every layer, probed after sharding
+    "packing": {"rows", "attention"},           # rows of several samples, position_ids
+    "mixture": {"rows"},                        # rows of several sources
+    "dpo": {"rows", "loss"},                    # preference rows, two completions a row
+    "async_save": {"state"},                    # checkpoints staged, then written in the background
+}
+PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
+# What a pair cannot do, refused before any weight loads with this reason (the first three as in REFUSED).
+REFUSED_PAIRS = {
+    frozenset(("compile", "fsdp1")): "train.compile: FSDP1 flattens each unit's parameters",
+    frozenset(("qlora", "fsdp1")): "QLoRA runs under FSDP2 only",
+    frozenset(("async_save", "fsdp1")): "train.async_save: FSDP1's sharded state dict holds ShardedTensors",
+    frozenset(("packing", "dpo")): "packing cannot pack preference rows",
+}
+
+
+def pair_sections(*features: str) -> dict:
+    """The smoke run's sections (FSDP2, 2 ranks) with ``features`` (none: the base run)."""
+    return compose(smoke_sections(2, 2, "base"), *({**OPTIONS, **PAIR_ONLY}[name] for name in features))
+
+
+def _pairs() -> list[tuple[str, str]]:
+    """Every pair of :data:`FEATURES` but those where one feature holds the other (qlora is lora on a 4-bit base)."""
+    return [(a, b) for a, b in itertools.combinations(FEATURES, 2)
+            if pair_sections(a, b) not in (pair_sections(a), pair_sections(b))]
+
+
+ALL_PAIRS = _pairs()
+CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b]]
+
+
+# Features that compute the steps of the run without them (recomputed, compiled, other units, saved otherwise).
+SAME_STEPS = ("checkpointing", "compile", "size_wrap", "async_save")
+
+
+def pytest_generate_tests(metafunc):
+    pairs = ALL_PAIRS if metafunc.config.getoption("all_pairs") else CI_PAIRS
+    for name, which in (("pair", pairs), ("trained_pair", [p for p in pairs if frozenset(p) not in REFUSED_PAIRS])):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, which, ids=[f"{a}+{b}" for a, b in which])
+
+
+def pair_run(runs: Runs, pair: tuple[str, str]):
+    return runs.run("+".join(pair), 2, pair_sections(*pair), check=frozenset(pair) not in REFUSED_PAIRS)
+
+
+def test_pair(runs, pair):
+    run, proc = pair_run(runs, pair)
+    if frozenset(pair) in REFUSED_PAIRS:
+        assert_refused(proc, run, 2, REFUSED_PAIRS[frozenset(pair)])
+        return
+    sections = pair_sections(*pair)
+    assert_trained(run, proc, sections, pair, sections["fsdp"]["version"], 2)
+    same = [f for f in pair if f in SAME_STEPS]
+    if same:  # the steps of the pair without it: the other feature alone, or the base run
+        rest = [f for f in pair if f != same[0]]
+        alone, _ = runs.run("+".join(rest) or "base", 2, pair_sections(*rest))
+        a, b = losses(run), losses(alone)
+        for step in range(1, STEPS + 1):
+            assert a[step][0] == pytest.approx(b[step][0], rel=1e-4), (step, a, b)
+
+
+def test_pair_resumes_exactly(runs, trained_pair):
+    run, _ = pair_run(runs, trained_pair)
+    assert_resumed_exactly(resume(runs, "+".join(trained_pair), run, 2), run)
 
 
 def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
@@ -274,7 +418,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "mixture", "grpo")]
-          + [(2, 2, "qlora")])
+          + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])

@@ -173,3 +173,34 @@ def test_waiters_poll_for_the_builders_entry_and_share_its_failure(tmp_path):
     assert built[2] is False and waited[2] is True
     assert waited[0]["train"]["input_ids"] == [[1, 2]] and waited[1] == {"sources": [1]}
     assert not [p for p in (tmp_path / "datasets").iterdir() if ".tmp-" in p.name]  # the temp folder is gone
+
+
+def test_packing_packs_every_source_of_a_mixture(tmp_path, tiny_model_dir):
+    """plugins: [packing] with a file and a folder of shards (issue 34: the second source was compared, unpacked,
+    with the first one packed, and the run refused): each source is packed on its own, so every row stays one
+    source's and the mixture's shares are of packed rows."""
+    from transformers import AutoTokenizer
+
+    from hfsdp import data
+    from hfsdp.config_files import load_config
+
+    rows = (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "shards").mkdir()
+    for k in range(2):
+        (tmp_path / "shards" / f"part-{k}.jsonl").write_text("".join(rows[k * 60:(k + 1) * 60]))
+    (tmp_path / "a.jsonl").write_text("".join(rows[200:500]))
+    config, host = load_config(str(tiny_config(
+        tmp_path, plugins=["packing"],
+        data={"path": None, "max_seq_len": 256, "datasets": [{"path": str(tmp_path / "a.jsonl"), "weight": 2},
+                                                             {"path": str(tmp_path / "shards"), "weight": 1}]})))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    train, _, _, report = data.prepare_datasets(config, host, tokenizer, tmp_path / "cache")
+    assert sorted(train.column_names) == ["input_ids", "labels", "position_ids"]
+    sources = report["sources"]
+    assert [s["share_planned"] for s in sources] == pytest.approx([2 / 3, 1 / 3])
+    assert 0 < sources[0]["rows"] < 300 and 0 < sources[1]["rows"] < 120, sources  # ~3 samples a packed row
+    assert len(train) == sources[0]["rows"] + sources[1]["rows"]
+    # a packed row of source 1 holds source 1's samples only: its tokens are the shards' tokens, packed
+    packed = train.select(range(sources[0]["rows"], len(train)))
+    starts = sum(pos.count(0) for pos in packed["position_ids"])
+    assert starts == 120  # every sample of the two shards, each starting at position 0
