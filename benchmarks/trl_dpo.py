@@ -41,7 +41,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
 
     from hfsdp import batches, data, models
     from hfsdp.cli import _cache_dir
-    from trl_sft import step_times  # benchmarks/, next to this file
+    from trl_sft import step_times, training_args  # benchmarks/, next to this file
 
     t = cfg.train
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
@@ -72,14 +72,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     section = cfg.section("dpo")
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(
-            output_dir=out, per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=1,
-            max_steps=steps, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler if
-            t.lr_scheduler != "constant" else "constant_with_warmup", warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-            adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm or 0.0, seed=t.seed, logging_steps=1,
-            save_strategy="no", eval_strategy="no", report_to="none", bf16=False, fp16=False,
-            gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-            max_length=cfg.data.max_seq_len, truncation_mode="keep_start", beta=section.beta,
+            **training_args(t, out, steps), max_length=cfg.data.max_seq_len, truncation_mode="keep_start", beta=section.beta,
             loss_type=[section.loss_type], label_smoothing=section.label_smoothing, precompute_ref_log_probs=False,
         )
         trainer = InPlanOrder(model=model, ref_model=ref_model, args=args, train_dataset=ordered,

@@ -38,6 +38,20 @@ def step_times(times: list[float]):
     return StepTimes()
 
 
+def training_args(t, out: str, steps: int) -> dict:
+    """TRL's config arguments for hfsdp's ``train:`` section ``t``: the same AdamW, LR schedule and clipping, one
+    process, fp32, no gradient checkpointing, nothing saved or evaluated, a log every step."""
+    import torch
+
+    return dict(output_dir=out, per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=1,
+                max_steps=steps, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler if
+                t.lr_scheduler != "constant" else "constant_with_warmup", warmup_steps=t.warmup_steps,
+                weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+                adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm or 0.0, seed=t.seed, logging_steps=1,
+                save_strategy="no", eval_strategy="no", report_to="none", bf16=False, fp16=False,
+                gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config", nargs="?", default="default")
@@ -78,16 +92,8 @@ def main() -> None:
     torch.manual_seed(t.seed)
     model = models.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
-        sft = SFTConfig(
-            output_dir=out, per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=1,
-            max_steps=args.steps, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler if
-            t.lr_scheduler != "constant" else "constant_with_warmup", warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-            adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm or 0.0, seed=t.seed,
-            logging_steps=t.log_every, save_strategy="no", eval_strategy="no", report_to="none",
-            bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
-            dataloader_num_workers=0, max_length=None, packing=False,
-        )
+        sft = SFTConfig(**training_args(t, out, args.steps) | {"logging_steps": t.log_every}, max_length=None,
+                        packing=False)
         trainer = InPlanOrder(model=model, args=sft, train_dataset=ordered, processing_class=tokenizer,
                               callbacks=[step_times(times)])
         trainer.train()

@@ -182,6 +182,10 @@ def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
             problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
                                             "[dpo]), or use data.format: chat or instruction for supervised "
                                             "fine-tuning"))
+        if any(name == "prompt" for _, name in named) and not host.implementers("hfsdp_objective"):
+            problems.append(("data.format", "prompt rows (without answers) train an objective that generates the "
+                                            "completions: enable one (plugins: [grpo]), or use data.format: chat or "
+                                            "instruction for supervised fine-tuning"))
         return problems
 
     checks = [format_problems, lambda: cross_section_problems(config)]

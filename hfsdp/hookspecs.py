@@ -157,6 +157,24 @@ def hfsdp_objective(config, tokenizer):
 
 
 @hookspec
+def hfsdp_reward_functions():
+    """Offer reward functions to ``grpo`` (and any plugin that scores completions): return ``{name: function}`` or
+    None. ``grpo.rewards`` names them (a name two enabled plugins offer is a config error; ``module:function``
+    names any importable function without a plugin).
+
+    The calling convention is TRL's ``GRPOTrainer``'s, so reward code written for it runs unchanged:
+    ``function(prompts=..., completions=..., completion_ids=..., **columns)``, one list entry per completion:
+    ``prompts`` the rows' ``prompt`` values (a text, or a list of messages), ``completions`` the generated texts (for
+    conversational prompts ``[{"role": "assistant", "content": text}]``), ``completion_ids`` their token ids, and
+    every other column of the rows under its own name. Return a list of floats of the same length (None: no reward
+    from this function for that completion). Declare ``**kwargs`` to accept the columns you do not read. Called on
+    every rank for the completions that rank trains on, while the completions of a step are scored; a function
+    that raises, returns another length or a non-number stops every rank with an error naming the plugin, the
+    function and the row. Asked for once per run, while the config is validated and when the objective is built.
+    """
+
+
+@hookspec
 def hfsdp_on_train_start(run):
     """Training is about to start: the model is sharded and the "before" eval ran; step 1 (or the resumed step)
     comes next. Every rank. ``run`` is the :class:`hfsdp.train.Run` (config, accelerator, model, optimizer,

@@ -15,6 +15,7 @@ of pairs, and :meth:`PreferenceObjective.completion_logps` gives each row's summ
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.batches import MicroBatch, micro_batch
+from hfsdp.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
 from hfsdp.errors import ConfigError
 from hfsdp.loss import token_loss_sum
 
@@ -44,10 +45,27 @@ class Objective:
         """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""
         return micro_batch(rows, pad_id, device, select_logits)
 
+    def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
+        """Which rows each optimizer step trains on (a pure function of seed and step; its ``steps_for_epochs`` is
+        the run's length)."""
+        return BatchPlan.for_run(dataset, train_config, world_size, mixture)
+
+    def step_batches(self, model, dataset, plan: BatchPlan, step: int, rank: int, pad_id: int, device,
+                     select_logits: bool) -> list[MicroBatch]:
+        """This rank's micro-batches of optimizer step ``step`` (by default :meth:`micro_batch` of the plan's rows;
+        an objective that generates its samples, as GRPO, makes them here). Collective: every rank calls it for every
+        step."""
+        return micro_batches(dataset, plan, step, rank, pad_id, device, select_logits, self.micro_batch)
+
     def prepare(self, model, accelerator, splits: dict[str, Any], cache_dir, model_path: str) -> dict[str, Any]:
         """Once, every rank, after sharding and before training: return the splits (``train``, maybe ``eval``), e.g.
         with columns added. Collective: every rank must run the same forwards."""
         return splits
+
+    def evaluate(self, model, dataset, accelerator, pad_id: int, select_logits: bool) -> dict[str, float] | None:
+        """An eval of its own on the eval split (collective; e.g. GRPO's mean reward of generated completions), or
+        None for hfsdp's: the mean of :meth:`loss` over the split's batches, with :meth:`eval_metrics`."""
+        return None
 
     def loss(self, model, batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's summed loss (a 0-dim tensor with its graph); record metrics here, on the device."""
@@ -77,6 +95,12 @@ class TokenCrossEntropy(Objective):
 
     def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(targets)}
+
+
+def adapters_disabled(unwrapped):
+    """The reference's context for a model with adapters (peft's ``disable_adapter``: the base model), else none."""
+    disable = getattr(unwrapped, "disable_adapter", None)
+    return disable() if disable is not None else contextlib.nullcontext()
 
 
 def objective_of(host, config, tokenizer) -> Objective | None:

@@ -37,7 +37,8 @@ from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
 from hfsdp.wrapping import build_accelerator, grad_scaler, prepare_model_and_optimizer
 
-OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png")
+OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
+           "completions.jsonl")
 
 
 class NonFiniteLoss(UserError):
@@ -254,7 +255,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = models.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer)  # a plugin's objective, or None
-        plan, max_steps, identity = plan_steps(setup, train_set, data_report, say)
+        plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, objective = load_and_shard(accelerator, setup, host, model_path, model_config,
@@ -303,9 +304,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             while state.step < max_steps:
                 t0 = time.perf_counter()
                 resume.seed_step(config.train.seed, state.step, accelerator.process_index)
-                micro = batches.micro_batches(train_set, plan, state.step, accelerator.process_index,
-                                              tokenizer.pad_token_id, accelerator.device, select_logits,
-                                              objective.micro_batch)
+                micro = objective.step_batches(model, train_set, plan, state.step, accelerator.process_index,
+                                               tokenizer.pad_token_id, accelerator.device, select_logits)
                 result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
@@ -352,7 +352,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                                                                                  state.step)},
                    "throughput": speed,
                    "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
-                   "saves": saver.summary(), "train_loop_s": loop_s}
+                   "saves": saver.summary(), "train_loop_s": loop_s,
+                   **({"eval_reward": {"before": before.get("eval_reward"), "after": after["eval_reward"]}}
+                      if "eval_reward" in after else {})}
         finish(run, summary, metrics, run_eval.generations)
         return summary
     finally:
@@ -368,13 +370,14 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             lock.release()
 
 
-def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say) -> tuple[batches.BatchPlan, int, dict]:
-    """The rows of every step (a pure function of seed and step, over the mixture of the sources), the run's length,
-    and what a checkpoint must resume on (its schedule length and data); a resume's checkpoint is checked against
-    them here, before any weight loads."""
+def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
+               objective: Objective) -> tuple[batches.BatchPlan, int, dict]:
+    """The rows of every step (a pure function of seed and step, over the mixture of the sources; the objective's
+    plan), the run's length, and what a checkpoint must resume on (its schedule length and data); a resume's
+    checkpoint is checked against them here, before any weight loads."""
     config = setup.config
-    plan = batches.BatchPlan.for_run(train_set, config.train, setup.world.size,
-                                     batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
+    plan = objective.batch_plan(train_set, config.train, setup.world.size,
+                                batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
     if config.data.datasets:
         say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
@@ -447,8 +450,10 @@ class Evaluator:
         run = self.run
         results: dict[str, Any] = {}
         if self.eval_set is not None:
-            results.update(evaluate(run.model, self.eval_set, run.config, run.accelerator, run.tokenizer.pad_token_id,
-                                    self.select_logits, run.objective))
+            results.update(run.objective.evaluate(run.model, self.eval_set, run.accelerator, run.tokenizer.pad_token_id,
+                                                  self.select_logits)
+                           or evaluate(run.model, self.eval_set, run.config, run.accelerator,
+                                       run.tokenizer.pad_token_id, self.select_logits, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
                                            run.config.generation_eval.max_new_tokens)
@@ -466,7 +471,8 @@ class Evaluator:
         before = self(self.run.state.step, "before")
         if before:
             self.run.accelerator.print(
-                f"eval before training: loss {before.get('eval_loss', float('nan')):.4f}"
+                "eval before training: " + (f"reward {before['eval_reward']:.4f}" if "eval_reward" in before else
+                                            f"loss {before.get('eval_loss', float('nan')):.4f}")
                 + (f", exact match {before['gen_exact_match']:.1%}" if "gen_exact_match" in before else ""))
         return before
 
@@ -633,6 +639,9 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
     elif "eval_loss" in after:
         lines.append(f"eval loss {after['eval_loss']:.4f}"
                      + (f" (perplexity {after['eval_ppl']:.2f})" if "eval_ppl" in after else ""))
+    if "eval_reward" in after:
+        lines.append(f"eval reward {before['eval_reward']:.4f} -> {after['eval_reward']:.4f}" if "eval_reward" in before
+                     else f"eval reward {after['eval_reward']:.4f}")
     if "gen_exact_match" in before and "gen_exact_match" in after:
         lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}")
     show = config.generation_eval.show if config.generation_eval else 0

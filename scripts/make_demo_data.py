@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct answers in prose or malformed JSON; after a few dozen step
 Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/presets/data/contacts_*.jsonl)
 
 The preference files (contacts_pref_<split>.jsonl, for ``data.format: preference``) pair the first rows' prompt with
-the right JSON (chosen) and the same JSON with one field wrong (rejected): TRL's conversational shape.
+the right JSON (chosen) and the same JSON with one field wrong (rejected): TRL's conversational shape. The prompt
+files (contacts_prompts_<split>.jsonl, for ``data.format: prompt``) hold the prompts with the right JSON as ``answer``.
 """
 
 import json
@@ -81,9 +82,17 @@ def preference_splits() -> dict[str, list[dict]]:
             for (split, rows), count in zip(splits().items(), (256, 32))}
 
 
+def prompt_splits() -> dict[str, list[dict]]:
+    """The rows of each prompt file (contacts_prompts_<split>.jsonl, for ``data.format: prompt`` and GRPO): the
+    first rows' user turn as the prompt and the right JSON as the ``answer`` column the json_fields reward reads."""
+    return {split: [{"prompt": row["messages"][:-1], "answer": row["messages"][-1]["content"]} for row in rows[:count]]
+            for (split, rows), count in zip(splits().items(), (256, 64))}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits())):
+    for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
+                             ("contacts_prompts", prompt_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

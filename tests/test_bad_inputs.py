@@ -317,7 +317,34 @@ CASES: dict[str, Case] = {
                          "data.format: dpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
     "preference rows without a preference objective": (lambda d, s: ["train", _pref(d, [], plugins=[])],
                                                        "data.format: preference rows train a preference objective"),
+    "prompt row without a prompt": (lambda d, s: ["train", _prompts(d, [{"answer": "{}"}])],
+                                    "row 1 (counting from 0): the prompt is missing"),
+    "prompt rows without grpo": (lambda d, s: ["train", _prompts(d, [], plugins=[])],
+                                 "data.format: prompt rows (without answers) train an objective that generates"),
+    "grpo unknown reward": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "brevity"}])],
+                            "grpo.rewards[0].name: unknown reward 'brevity' (offered by the enabled plugins: "
+                            "json_fields)"),
+    "grpo reward module missing": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "mypkg.rewards:brevity"}])],
+                                   "grpo.rewards[0].name: 'mypkg.rewards:brevity': cannot import module 'mypkg.rewards'"),
+    "grpo group not dividing the batch": (
+        lambda d, s: ["train", _prompts(d, [], num_generations=3)],
+        "grpo.num_generations: 3 does not divide train.per_device_batch_size (2), which counts completions"),
+    "grpo beta without a reference": (lambda d, s: ["train", _prompts(d, [], beta=0.1)],
+                                      "grpo.beta: the KL reference is the base model with the LoRA adapters disabled"),
+    "grpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["grpo"], data={"eval_path": None},
+                                                      grpo={"rewards": [{"name": "json_fields"}]})],
+                          "data.format: grpo generates completions of prompts: set data.format: prompt"),
 }
+
+PROMPT = {"prompt": "Q: what is 2+2?", "answer": "4"}
+
+
+def _prompts(case: Path, rows: list[dict], plugins: list[str] = ("grpo",), rewards=({"name": "json_fields"},),
+             **grpo) -> str:
+    """A grpo config on a prompt file of a good row followed by ``rows``."""
+    path = _write(case / "prompts.jsonl", "".join(json.dumps(r) + "\n" for r in [PROMPT, *rows]))
+    return _cfg(case, plugins=list(plugins), data={"format": "prompt", "path": path, "eval_path": None},
+                **({"grpo": {"rewards": list(rewards), "num_generations": 2, **grpo}} if "grpo" in plugins else {}))
 
 PAIR = {"prompt": "Q: what is 2+2?", "chosen": " 4", "rejected": " 5"}
 

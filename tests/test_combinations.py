@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PRESET_DATA, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,14 @@ PACKING = {"plugins": ["packing"], "data": {"max_seq_len": 256}}  # rows of ~80 
 # DPO (plugin dpo) on the bundled preference pairs: full fine-tuning, reference log-probs precomputed and cached
 DPO = {"plugins": ["dpo"], "data": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
                                     "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}}
+
+# GRPO (plugin grpo) on the bundled prompts, full fine-tuning: a reward that differs within a group (module:function
+# on PYTHONPATH), 3 iterations a round, so that the step-2 checkpoint is inside a round (its completions restored)
+GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"),
+                                      "eval_path": None},
+        "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 3, "log_completions": 2,
+                 "rewards": [{"name": "grpo_test_rewards:letters"}]}}
+ENV = base_env(PYTHONPATH=str(REPO / "tests" / "reward_plugin"))  # where GRPO's reward function is
 
 
 def _merge(*parts: dict) -> dict:
@@ -92,6 +100,7 @@ OPTIONS = {
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
+    "grpo": GRPO,
 }
 # Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
 DATA_OPTIONS = ("mixture",)
@@ -141,8 +150,8 @@ class Runs:
             config = tiny_config(folder, **sections)
             args = ("train", str(config), *extra)
             try:
-                done = (folder / "run", run_cli(*args, check=check) if world == 1
-                        else run_torchrun(world, *args, check=check))
+                done = (folder / "run", run_cli(*args, check=check, env=ENV) if world == 1
+                        else run_torchrun(world, *args, check=check, env=ENV))
             except (AssertionError, subprocess.TimeoutExpired) as failed:
                 done = failed
             self.done[key] = self.done[same] = done
@@ -176,6 +185,10 @@ def exported(run: Path) -> dict:
     files = sorted((run / "final").glob("*.safetensors"))
     assert files, f"nothing exported in {run / 'final'}"
     return {f.name: load_file(f) for f in files}
+
+
+def completions(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
 
 
 def startup(run: Path) -> dict:
@@ -220,7 +233,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    assert all(loss == loss and 0 < loss < 20 for loss, _ in steps.values()), steps
+    assert all(loss == loss and (0 < loss or "grpo" in options) and abs(loss) < 20  # GRPO's loss may be <= 0
+               for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
     weights = exported(run)
     report = startup(run)
@@ -247,6 +261,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "async_save" in options:  # each checkpoint complete once, written while training went on
         assert report["checkpoint_saves"] == "asynchronous"
         assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
+    if "grpo" in options:  # completions sampled at the first step of each round (3 steps each)
+        assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
     if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
@@ -278,7 +294,7 @@ def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16", "dpo", "mixture"):
+    for option in ("packing", "lora", "bf16", "dpo", "mixture", "grpo"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -381,7 +397,7 @@ def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
     config["train"]["output_dir"] = str(folder / "run")
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     args = ("train", str(folder / "config.yaml"), "--resume")
-    proc = run_cli(*args) if world == 1 else run_torchrun(world, *args)
+    proc = run_cli(*args, env=ENV) if world == 1 else run_torchrun(world, *args, env=ENV)
     assert f"resumed from {target / 'step-2'} at step 2" in proc.stdout + proc.stderr
     assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # FSDP1's load printed torch's deprecations
     return folder / "run"
@@ -408,14 +424,17 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "grpo")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 
 
 @pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
 def test_resume_is_exact(runs, version, world, option):
     run, _ = smoke_run(runs, version, world, option)
-    assert_resumed_exactly(resume(runs, f"fsdp{version}-x{world}-{option}", run, world), run)
+    resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
+    assert_resumed_exactly(resumed, run)
+    if option == "grpo":  # step 3 trained on the restored round's completions; step 4 sampled the same ones
+        assert completions(resumed) == [c for c in completions(run) if c["step"] == 4]
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))

@@ -37,3 +37,10 @@ def test_bundled_preference_rows_are_the_generators_pairs_of_a_right_and_a_wrong
         for row, source in zip(bundled, sft):
             assert row["prompt"] + row["chosen"] == source["messages"]
             assert row["chosen"][0]["content"] != row["rejected"][0]["content"]
+
+
+def test_bundled_prompt_rows_are_the_generators_prompts_with_their_answers():
+    for split, expected in generator().prompt_splits().items():
+        bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_prompts_{split}.jsonl").read_text().splitlines()]
+        assert bundled == expected, f"contacts_prompts_{split}.jsonl is stale: run python scripts/make_demo_data.py"
+        assert all(row["prompt"][-1]["role"] == "user" and json.loads(row["answer"]) for row in bundled)

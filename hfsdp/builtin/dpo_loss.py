@@ -23,7 +23,6 @@ split prefixed ``eval_``): ``rewards/chosen`` and ``rewards/rejected`` (``beta``
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp.errors import UserError
-from hfsdp.objective import PairBatch, PreferenceObjective
+from hfsdp.objective import PairBatch, PreferenceObjective, adapters_disabled
 
 if TYPE_CHECKING:
     from hfsdp.builtin.dpo import DpoSection
@@ -64,8 +63,7 @@ class DPO(PreferenceObjective):
 
     def base_only(self):
         """The reference's context: the adapters disabled (a LoRA model), else nothing to change."""
-        disable = getattr(self.unwrapped, "disable_adapter", None)
-        return disable() if disable is not None else contextlib.nullcontext()
+        return adapters_disabled(self.unwrapped)
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped = accelerator.unwrap_model(model)

@@ -48,21 +48,40 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-@torch.no_grad()
-def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch_size: int = 16) -> GenerationResult:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+@contextlib.contextmanager
+def generating(model):
+    """The model ready for ``generate`` on its unwrapped module, in eval mode: under FSDP1 its parameters gathered
+    (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2
+    each forward gathers them, so every rank must generate the same batches. Afterwards back in its mode, resharded."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+
+    from hfsdp.batches import reshard
 
     was_training = model.training
     model.eval()
-    # FSDP1 only gathers parameters inside its own forward; generate() calls the inner module, so gather first.
+    if isinstance(model, FSDPModule):
+        # generate() may call an inner module (a peft model's base) and never the root's forward: set the root up
+        # (what its first forward does) and gather the parameters it holds itself, which only its forward would.
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
     gather = (FSDP.summon_full_params(model, writeback=False, recurse=True)
               if isinstance(model, FSDP) else contextlib.nullcontext())
+    try:
+        with torch.no_grad(), gather:
+            yield
+    finally:
+        model.train(was_training)
+        reshard(model)
+
+
+@torch.no_grad()
+def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch_size: int = 16) -> GenerationResult:
     device = next(unwrapped.parameters()).device
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     outputs: list[str] = []
     try:
-        with gather:
+        with generating(model):
             for start in range(0, len(items), batch_size):
                 texts = [text for text, _, _ in items[start:start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -74,7 +93,6 @@ def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch
                 outputs += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = padding_side
-        model.train(was_training)
     hits = sum(_normalise(out) == _normalise(ref) for out, (_, _, ref) in zip(outputs, items))
     examples = [(shown, ref, out.strip()) for out, (_, shown, ref) in zip(outputs, items)]
     return GenerationResult(accuracy=hits / max(1, len(items)), examples=examples)

@@ -1,0 +1,164 @@
+"""hfsdp's GRPO against TRL's ``GRPOTrainer``, step by step, on the same completions (issue 35).
+
+hfsdp trains first and writes every completion it sampled (``completions.jsonl`` with ``grpo.log_completions``
+large). TRL then trains the same model folder on the same prompts in the same order (hfsdp's plan, read
+sequentially by TRL), with its generation step replaced by one that returns hfsdp's completions of that round (the
+prompt tokens TRL made are checked equal to hfsdp's), the same reward functions, loss type, clipping,
+``num_iterations``, reward scaling, temperature, AdamW hyper-parameters, LR schedule and gradient clipping: fp32, one
+process, full fine-tuning, ``beta: 0`` (hfsdp's KL reference is LoRA's base; TRL's loss with beta > 0 is compared on
+fixed tensors in tests/test_grpo_loss.py), no gradient accumulation (TRL shuffles a generation batch before it
+splits it into micro-batches). Prints both columns of per-step loss and gradient norm and their largest relative
+differences (target 1e-5), and both median step times.
+
+    python benchmarks/trl_grpo.py [CONFIG] --steps 4 [--set KEY=VALUE ...]
+
+CONFIG defaults to the ``grpo`` preset (the real SmolLM2-135M-Instruct); ``--set model.name_or_path=smollm2-tiny``
+runs it in seconds. Needs TRL: ``pip install -e '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+# A loss difference this small (absolute) is float32 rounding of a sum of terms of about 1, not a relative error.
+ABS_FLOOR = 1e-7
+
+
+def run_hfsdp(config: str, overrides: list[str], out: Path) -> tuple[list[dict], dict[int, list[list[int]]]]:
+    """hfsdp's per-step metrics, and the completions (token ids, in batch order) sampled at each round's step."""
+    cmd = [sys.executable, "-m", "hfsdp", "train", config, "--overwrite", "--set", f"train.output_dir={out}",
+           *[a for o in overrides for a in ("--set", o)]]
+    subprocess.run(cmd, check=True)
+    metrics = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    rounds: dict[int, list[list[int]]] = {}
+    for line in (out / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rounds.setdefault(row["step"], []).append(row["completion_ids"])
+    return metrics, rounds
+
+
+def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hfsdp import data, models
+    from hfsdp.builtin.grpo import reward_functions
+    from hfsdp.builtin.grpo_loss import GRPO
+    from hfsdp.builtin.prompt import prompt_ids
+    from hfsdp.cli import _cache_dir
+    from trl_sft import step_times, training_args  # benchmarks/, next to this file
+
+    t, s = cfg.train, cfg.section("grpo")
+    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
+    tokenizer = models.load_tokenizer(path, cfg.model)
+    raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
+    train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
+    rewards = reward_functions(cfg)
+    plan = GRPO(s, rewards, cfg, tokenizer).batch_plan(train_set, t, 1, None)
+    order = [i for step in range(0, steps, s.num_iterations) for i in plan.rows(step, 0, 0)]
+    ordered = datasets.Dataset.from_list([raw[i] for i in order])
+    expected_prompts = [prompt_ids(raw[i]["prompt"], tokenizer, cfg.data) for i in order]
+    given = iter([rounds[step] for step in sorted(rounds)])
+    per_round = t.per_device_batch_size // s.num_generations
+
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    times: list[float] = []
+
+    class SameCompletions(GRPOTrainer):  # shuffle_dataset=False: TRL's sampler reads the prompts in hfsdp's order
+        rounds = 0
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **unused):
+            first = self.rounds * per_round
+            assert [list(p) for p in prompt_ids[::num_generations]] == \
+                expected_prompts[first:first + per_round], "TRL tokenized the prompts otherwise than hfsdp"
+            self.rounds += 1
+            return next(given), None
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float(loss.detach()))
+            return loss
+
+    class GradNorms(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                grad_norms.append(float(logs["grad_norm"]))
+
+    torch.manual_seed(t.seed)
+    model = models.load_model(path, cfg.model)
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            **training_args(t, out, steps), num_generations=s.num_generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+            top_p=s.top_p, top_k=s.top_k, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
+            num_iterations=s.num_iterations, scale_rewards=s.scale_rewards, loss_type=s.loss_type,
+            shuffle_dataset=False, log_completions=False, reward_weights=[w for *_, w in rewards],
+        )
+        trainer = SameCompletions(model=model, reward_funcs=[fn for _, _, fn, _ in rewards], args=args,
+                                  train_dataset=ordered, processing_class=tokenizer,
+                                  callbacks=[step_times(times), GradNorms()])
+        trainer.train()
+    return losses, grad_norms, times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?", default="grpo")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    from hfsdp.config_files import load_config
+
+    overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
+                 "data.eval_path=null", "train.log_every=1",
+                 "train.export_final=false", "grpo.log_completions=100000", *args.overrides]
+    cfg, host = load_config(args.config, overrides)
+    s = cfg.section("grpo")
+    if (cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no" or cfg.plugins != ["grpo"]
+            or s.beta):
+        raise SystemExit("trl_grpo.py compares one process, fp32, full fine-tuning, beta 0, without accumulation")
+    with tempfile.TemporaryDirectory() as out:
+        ours, rounds = run_hfsdp(args.config, overrides, Path(out) / "run")
+    trl_losses, trl_norms, trl_times = run_trl(cfg, host, args.steps, rounds)
+
+    print(f"\nGRPO on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
+          f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), loss_type {s.loss_type}, "
+          f"num_iterations {s.num_iterations}, scale_rewards {s.scale_rewards}, lr {cfg.train.learning_rate}, fp32, "
+          "one process, the same completions")
+    print(f"{'step':>4} {'hfsdp loss':>13} {'TRL loss':>13} {'abs diff':>9} {'rel diff':>9} {'hfsdp grad':>11} "
+          f"{'TRL grad':>11} {'rel diff':>9}")
+    worst_loss = worst_norm = 0.0
+    for step, (m, loss, norm) in enumerate(zip(ours, trl_losses, trl_norms), start=1):
+        diff = abs(m["loss"] - loss)
+        rel = diff / max(abs(loss), 1e-12)
+        rel_norm = abs(m["grad_norm"] - norm) / max(abs(norm), 1e-12)
+        # The first step of a round has ratio 1: its loss is minus the token mean of advantages that sum to 0 in
+        # each group, a cancellation whose float32 noise (1e-7 of the terms) is large relative to the result.
+        worst_loss, worst_norm = max(worst_loss, rel if diff > ABS_FLOOR else 0.0), max(worst_norm, rel_norm)
+        print(f"{step:>4} {m['loss']:>13.8f} {loss:>13.8f} {diff:>9.1e} {rel:>9.2e} {m['grad_norm']:>11.6f} "
+              f"{norm:>11.6f} {rel_norm:>9.2e}")
+    steps = min(len(ours), len(trl_losses), len(trl_norms))
+    met = worst_loss <= 1e-5 and worst_norm <= 1e-5 and steps == args.steps
+    print(f"largest differences over {steps} steps: loss {worst_loss:.2e} relative (where over {ABS_FLOOR:.0e} "
+          f"absolute), grad norm {worst_norm:.2e} relative (target 1e-5): {'MET' if met else 'NOT MET'}")
+    if steps > 1:
+        ours_time = statistics.median(m["step_time_s"] for m in ours[1:])
+        trl_time = statistics.median(trl_times[1:])
+        print(f"median step time (hfsdp with its generation, TRL with the generation replaced): hfsdp "
+              f"{ours_time:.3f} s, TRL {trl_time:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Format ``prompt``: prompts without answers, for objectives that generate the completions themselves (``grpo``;
+``data.format: prompt`` needs one enabled).
+
+A row has a ``prompt`` (a text, or a list of messages read as the ``chat`` format reads them: ``data.message_keys``
+and ``data.roles`` apply) and any other columns, which the reward functions receive as they are (TRL's
+``GRPOTrainer`` datasets, read unchanged). A text prompt is tokenized as it is; a conversational one with the
+tokenizer's chat template and the generation prompt. A row becomes ``input_ids`` (the prompt's tokens), ``labels``
+(the same tokens: nothing trains on them, they only keep the row through the length policy) and ``prompt_row``
+(the raw row as JSON, what the rewards are given). ``data.max_seq_len`` bounds the prompt; ``data.too_long:
+truncate`` would cut its end (where the generation prompt is), so a prompt that is too long is refused, naming the
+row, unless ``too_long`` is ``drop``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hfsdp import hookimpl
+from hfsdp.builtin.chat import conversation
+from hfsdp.errors import RowError, UserError
+
+ALWAYS_ON = True
+FORMAT = "prompt"
+ROW_COLUMN = "prompt_row"  # the raw row as JSON, for the reward functions
+
+
+def prompt_ids(prompt: Any, tokenizer, data_config) -> list[int]:
+    """The token ids of one prompt (a text, or messages rendered with the chat template and generation prompt), or
+    a RowError saying what is wrong with it."""
+    if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
+                                                                    else prompt)):
+        raise RowError(f"the prompt is {'missing' if prompt is None else 'empty'}: every row needs a non-empty "
+                       "prompt (a text, or a list of messages)")
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if not isinstance(prompt, list):
+        raise RowError(f"the prompt is a {type(prompt).__name__}: give a text, or a list of {{role, content}} messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("conversational prompts need a tokenizer with a chat template; this one has none")
+    messages = conversation(prompt, data_config)
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              add_generation_prompt=True)["input_ids"])
+
+
+def tokenize_prompt(batch, tokenizer, data_config):
+    if "prompt" not in batch:
+        raise UserError(f"prompt data needs a column 'prompt' (a text or a list of messages); columns: "
+                        f"{', '.join(batch)}")
+    out: dict[str, list] = {"input_ids": [], "labels": [], ROW_COLUMN: []}
+    columns = list(batch)
+    for position, prompt in enumerate(batch["prompt"]):
+        try:
+            ids = prompt_ids(prompt, tokenizer, data_config)
+            if len(ids) > data_config.max_seq_len and data_config.too_long != "drop":
+                raise RowError(f"the prompt has {len(ids)} tokens, over data.max_seq_len ({data_config.max_seq_len}); "
+                               "cutting it would cut the generation prompt: raise data.max_seq_len, shorten the "
+                               "prompt, or set data.too_long: drop")
+        except RowError as err:
+            err.position = position
+            raise
+        out["input_ids"].append(ids)
+        out["labels"].append(ids)
+        out[ROW_COLUMN].append(json.dumps({c: batch[c][position] for c in columns}))
+    return out
+
+
+@hookimpl
+def hfsdp_dataset_formats():
+    return {FORMAT: tokenize_prompt}
