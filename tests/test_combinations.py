@@ -65,8 +65,9 @@ def mixture_of(sections: dict) -> dict:
     with its format set on the source itself), whatever format the other options chose."""
     data = {"path": str(PRESET_DATA / "contacts_train.jsonl"), "eval_path": str(PRESET_DATA / "contacts_eval.jsonl"),
             "format": "chat", **sections.get("data", {})}
+    second = data["eval_path"] or data["path"]  # a run without eval data: its train file again
     return _merge(sections, {"data": {"path": None, "datasets": [
-        {"path": data["path"], "weight": 3}, {"path": data["eval_path"], "format": data["format"], "weight": 1}]}})
+        {"path": data["path"], "weight": 3}, {"path": second, "format": data["format"], "weight": 1}]}})
 
 
 def compose(*parts) -> dict:
@@ -318,6 +319,7 @@ FEATURES = {
     "mixture": {"rows"},                        # rows of several sources
     "dpo": {"rows", "loss"},                    # preference rows, two completions a row
     "async_save": {"state"},                    # checkpoints staged, then written in the background
+    "grpo": {"layers", "rows", "loss"},         # generation through every layer, rounds of completions
 }
 PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
 # What a pair cannot do, refused before any weight loads with this reason (the first three as in REFUSED).
@@ -326,6 +328,8 @@ REFUSED_PAIRS = {
     frozenset(("qlora", "fsdp1")): "QLoRA runs under FSDP2 only",
     frozenset(("async_save", "fsdp1")): "train.async_save: FSDP1's sharded state dict holds ShardedTensors",
     frozenset(("packing", "dpo")): "packing cannot pack preference rows",
+    frozenset(("packing", "grpo")): "packing cannot pack grpo's rows",
+    frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
 }
 
 
