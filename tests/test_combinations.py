@@ -59,6 +59,11 @@ OPTIONS = {
         {"path": str(PRESET_DATA / "contacts_train.jsonl"), "weight": 3},
         {"path": str(PRESET_DATA / "contacts_eval.jsonl"), "format": "chat", "weight": 1}]}},
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
+    # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
+    # weights evaluated, checkpointed and exported); 8-bit AdamW and Adafactor do not run on FSDP's parameters
+    # (refused in tests/test_bad_inputs.py; trained and resumed without FSDP in tests/test_optimizers.py)
+    "muon": {"train": {"optimizer": "muon"}},
+    "schedule_free": {"train": {"optimizer": "schedule_free_adamw"}},
 }
 # Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
 DATA_OPTIONS = ("mixture",)
@@ -78,6 +83,8 @@ REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded sta
                 for world in (1, 2)})
 # QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
 REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
+# Muon orthogonalises whole matrices, which FSDP1's flat parameters are not: refused before any weight loads.
+REFUSED.update({(1, world, "muon"): "muon cannot run under FSDP1" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -219,6 +226,9 @@ def test_options_act(runs):
     for option in ("accumulation", "checkpointing", "plain_loss", "compile"):
         same = losses(smoke_run(runs, 2, 2, option)[0])
         assert same[STEPS][0] == pytest.approx(base[STEPS][0], rel=1e-4), option
+    # schedule-free's first step is AdamW's (Adam's first normalised step, no average yet): compared at the last
+    for option in ("muon", "schedule_free"):
+        assert losses(smoke_run(runs, 2, 2, option)[0])[STEPS][0] != base[STEPS][0], option
 
 
 def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
@@ -258,7 +268,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "muon",
+                                      "schedule_free")]
           + [(2, 2, "qlora")])
 
 
