@@ -210,6 +210,11 @@ def training_mode(optimizer) -> Iterator[None]:
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
     if hasattr(torch_optimizer, "train") and hasattr(torch_optimizer, "eval"):
         torch_optimizer.train()
+        # train() reads self.state[p] of every parameter, which leaves empty entries in the defaultdict before the
+        # first step; torch's _init_optim_state (a resume's load target) then takes the state as made and loads
+        # nothing into it
+        for p in [p for p, st in torch_optimizer.state.items() if not st]:
+            del torch_optimizer.state[p]
     yield
 
 

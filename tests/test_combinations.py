@@ -83,8 +83,6 @@ REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded sta
                 for world in (1, 2)})
 # QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
 REFUSED.update({(1, world, "qlora"): "QLoRA runs under FSDP2 only" for world in (1, 2)})
-# Not yet in RESUME: schedule_free on FSDP2 SHARDED, whose restored state the load check finds empty (z and
-# exp_avg_sq "None restored"; the resume stops before a step instead of diverging). Open: issue 39.
 # Muon orthogonalises whole matrices, which FSDP1's flat parameters are not: refused before any weight loads.
 REFUSED.update({(1, world, "muon"): "muon cannot run under FSDP1" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
@@ -270,7 +268,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "muon")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "muon",
+                                      "schedule_free")]
           + [(2, 2, "qlora")])
 
 
