@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))

@@ -6,13 +6,11 @@ model, one run per optimizer and world shared by the assertions (:func:`runs`)."
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from conftest import read_metrics, run_cli, run_torchrun, tiny_config
 
