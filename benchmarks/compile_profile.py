@@ -44,7 +44,7 @@ def main() -> None:
     from hfsdp.cli import _cache_dir
     from hfsdp.config_files import load_config
     from hfsdp.loss import ChunkedLoss
-    from hfsdp.train import build_optimizer
+    from hfsdp import optimizers
     from hfsdp.wrapping import compile_blocks
 
     results = {}
@@ -57,7 +57,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = models.load_model(path, cfg.model)
         loss_fn = ChunkedLoss(model, model.config.vocab_size)
-        optimizer = build_optimizer(model, cfg.train)
+        optimizer = optimizers.build(model, cfg.train)
         if variant == "compiled":
             compile_blocks(model, cfg)
         model.train()

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from hfsdp import plugins as plugin_host, quantization
+from hfsdp import optimizers, plugins as plugin_host, quantization
+from hfsdp.optimizers import OPTIMIZER_NAMES
 from hfsdp.errors import InvalidSectionRead
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -328,11 +329,20 @@ class TrainConfig(Section):
     group_by_length: bool = Field(
         False, description="put rows of similar length into the same micro-batches (less padding); the order "
                            "stays a function of seed and step.")
-    learning_rate: float = Field(2e-5, gt=0, description="peak AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decay on matrices (not norms/biases).")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    optimizer: Literal[OPTIMIZER_NAMES] = Field(
+        "adamw", description="adamw (torch), adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments), adafactor (torch: "
+                             "factored second moment), muon (torch's Muon on the hidden 2-D matrices, AdamW on "
+                             "embeddings, head, norms and biases), schedule_free_adamw (schedulefree's "
+                             "AdamWScheduleFree: no LR schedule; evaluation, checkpoints and export use its averaged "
+                             "weights), sgd (torch). docs/guide.md: where each runs.")
+    optimizer_args: dict[str, Any] = Field(
+        {}, description="other keyword arguments of the optimizer (e.g. {momentum: 0.9} for sgd), checked against its "
+                        "signature; lr, weight_decay, betas and eps come from the keys here.")
+    learning_rate: float = Field(2e-5, gt=0, description="peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms/biases).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="beta1 of the Adam family (adamw, adamw_8bit, muon's AdamW, schedule_free_adamw).")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="beta2 of the Adam family.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="epsilon of the Adam family.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "cosine", description="decay after warmup (to 0 at the last step).")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps.")
@@ -616,7 +626,7 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
         problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "
                                              "train.async_save"))
-    problems += quantization.problems(config)
+    problems += quantization.problems(config) + optimizers.problems(config)
     generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
     if config.generation_eval is not None and generated not in GENERATION_FORMATS:
         problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "

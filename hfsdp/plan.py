@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from hfsdp import quantization
+from hfsdp import optimizers, quantization
 from hfsdp.config import FSDPConfig, HfsdpConfig
 from hfsdp.config_files import with_plugins
 from hfsdp.distributed import World
@@ -46,6 +46,8 @@ class Param:
     cast: bool = True  # mixed precision gathers it in the compute dtype (not packed 4-bit data)
     replicated: bool = False  # kept whole on every rank (uint8-stored 4-bit data)
     weights: int | None = None  # packed 4-bit data: the weights it holds (two a byte)
+    shape: tuple[int, ...] = ()  # the whole parameter's (Adafactor's row and column factors)
+    hidden: bool = False  # a 2-D matrix of the hidden layers (Muon's; hfsdp.optimizers.hidden_matrices)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class Setup:
     accumulation: int
     multi_tensor_adam: bool = True  # torch's AdamW on GPUs; on CPUs it loops over parameters
     async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
+    optimizer: str = "adamw"  # train.optimizer, and its train.optimizer_args
+    optimizer_args: tuple[tuple[str, Any], ...] = ()
 
     def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
         """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
@@ -163,7 +167,8 @@ class Setup:
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
-                 accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save)
+                 accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
+                 optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()))
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
@@ -250,11 +255,12 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
     quant = quantization.settings(config)
     packed = {id(m.weight): m.weight.numel() for m in quantization.linears_to_quantize(model)} if quant else {}
     params = []
-    for p in model.parameters():  # tied parameters appear once
+    hidden = optimizers.hidden_matrices(model)
+    for name, p in model.named_parameters():  # tied parameters appear once
         unit = owner.get(id(p), 0)
         if id(p) not in packed:
             params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
-                                trainable=p.requires_grad, unit=unit))
+                                trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden))
             continue
         # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
         # stays on the module, whole on every rank
@@ -441,6 +447,34 @@ def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], boo
     return _fsdp2_bytes(facts, group, select)
 
 
+def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
+    """The largest rank's bytes of optimizer state (tensors of one or more dimensions, each storage once, as
+    bench counts them), as each ``train.optimizer`` allocates it for the trainable parameters: AdamW and
+    schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
+    Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
+    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW
+    (unsharded only) two bytes per element plus two float32 block scales per 256 elements and the two 256-entry
+    quantization maps all parameters share, with parameters under ``min_8bit_size`` elements in float32."""
+    from hfsdp.optimizers import BNB_BLOCK, BNB_MIN_8BIT
+
+    args = dict(setup.optimizer_args)
+    trainable = [p for p in facts.params if p.trainable]
+    select = lambda hidden: lambda p: p.trainable and p.hidden == hidden  # noqa: E731
+    if setup.optimizer == "muon":
+        return sharded_bytes(facts, setup, select(True)) + 2 * sharded_bytes(facts, setup, select(False))
+    if setup.optimizer == "sgd":
+        return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
+    if setup.optimizer == "adafactor":
+        return sum((p.numel // p.shape[-1] + p.numel // p.shape[-2] if len(p.shape) >= 2 else p.numel) * 4
+                   for p in trainable)
+    if setup.optimizer == "adamw_8bit":
+        small = args.get("min_8bit_size", BNB_MIN_8BIT)
+        quantized = [p for p in trainable if p.numel >= small]
+        return (sum(2 * p.numel + 2 * 4 * -(-p.numel // BNB_BLOCK) for p in quantized) + (2 * 256 * 4 if quantized
+                else 0) + sum(2 * 4 * p.numel for p in trainable if p.numel < small))
+    return 2 * sharded_bytes(facts, setup, lambda p: p.trainable)  # adamw, schedule_free_adamw
+
+
 def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     """Per-rank memory of one strategy and world size.
 
@@ -479,7 +513,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     trainable = lambda p: p.trainable  # noqa: E731
     params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
     grads = sharded_bytes(facts, setup, trainable)
-    optimizer = 2 * grads
+    optimizer = optimizer_bytes(facts, setup)
     compute = DTYPE_BYTES[PRECISION_DTYPES.get(setup.precision, "float32")] if setup.precision != "no" else None
     full_compute = sum(p.numel * _gathered_itemsize(p, compute) for p in facts.params)
     root = facts.unit_bytes(0, compute)
@@ -619,7 +653,8 @@ class Planner:
             FSDPConfig.model_validate(setup.fsdp.model_dump())
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-        problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node)
+        problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node) + optimizers.wrapper_problems(
+            self.config, setup.wrapper)  # e.g. 8-bit AdamW where FSDP2 shards the parameters
         if problems:
             return problems[0][1]
         config, host = self.variant(setup.plugins)

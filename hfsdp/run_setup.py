@@ -16,6 +16,7 @@ from hfsdp.distributed import World
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.fsdp import FSDP_WRAPPERS, Wrapper, check_world, wrapper
 from hfsdp.models import attention_problems
+from hfsdp.optimizers import wrapper_problems
 from hfsdp.wrapping import rehearsal_problems
 
 
@@ -60,7 +61,8 @@ def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = 
     cannot resume here."""
     from hfsdp.components import checkpoint, resume as resuming
 
-    problems = check_world(config.fsdp, world.size, world.local_size) + attention_problems(config, world.on_cpu)
+    problems = (check_world(config.fsdp, world.size, world.local_size) + attention_problems(config, world.on_cpu)
+                + wrapper_problems(config, wrapper(config.fsdp, world.size)))
     if world.on_cpu:
         problems += rehearsal_problems(config)
     if problems:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from hfsdp import batches, data, loss as losses, models, quantization
+from hfsdp import batches, data, loss as losses, models, optimizers, quantization
 from hfsdp.components import checkpoint, data_cache, generation, plots, resume, storage, throughput
 from hfsdp.components.hf_folder import ModelFiles, model_metadata
 from hfsdp.components.metrics import MetricsWriter
@@ -183,24 +183,6 @@ def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, sele
             **objective.take_metrics(accelerator, prefix="eval_")}
 
 
-def build_optimizer(model, cfg, matrices: set[str] | None = None) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the ``matrices`` (names of the parameters that are 2-D or more; by default read
-    from ``model``, which FSDP1 cannot give: its parameters are flat views of each rank's shard). Names are
-    compared without the prefixes FSDP1 and its activation checkpointing add."""
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    if matrices is None:
-        matrices = {name for name, p in model.named_parameters() if p.ndim >= 2}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if clean_tensor_name(name) in matrices else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused: one kernel per step instead of a loop of per-parameter ops (CPU's default); 3x faster on 2 CPU cores.
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-
-
 def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
     """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
     lock), the prepared output folder and its lock (main process), for a run whose checks
@@ -273,8 +255,10 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         state = TrainerState()
         accelerator.register_for_checkpointing(scheduler, state)
         scaler = grad_scaler(setup, accelerator)
+        optimizers.set_training(optimizer)  # schedule-free steps in train mode (resume's state-making step too)
         if setup.resume_asked:
             resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world)
+            optimizers.set_training(optimizer)  # a checkpoint holds schedule-free's evaluation weights
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
@@ -425,7 +409,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     chunked = (losses.ChunkedLoss(model, vocab_size)
                if config.train.chunked_loss and replaced is None and losses.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
-                                                   lambda m, matrices=None: build_optimizer(m, config.train, matrices))
+                                                   lambda m, matrices=None: optimizers.build(m, config.train, matrices))
     quantization.check_sharded_forward(model, probe, accelerator)
     if packed:
         batches.check_packed_attention(model, vocab_size, accelerator.device)
@@ -448,6 +432,15 @@ class Evaluator:
 
     def __call__(self, step: int, label: str) -> dict[str, Any]:
         run = self.run
+        with optimizers.evaluation_weights(run.optimizer):
+            results = self._evaluate(step, label)
+        if results:
+            self.metrics.write(step, results)
+            run.plugins.call("hfsdp_on_eval", run=run, step=step, metrics=results)
+        return results
+
+    def _evaluate(self, step: int, label: str) -> dict[str, Any]:
+        run = self.run
         results: dict[str, Any] = {}
         if self.eval_set is not None:
             results.update(run.objective.evaluate(run.model, self.eval_set, run.accelerator, run.tokenizer.pad_token_id,
@@ -459,9 +452,6 @@ class Evaluator:
                                            run.config.generation_eval.max_new_tokens)
             results["gen_exact_match"] = gen.accuracy
             self.generations[label] = gen
-        if results:
-            self.metrics.write(step, results)
-            run.plugins.call("hfsdp_on_eval", run=run, step=step, metrics=results)
         return results
 
     def before_training(self) -> dict[str, Any]:
@@ -590,8 +580,9 @@ def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
     record = resume.checkpoint_record(run.config, run.state.step, accelerator.num_processes, run.plugins,
                                       run.resume_identity,
                                       resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world))
-    saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record, run.model_files,
-                                  yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
+    with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous
+        saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
+                                      run.model_files, yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
 
 
 def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pending) -> None:
@@ -604,6 +595,13 @@ def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pendi
 
 
 def export_model(run: Run, out_dir: Path) -> None:
+    # schedule-free: the averaged weights it evaluates with, held while they are written (one process's state dict
+    # holds the parameters themselves)
+    with optimizers.evaluation_weights(run.optimizer):
+        _export_weights(run, out_dir)
+
+
+def _export_weights(run: Run, out_dir: Path) -> None:
     accelerator = run.accelerator
     state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
     unwrapped = accelerator.unwrap_model(run.model)

@@ -268,6 +268,34 @@ CASES: dict[str, Case] = {
             d, plugins=["lora"], model={"name_or_path": "acme/llama-not-downloaded", "quantization": {"bits": 4}})),
             d)), str(d / "out"), "--merge-lora"],
         "'acme/llama-not-downloaded' is not in the local Hugging Face cache"),
+    # --- train.optimizer, train.optimizer_args (hfsdp.optimizers)
+    "optimizer unknown": (lambda d, s: ["train", _cfg(d, train={"optimizer": "adam"})],
+                          "train.optimizer: Input should be 'adamw', 'adamw_8bit', 'adafactor', 'muon', "
+                          "'schedule_free_adamw' or 'sgd' (got 'adam')"),
+    "optimizer argument it does not take": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer_args": {"momentum": 0.9}})],
+        "train.optimizer_args.momentum: unknown argument of adamw (torch.optim.AdamW); it takes: amsgrad, maximize, "
+        "foreach, capturable, differentiable, fused"),
+    "optimizer argument that a train key sets": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "muon", "optimizer_args": {"betas": [0.9, 0.95]}})],
+        "train.optimizer_args.betas: set by train.adam_beta1 and train.adam_beta2: remove it from optimizer_args"),
+    "optimizer argument value it refuses": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "sgd", "optimizer_args": {"momentum": -1}})],
+        "train.optimizer_args: sgd refuses them: Invalid momentum value: -1"),
+    "schedule-free with an LR schedule": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "schedule_free_adamw", "lr_scheduler": "cosine"})],
+        "train.lr_scheduler: cosine: schedule-free AdamW replaces the LR schedule"),
+    "muon under fsdp1": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "muon"}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.optimizer: muon cannot run under FSDP1: it orthogonalises each whole matrix"),
+    "8-bit adamw on fsdp2 shards": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"}, fsdp={"single_process": "fsdp"})],
+        "train.optimizer: adamw_8bit cannot run on FSDP2's sharded parameters: bitsandbytes quantizes each moment "
+        "in blocks"),
+    "8-bit adamw without bitsandbytes installed": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"})],
+        "train.optimizer: adamw_8bit needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2' "
+        "(or pip install 'hfsdp[optimizers]')"),
     # --- output and checkpoint paths, resume and export arguments
     "output_dir is an existing file": (
         lambda d, s: ["train", _cfg(d, train={"output_dir": _write(d / "out", "not a folder")})],
@@ -376,7 +404,8 @@ def _write_plugin(case: Path) -> str:
 
 
 # Cases that need another environment than the others.
-CASE_ENV = {"qlora without bitsandbytes installed": {"PYTHONPATH": str(Path(__file__).parent / "no_bitsandbytes")}}
+CASE_ENV = {case: {"PYTHONPATH": str(Path(__file__).parent / "no_bitsandbytes")}
+            for case in ("qlora without bitsandbytes installed", "8-bit adamw without bitsandbytes installed")}
 
 
 def _model_copy(shared: dict, case: Path, replace: dict) -> Path:

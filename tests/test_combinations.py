@@ -102,9 +102,15 @@ OPTIONS = {
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
+    # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
+    # weights evaluated, checkpointed and exported); 8-bit AdamW and Adafactor do not run on FSDP's parameters
+    # (refused in tests/test_bad_inputs.py; trained and resumed without FSDP in tests/test_optimizers.py)
+    "muon": {"train": {"optimizer": "muon"}},
+    "schedule_free": {"train": {"optimizer": "schedule_free_adamw"}},
 }
-# Options of the data alone (the rows each step trains on, the same under any wrapper): FSDP2 only.
-DATA_OPTIONS = ("mixture",)
+# Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
+# muon, which FSDP1 cannot run (its refusal before any weight loads: test_bad_inputs).
+FSDP2_ONLY = ("mixture", "muon")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -196,7 +202,7 @@ def startup(run: Path) -> dict:
     return json.loads((run / "startup_rank0.json").read_text())
 
 
-SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or o not in DATA_OPTIONS]
+SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or o not in FSDP2_ONLY]
 
 
 def assert_refused(proc, run: Path, world: int, reason: str) -> None:
@@ -279,7 +285,7 @@ def test_smoke(runs, version, world, option):
     assert_trained(run, proc, smoke_sections(version, world, option), (option,), version, world)
 
 
-VERSIONS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in DATA_OPTIONS]
+VERSIONS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in FSDP2_ONLY]
 
 
 @pytest.mark.parametrize("world,option", VERSIONS, ids=[f"x{w}-{o}" for w, o in VERSIONS])
@@ -302,6 +308,9 @@ def test_options_act(runs):
     for option in ("accumulation", "checkpointing", "plain_loss", "compile"):
         same = losses(smoke_run(runs, 2, 2, option)[0])
         assert same[STEPS][0] == pytest.approx(base[STEPS][0], rel=1e-4), option
+    # schedule-free's first step is AdamW's (Adam's first normalised step, no average yet): compared at the last
+    for option in ("muon", "schedule_free"):
+        assert losses(smoke_run(runs, 2, 2, option)[0])[STEPS][0] != base[STEPS][0], option
 
 
 # Pairs (issue 34): each feature here meets each other one, the pairs generated from this table, on 2 ranks (FSDP2;
@@ -428,7 +437,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "grpo")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "grpo", "muon",
+                                      "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 
 
