@@ -321,14 +321,16 @@ FEATURES = {
     "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
     "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
     "size_wrap": {"layers", "units"},           # FSDP units of its own policy
-    "fsdp1": {"units", "params", "state"},      # flat parameters, ShardedTensor state dicts
-    "lora": {"params", "state"},                # adapters trained and exported
-    "qlora": {"params", "layers", "state"},     # a 4-bit Linear in every layer, probed after sharding
+    "fsdp1": {"units", "params", "model_state", "optim_state"},  # flat parameters, ShardedTensor state dicts
+    "lora": {"params", "model_state"},          # adapters trained and exported
+    "qlora": {"params", "layers", "model_state"},  # a 4-bit Linear in every layer, probed after sharding
     "packing": {"rows", "attention"},           # rows of several samples, position_ids
     "mixture": {"rows"},                        # rows of several sources
     "dpo": {"rows", "loss"},                    # preference rows, two completions a row
-    "async_save": {"state"},                    # checkpoints staged, then written in the background
+    "async_save": {"model_state", "optim_state"},  # checkpoints staged, then written in the background
     "grpo": {"layers", "rows", "loss"},         # generation through every layer, rounds of completions
+    "muon": {"params", "optim_state"},          # whole-matrix updates of the 2-D weights; AdamW for the rest
+    "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
 }
 PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
 # What a pair cannot do, refused before any weight loads with this reason (the first three as in REFUSED).
@@ -339,6 +341,7 @@ REFUSED_PAIRS = {
     frozenset(("packing", "dpo")): "packing cannot pack preference rows",
     frozenset(("packing", "grpo")): "packing cannot pack grpo's rows",
     frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("muon", "fsdp1")): "muon cannot run under FSDP1",
 }
 
 
@@ -363,7 +366,7 @@ SAME_STEPS = ("checkpointing", "compile", "size_wrap", "async_save")
 
 # The parts a resume restores (state dicts) or replays (the rows of each step): pairs with a feature that changes
 # one of them are resumed; the others resume as their features do alone.
-RESUMED_PARTS = {"state", "rows"}
+RESUMED_PARTS = {"model_state", "optim_state", "rows"}
 
 
 def pytest_generate_tests(metafunc):
