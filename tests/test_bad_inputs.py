@@ -317,6 +317,8 @@ CASES: dict[str, Case] = {
                          "data.format: dpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
     "preference rows without a preference objective": (lambda d, s: ["train", _pref(d, [], plugins=[])],
                                                        "data.format: preference rows train a preference objective"),
+    "orpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["orpo"])],
+                          "data.format: orpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
 }
 
 PAIR = {"prompt": "Q: what is 2+2?", "chosen": " 4", "rejected": " 5"}
