@@ -33,6 +33,22 @@ def run_hfsdp(config: str, overrides: list[str], out: Path) -> list[dict]:
     return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
 
 
+def in_plan_order(cfg, host, steps: int):
+    """(model path, tokenizer, raw rows, hfsdp's tokenized rows, the row of each of the steps' places in order).
+    hfsdp's plan is over its tokenized rows: the same row count (no row is dropped in this data), so the same order."""
+    from hfsdp import batches, data, models
+    from hfsdp.cli import _cache_dir
+
+    t = cfg.train
+    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
+    tokenizer = models.load_tokenizer(path, cfg.model)
+    raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
+    train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
+    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed)
+    return path, tokenizer, raw, train_set, [i for step in range(steps) for i in plan.rows(step, 0, 0)]
+
+
 def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float]]:
     import datasets
     import torch
@@ -44,14 +60,8 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     from trl_sft import step_times, training_args  # benchmarks/, next to this file
 
     t = cfg.train
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    tokenizer = models.load_tokenizer(path, cfg.model)
-    raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
-    # hfsdp's plan over its tokenized rows: the same row count (no row is dropped in this data), so the same order
-    train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
-    assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
-    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed)
-    ordered = datasets.Dataset.from_list([raw[i] for step in range(steps) for i in plan.rows(step, 0, 0)])
+    path, tokenizer, raw, _, order = in_plan_order(cfg, host, steps)
+    ordered = datasets.Dataset.from_list([raw[i] for i in order])
 
     losses: list[float] = []
     margins: list[float] = []
@@ -79,6 +89,13 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
                               processing_class=tokenizer, callbacks=[step_times(times)])
         trainer.train()
     return losses, margins, times
+
+
+def speed(ours: list[dict], trl_times: list[float]) -> str:
+    """The median step times (the first step left out) and their ratio."""
+    ours_time = statistics.median(m["step_time_s"] for m in ours[1:])
+    trl_time = statistics.median(trl_times[1:])
+    return f"median step time: hfsdp {ours_time:.3f} s, TRL {trl_time:.3f} s: hfsdp is {trl_time / ours_time:.2f}x TRL's speed"
 
 
 def main() -> None:
@@ -120,10 +137,7 @@ def main() -> None:
     print(f"largest loss difference {worst_loss:.2e} relative (target 1e-4), margin {worst_margin:.2e} "
           f"(target 1e-3), over {steps} steps: {'MET' if worst_loss <= 1e-4 and worst_margin <= 1e-3 and steps >= 5 else 'NOT MET'}")
     print(f"step 0: hfsdp's first loss - ln 2 = {ours[0]['loss'] - math.log(2):+.2e}")
-    ours_time = statistics.median(m["step_time_s"] for m in ours[1:])
-    trl_time = statistics.median(trl_times[1:])
-    print(f"median step time: hfsdp {ours_time:.3f} s, TRL {trl_time:.3f} s: hfsdp is {trl_time / ours_time:.2f}x "
-          "TRL's speed (goal 1.15x)")
+    print(speed(ours, trl_times) + " (goal 1.15x)")
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
                     for key, name in named if name not in formats]
         if any(name == "preference" for _, name in named) and not host.implementers("hfsdp_objective"):
             problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
-                                            "[dpo]), or use data.format: chat or instruction for supervised "
+                                            "[dpo], [orpo] or [simpo]), or use data.format: chat or instruction for supervised "
                                             "fine-tuning"))
         if any(name == "prompt" for _, name in named) and not host.implementers("hfsdp_objective"):
             problems.append(("data.format", "prompt rows (without answers) train an objective that generates the "

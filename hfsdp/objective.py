@@ -67,6 +67,11 @@ class Objective:
         None for hfsdp's: the mean of :meth:`loss` over the split's batches, with :meth:`eval_metrics`."""
         return None
 
+    def start_step(self, accelerator, micro: list[MicroBatch]) -> None:
+        """Before the forwards of a training step (``micro``: this rank's micro-batches of the global batch) and of
+        each eval micro-batch: e.g. to sum over the ranks a count that :meth:`loss` normalises a term by (a token
+        mean over the global batch). Collective when it communicates: every rank calls it at the same points."""
+
     def loss(self, model, batch: MicroBatch) -> torch.Tensor:
         """The micro-batch's summed loss (a 0-dim tensor with its graph); record metrics here, on the device."""
         raise NotImplementedError(f"{type(self).__name__} must implement loss(model, batch)")

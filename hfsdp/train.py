@@ -175,6 +175,7 @@ def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, sele
         batch = objective.micro_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
         if rows is None:  # filler so that every rank runs the same number of forwards
             batch.make_filler()
+        objective.start_step(accelerator, [batch])
         loss_sum += float(objective(model, batch))
         tokens += batch.num_targets
     model.train()
@@ -485,6 +486,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
     global_labels, global_tokens, global_sq_lengths = all_sum(
         accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
+    run.objective.start_step(accelerator, micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
         part = run.objective(model, batch)

@@ -362,6 +362,8 @@ CASES: dict[str, Case] = {
     "grpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["grpo"], data={"eval_path": None},
                                                       grpo={"rewards": [{"name": "json_fields"}]})],
                           "data.format: grpo generates completions of prompts: set data.format: prompt"),
+    "orpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["orpo"])],
+                          "data.format: orpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
 }
 
 PROMPT = {"prompt": "Q: what is 2+2?", "answer": "4"}

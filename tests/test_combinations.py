@@ -35,9 +35,11 @@ TRAIN = {"max_steps": STEPS, "save_every": 2, "lr_scheduler": "constant", "weigh
 LORA = {"plugins": ["lora"]}
 PACKING = {"plugins": ["packing"], "data": {"max_seq_len": 256}}  # rows of ~80 tokens: about 3 per packed row
 
-# DPO (plugin dpo) on the bundled preference pairs: full fine-tuning, reference log-probs precomputed and cached
-DPO = {"plugins": ["dpo"], "data": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
-                                    "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}}
+# Preference objectives on the bundled pairs. DPO (plugin dpo): full fine-tuning, reference log-probs precomputed
+# and cached; ORPO full fine-tuning (its NLL a token mean over the global batch); SimPO with LoRA and its NLL term.
+PAIRS_DATA = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
+              "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}
+DPO = {"plugins": ["dpo"], "data": PAIRS_DATA}
 
 # GRPO (plugin grpo) on the bundled prompts, full fine-tuning: a reward that differs within a group (module:function
 # on PYTHONPATH), 3 iterations a round, so that the step-2 checkpoint is inside a round (its completions restored)
@@ -98,6 +100,8 @@ OPTIONS = {
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
     "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
     "dpo": DPO,
+    "orpo": {"plugins": ["orpo"], "data": PAIRS_DATA},
+    "lora_simpo": {"plugins": ["lora", "simpo"], "data": PAIRS_DATA, "simpo": {"nll_weight": 1.0}},
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
@@ -298,10 +302,29 @@ def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
         assert a[step][1] == pytest.approx(b[step][1], rel=GRAD_REL.get(option, DEFAULT_GRAD_REL)), (step, a, b)
 
 
+def test_two_ranks_of_one_pair_each_compute_what_one_process_of_two_pairs_computes(runs):
+    """ORPO's NLL term is a token mean over the global batch (its tokens summed over the ranks before the
+    forwards): 2 ranks of 1 pair each give the losses, NLL, metrics and evals of the one-process smoke run."""
+    one, _ = smoke_run(runs, 2, 1, "orpo")
+    sections = _merge(smoke_sections(2, 2, "orpo"), {"train": {"per_device_batch_size": 1}})
+    two, _ = runs.run("fsdp2-x2-orpo-1pair", 2, sections)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
+    compared = 0
+    for x, y in zip(a, b):
+        for key in ("loss", "nll_loss", "rewards/margins", "log_odds_ratio", "eval_loss", "eval_nll_loss"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x, y)  # margins near 0
+                compared += 1
+        if "grad_norm" in x:  # float32 sums of other orders over the shards
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
+    assert compared >= 4 * STEPS
+
+
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16", "dpo", "mixture", "grpo"):
+    for option in ("packing", "lora", "bf16", "dpo", "orpo", "lora_simpo", "mixture", "grpo"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -440,8 +463,8 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "mixture", "grpo", "muon",
-                                      "schedule_free")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "mixture",
+                                      "grpo", "muon", "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 
 

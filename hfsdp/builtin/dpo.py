@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from hfsdp import hookimpl
+from hfsdp.builtin.preference import format_problems
 from hfsdp.config import Section
 
 
@@ -37,10 +38,7 @@ def reference_route(config) -> str:
 @hookimpl
 def hfsdp_validate_config(config):
     section: DpoSection = config.section("dpo")
-    problems = []
-    if config.data.format != "preference":
-        problems.append(("data.format", f"dpo trains on preference rows (prompt, chosen, rejected), not "
-                                        f"'{config.data.format}': set data.format: preference"))
+    problems = format_problems(config, "dpo")
     if section.reference == "adapter" and "lora" not in config.plugins:
         problems.append(("dpo.reference", "adapter: the reference is the base model with the LoRA adapters disabled, "
                                           "but lora is not enabled; add lora to plugins, or use reference: precomputed "

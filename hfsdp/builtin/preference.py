@@ -112,6 +112,14 @@ def tokenize_preference(batch, tokenizer, data_config):
     return out
 
 
+def format_problems(config, plugin: str) -> list[tuple[str, str]]:
+    """The problem of a preference objective's run whose data is not ``preference`` rows (none if it is)."""
+    if config.data.format == FORMAT:
+        return []
+    return [("data.format", f"{plugin} trains on preference rows (prompt, chosen, rejected), not "
+                            f"'{config.data.format}': set data.format: {FORMAT}")]
+
+
 @hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_preference}

@@ -1,0 +1,139 @@
+"""hfsdp's reference-free preference objectives against TRL 1.16, step by step: ``orpo`` against
+``ORPOTrainer``, ``simpo`` against ``CPOTrainer(loss_type="simpo")`` (issue 36).
+
+As benchmarks/trl_dpo.py: the same model folder, the same pairs in the same order per step (hfsdp's
+``BatchPlan``, read sequentially by TRL), the same hyper-parameters (AdamW, LR schedule, clipping), fp32, one
+process, full fine-tuning. TRL's CPO and ORPO trainers tokenize by older conventions than its DPOTrainer (a BOS and
+an EOS appended, the prompt cut where the tokenizations first differ by one token), so TRL is given hfsdp's tokens of
+the same rows (its ``tokenize_row`` replaced): what is compared is the loss, its gradient and the optimizer step.
+Prints, per step, each side's loss and every logged metric both trainers share, their largest relative
+difference (target 1e-5), and the step-time ratio (median, first step left out).
+
+    python benchmarks/trl_preference.py orpo [CONFIG] --steps 6 [--set KEY=VALUE ...]
+    python benchmarks/trl_preference.py simpo --steps 6 --set simpo.nll_weight=1.0
+
+CONFIG defaults to the objective's preset (``orpo``, ``simpo``). Needs TRL: ``pip install -e '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from trl_dpo import in_plan_order, run_hfsdp, speed  # benchmarks/, next to this file
+from trl_sft import step_times, training_args
+
+# hfsdp's metric -> TRL's (both trainers log these)
+SHARED = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
+          "rewards/margins": "rewards/margins", "rewards/accuracy": "rewards/accuracies",
+          "logps/chosen": "logps/chosen", "logps/rejected": "logps/rejected", "nll_loss": "nll_loss"}
+OWN = {"orpo": {"log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen"}, "simpo": {}}
+
+
+def trl_trainer(objective: str, cfg):
+    """(trainer class, config class, the objective's TRL arguments)."""
+    if objective == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer, ORPOConfig, {"beta": cfg.section("orpo").beta}
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    s = cfg.section("simpo")
+    return CPOTrainer, CPOConfig, {"loss_type": "simpo", "beta": s.beta, "simpo_gamma": s.gamma,
+                                   "cpo_alpha": s.nll_weight}
+
+
+def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+
+    from hfsdp import IGNORE_INDEX, models
+
+    t = cfg.train
+    path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
+    ordered = datasets.Dataset.from_list([{**raw[i], "hfsdp_row": i} for i in order])
+
+    def hfsdp_tokens(feature, model=None):
+        row = train_set[feature["hfsdp_row"]]
+        start = next(k for k, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+        out = {"prompt_input_ids": row["input_ids"][:start], "prompt_attention_mask": [1] * start}
+        for side, ids, labels in (("chosen", "input_ids", "labels"),
+                                  ("rejected", "rejected_input_ids", "rejected_labels")):
+            out |= {f"{side}_input_ids": row[ids], f"{side}_attention_mask": [1] * len(row[ids]),
+                    f"{side}_labels": row[labels]}
+        return out
+
+    losses: list[float] = []
+    metrics: list[dict] = []
+    times: list[float] = []
+    trainer_cls, config_cls, own_args = trl_trainer(objective, cfg)
+
+    class InPlanOrder(trainer_cls):
+        tokenize_row = staticmethod(hfsdp_tokens)
+
+        def _get_train_sampler(self, *unused, **unused_kw):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, logged = super().compute_loss(model, inputs, True, num_items_in_batch)
+            losses.append(float(loss.detach()))
+            metrics.append(logged)
+            return (loss, logged) if return_outputs else loss
+
+    torch.manual_seed(t.seed)
+    model = models.load_model(path, cfg.model)
+    with tempfile.TemporaryDirectory() as out:
+        args = config_cls(**training_args(cfg.train, out, steps), max_length=cfg.data.max_seq_len,
+                          remove_unused_columns=False, **own_args)
+        trainer = InPlanOrder(model=model, args=args, train_dataset=ordered, processing_class=tokenizer,
+                              callbacks=[step_times(times)])
+        trainer.train()
+    return losses, metrics, times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("objective", choices=sorted(OWN))
+    parser.add_argument("config", nargs="?", help="default: the objective's preset")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    from hfsdp.config_files import load_config
+
+    config = args.config or args.objective
+    overrides = [f"train.max_steps={args.steps}", "train.eval_every=null",
+                 "train.eval_at_start=false", "train.log_every=1", "train.export_final=false", "data.eval_path=null",
+                 *args.overrides]
+    cfg, host = load_config(config, overrides)
+    if cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no" or cfg.plugins != [args.objective]:
+        raise SystemExit("trl_preference.py compares one process, fp32, full fine-tuning, without gradient "
+                         "accumulation")
+    with tempfile.TemporaryDirectory() as out:
+        ours = run_hfsdp(config, overrides, Path(out) / "run")
+    trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps)
+
+    names = {**SHARED, **OWN[args.objective]}
+    if "nll_loss" not in ours[0]:
+        names.pop("nll_loss")
+    print(f"\n{args.objective} on {cfg.model.name_or_path} against TRL's {trl_trainer(args.objective, cfg)[0].__name__}"
+          f", {cfg.train.per_device_batch_size} pairs per step, {cfg.plugin_config.get(args.objective) or {}}, "
+          f"lr {cfg.train.learning_rate}, fp32, one process")
+    print(f"{'step':>4} {'metric':>16} {'hfsdp':>13} {'TRL':>13} {'rel diff':>9}")
+    worst = 0.0
+    for step, (m, loss, logged) in enumerate(zip(ours, trl_losses, trl_metrics), start=1):
+        for name, a, b in [("loss", m["loss"], loss)] + [(n, m[n], logged[t]) for n, t in names.items()]:
+            rel = abs(a - b) / max(abs(b), 1e-12) if a != b else 0.0
+            worst = max(worst, rel)
+            print(f"{step:>4} {name:>16} {a:>13.7f} {b:>13.7f} {rel:>9.2e}")
+    steps = min(len(ours), len(trl_losses))
+    print(f"largest relative difference {worst:.2e} (target 1e-5) over {steps} steps, loss and {len(names)} metrics: "
+          f"{'MET' if worst <= 1e-5 and steps >= 6 else 'NOT MET'}")
+    print(speed(ours, trl_times))
+
+
+if __name__ == "__main__":
+    main()
