@@ -95,30 +95,34 @@ def signature_keys(choice: Choice) -> list[str]:
 
 def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     """What cannot work, from the config alone, before any weight loads: a package not installed, an argument the
-    optimizer does not take or refuses, schedule-free with an LR schedule."""
-    import torch
-
+    optimizer does not take or refuses, schedule-free with an LR schedule. torch is imported only to check Muon's
+    presence or ``optimizer_args`` (by the optimizer's signature and a step on a small layer): validating a config
+    without them stays torch-free (``hfsdp validate --no-rows``)."""
     cfg = config.train
     choice = CHOICES[cfg.optimizer]
     if not choice.installed:
         return [("train.optimizer", f"{cfg.optimizer} needs {choice.pip.split('==')[0]}, which is not installed: "
                                     f"pip install '{choice.pip}' (or pip install 'hfsdp[optimizers]')")]
-    if cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
-        return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch.__version__} lacks: "
-                                    "pip install 'torch>=2.9'")]
+    if cfg.optimizer == "muon":
+        import torch
+
+        if not hasattr(torch.optim, "Muon"):
+            return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch.__version__} lacks: "
+                                        "pip install 'torch>=2.9'")]
     out = []
-    valid = signature_keys(choice)
-    for key in cfg.optimizer_args:
-        if key in set_by_hfsdp(choice):
-            out.append((f"train.optimizer_args.{key}", f"set by {SET_BY[key]}: remove it from optimizer_args"))
-        elif key not in valid:
-            out.append((f"train.optimizer_args.{key}",
-                        f"unknown argument of {cfg.optimizer} ({choice.path.replace(':', '.')}); it takes: "
-                        f"{', '.join(valid) or 'none'}"))
-    if not out:
-        refused = _try_on_small_tensors(config)
-        if refused:
-            out.append(("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}"))
+    if cfg.optimizer_args:
+        valid = signature_keys(choice)
+        for key in cfg.optimizer_args:
+            if key in set_by_hfsdp(choice):
+                out.append((f"train.optimizer_args.{key}", f"set by {SET_BY[key]}: remove it from optimizer_args"))
+            elif key not in valid:
+                out.append((f"train.optimizer_args.{key}",
+                            f"unknown argument of {cfg.optimizer} ({choice.path.replace(':', '.')}); it takes: "
+                            f"{', '.join(valid) or 'none'}"))
+        if not out:
+            refused = _try_on_small_tensors(config)
+            if refused:
+                out.append(("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}"))
     if cfg.optimizer == "schedule_free_adamw" and cfg.lr_scheduler != "constant":
         out.append(("train.lr_scheduler", f"{cfg.lr_scheduler}: schedule-free AdamW replaces the LR schedule (it "
                                           "averages its iterates instead): set train.lr_scheduler: constant "
