@@ -29,6 +29,8 @@ def _corrupt_first_packed_shard(module) -> bool:
 def hfsdp_modify_model(model):
     import torch.distributed.fsdp as fsdp  # Accelerate imports fully_shard from here when it prepares the model
 
+    if getattr(fsdp.fully_shard, "corrupts", False):  # asked again (hfsdp asks for the meta model first, to
+        return None                                      # estimate a checkpoint): a second wrapper would flip back
     original = fsdp.fully_shard
     done = []
 
@@ -38,5 +40,6 @@ def hfsdp_modify_model(model):
             done.append(True)
         return out
 
+    fully_shard.corrupts = True
     fsdp.fully_shard = fully_shard
     return None
