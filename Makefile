@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/hfsdp train --overwrite
 
+# Two pytest-xdist workers (one a core): a module's tests stay in one worker (tests/conftest.py).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/hfsdp bench

@@ -19,9 +19,11 @@ or DDP (``fsdp.sharding_strategy: NO_SHARD``), runs them (:func:`wrapper_problem
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -209,6 +211,32 @@ def build(model: "torch.nn.Module", cfg: "TrainConfig", matrices: set[str] | Non
                     {"params": by_kind["decay"], "weight_decay": cfg.weight_decay},
                     {"params": by_kind["no_decay"], "weight_decay": 0.0}]
     return choice.load()([g for g in param_groups if g["params"]], **kwargs)
+
+
+def schedule_factor(step: int, *, name: str, warmup: int, total: int) -> float:
+    """The learning rate's factor at ``step`` of ``train.lr_scheduler`` ``name`` after ``warmup`` steps of
+    ``total``: transformers' ``get_constant_schedule_with_warmup``, ``get_linear_schedule_with_warmup`` and
+    ``get_cosine_schedule_with_warmup`` (half a cycle), expression for expression, so the rates are its own bit for
+    bit (tests/test_optimizers.py). Written here because ``transformers.optimization`` imports ``trainer_utils``,
+    which imports peft and, through it, bitsandbytes and Inductor: about 2 s of every process's start."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if name == "constant":
+        return 1.0
+    if name == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+def build_scheduler(optimizer: "torch.optim.Optimizer", cfg: "TrainConfig",
+                    max_steps: int) -> "torch.optim.lr_scheduler.LambdaLR":
+    """``cfg.lr_scheduler`` over ``max_steps`` as a ``LambdaLR`` of :func:`schedule_factor` (a ``partial``, as
+    transformers makes it, so its state dict is transformers' too)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, functools.partial(schedule_factor, name=cfg.lr_scheduler, warmup=cfg.warmup_steps,
+                                                 total=max_steps))
 
 
 @contextlib.contextmanager

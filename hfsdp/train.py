@@ -208,13 +208,6 @@ def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock 
     return model_path, output_dir, lock
 
 
-def build_scheduler(optimizer, cfg, max_steps: int):
-    from transformers import get_scheduler
-
-    return get_scheduler(cfg.lr_scheduler if cfg.lr_scheduler != "constant" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps)
-
-
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     # ---- set up: the run was decided and checked before anything loads (hfsdp.run_setup.decide)
     config, world = setup.config, setup.world
@@ -252,7 +245,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         select_logits = models.accepts_logits_to_keep(unwrapped)
         report = report_startup(setup, accelerator, model, output_dir)
 
-        scheduler = build_scheduler(optimizer, config.train, max_steps)
+        scheduler = optimizers.build_scheduler(optimizer, config.train, max_steps)
         state = TrainerState()
         accelerator.register_for_checkpointing(scheduler, state)
         scaler = grad_scaler(setup, accelerator)

@@ -146,5 +146,15 @@ def sharegpt_rows() -> list[dict[str, Any]]:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--all-pairs", action="store_true", dest="all_pairs",
-                     help="test_combinations.py: every pair of features, not only those that share code (CI's)")
+    parser.addoption("--full-matrix", action="store_true", dest="full_matrix",
+                     help="test_combinations.py: every smoke and resume cell and every pair of features, not only "
+                          "CI's tier of them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) each module's tests run in one worker, so
+    that a module-scoped run is made once; a module whose runs are shared through the disk instead
+    (``SHARED_RUNS = True``: test_combinations.py) spreads its tests over the workers one by one."""
+    for item in items:
+        if not getattr(item.module, "SHARED_RUNS", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

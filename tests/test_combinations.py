@@ -7,13 +7,17 @@
 * Resume: a run ``--resume``d from the step-2 checkpoint of its smoke run gives the same losses at steps 3 and 4
   and the same exported weights, bit for bit (``torch.equal``).
 
-Runs are made once per module and shared between the tests that read them (:class:`Runs`).
+CI runs a tier of each matrix, ``pytest --full-matrix`` all of it (:func:`pytest_generate_tests`). Runs are made
+once and shared between the tests that read them, across pytest-xdist's workers (:class:`Runs`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,6 +29,7 @@ import yaml
 from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
 
 pytestmark = pytest.mark.slow
+SHARED_RUNS = True  # Runs: on disk, for every pytest-xdist worker (conftest.pytest_collection_modifyitems)
 
 STEPS = 4
 # Constant LR: a resumed run continues the same schedule whatever max_steps it is given; weight decay on, so that
@@ -144,39 +149,48 @@ DEFAULT_GRAD_REL = 1e-3
 
 
 class Runs:
-    """Runs made on first use and kept for the module: ``get(key)`` -> the run folder (or the failed process)."""
+    """Runs made on first use and kept for the session: ``run(key, ...)`` -> the run folder and its process.
+
+    One run serves every key of the same world, sections and arguments (a pair of features that is also an option
+    of the smoke matrix trains once). The record of each run is on disk, under a lock, so that the workers of
+    ``pytest -n 2`` (make test) share it: a test that needs a run another worker is making waits for it. A run that
+    failed is kept failed: every test that reads it fails with its error, without running it again."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.done: dict[str, tuple[Path, object]] = {}
 
-    def run(self, key: str, world: int, sections: dict, *extra: str, config_dir: Path | None = None,
-            check: bool = True):
-        """The run of ``key``; one run serves every key of the same world, sections and arguments (a pair of
-        features that is also an option of the smoke matrix trains once). A run that failed is kept failed: every
-        test that reads it fails with its error, without running it again."""
-        same = json.dumps([world, sections, extra, str(config_dir)], sort_keys=True)
-        if key not in self.done and same in self.done:
-            self.done[key] = self.done[same]
-        if key not in self.done:
-            folder = config_dir or (self.root / key)
-            folder.mkdir(parents=True, exist_ok=True)
-            config = tiny_config(folder, **sections)
-            args = ("train", str(config), *extra)
-            try:
-                done = (folder / "run", run_cli(*args, check=check, env=ENV) if world == 1
-                        else run_torchrun(world, *args, check=check, env=ENV))
-            except (AssertionError, subprocess.TimeoutExpired) as failed:
-                done = failed
-            self.done[key] = self.done[same] = done
-        if isinstance(self.done[key], Exception):
-            raise AssertionError(f"run {key} failed (once, for every test that reads it): {self.done[key]}")
-        return self.done[key]
+    def run(self, key: str, world: int, sections: dict, *extra: str, check: bool = True):
+        same = json.dumps([world, sections, extra], sort_keys=True)
+        record = self.root / "records" / f"{hashlib.sha1(same.encode()).hexdigest()[:16]}.json"
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with open(record.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.exists():
+                record.write_text(json.dumps(self._make(key, world, sections, extra, check)))
+        done = json.loads(record.read_text())
+        if "failed" in done:
+            raise AssertionError(f"run {done['key']} failed (once, for every test that reads it): {done['failed']}")
+        return Path(done["run"]), subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"],
+                                                              done["stderr"])
+
+    def _make(self, key: str, world: int, sections: dict, extra: tuple[str, ...], check: bool) -> dict:
+        folder = self.root / key
+        folder.mkdir(parents=True)
+        args = ("train", str(tiny_config(folder, **sections)), *extra)
+        try:
+            proc = (run_cli(*args, check=check, env=ENV) if world == 1
+                    else run_torchrun(world, *args, check=check, env=ENV))
+        except (AssertionError, subprocess.TimeoutExpired) as failed:
+            return {"key": key, "failed": str(failed)}
+        return {"key": key, "run": str(folder / "run"), "args": proc.args, "returncode": proc.returncode,
+                "stdout": proc.stdout, "stderr": proc.stderr}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("combinations"))
+    """The session's runs, in one folder for every pytest-xdist worker (the parent of each worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return Runs((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "combinations")
 
 
 def smoke_sections(version: int, world: int, option: str) -> dict:
@@ -210,6 +224,10 @@ def startup(run: Path) -> dict:
 
 
 SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or o not in FSDP2_ONLY]
+# CI's tier (``pytest --full-matrix``: every cell): FSDP1 on one process only for the base run and LoRA's refusal,
+# since FSDP1's own paths are its flat parameters and state dicts, which 2 ranks shard (every option there).
+FSDP1_ONE_PROCESS_CI = ("base", "lora")
+CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if (v, w) != (1, 1) or o in FSDP1_ONE_PROCESS_CI]
 
 
 def assert_refused(proc, run: Path, world: int, reason: str) -> None:
@@ -281,8 +299,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
 
 
-@pytest.mark.parametrize("version,world,option", SMOKE, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in SMOKE])
-def test_smoke(runs, version, world, option):
+def test_smoke(runs, smoke_cell):
+    version, world, option = smoke_cell
     run, proc = smoke_run(runs, version, world, option)
     if (version, world, option) in REFUSED:
         assert_refused(proc, run, world, REFUSED[version, world, option])
@@ -290,11 +308,8 @@ def test_smoke(runs, version, world, option):
     assert_trained(run, proc, smoke_sections(version, world, option), (option,), version, world)
 
 
-VERSIONS = [(w, o) for o in OPTIONS for w in (1, 2) if (1, w, o) not in REFUSED and o not in FSDP2_ONLY]
-
-
-@pytest.mark.parametrize("world,option", VERSIONS, ids=[f"x{w}-{o}" for w, o in VERSIONS])
-def test_fsdp1_computes_what_fsdp2_computes(runs, world, option):
+def test_fsdp1_computes_what_fsdp2_computes(runs, version_cell):
+    _, world, option = version_cell
     one, _ = smoke_run(runs, 1, world, option)
     two, _ = smoke_run(runs, 2, world, option)
     a, b = losses(one), losses(two)
@@ -339,8 +354,8 @@ def test_options_act(runs):
 
 # Pairs (issue 34): each feature here meets each other one, the pairs generated from this table, on 2 ranks (FSDP2;
 # FSDP1 when fsdp1 is one of the pair). A feature names the parts of hfsdp it changes: pairs whose features share a
-# part run in CI (smoke and resume); the others, which share no code, run with ``pytest --all-pairs``. A feature
-# that lands adds a row here and so meets every other one.
+# part run in CI, and those that meet in a resumed part are resumed; the others, which share no code, run with
+# ``pytest --full-matrix``. A feature that lands adds a row here and so meets every other one.
 FEATURES = {
     "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
     "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
@@ -395,9 +410,19 @@ RESUMED_PARTS = {"model_state", "optim_state", "rows"}
 
 
 def pytest_generate_tests(metafunc):
-    pairs = ALL_PAIRS if metafunc.config.getoption("all_pairs") else CI_PAIRS
-    resumed = [(a, b) for a, b in pairs
-               if frozenset((a, b)) not in REFUSED_PAIRS and RESUMED_PARTS & (FEATURES[a] | FEATURES[b])]
+    """CI's tier of each matrix, or with ``pytest --full-matrix`` all of it: every smoke and resume cell, every pair,
+    and the resume of every pair with a feature that changes a resumed part (CI's: pairs that meet in one)."""
+    full = metafunc.config.getoption("full_matrix")
+    pairs = ALL_PAIRS if full else CI_PAIRS
+    resumed = [(a, b) for a, b in pairs if frozenset((a, b)) not in REFUSED_PAIRS
+               and RESUMED_PARTS & ((FEATURES[a] | FEATURES[b]) if full else (FEATURES[a] & FEATURES[b]))]
+    smoke = SMOKE if full else CI_SMOKE
+    cells = {"smoke_cell": smoke,
+             "version_cell": [(v, w, o) for v, w, o in smoke if v == 1 and (1, w, o) not in REFUSED],
+             "resume_cell": RESUME if full else CI_RESUME}
+    for name, which in cells.items():
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, which, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in which])
     for name, which in (("pair", pairs), ("resumed_pair", resumed)):
         if name in metafunc.fixturenames:
             metafunc.parametrize(name, which, ids=[f"{a}+{b}" for a, b in which])
@@ -484,10 +509,14 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "mixture",
                                       "grpo", "muon", "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
+# CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
+# full-logits loss and ORPO resume as the base run and SimPO do.
+CI_RESUME = [(v, w, o) for v, w, o in RESUME
+             if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing")) and o not in ("plain_loss", "orpo")]
 
 
-@pytest.mark.parametrize("version,world,option", RESUME, ids=[f"fsdp{v}-x{w}-{o}" for v, w, o in RESUME])
-def test_resume_is_exact(runs, version, world, option):
+def test_resume_is_exact(runs, resume_cell):
+    version, world, option = resume_cell
     run, _ = smoke_run(runs, version, world, option)
     resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
     assert_resumed_exactly(resumed, run)

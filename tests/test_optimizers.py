@@ -244,3 +244,29 @@ def test_unsharded_optimizers_train_and_resume_bit_for_bit_on_one_process(runs, 
 
 
 STATE_NAMES = {"adamw_8bit": {"state1", "state2", "absmax1", "absmax2"}, "adafactor": {"row_var", "col_var"}}
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_each_lr_scheduler_gives_the_rates_of_transformers_get_scheduler_bit_for_bit(name, warmup):
+    """hfsdp's schedules (written out so that a run need not import transformers.optimization, which loads peft
+    and bitsandbytes) are transformers' own: every rate over a run and past its end, and the state dict."""
+    from transformers import get_scheduler
+
+    from hfsdp import optimizers
+    from hfsdp.config import TrainConfig
+
+    cfg = TrainConfig(output_dir="x", max_steps=10, lr_scheduler=name, warmup_steps=warmup)
+    ours_opt, theirs_opt = (torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-3) for _ in range(2))
+    ours = optimizers.build_scheduler(ours_opt, cfg, 10)
+    theirs = get_scheduler("constant_with_warmup" if name == "constant" else name, theirs_opt,
+                           num_warmup_steps=warmup, num_training_steps=10)
+    rates = []
+    for _ in range(13):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        rates.append(ours.get_last_lr()[0])
+        for opt, sched in ((ours_opt, ours), (theirs_opt, theirs)):
+            opt.step()
+            sched.step()
+    assert len(set(rates)) == 1 if name == "constant" and warmup == 0 else len(set(rates)) > 3, rates
+    assert ours.state_dict() == theirs.state_dict()
