@@ -8,8 +8,11 @@
   (``get_output_embeddings()``: the ``lm_head``, a LoRA-wrapped one, or the tied embedding) computes the loss
   itself, inside the model's forward, so FSDP's gathered (unsharded) head is the one used. It takes the hidden
   states of the labelled positions only and runs the projection and the cross entropy over chunks of
-  ``chunk_tokens`` positions, each under ``torch.utils.checkpoint``: forward keeps no chunk's logits, backward
-  recomputes one chunk at a time. At most one chunk's logits, their float32 copy and gradient exist at once.
+  ``chunk_tokens`` positions. With autograd on, each chunk's gradients with respect to the hidden states and the
+  head's trainable parameters are computed right there, in the forward (as Liger's fused linear cross entropy
+  does), and only they are kept: backward scales them by the loss's gradient, with no second head projection. At
+  most one chunk's logits, their float32 copy and gradient exist at once; the head's gradient exists from the end
+  of the forward, where the backward that follows would make it anyway.
 
 Both compute the same sum over the same positions (up to float32 summation order), so the global-batch
 normalisation in ``hfsdp.train`` and everything that depends on it stay as they are. The chunked loss is used only
@@ -47,16 +50,55 @@ def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
     return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                          targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """``sum(cross_entropy(head(hidden).float(), targets))`` over ``hidden`` (positions x width) in chunks of
-    ``chunk_tokens`` positions; with autograd on, each chunk is checkpointed (its logits recomputed in backward)."""
-    recompute = torch.is_grad_enabled()
-    total = None
+def _chunks(hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
     for start in range(0, max(hidden.size(0), 1), chunk_tokens):  # an empty micro-batch: one empty chunk
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        part = (torch.utils.checkpoint.checkpoint(_chunk_loss, head, h, t, use_reentrant=False) if recompute
-                else _chunk_loss(head, h, t))
+        yield hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+
+
+class _GradientsInForward(torch.autograd.Function):
+    """The summed loss of :func:`chunked_cross_entropy`, its gradients with respect to ``hidden`` and ``params``
+    computed in the forward, one chunk at a time; backward returns them times the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, head, targets, chunk_tokens, hidden, *params):
+        total, grad_hidden, grad_params = None, [], [None] * len(params)
+        wanted = [hidden.requires_grad, *(p.requires_grad for p in params)]
+        for h, t in _chunks(hidden, targets, chunk_tokens):
+            with torch.enable_grad():
+                h = h.detach().requires_grad_(hidden.requires_grad)
+                part = _chunk_loss(head, h, t)
+                inputs = [x for x, want in zip((h, *params), wanted) if want]
+                grads = iter(torch.autograd.grad(part, inputs, allow_unused=True))
+            if hidden.requires_grad:
+                grad_hidden.append(next(grads))
+            for i, p in enumerate(params):
+                if p.requires_grad:
+                    g = next(grads)
+                    if g is not None:
+                        grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+            part = part.detach()
+            total = part if total is None else total + part
+        ctx.grads = (torch.cat(grad_hidden) if grad_hidden else None, *grad_params)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads, ctx.grads = ctx.grads, None
+        return (None, None, None, *(None if g is None else (g.float() * grad_total).to(g.dtype) for g in grads))
+
+
+def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          targets: torch.Tensor, chunk_tokens: int,
+                          params: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """``sum(cross_entropy(head(hidden).float(), targets))`` over ``hidden`` (positions x width) in chunks of
+    ``chunk_tokens`` positions. With autograd on (``hidden`` or one of the head's ``params`` requiring a gradient),
+    the gradients are computed chunk by chunk in the forward and only they are kept (:class:`_GradientsInForward`);
+    ``params`` must be every tensor the head reads that a gradient reaches."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _GradientsInForward.apply(head, targets, chunk_tokens, hidden, *params)
+    total = None
+    for h, t in _chunks(hidden, targets, chunk_tokens):
+        part = _chunk_loss(head, h, t)
         total = part if total is None else total + part
     return total
 
@@ -78,6 +120,9 @@ class ChunkedLoss:
         if head is None:
             raise ValueError("the model has no output head (get_output_embeddings() is None)")
         self.head = head
+        # where each of the head's parameters lives (module path, attribute): read at each forward, since FSDP puts
+        # the gathered tensors there (FSDP2 unsharded parameters, FSDP1 views of its flat parameter)
+        self._params = [(name.rpartition(".")[0], name.rpartition(".")[2]) for name, _ in head.named_parameters()]
         self.chunk_tokens = max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
         self._original = head.forward  # the bound forward of the head's class (LoRA: base layer + adapter)
         self._batch = None
@@ -99,7 +144,8 @@ class ChunkedLoss:
         self.calls += 1
         flat = hidden.reshape(-1, hidden.size(-1)).index_select(0, batch.label_positions)
         targets = batch.targets.reshape(-1).index_select(0, batch.label_positions)
-        return chunked_cross_entropy(self._original, flat, targets, self.chunk_tokens)
+        params = tuple(getattr(self.head.get_submodule(path), name) for path, name in self._params)
+        return chunked_cross_entropy(self._original, flat, targets, self.chunk_tokens, params)
 
     def __call__(self, model, batch) -> torch.Tensor:
         """The summed token loss: the model's forward returns it in place of the logits (so that FSDP's hooks on

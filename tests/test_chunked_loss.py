@@ -120,6 +120,36 @@ def test_the_full_logits_never_exist(tiny_model_dir):
     assert sizes["chunked"] <= chunk < full / 2, (sizes, chunk, full)
 
 
+class _HeadProjections(TorchDispatchMode):
+    """How many times an op makes logits (a tensor whose last dimension is the vocabulary) inside, and when."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.made = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default) \
+                and out.shape[-1] == self.vocab:
+            self.made.append(func)
+        return out
+
+
+def test_the_head_projects_each_chunk_once_forward_and_backward_together(tiny_model_dir):
+    """The gradients of each chunk are made in the forward (Liger's fused linear cross entropy): one head
+    projection per chunk in all, none in backward (the chunked loss used to recompute each chunk there)."""
+    model = _tiny(tiny_model_dir)
+    vocab = model.config.vocab_size
+    batch = batches.micro_batch(_rows(vocab), pad_id=0, device="cpu", select_logits=True)
+    loss = ChunkedLoss(model, vocab)
+    loss.chunk_tokens = 7  # 69 labelled positions: 10 chunks
+    with _HeadProjections(vocab) as forward:
+        value = loss(model, batch)
+    with _HeadProjections(vocab) as backward:
+        value.backward()
+    assert len(forward.made) == 10 and backward.made == [], (forward.made, backward.made)
+
+
 def test_a_model_that_changes_its_logits_after_the_head_keeps_the_plain_loss():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
