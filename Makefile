@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/hfsdp train --overwrite
 
-# Two pytest-xdist workers (one a core): a module's tests stay in one worker (tests/conftest.py).
+# Two pytest-xdist workers (one a core): a module's tests in one, test_combinations' one by one (tests/conftest.py).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope
 
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/hfsdp bench

@@ -83,8 +83,8 @@ class _GradientsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads, ctx.grads = ctx.grads, None
-        return (None, None, None, *(None if g is None else (g.float() * grad_total).to(g.dtype) for g in grads))
+        grads, ctx.grads = ctx.grads, None  # scaled in place: no second head-sized gradient
+        return (None, None, None, *(None if g is None else g.mul_(grad_total) for g in grads))
 
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,

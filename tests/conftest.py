@@ -151,10 +151,23 @@ def pytest_addoption(parser):
                           "CI's tier of them")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) each module's tests run in one worker, so
-    that a module-scoped run is made once; a module whose runs are shared through the disk instead
-    (``SHARED_RUNS = True``: test_combinations.py) spreads its tests over the workers one by one."""
-    for item in items:
-        if not getattr(item.module, "SHARED_RUNS", False):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+# Modules whose runs are shared through the disk (test_combinations.Runs), not a module-scoped fixture: under
+# pytest-xdist their tests are spread over the workers one by one.
+SHARED_RUNS = ("tests/test_combinations.py",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs ``-n 2 --dist loadscope``: each module's tests in one worker, so that a module-scoped run
+    is made once; the tests of :data:`SHARED_RUNS` one by one. (pytest-xdist's ``loadgroup`` cannot be used: it
+    renames the tests' node ids, which pytest 9.2 no longer allows.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in SHARED_RUNS else module
+
+    return ModuleScheduling(config, log)

@@ -29,7 +29,6 @@ import yaml
 from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
 
 pytestmark = pytest.mark.slow
-SHARED_RUNS = True  # Runs: on disk, for every pytest-xdist worker (conftest.pytest_collection_modifyitems)
 
 STEPS = 4
 # Constant LR: a resumed run continues the same schedule whatever max_steps it is given; weight decay on, so that
