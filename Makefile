@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(VENV)/bin/hfsdp bench
 
 lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint Dockerfile
 
 # The Dockerfile built with podman on a local Debian base (no registry needed; as root). See docs/gpu_hosts.md.

@@ -47,7 +47,6 @@ def run_hfsdp(config: str, overrides: list[str], out: Path) -> tuple[list[dict],
 def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
     import datasets
     import torch
-    from torch.utils.data import SequentialSampler
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -100,7 +99,8 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
     model = models.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            **training_args(t, out, steps), num_generations=s.num_generations, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+            **training_args(t, out, steps), num_generations=s.num_generations,
+            max_completion_length=s.max_new_tokens, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
             num_iterations=s.num_iterations, scale_rewards=s.scale_rewards, loss_type=s.loss_type,
             shuffle_dataset=False, log_completions=False, reward_weights=[w for *_, w in rewards],

@@ -18,7 +18,6 @@ CONFIG defaults to the objective's preset (``orpo``, ``simpo``). Needs TRL: ``pi
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 

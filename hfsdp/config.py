@@ -1,9 +1,10 @@
 """The training config's schema: the pydantic sections and their validation (``validate_config``, the cross-section
 rules, the data paths); reading config files is ``hfsdp.config_files``.
 
-Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin declares; a section of an
-installed plugin that is not enabled is an error that says which plugin to enable. Every problem is reported at
-once: the core's, the plugin sections', the plugins' own checks (for the sections that validated) and ``data:``'s.
+Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin
+declares; a section of an installed plugin that is not enabled is an error that says which plugin to enable.
+Every problem is reported at once: the core's, the plugin sections', the plugins' own checks (for the sections
+that validated) and ``data:``'s.
 This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
 """
 
@@ -88,7 +89,8 @@ class ModelConfig(Section):
                             "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
     quantization: QuantizationConfig | None = Field(
         None, description="QLoRA: load the base's Linears in 4 bits (bitsandbytes) and train LoRA on them "
-                          "(docs/guide.md: QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), compute_dtype (default: "
+                          "(docs/guide.md: QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), "
+                          "compute_dtype (default: "
                           "the mixed-precision param dtype, else dtype), quant_storage (default: the same: sharded by "
                           "FSDP2; uint8: whole on every rank)}.")
 
@@ -215,11 +217,15 @@ FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "us
 class FSDPConfig(Section):
     version: Literal[1, 2] = Field(2, description="1: FullyShardedDataParallel, 2: fully_shard (per-parameter DTensor).")
     sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="what is sharded; see the strategy table.")
-    wrap_policy: Literal["transformer", "size", "none"] = Field("transformer", description="how FSDP units are formed: transformer (each decoder layer), size (modules of min_num_params or more; tied embeddings stay in the root unit), none (the root only).")
+    wrap_policy: Literal["transformer", "size", "none"] = Field(
+        "transformer", description="how FSDP units are formed: transformer (each decoder layer), size (modules of "
+                                   "min_num_params or more; tied embeddings stay in the root unit), none (the root "
+                                   "only).")
     transformer_layer_cls: list[str] | None = Field(
         None, description="layer classes wrapped as FSDP units; default: the model's _no_split_modules."
     )
-    min_num_params: int | None = Field(None, gt=0, description="size policy: a module with at least this many parameters not already in a smaller unit becomes a unit (e.g. 100000000).")
+    min_num_params: int | None = Field(None, gt=0, description="size policy: a module with at least this many "
+                                       "parameters not already in a smaller unit becomes a unit (e.g. 100000000).")
     mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = Field(
         "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes (buffer: FSDP1 "
               "only; NO_SHARD under FSDP2 runs as DDP and reduces in float32).")
@@ -340,7 +346,8 @@ class TrainConfig(Section):
                         "signature; lr, weight_decay, betas and eps come from the keys here.")
     learning_rate: float = Field(2e-5, gt=0, description="peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms/biases).")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="beta1 of the Adam family (adamw, adamw_8bit, muon's AdamW, schedule_free_adamw).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="beta1 of the Adam family (adamw, adamw_8bit, muon's "
+                                                           "AdamW, schedule_free_adamw).")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="beta2 of the Adam family.")
     adam_epsilon: float = Field(1e-8, gt=0, description="epsilon of the Adam family.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
@@ -370,9 +377,11 @@ class TrainConfig(Section):
                           "what it gains on CPU).")
     chunked_loss: bool = Field(
         True, description="compute the output projection and cross entropy inside the model's forward, chunk by "
-                          "chunk with recomputation, so the full logits never exist; used where it is exact (checked "
-                          "at start-up, else the plain loss); false: the plain loss.")
-    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also CUBLAS_WORKSPACE_CONFIG).")
+                          "chunk, each chunk's gradients made there (no recomputation), so the full logits never "
+                          "exist; used where it is exact (checked at start-up, else the plain loss); false: the plain "
+                          "loss.")
+    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also "
+                                                   "CUBLAS_WORKSPACE_CONFIG).")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
     max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
@@ -450,7 +459,8 @@ class HfsdpConfig(Section):
     data: DataConfig
     train: TrainConfig
     fsdp: FSDPConfig = FSDPConfig()
-    generation_eval: GenerationEvalConfig | None = Field(None, description="off unless the section is given; chat and instruction formats.")
+    generation_eval: GenerationEvalConfig | None = Field(
+        None, description="off unless the section is given; chat and instruction formats.")
     plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
     plugin_config: dict[str, Any] = Field(
         default_factory=dict, description="validated plugin sections (filled by load_config, not set in YAML)."

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config import (DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, data_reader_key, empty_file, is_glob, shard_files)
+from hfsdp.config import (DATA_SUFFIXES, RELATIVE_DATA_PATHS, DataConfig, HfsdpConfig, data_reader_key, empty_file,
+                          is_glob, shard_files)
 from hfsdp.batches import Mixture, padding_report, row_lengths
 from hfsdp.components.data_cache import Preprocessing, cache_key, load_or_build, quiet_datasets
 from hfsdp.errors import PluginError, RowError, UserError
@@ -283,8 +284,8 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
     the preprocessing cache), the raw eval rows, and a report of what was done (:func:`format_data_report`).
 
     Each training source (:meth:`DataConfig.sources`) is tokenized with its own format and transformed on its own
-    (``hfsdp_transform_dataset`` once per source, with its eval rows), so that every row belongs to one source; the training split is the sources' rows one after the other (``meta["sources"]``: how
-    many each)."""
+    (``hfsdp_transform_dataset`` once per source, with its eval rows), so that every row belongs to one source; the
+    training split is the sources' rows one after the other (``meta["sources"]``: how many each)."""
     import datasets
 
     top = config.data

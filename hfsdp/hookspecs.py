@@ -76,10 +76,10 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
     Return a new DatasetDict or None to keep it. Rows must keep ``input_ids`` and ``labels``; they may add
     ``position_ids``, which makes them packed rows (several samples each, positions restarting at 0 where a sample
     begins, as the packing plugin writes them): hfsdp then gives the model no attention mask, so that attention
-    stays inside each sample, and before step 1 proves on the sharded model that it does. Runs only when the preprocessing cache misses,
-    on the first process of each node (the other ranks read its cached result), so it must depend on nothing but
-    its arguments. With several ``data.datasets`` sources it runs once per source (that source's ``train`` rows,
-    and its ``eval`` rows if it has some), so that every training row stays one source's.
+    stays inside each sample, and before step 1 proves on the sharded model that it does. Runs only when the
+    preprocessing cache misses, on the first process of each node (the other ranks read its cached result), so it
+    must depend on nothing but its arguments. With several ``data.datasets`` sources it runs once per source (that
+    source's ``train`` rows, and its ``eval`` rows if it has some), so that every training row stays one source's.
     """
 
 

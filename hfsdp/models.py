@@ -107,7 +107,8 @@ def _build_tiny(tmp: Path, cache_dir: Path, shape: dict = TINY_SHAPE) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    full = AutoConfig.from_pretrained(str(_build_once(cache_dir / "smollm2-135m-instruct", lambda t: _build_smollm2(t, cache_dir))))
+    full = AutoConfig.from_pretrained(str(_build_once(cache_dir / "smollm2-135m-instruct",
+                                                      lambda t: _build_smollm2(t, cache_dir))))
     config = full.__class__.from_dict({**full.to_dict(), **shape, "head_dim": None})
     config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ class Activations:
     chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.loss.LOSS_CHUNK_ELEMENTS), else 0
 
     def saved(self, checkpointing: bool) -> int:
-        # The chunked loss keeps nothing logits-sized: each chunk is recomputed in backward.
+        # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.
         outside = self.outside_layers + (0 if self.chunk_bytes else self.loss_saved)
         if not checkpointing:
             return outside + sum(self.per_layer)
@@ -104,8 +104,9 @@ class Activations:
 
     @property
     def loss_backward(self) -> int:
-        """Transients in the loss's backward: the logits' gradient; the chunked loss: one chunk's recomputed
-        logits, their saved log-softmax and their gradient."""
+        """Transients in the loss's backward: the logits' gradient; the chunked loss: one chunk's logits, their
+        log-softmax and their gradient, which it makes at the end of the forward together with the head's gradient,
+        counted here beside the root's gradients (which hold the head's): an upper bound of that moment."""
         return 3 * self.chunk_bytes if self.chunk_bytes else self.logits_bytes
 
 
@@ -495,8 +496,9 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
       logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
       float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved, and the transients are one
-      chunk's (``hfsdp.loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, three in backward (the
-      recomputed logits, their log-softmax and their gradient).
+      chunk's (``hfsdp.loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, and three (the logits, their
+      log-softmax and their gradient, which it makes at the end of the forward with the head's gradient) counted
+      in backward beside the root's gradients, an upper bound of that moment.
     * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
       loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
       logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
@@ -571,7 +573,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
     # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
     # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: the
-    # same for one chunk, and in backward one chunk recomputed (``Activations.loss_forward/loss_backward``).
+    # same for one chunk, and its gradients' transients beside the head's gradient (``Activations.loss_backward``).
     forward_end = gathered + activations + loss_transient + earlier_grads
     backward = gathered + during + activations + acts.loss_backward + earlier_grads
     backward_end = gathered + at_end + on_device_grads

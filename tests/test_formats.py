@@ -61,7 +61,7 @@ def test_chat_labels_only_assistant_turns(tokenizer):
     # everything else (system prompt, user turns, role headers) is masked, and the text is the template's
     full = tokenizer.decode(row["input_ids"])
     assert full == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
-    masked = tokenizer.decode([t for t, l in zip(row["input_ids"], row["labels"]) if l == IGNORE])
+    masked = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == IGNORE])
     assert "Hi there" in masked and "Name a color." in masked and "Blue." not in masked
     assert (stats.rows, stats.truncated, stats.dropped_too_long, stats.dropped_no_labels) == (1, 0, 0, 0)
 

@@ -67,8 +67,8 @@ def test_packed_loss_equals_separate_losses(tiny_model_dir, attn):
         packed_batch = batches.micro_batch(packed_rows, tokenizer.pad_token_id, "cpu")
         packed_sum, packed_n = token_loss_sum(model, packed_batch), packed_batch.num_targets
         separate_sum, separate_n = 0.0, 0
-        for i, l in zip(ids, labels):
-            single = batches.micro_batch([{"input_ids": i, "labels": l}], tokenizer.pad_token_id, "cpu")
+        for i, row_labels in zip(ids, labels):
+            single = batches.micro_batch([{"input_ids": i, "labels": row_labels}], tokenizer.pad_token_id, "cpu")
             separate_sum += float(token_loss_sum(model, single))
             separate_n += single.num_targets
         batch = batches.collate(packed_rows, tokenizer.pad_token_id)

@@ -341,7 +341,7 @@ def test_qa_format_trains_on_the_answer_only(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     out = hfsdp_csv_qa.tokenize_qa({"question": ["What is 2+2?"], "answer": ["4"]}, tokenizer, None)
     ids, labels = out["input_ids"][0], out["labels"][0]
-    trained = tokenizer.decode([t for t, l in zip(ids, labels) if l != -100])
+    trained = tokenizer.decode([t for t, label in zip(ids, labels) if label != -100])
     assert trained.startswith("4") and "2+2" not in trained
 
 

@@ -150,7 +150,8 @@ def test_merged_export_is_a_plain_model_with_the_trained_logits(runs):
               f"m = AutoModelForCausalLM.from_pretrained({str(final)!r}).eval(); "
               "assert all(type(l).__name__ == 'Linear' for l in m.model.layers[0].mlp.children() if hasattr(l, 'weight')); "
               f"torch.save(m(input_ids=IDS).logits.detach(), {str(one / 'merged_logits.pt')!r})")
-    subprocess.run([sys.executable, "-c", script], check=True, env=base_env(PYTHONPATH=str(Path(__file__).parent / "no_bitsandbytes")))
+    subprocess.run([sys.executable, "-c", script], check=True,
+                   env=base_env(PYTHONPATH=str(Path(__file__).parent / "no_bitsandbytes")))
     import torch
 
     merged, trained = torch.load(one / "merged_logits.pt"), torch.load(one / "trained_logits.pt")

@@ -5,8 +5,8 @@ Enabled by ``hfsdp bench`` (``plugins: [bench_probe]``); harmless but pointless 
 * bytes of parameters, gradients and optimizer state this rank holds, counted from live tensors: the local
   shard of each DTensor (FSDP2), the rank's views of FSDP1 flat parameters (``use_orig_params``), plain tensors
   (DDP); with ``model.quantization`` the 4-bit Linears' quant state too, and those Linears' own bytes
-  (``quant_linear_bytes``) beside what they would take in bf16 on this rank (``quant_linear_bf16_bytes``). Gradients are counted right before the optimizer step (they are freed after it), optimizer state
-  right after it;
+  (``quant_linear_bytes``) beside what they would take in bf16 on this rank (``quant_linear_bf16_bytes``).
+  Gradients are counted right before the optimizer step (they are freed after it), optimizer state right after it;
 * memory: on CUDA ``memory_allocated`` after prepare and ``max_memory_allocated`` during the steps; on CPU the
   resident set size (RSS) before the model is loaded, after it is loaded, after prepare, and its peak during the
   steps (the kernel's high-water mark, reset when training starts; a sampling thread where that reset is not

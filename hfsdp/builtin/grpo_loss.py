@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.batches import BatchPlan, MicroBatch, micro_batch, reshard

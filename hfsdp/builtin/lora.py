@@ -46,7 +46,8 @@ class LoraSection(Section):
     target_modules: list[str] | None = Field(
         None, description="module names to adapt; default: every Linear inside the decoder blocks (not lm_head)"
     )
-    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained: none, all, or those of adapted modules")
+    bias: Literal["none", "all", "lora_only"] = Field(
+        "none", description="biases trained: none, all, or those of adapted modules")
     modules_to_save: list[str] | None = Field(None, description="modules trained in full next to the adapters")
     merge: bool = Field(False, description="export merged full weights instead of the adapter")
 

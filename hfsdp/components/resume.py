@@ -205,8 +205,9 @@ def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]]
 def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: PluginHost,
                       identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
     """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks
-    (:func:`check_resume_config`, :func:`check_resume_record`, :func:`keep_global_batch`, :func:`check_optimizer_state`) and the versions that
-    wrote it. ``identity``: the run's schedule length and training data; ``optimizer``: :func:`optimizer_digest`."""
+    (:func:`check_resume_config`, :func:`check_resume_record`, :func:`keep_global_batch`,
+    :func:`check_optimizer_state`) and the versions that wrote it. ``identity``: the run's schedule length and
+    training data; ``optimizer``: :func:`optimizer_digest`."""
     from importlib.metadata import version
 
     import torch
