@@ -9,7 +9,8 @@ same model on the same rows in the same order (hfsdp's tokenized cache and ``Bat
 AdamW, LR schedule and gradient clipping, fp32. ``--nproc 2``: ``hfsdp train`` and the bare loop as 2-rank torchrun
 jobs under the config's FSDP strategy (TRL is left out: it has no CPU FSDP path). ``--tools hfsdp-compiled,...``
 adds hfsdp with ``train.compile: true`` (its first step, the compile, is printed apart and not timed with
-``--warmup`` >= 1).
+``--warmup`` >= 1). ``floor`` (one process) is this machine's floor for the same steps (``benchmarks/floor.py``: the
+step's GEMMs, attention and AdamW step, each timed alone), so ``hfsdp ÷ floor`` is how close hfsdp runs to it.
 
 Each round runs every tool once, in a rotated order (so that a slow spell of a shared machine does not always hit the
 same tool). A tool's figure for a round is its median step time over the steps after ``--warmup`` (one step end to
@@ -66,7 +67,7 @@ def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], P
         sets += ["--set", f"train.output_dir={run}", "--set", f"train.max_steps={a.steps}",
                  "--set", f"plugins=[{_probe_plugin()}]", *HFSDP_TOOLS[tool]]
         return [*_launcher(a.nproc), "-m", "hfsdp", "train", a.config, "--overwrite", *sets], run
-    script = {"bare": "bare_accelerate_loop.py", "trl": "trl_sft.py"}[tool]
+    script = {"bare": "bare_accelerate_loop.py", "trl": "trl_sft.py", "floor": "floor.py"}[tool]
     return [*_launcher(a.nproc), str(REPO / "benchmarks" / script), a.config, "--steps", str(a.steps),
             "--json", str(record), *sets], record
 
@@ -111,7 +112,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tools", default=None, help="default: hfsdp,bare,trl on 1 process; hfsdp,bare on several; "
-                                                 "hfsdp-compiled is hfsdp with train.compile: true")
+                                                 "hfsdp-compiled is hfsdp with train.compile: true, "
+                                                 "hfsdp-plain-loss with train.chunked_loss: false, floor the "
+                                                 "machine's floor (benchmarks/floor.py)")
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -119,8 +122,8 @@ def main() -> None:
     a = p.parse_args()
     a.out = a.out.resolve()
     tools = (a.tools or ("hfsdp,bare,trl" if a.nproc == 1 else "hfsdp,bare")).split(",")
-    if a.nproc > 1 and "trl" in tools:
-        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop only (drop trl from --tools)")
+    if a.nproc > 1 and ("trl" in tools or "floor" in tools):
+        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop only (drop trl and floor from --tools)")
     if "trl" in tools:
         try:
             import trl  # noqa: F401

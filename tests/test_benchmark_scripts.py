@@ -2,8 +2,9 @@
 fails the build, instead of rotting until someone needs its figures.
 
 * Every script in ``benchmarks/`` answers ``--help`` (a plugin module that a script enables is no script).
-* ``benchmarks/peers.py`` runs for real, shrunk: one round of 2 steps of hfsdp, the bare Accelerate loop and TRL's
-  SFTTrainer on the tiny model (one process), and of hfsdp and the bare FSDP loop on 2 gloo ranks. Its figures are
+* ``benchmarks/peers.py`` runs for real, shrunk: one round of 2 steps of hfsdp, the bare Accelerate loop, TRL's
+  SFTTrainer and the machine's floor (``benchmarks/floor.py``) on the tiny model (one process), and of hfsdp and the
+  bare FSDP loop on 2 gloo ranks. Its figures are
   not checked (a shared machine), only that each tool trained the same rows and the table was written.
 """
 
@@ -29,7 +30,7 @@ def test_every_benchmark_answers_help(script):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl"), (2, "hfsdp,bare")], ids=["x1", "x2"])
+@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl,floor"), (2, "hfsdp,bare")], ids=["x1", "x2"])
 def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_dir, nproc, tools):
     out = tmp_path / "peers"
     proc = subprocess.run(
@@ -43,4 +44,9 @@ def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_di
     assert len(rounds) == 1 and sorted(rounds[0]) == sorted(tools.split(","))
     tokens = {tool: r["tokens"] for tool, r in rounds[0].items()}
     assert all(t == tokens["hfsdp"] and len(t) == 2 and min(t) > 0 for t in tokens.values()), tokens
-    assert (out / "peers.md").read_text().count("|") > 10
+    table = (out / "peers.md").read_text()
+    assert table.count("|") > 10
+    if "floor" in tools:  # the floor's parts, each timed, and hfsdp against it
+        parts = json.loads((out / "round1" / "floor" / "floor.json").read_text())["parts_s"]
+        assert sorted(parts) == ["attention", "head_gemms", "layer_gemms", "optimizer"] and min(parts.values()) > 0
+        assert "hfsdp ÷ floor: tokens/s" in table
