@@ -398,10 +398,10 @@ def _describe(error: BaseException, pending: Pending) -> str:
     if isinstance(error, UserError):
         return str(error)
     cause = "; ".join(f"{where}{type(e).__name__}: {e}" for where, e in _root_causes(error))
-    space = storage.disk_full(error, pending.checkpoints)
+    written = storage.folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
+    space = storage.disk_full(error, pending.checkpoints, pending.needed - written)
     if space is None:
         return cause
-    written = storage.folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
     need = (f"the checkpoint needs about {storage.size_text(pending.needed)}" if pending.needed > written else
             f"the checkpoint needs more than the {storage.size_text(written)} written before the disk filled")
     return (f"no space left on device: {space.text()}, and {need}"

@@ -98,14 +98,16 @@ def _errors_in(error: BaseException) -> list[BaseException]:
     return found
 
 
-def disk_full(error: BaseException, path: Path) -> Space | None:
+def disk_full(error: BaseException, path: Path, still_needed: int = 0) -> Space | None:
     """The space left where ``path`` is, if ``error`` (a failed write there) was a full disk: an ENOSPC (or EDQUOT:
-    a quota) anywhere behind it, or almost nothing left free now that it failed (torch's zip writer reports a short
-    write as ``unexpected pos``, without the errno). Call it before the failed write's files are removed."""
+    a quota) anywhere behind it, or, now that it failed, less free than the write still needed (``still_needed``
+    bytes, where known) or almost nothing (torch's zip writer reports a short write as ``unexpected pos``, without
+    the errno; on a disk shared with other jobs a few MiB may be free again by then). Call it before the failed
+    write's files are removed."""
     space = space_of(path)
     if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
         return space
-    return space if space.free < FULL_BELOW else None
+    return space if space.free < max(FULL_BELOW, still_needed) else None
 
 
 def estimate(model_config, config, host) -> tuple[int, int]:
