@@ -1,7 +1,7 @@
 """The baseline for hfsdp's per-step overhead: a bare, hand-written Accelerate training loop.
 
 Same model, same tokenized rows and batch order (hfsdp's own cache and BatchPlan), the same wrapper (one process:
-none; several: the FSDP plugin from hfsdp.fsdp.build_fsdp_plugin via hfsdp.wrapping.build_accelerator, which
+none; several: the FSDP plugin from hfsdp.parallel.fsdp.build_fsdp_plugin via hfsdp.parallel.accelerator.build_accelerator, which
 also applies the CPU adaptation), the same AdamW (fused, as hfsdp and TRL's SFTTrainer use it) and gradient
 clipping, the model's own loss on the collated batch with its attention mask, and nothing else: no metrics, no
 hooks, no progress bar, no per-step collectives beyond FSDP's own. Batches are collated before the loop starts.
@@ -31,12 +31,13 @@ def main() -> None:
 
     import torch
 
-    from hfsdp import batches, models
+    from hfsdp.data import batches
+    from hfsdp.model import loading as models
     from hfsdp.cli import _apply_wrapper_to_env, _cache_dir, _launched_world
-    from hfsdp.config_files import load_config
-    from hfsdp.data import prepare_datasets
-    from hfsdp.run_setup import decide
-    from hfsdp.wrapping import build_accelerator
+    from hfsdp.config.files import load_config
+    from hfsdp.data.prepare import prepare_datasets
+    from hfsdp.run.setup import decide
+    from hfsdp.parallel.accelerator import build_accelerator
 
     cfg, host = load_config(args.config, args.overrides)
     setup = decide(cfg, _launched_world(), resume=None)

@@ -31,7 +31,7 @@ def build_model(folder: Path, hidden: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfsdp.cli import _cache_dir
-    from hfsdp.models import _smollm2_tokenizer
+    from hfsdp.model.loading import _smollm2_tokenizer
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -91,7 +91,7 @@ def main() -> None:
     build_model(model, a.hidden)
     config = write_config(out, model)
 
-    from hfsdp.bench import BenchOptions, bench
+    from hfsdp.tools.bench import BenchOptions, bench
 
     results = []
     for name, nproc, sets in VARIANTS:

@@ -40,12 +40,14 @@ def main() -> None:
 
     import torch
 
-    from hfsdp import batches, data, models
+    from hfsdp.data import batches
+    from hfsdp.data import prepare as data
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
-    from hfsdp.config_files import load_config
-    from hfsdp.loss import ChunkedLoss
-    from hfsdp import optimizers
-    from hfsdp.wrapping import compile_blocks
+    from hfsdp.config.files import load_config
+    from hfsdp.run.loss import ChunkedLoss
+    from hfsdp.run import optimizers
+    from hfsdp.parallel.accelerator import compile_blocks
 
     results = {}
     for variant in ("eager", "compiled"):

@@ -6,7 +6,7 @@ For each corpus size, generates that many synthetic chat rows in ``--shards`` JS
 shards are source 0, the rest source 1, mixed 3:1), then preprocesses them twice, each in a fresh process with
 empty caches (the JSON -> Arrow conversion counts in both):
 
-* hfsdp: ``hfsdp.data.prepare_datasets`` of a config with ``data.datasets`` (the two globs, weights 3 and 1) and
+* hfsdp: ``hfsdp.data.prepare.prepare_datasets`` of a config with ``data.datasets`` (the two globs, weights 3 and 1) and
   ``data.num_proc``: reading the shards, tokenizing each source with the chat format and the length policy, and
   storing the preprocessing cache entry (temp folder, fsync, rename);
 * baseline: ``datasets.load_dataset("json", data_files=<the 20 shards>).map(tokenize_chat, batched=True,
@@ -63,8 +63,8 @@ def child(kind: str, corpus: Path, shards: int, num_proc: int, work: Path, token
                       remove_columns=raw.column_names)
         rows = len(out)
     else:
-        from hfsdp import data
-        from hfsdp.config_files import load_config
+        from hfsdp.data import prepare as data
+        from hfsdp.config.files import load_config
 
         split = shards * 3 // 4
         for name, part in (("a", files[:split]), ("b", files[split:])):
@@ -116,7 +116,7 @@ def main() -> None:
         kind, corpus, shards, num_proc, work, tokenizer_dir = a.child
         return child(kind, Path(corpus), int(shards), int(num_proc), Path(work), tokenizer_dir)
 
-    from hfsdp import models
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
 
     tokenizer_dir = models.resolve_model_path("smollm2-tiny", _cache_dir())

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import PY, env, peak_rss_of  # noqa: E402
 
-from hfsdp.components.hf_folder import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
-from hfsdp.launch import free_port  # noqa: E402
+from hfsdp.export.hf_folder import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
+from hfsdp.parallel.launch import free_port  # noqa: E402
 
 # SmolLM2-360M's architecture (config.json of HuggingFaceTB/SmolLM2-360M), weights random.
 SHAPE_360M = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
@@ -43,7 +43,7 @@ def random_model(folder: Path, cache: Path) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from hfsdp.models import resolve_model_path
+    from hfsdp.model.loading import resolve_model_path
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE_360M))
@@ -69,7 +69,7 @@ def sharded_checkpoint(work: Path, name: str, model: str) -> Path:
 
 
 def largest_tensor_bytes(ckpt: Path) -> tuple[int, int]:
-    from hfsdp.components.safe_load import read_dcp_metadata
+    from hfsdp.checkpoint.safe_load import read_dcp_metadata
 
     meta = read_dcp_metadata(ckpt / "pytorch_model_fsdp_0").state_dict_metadata
     sizes = [m.size.numel() * m.properties.dtype.itemsize for k, m in meta.items() if k.startswith("model.")]

@@ -124,10 +124,12 @@ def main() -> None:
 
     import torch
 
-    from hfsdp import IGNORE_INDEX, batches, models
+    from hfsdp import IGNORE_INDEX
+    from hfsdp.data import batches
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir, _launched_world
-    from hfsdp.config_files import load_config
-    from hfsdp.data import prepare_datasets
+    from hfsdp.config.files import load_config
+    from hfsdp.data.prepare import prepare_datasets
 
     world = _launched_world()
     if world.size > 1:

@@ -73,8 +73,9 @@ def goal_help(reps: int) -> dict:
 
 
 def goal_preprocess(config: str) -> dict:
-    code = ("import json, sys; from pathlib import Path; from hfsdp import models; from hfsdp.config_files import load_config; "
-            "from hfsdp.data import prepare_datasets; cfg, host = load_config(sys.argv[1]); cache = Path(sys.argv[2]); "
+    code = ("import json, sys; from pathlib import Path; from hfsdp.model import loading as models; "
+            "from hfsdp.config.files import load_config; from hfsdp.data.prepare import prepare_datasets; "
+            "cfg, host = load_config(sys.argv[1]); cache = Path(sys.argv[2]); "
             "tok = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path, Path(sys.argv[3])), cfg.model); "
             "print(json.dumps(prepare_datasets(cfg, host, tok, cache)[3]))")
     models_cache = os.environ.get("HFSDP_CACHE_DIR", str(Path.home() / ".cache" / "hfsdp"))
@@ -91,7 +92,7 @@ def goal_preprocess(config: str) -> dict:
 
 
 def goal_export(work: Path, config: str, max_shard: str) -> dict:
-    from hfsdp.launch import free_port
+    from hfsdp.parallel.launch import free_port
 
     run = work / "export-run"
     shutil.rmtree(run, ignore_errors=True)
@@ -117,8 +118,8 @@ def goal_export(work: Path, config: str, max_shard: str) -> dict:
 
 
 def goal_overhead(work: Path, config: str, nproc: int, steps: int, rounds: int, strategy: str) -> dict:
-    from hfsdp.bench import BenchOptions, _probe_plugin, run_one
-    from hfsdp.launch import free_port
+    from hfsdp.tools.bench import BenchOptions, _probe_plugin, run_one
+    from hfsdp.parallel.launch import free_port
 
     hf, bare = [], []
     opts = BenchOptions(config=config, strategies=[strategy], nprocs=[nproc], steps=steps, out=work / "overhead",

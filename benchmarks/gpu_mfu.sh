@@ -22,7 +22,7 @@ import sys, random
 from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from hfsdp.models import resolve_model_path
+from hfsdp.model.loading import resolve_model_path
 out, work = Path(sys.argv[1]), Path(sys.argv[2]); model_dir = work / "llama-1b"
 tok_dir = resolve_model_path("smollm2-tiny", Path(__import__("os").environ["HFSDP_CACHE_DIR"]))  # carries the tokenizer
 if not (model_dir / "config.json").is_file():

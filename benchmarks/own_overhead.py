@@ -36,11 +36,12 @@ def main() -> None:
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfsdp import batches, models
+    from hfsdp.data import batches
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
-    from hfsdp.components.metrics import MetricsWriter
-    from hfsdp.config_files import load_config
-    from hfsdp.data import prepare_datasets
+    from hfsdp.run.metrics import MetricsWriter
+    from hfsdp.config.files import load_config
+    from hfsdp.data.prepare import prepare_datasets
 
     cfg, host = load_config(a.config, a.overrides)
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())

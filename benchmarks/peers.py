@@ -51,7 +51,7 @@ def _env() -> dict[str, str]:
 def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
         return [PY]
-    from hfsdp.launch import free_port
+    from hfsdp.parallel.launch import free_port
 
     return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}"]
@@ -61,7 +61,7 @@ def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], P
     sets = [x for s in a.overrides for x in ("--set", s)]
     record = work / f"{tool}.json"
     if tool in HFSDP_TOOLS:
-        from hfsdp.bench import _probe_plugin
+        from hfsdp.tools.bench import _probe_plugin
 
         run = work / "hfsdp-run"
         sets += ["--set", f"train.output_dir={run}", "--set", f"train.max_steps={a.steps}",

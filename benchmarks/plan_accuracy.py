@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hfsdp.config_files import load_config  # noqa: E402
-from hfsdp.models import architecture_config  # noqa: E402
-from hfsdp.plan import MIB, Planner, setup_from_config  # noqa: E402
+from hfsdp.config.files import load_config  # noqa: E402
+from hfsdp.model.loading import architecture_config  # noqa: E402
+from hfsdp.tools.plan.planner import MIB, Planner, setup_from_config  # noqa: E402
 
 DATA = REPO / "hfsdp" / "presets" / "data"
 REUSE = False  # --reuse: run nothing, read back what an earlier run measured into --out

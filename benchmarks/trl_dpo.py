@@ -36,7 +36,9 @@ def run_hfsdp(config: str, overrides: list[str], out: Path) -> list[dict]:
 def in_plan_order(cfg, host, steps: int):
     """(model path, tokenizer, raw rows, hfsdp's tokenized rows, the row of each of the steps' places in order).
     hfsdp's plan is over its tokenized rows: the same row count (no row is dropped in this data), so the same order."""
-    from hfsdp import batches, data, models
+    from hfsdp.data import batches
+    from hfsdp.data import prepare as data
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
 
     t = cfg.train
@@ -55,7 +57,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     from torch.utils.data import SequentialSampler
     from trl import DPOConfig, DPOTrainer
 
-    from hfsdp import models
+    from hfsdp.model import loading as models
     from trl_sft import step_times, training_args  # benchmarks/, next to this file
 
     t = cfg.train
@@ -104,7 +106,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from hfsdp.config_files import load_config
+    from hfsdp.config.files import load_config
 
     overrides = [f"train.max_steps={args.steps}", "train.eval_every=null", "train.eval_at_start=false",
                  "train.log_every=1", "train.export_final=false", "data.eval_path=null", *args.overrides]

@@ -50,9 +50,10 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]]):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hfsdp import data, models
+    from hfsdp.data import prepare as data
+    from hfsdp.model import loading as models
     from hfsdp.builtin.grpo import reward_functions
-    from hfsdp.builtin.grpo_loss import GRPO
+    from hfsdp.builtin.grpo.loss import GRPO
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import _cache_dir
     from trl_sft import step_times, training_args  # benchmarks/, next to this file
@@ -119,7 +120,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from hfsdp.config_files import load_config
+    from hfsdp.config.files import load_config
 
     overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
                  "data.eval_path=null", "train.log_every=1",

@@ -49,7 +49,8 @@ def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[di
     import torch
     from torch.utils.data import SequentialSampler
 
-    from hfsdp import IGNORE_INDEX, models
+    from hfsdp import IGNORE_INDEX
+    from hfsdp.model import loading as models
 
     t = cfg.train
     path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from hfsdp.config_files import load_config
+    from hfsdp.config.files import load_config
 
     config = args.config or args.objective
     overrides = [f"train.max_steps={args.steps}", "train.eval_every=null",

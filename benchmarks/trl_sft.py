@@ -65,10 +65,11 @@ def main() -> None:
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
 
-    from hfsdp import batches, models
+    from hfsdp.data import batches
+    from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
-    from hfsdp.config_files import load_config
-    from hfsdp.data import prepare_datasets
+    from hfsdp.config.files import load_config
+    from hfsdp.data.prepare import prepare_datasets
 
     cfg, host = load_config(args.config, args.overrides)
     t = cfg.train

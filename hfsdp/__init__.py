@@ -5,12 +5,16 @@ Importing this package stays cheap (no torch): the CLI answers --help and valida
 
 import pluggy
 
+from hfsdp import compat
+
 __version__ = "0.1.0"
 
 hookimpl = pluggy.HookimplMarker("hfsdp")
-"""Mark a function as an hfsdp hook implementation (see :mod:`hfsdp.hookspecs`)."""
+"""Mark a function as an hfsdp hook implementation (see :mod:`hfsdp.hooks.specs`)."""
 
 IGNORE_INDEX = -100
 """The label of a token that carries no loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
 
 __all__ = ["IGNORE_INDEX", "__version__", "hookimpl"]
+
+compat.install()  # the former module paths of the documented plugin API (hfsdp.compat)

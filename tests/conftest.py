@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hfsdp.launch import free_port
+from hfsdp.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_DATA = REPO / "hfsdp" / "presets" / "data"
@@ -80,7 +80,7 @@ def run_torchrun(nproc: int, *args: str, cwd: Path | None = None, env: dict[str,
 def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:
     """A complete-looking checkpoint folder of the tiny model without weights (add a weights file to export it):
     the model's config and tokenizer under ``model/``, a run config and a completion record."""
-    from hfsdp.components import checkpoint
+    from hfsdp.checkpoint import store as checkpoint
 
     (folder / "model").mkdir(parents=True)
     for f in tiny_model_dir.iterdir():
@@ -112,7 +112,7 @@ def step_losses(output_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The shrunk SmolLM2 folder (built once into the test cache)."""
-    from hfsdp.models import resolve_model_path
+    from hfsdp.model.loading import resolve_model_path
 
     return Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
 

@@ -14,9 +14,9 @@ from typing import Callable
 import pytest
 
 from conftest import PRESET_DATA, base_env, tiny_config
-from hfsdp.components import checkpoint
-from hfsdp.config_files import load_config
-from hfsdp.components.resume import run_fingerprint
+from hfsdp.checkpoint import store as checkpoint
+from hfsdp.config.files import load_config
+from hfsdp.checkpoint.resume import run_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -269,7 +269,7 @@ CASES: dict[str, Case] = {
             d, plugins=["lora"], model={"name_or_path": "acme/llama-not-downloaded", "quantization": {"bits": 4}})),
             d)), str(d / "out"), "--merge-lora"],
         "'acme/llama-not-downloaded' is not in the local Hugging Face cache"),
-    # --- train.optimizer, train.optimizer_args (hfsdp.optimizers)
+    # --- train.optimizer, train.optimizer_args (hfsdp.run.optimizers)
     "optimizer unknown": (lambda d, s: ["train", _cfg(d, train={"optimizer": "adam"})],
                           "train.optimizer: Input should be 'adamw', 'adamw_8bit', 'adafactor', 'muon', "
                           "'schedule_free_adamw' or 'sgd' (got 'adam')"),

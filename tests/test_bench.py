@@ -62,7 +62,7 @@ def test_bench_one_process_runs_each_strategy_as_fsdp_when_asked(tmp_path, tiny_
 
 
 def test_bench_table_is_narrow_unless_wide():
-    from hfsdp.bench import COLUMNS, NARROW, markdown_table, text_table
+    from hfsdp.tools.bench import COLUMNS, NARROW, markdown_table, text_table
 
     row = {key: 1.0 for key, _, _ in COLUMNS} | {"model": "m", "strategy": "FULL_SHARD"}
     narrow, wide = markdown_table([row]).splitlines()[0], markdown_table([row], wide=True).splitlines()[0]

@@ -133,11 +133,11 @@ REFUSED.update({(1, world, "compile"): "train.compile: FSDP1 flattens each unit'
 # DCP's host-memory staging cannot copy FSDP1's ShardedTensors: refused in validation.
 REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded state dict holds ShardedTensors"
                 for world in (1, 2)})
-# QLoRA runs under FSDP2 only: refused in validation (hfsdp.quantization).
+# QLoRA runs under FSDP2 only: refused in validation (hfsdp.model.quantized).
 REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1, 2) for name in OPTIONS
                 if name.startswith("qlora")})
 # schedule-free's FSDP1 checkpoints do not resume exactly (test_pair_resumes_exactly[fsdp1+schedule_free] found it):
-# refused before any weight loads (hfsdp.optimizers.wrapper_problems).
+# refused before any weight loads (hfsdp.run.optimizers.wrapper_problems).
 REFUSED.update({(1, world, "schedule_free"): "schedule_free_adamw cannot run under FSDP1 yet" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
@@ -253,8 +253,8 @@ def assert_refused(proc, run: Path, world: int, reason: str) -> None:
 def assert_mixture_shares(sources: list[dict], train: dict, world: int) -> None:
     """The run's plan over the rows its sources gave (packed rows, preference pairs, ...): over 1,000 steps each
     source's share within 2 % of its weight (a few steps of a shuffled epoch are no measure of it)."""
-    from hfsdp import batches
-    from hfsdp.config import DataConfig
+    from hfsdp.data import batches
+    from hfsdp.config.schema import DataConfig
 
     rows = [s["rows"] for s in sources]
     mixture = batches.Mixture.of(DataConfig(datasets=[{"path": s["path"], "weight": w}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import read_metrics, run_cli, run_torchrun, tiny_config
-from hfsdp.config import CompileConfig, TrainConfig
+from hfsdp.config.schema import CompileConfig, TrainConfig
 
 
 def test_compile_switch_and_mapping():
@@ -42,8 +42,8 @@ def test_refused_before_any_weight_loads(tmp_path, sets, where, says):
 
 def test_flash_attention_asks_for_16_bit_compute_and_its_package():
     """The GPU-only kernel's requirements, checked as a GPU run would check them (tests/test_gpu.py runs it)."""
-    from hfsdp.config import HfsdpConfig
-    from hfsdp.models import attention_problems
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.model.loading import attention_problems
 
     def problems(**fsdp):
         config = HfsdpConfig.model_validate({

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import run_cli, tiny_config
-from hfsdp.config_files import list_presets, load_config
+from hfsdp.config.files import list_presets, load_config
 from hfsdp.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """Data at scale (issue 25): ``data.datasets`` mixtures, shards, and a preprocessing that no collective waits on.
 
-* The mixture plan, as a pure function (:class:`hfsdp.batches.Mixture` in :class:`hfsdp.batches.BatchPlan`): shares
+* The mixture plan, as a pure function (:class:`hfsdp.data.batches.Mixture` in :class:`hfsdp.data.batches.BatchPlan`): shares
   realised over 1,000 steps within 2 % of the weights (by weight and by epochs), the same global batches on any
   world size and from a fresh plan at any step, and a one-source list that is the single-source plan itself.
 * Real processes: 2 gloo ranks with ``train.collective_timeout_s: 20`` and a source whose format (a test plugin)
@@ -18,9 +18,9 @@ import textwrap
 import pytest
 
 from conftest import PRESET_DATA, base_env, read_metrics, run_cli, run_torchrun, step_losses, tiny_config
-from hfsdp import batches
-from hfsdp.components import data_cache
-from hfsdp.config import DataConfig
+from hfsdp.data import batches
+from hfsdp.data import cache as data_cache
+from hfsdp.config.schema import DataConfig
 
 STEPS = 1000
 
@@ -181,8 +181,8 @@ def test_packing_packs_every_source_of_a_mixture(tmp_path, tiny_model_dir):
     source's and the mixture's shares are of packed rows."""
     from transformers import AutoTokenizer
 
-    from hfsdp import data
-    from hfsdp.config_files import load_config
+    from hfsdp.data import prepare as data
+    from hfsdp.config.files import load_config
 
     rows = (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "shards").mkdir()

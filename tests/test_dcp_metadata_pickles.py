@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
 )
 
-from hfsdp.components.safe_load import DcpMetadataUnpickler
+from hfsdp.checkpoint.safe_load import DcpMetadataUnpickler
 
 
 class _EnumsByGetattr(pickle.Pickler):

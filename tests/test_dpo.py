@@ -105,9 +105,9 @@ def test_the_adapter_reference_is_the_base_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfsdp.builtin.dpo import DpoSection
-    from hfsdp.builtin.dpo_loss import DPO
+    from hfsdp.builtin.dpo.loss import DPO
     from hfsdp.builtin.preference import tokenize_pair
-    from hfsdp.config import DataConfig
+    from hfsdp.config.schema import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = DataConfig(format="preference", path="unused", max_seq_len=64)
@@ -133,7 +133,7 @@ def test_conversational_rows_follow_trls_conventions(tiny_model_dir):
 
     from hfsdp import IGNORE_INDEX
     from hfsdp.builtin.preference import tokenize_pair
-    from hfsdp.config import DataConfig
+    from hfsdp.config.schema import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = DataConfig(format="preference", path="unused", max_seq_len=128)

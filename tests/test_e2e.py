@@ -83,7 +83,7 @@ def test_final_is_the_last_checkpoint(four, tmp_path):
     assert all(torch.equal(final[k], ckpt[k]) for k in final)
     torch.testing.assert_close(_logits(four / "final"), _logits(exported), rtol=0, atol=1e-5)
     # and the model really trained: the weights moved away from the initial ones
-    from hfsdp.models import resolve_model_path
+    from hfsdp.model.loading import resolve_model_path
     from conftest import CACHE_DIR
 
     initial = load_file(str(Path(resolve_model_path("smollm2-tiny", CACHE_DIR)) / "model.safetensors"))

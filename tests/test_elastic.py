@@ -117,7 +117,7 @@ def test_frozen_rank_ends_the_job_within_the_collective_timeout(tmp_path):
 
 
 def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
-    from hfsdp.components.metrics import drop_replayed_records
+    from hfsdp.run.metrics import drop_replayed_records
 
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 0, "eval_loss": 3.0}\n'] + [f'{{"step": {s}, "loss": {s}.5}}\n' for s in range(1, 6)]

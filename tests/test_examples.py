@@ -30,9 +30,9 @@ def test_examples_cover_sizes_methods_and_data_formats():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_validates_and_fits_the_hardware_in_its_comment(path: Path):
-    from hfsdp.config_files import load_config
-    from hfsdp.models import architecture_config
-    from hfsdp.plan import GIB, Planner, plan
+    from hfsdp.config.files import load_config
+    from hfsdp.model.loading import architecture_config
+    from hfsdp.tools.plan.planner import GIB, Planner, plan
 
     nodes, gpus, gib = map(int, HARDWARE.search(path.read_text()).groups())
     run_cli("validate", str(path), env=base_env(HF_HUB_OFFLINE="1"))

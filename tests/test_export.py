@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import fake_checkpoint, run_cli, tiny_config
-from hfsdp.components.durable import EXPORT_RECORD
+from hfsdp.checkpoint.durable import EXPORT_RECORD
 from hfsdp.errors import UserError
-from hfsdp.checkpoint_export import export_checkpoint
+from hfsdp.export.pipeline import export_checkpoint
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:
@@ -172,7 +172,7 @@ def sharded_checkpoint(tmp_path, tiny_model_dir) -> Path:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig
 
-    from hfsdp.components.hf_folder import ModelFiles
+    from hfsdp.export.hf_folder import ModelFiles
 
     ckpt = fake_checkpoint(tmp_path / "sharded" / "step-1", tiny_model_dir)
     ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), None).record(ckpt / "model")
@@ -185,7 +185,7 @@ def sharded_checkpoint(tmp_path, tiny_model_dir) -> Path:
 
 def test_export_reads_the_metadata_once_and_imports_no_transformers(sharded_checkpoint, tmp_path, tiny_model_dir,
                                                                     monkeypatch):
-    from hfsdp.components import checkpoint as checkpoint_module
+    from hfsdp.checkpoint import store as checkpoint_module
 
     calls = []
     real = checkpoint_module.read_dcp_metadata
@@ -196,7 +196,7 @@ def test_export_reads_the_metadata_once_and_imports_no_transformers(sharded_chec
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
     assert (out / "tokenizer.json").read_bytes() == (sharded_checkpoint / "model" / "tokenizer.json").read_bytes()
 
-    probe = ("import sys; from pathlib import Path; from hfsdp.checkpoint_export import export_checkpoint; "
+    probe = ("import sys; from pathlib import Path; from hfsdp.export.pipeline import export_checkpoint; "
              f"export_checkpoint(Path({str(sharded_checkpoint)!r}), Path({str(tmp_path / 'out2')!r}), []); "
              "print(sorted(m for m in ('transformers', 'peft', 'accelerate') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -211,7 +211,7 @@ def test_streamed_safetensors_files_read_back_exactly(tmp_path, monkeypatch, ker
     import errno
     import os
 
-    from hfsdp.components.hf_folder import write_hf_weights
+    from hfsdp.export.hf_folder import write_hf_weights
 
     if not kernel_copy:
         monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")))

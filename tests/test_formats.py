@@ -1,4 +1,4 @@
-"""The three built-in dataset formats, tokenized by ``hfsdp.data.tokenize`` with the real SmolLM2 tokenizer:
+"""The three built-in dataset formats, tokenized by ``hfsdp.data.prepare.tokenize`` with the real SmolLM2 tokenizer:
 which tokens carry loss, and how the length policy counts truncated and dropped rows."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import run_cli, sharegpt_rows, tiny_config
-from hfsdp import data
+from hfsdp.data import prepare as data
 from hfsdp.builtin.chat import tokenize_chat
 from hfsdp.builtin.instruction import render_prompt, tokenize_instruction
 from hfsdp.builtin.text import tokenize_text
-from hfsdp.config import DataConfig
+from hfsdp.config.schema import DataConfig
 from hfsdp.errors import UserError
 
 IGNORE = data.IGNORE_INDEX

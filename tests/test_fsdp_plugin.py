@@ -16,9 +16,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from hfsdp.config import STRATEGIES, FSDPConfig
-from hfsdp.fsdp import build_fsdp_plugin
-from hfsdp.size_policy import SizeUnits
+from hfsdp.config.schema import STRATEGIES, FSDPConfig
+from hfsdp.parallel.fsdp import build_fsdp_plugin
+from hfsdp.parallel.size_policy import SizeUnits
 
 LAYERS = ["LlamaDecoderLayer"]
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,7 +171,7 @@ def test_launcher_env_changes_no_field(case, monkeypatch):
 
 
 def test_check_world_and_hybrid_mesh_share_one_shard_size():
-    from hfsdp.fsdp import check_world, hybrid_mesh_shape
+    from hfsdp.parallel.fsdp import check_world, hybrid_mesh_shape
 
     hybrid = FSDPConfig(sharding_strategy="HYBRID_SHARD")
     assert hybrid_mesh_shape(hybrid, 8, 4) == (2, 4) and check_world(hybrid, 8, 4) == []
@@ -188,7 +188,7 @@ def test_check_world_and_hybrid_mesh_share_one_shard_size():
 
 def test_hybrid_shard_groups_of_one_rank_are_refused():
     """Shard groups of one rank shard nothing; Accelerate raised a ValueError about tensor parallelism on every rank."""
-    from hfsdp.fsdp import check_world
+    from hfsdp.parallel.fsdp import check_world
 
     ones = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=1)
     problems = check_world(ones, 2, 2)
@@ -207,8 +207,8 @@ def test_hybrid_shard_groups_of_one_rank_are_refused():
 def test_process_group_backend_and_cublas_workspace_are_requested_from_the_config(offload, state_dict, strategy,
                                                                                   backend):
     """What hfsdp asks of torch/Accelerate on CUDA, from the YAML alone (issue 15 item 9); the GPU checks run it."""
-    from hfsdp.config import HfsdpConfig
-    from hfsdp.distributed import World, process_group_backend, runtime_env
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.parallel.world import World, process_group_backend, runtime_env
 
     def config(deterministic=False):
         return HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"},
@@ -228,7 +228,7 @@ def test_size_units_are_torchs_size_rule_with_tied_parameters_left_to_the_root()
     never wrap), except that no module holding a tied parameter becomes a unit."""
     from torch import nn
 
-    from hfsdp.size_policy import size_units
+    from hfsdp.parallel.size_policy import size_units
 
     class Block(nn.Module):
         def __init__(self):

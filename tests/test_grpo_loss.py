@@ -1,4 +1,4 @@
-"""GRPO's loss (hfsdp.builtin.grpo_loss) against TRL 1.16's own GRPOTrainer._compute_loss on fixed tensors, one
+"""GRPO's loss (hfsdp.builtin.grpo.loss) against TRL 1.16's own GRPOTrainer._compute_loss on fixed tensors, one
 process, two micro-batches of accumulation: for every loss_type, beta 0 and > 0, num_iterations 1 (the old log-probs
 are the log-probs detached) and 2 (old log-probs kept), the summed loss and its gradient with respect to the
 per-token log-probs are TRL's (TRL computes each micro-batch's loss divided by the accumulation; hfsdp sums each
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hfsdp.builtin.grpo import GrpoSection
-from hfsdp.builtin.grpo_loss import advantages_of, token_loss
+from hfsdp.builtin.grpo.loss import advantages_of, token_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 

@@ -46,7 +46,7 @@ def test_lora_trains_only_the_adapters(single, tiny_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hfsdp.components.checkpoint import CheckpointWeights
+    from hfsdp.checkpoint.store import CheckpointWeights
 
     assert "lora: r=4 alpha=8 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in single["log"]
     losses = step_losses(single["run"])
@@ -91,7 +91,7 @@ def test_adapter_loads_with_peft_and_matches_merged_export(single, tiny_model_di
 def test_adapter_export_never_replaces_what_it_did_not_write(single):
     import json
 
-    from hfsdp.components.durable import EXPORT_RECORD
+    from hfsdp.checkpoint.durable import EXPORT_RECORD
 
     adapter = single["adapter_ck"]
     record = json.loads((adapter / EXPORT_RECORD).read_text())
@@ -142,7 +142,7 @@ def test_default_targets_and_tied_embeddings(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from hfsdp.builtin import lora
-    from hfsdp.config import FSDPConfig
+    from hfsdp.config.schema import FSDPConfig
     from hfsdp.errors import ConfigError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

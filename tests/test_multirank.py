@@ -156,7 +156,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = WEIGHT_ATOL) -> None:
 
 def export(checkpoint: Path, out: Path) -> dict:
     """What ``hfsdp export CHECKPOINT OUT`` writes, in this process (one test runs the CLI itself)."""
-    from hfsdp.checkpoint_export import export_checkpoint
+    from hfsdp.export.pipeline import export_checkpoint
 
     return weights(export_checkpoint(checkpoint, out, []))
 
@@ -188,11 +188,11 @@ def test_an_unsharded_model_is_refused_at_startup():
 
     import torch
 
-    from hfsdp.components.startup import startup_report
-    from hfsdp.config import HfsdpConfig
-    from hfsdp.distributed import World
+    from hfsdp.run.startup import startup_report
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.parallel.world import World
     from hfsdp.errors import UserError
-    from hfsdp.run_setup import decide
+    from hfsdp.run.setup import decide
 
     config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
                          fsdp={"sharding_strategy": "FULL_SHARD"})
@@ -340,8 +340,8 @@ def test_gpu_only_options_are_refused_in_rehearsal(tmp_path):
 
 
 def test_rehearsal_problems_name_every_gpu_only_option():
-    from hfsdp.config import FSDPConfig, HfsdpConfig
-    from hfsdp.wrapping import rehearsal_problems
+    from hfsdp.config.schema import FSDPConfig, HfsdpConfig
+    from hfsdp.parallel.accelerator import rehearsal_problems
 
     def problems(**fsdp):
         config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},

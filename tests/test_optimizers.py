@@ -33,8 +33,8 @@ def _tiny_model():
 
 
 def test_muon_gets_the_hidden_matrices_and_adamw_the_embeddings_head_norms_and_biases():
-    from hfsdp import optimizers
-    from hfsdp.config import TrainConfig
+    from hfsdp.run import optimizers
+    from hfsdp.config.schema import TrainConfig
 
     model = _tiny_model()
     optimizer = optimizers.build(model, TrainConfig(output_dir="x", max_steps=1, optimizer="muon", weight_decay=0.1))
@@ -47,8 +47,8 @@ def test_muon_gets_the_hidden_matrices_and_adamw_the_embeddings_head_norms_and_b
 
 
 def test_hfsdps_muon_is_torchs_muon_for_the_matrices_and_torchs_adamw_for_the_rest_bit_for_bit():
-    from hfsdp import optimizers
-    from hfsdp.config import TrainConfig
+    from hfsdp.run import optimizers
+    from hfsdp.config.schema import TrainConfig
 
     cfg = TrainConfig(output_dir="x", max_steps=1, optimizer="muon", weight_decay=0.1, learning_rate=1e-2,
                       optimizer_args={"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9})
@@ -77,7 +77,7 @@ SHARDED_MUON = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from hfsdp.optimizers import WholeMatrixMuon
+    from hfsdp.run.optimizers import WholeMatrixMuon
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -253,8 +253,8 @@ def test_each_lr_scheduler_gives_the_rates_of_transformers_get_scheduler_bit_for
     and bitsandbytes) are transformers' own: every rate over a run and past its end, and the state dict."""
     from transformers import get_scheduler
 
-    from hfsdp import optimizers
-    from hfsdp.config import TrainConfig
+    from hfsdp.run import optimizers
+    from hfsdp.config.schema import TrainConfig
 
     cfg = TrainConfig(output_dir="x", max_steps=10, lr_scheduler=name, warmup_steps=warmup)
     ours_opt, theirs_opt = (torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-3) for _ in range(2))

@@ -70,7 +70,7 @@ def test_cheapest_change_is_the_smallest_set_that_fits_the_seeds_7b_fp32_case(tm
 
 
 def test_change_sets_come_in_order_of_cost():
-    from hfsdp.plan import Change, change_sets
+    from hfsdp.tools.plan.planner import Change, change_sets
 
     a, b, n2, n4, lora = (Change("a"), Change("b"), Change("n2", group="n"), Change("n4", group="n"), Change("lora"))
     order = [" ".join(c.words for c in chosen) for chosen in change_sets([a, b, n2, n4, lora])]

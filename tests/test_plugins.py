@@ -121,10 +121,10 @@ def test_hfsdp_plugins_lists_builtins_and_path_plugins(tmp_path):
 
 def test_export_helpers_keep_their_documented_module_name():
     """The guide named ``hfsdp.components.export`` for ``write_hf_folder``/``ModelFiles`` before the module became
-    ``hfsdp.components.hf_folder``: the old name still imports them, with a DeprecationWarning."""
-    from hfsdp.components import hf_folder
+    ``hfsdp.export.hf_folder``: the old name still imports them, with a DeprecationWarning."""
+    from hfsdp.export import hf_folder
 
-    with pytest.warns(DeprecationWarning, match="hfsdp.components.export is now hfsdp.components.hf_folder"):
+    with pytest.warns(DeprecationWarning, match="hfsdp.components.export is now hfsdp.export.hf_folder"):
         sys.modules.pop("hfsdp.components.export", None)
         from hfsdp.components.export import ModelFiles, write_hf_folder
     assert (write_hf_folder, ModelFiles) == (hf_folder.write_hf_folder, hf_folder.ModelFiles)
@@ -309,7 +309,7 @@ def test_tokenize_and_reader_get_their_plugins_section(installed, tmp_path, tiny
     try:
         from transformers import AutoTokenizer
 
-        from hfsdp.config_files import load_config
+        from hfsdp.config.files import load_config
 
         tsv = _qa_csv(tmp_path / "qa.tsv", 3, delimiter="\t")
         config, host = load_config(str(tiny_config(tmp_path, plugins=["csv_qa"], csv_qa={"system": "Be brief."},
@@ -350,7 +350,7 @@ def test_pluggy_orders_and_calls_the_hooks(tmp_path, monkeypatch):
     every implementation's result, a chained hook passes each result on in that order, and a crash still names its
     plugin and hook."""
     from hfsdp.errors import ConfigError, PluginError
-    from hfsdp.plugins import PluginHost
+    from hfsdp.hooks.host import PluginHost
 
     mods = tmp_path / "mods"
     _module(mods, "p_first", HEADER + """

@@ -89,7 +89,7 @@ def test_exported_adapter_over_the_same_4bit_base_gives_the_trained_logits(runs,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hfsdp.quantization import keep_packing
+    from hfsdp.model.quantized import keep_packing
 
     two, _ = runs["two"]
     final = two / "final"

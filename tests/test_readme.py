@@ -15,7 +15,7 @@ def test_generated_references_are_up_to_date():
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     hooks = (REPO / "docs" / "hooks.md").read_text()
-    from hfsdp import hookspecs
+    from hfsdp.hooks import specs as hookspecs
 
     for name in (n for n in vars(hookspecs) if n.startswith("hfsdp_")):
         assert hooks.count(f"## `{name}(") == 1, name

@@ -47,7 +47,7 @@ def model_and_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfsdp.builtin.preference import tokenize_pair
-    from hfsdp.config import DataConfig
+    from hfsdp.config.schema import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = DataConfig(format="preference", path="unused", max_seq_len=64)

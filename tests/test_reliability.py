@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, run_torchrun, tiny_config
-from hfsdp.components import checkpoint
-from hfsdp.components.hf_folder import verify_hf_weights, write_hf_weights
+from hfsdp.checkpoint import store as checkpoint
+from hfsdp.export.hf_folder import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
 
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
@@ -453,7 +453,7 @@ def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
 
 
 def test_export_of_a_full_state_dict_checks_shapes(tmp_path, tiny_model_dir):
-    from hfsdp.checkpoint_export import export_checkpoint
+    from hfsdp.export.pipeline import export_checkpoint
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # a state dict holds tied weights too
@@ -536,7 +536,7 @@ class _WritingAccelerator(_FailingAccelerator):
 def _save_args(tiny_model_dir: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from hfsdp.components.hf_folder import ModelFiles
+    from hfsdp.export.hf_folder import ModelFiles
 
     files = ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)))
     return files, "train: {}\n"
@@ -588,7 +588,7 @@ def test_a_resave_of_the_same_step_always_leaves_a_complete_copy(tmp_path, tiny_
 
 def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_model_dir, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is unavailable, the old copy is renamed aside first, then deleted."""
-    from hfsdp.components import durable
+    from hfsdp.checkpoint import durable
 
     monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
     ckpts = tmp_path / "checkpoints"
@@ -630,7 +630,7 @@ def test_a_short_write_is_a_full_disk_when_less_is_free_than_the_write_still_nee
     """torch's zip writer reports a short write without its errno ("unexpected pos"). On a disk other jobs share,
     a few MiB may be free again by the time the error is read (the CI rehearsal of 2026-12-02 read "unexpected pos
     704 vs 598" with 16 MiB free and no word of the disk): less free than the checkpoint still needed is a full disk."""
-    from hfsdp.components import storage
+    from hfsdp.checkpoint import storage
 
     disk = tmpfs("shared", 8)
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
@@ -697,7 +697,7 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_even_with_overwrite_and
 @pytest.mark.slow
 def test_a_full_disk_stops_at_the_save_that_does_not_fit_saying_so_then_the_run_resumes_elsewhere_bit_exact(
         tmp_path, tmpfs, solo_reference):
-    from hfsdp.components.storage import folder_bytes, size_text
+    from hfsdp.checkpoint.storage import folder_bytes, size_text
 
     disk = tmpfs("disk", 140)  # two checkpoints of the tiny model (53 MiB each) fit, a third does not
     run = disk / "run"
@@ -841,7 +841,7 @@ def test_memory_soak_benchmark_answers_help():
 def test_a_full_disk_under_the_preprocessing_cache_is_reported_as_a_full_disk(tmp_path, tmpfs):
     import datasets
 
-    from hfsdp.components import data_cache
+    from hfsdp.data import cache as data_cache
 
     disk = tmpfs("cache", 1)
     rows = datasets.Dataset.from_dict({"input_ids": [list(range(512))] * 1024})  # 4 MiB of int64 tokens

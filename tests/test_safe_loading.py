@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import Payload, base_env, run_cli, tiny_config
-from hfsdp.components.safe_load import read_dcp_metadata, verify_checkpoint
+from hfsdp.checkpoint.safe_load import read_dcp_metadata, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_cli, tiny_config
-from hfsdp import batches
+from hfsdp.data import batches
 
 
 def _plan(lengths, per_device, world, accumulation, seed=3, grouped=True):
@@ -82,8 +82,8 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
     """No mask where a mask of ones would be, and logits only at labelled positions: the same summed loss."""
     from transformers import AutoModelForCausalLM
 
-    from hfsdp import models
-    from hfsdp.loss import token_loss_sum
+    from hfsdp.model import loading as models
+    from hfsdp.run.loss import token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert models.accepts_logits_to_keep(model)
@@ -103,8 +103,8 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
 
 
 def test_what_wraps_the_model():
-    from hfsdp.config import FSDPConfig
-    from hfsdp.fsdp import wrapper
+    from hfsdp.config.schema import FSDPConfig
+    from hfsdp.parallel.fsdp import wrapper
 
     assert wrapper(FSDPConfig(), 1) == "none"  # one process: nothing to shard, no wrapper
     assert wrapper(FSDPConfig(), 2) == "fsdp2"

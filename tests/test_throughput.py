@@ -1,12 +1,19 @@
-"""The per-step throughput math (hfsdp/components/throughput.py): FLOPs, peak table, rates, memory, summary."""
+"""The per-step throughput math (hfsdp/run/throughput.py): FLOPs, peak table, rates, memory, summary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hfsdp.components.throughput import (
-    FlopsModel, StepMeter, compute_precision, format_throughput, medians, peak_flops, tokens_and_square_lengths, step_rates,
+from hfsdp.run.throughput import (
+    FlopsModel,
+    StepMeter,
+    compute_precision,
+    format_throughput,
+    medians,
+    peak_flops,
+    tokens_and_square_lengths,
+    step_rates,
 )
 
 
@@ -47,7 +54,7 @@ def test_step_flops_is_6n_per_token_plus_the_causal_attention_term():
 
 
 def test_tokens_and_square_lengths_of_micro_batches():
-    from hfsdp import batches
+    from hfsdp.data import batches
 
     rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
     batches = [batches.micro_batch(rows, 0, "cpu"), batches.micro_batch([{"input_ids": [6] * 4, "labels": [6] * 4}], 0, "cpu")]
@@ -116,7 +123,7 @@ def test_medians_keep_a_single_step_and_mfu():
 
 def test_guide_peak_table_is_the_code_table():
     from conftest import REPO
-    from hfsdp.components.throughput import PEAK_TFLOPS
+    from hfsdp.run.throughput import PEAK_TFLOPS
 
     readme = (REPO / "docs" / "guide.md").read_text()
     for name, pattern, bf16, fp16, fp32 in PEAK_TFLOPS:

@@ -12,7 +12,7 @@ import yaml
 
 from conftest import base_env, read_metrics, run_cli, tiny_config
 
-from hfsdp.config import TRACKERS
+from hfsdp.config.schema import TRACKERS
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ class _Sampler(threading.Thread):
 
 def _distinct(tensors) -> int:
     """Bytes of tensors, each storage counted once (FSDP1 views share their flat parameter's storage)."""
-    from hfsdp.distributed import local_tensor  # here: `hfsdp plugins` loads this module without torch
+    from hfsdp.parallel.world import local_tensor  # here: `hfsdp plugins` loads this module without torch
 
     seen, total = set(), 0
     for t in tensors:
@@ -111,8 +111,8 @@ def hfsdp_modify_model(model):
 def hfsdp_on_train_start(run):
     import torch
 
-    from hfsdp import quantization
-    from hfsdp.components.startup import local_parameter_bytes
+    from hfsdp.model import quantized as quantization
+    from hfsdp.run.startup import local_parameter_bytes
 
     model, accelerator = run.model, run.accelerator
     cuda = accelerator.device.type == "cuda"

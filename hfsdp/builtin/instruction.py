@@ -4,7 +4,7 @@ The prompt uses the Alpaca template; only the response (and the EOS token after 
 """
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.components.prompts import render_prompt
+from hfsdp.data.prompts import render_prompt
 from hfsdp.errors import UserError
 
 ALWAYS_ON = True

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from hfsdp import hookimpl
 from hfsdp.builtin.preference import format_problems
-from hfsdp.config import Section
+from hfsdp.config.schema import Section
 
 
 class OrpoSection(Section):

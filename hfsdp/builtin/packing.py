@@ -5,7 +5,7 @@ Config section ``packing:`` (``max_len``, ``pack_eval``, ``window``): its keys, 
 :class:`PackingSection` (``hfsdp config-reference packing``, docs/configuration.md).
 
 Each packed row carries ``position_ids`` that restart at 0 for every sample. Attention stays inside each sample:
-when a batch has ``position_ids``, hfsdp gives the model no 2D attention mask (:func:`hfsdp.batches.model_inputs`),
+when a batch has ``position_ids``, hfsdp gives the model no 2D attention mask (:func:`hfsdp.data.batches.model_inputs`),
 and transformers then derives a block-diagonal causal mask from the restarts (``find_packed_sequence_indices`` in
 ``transformers.masking_utils``, used by sdpa and eager alike); padding restarts at 0 too, so it is a block of its own.
 The first token of every packed sample gets no label: it would otherwise be predicted from the previous sample.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.config import Section
+from hfsdp.config.schema import Section
 from hfsdp.errors import UserError
 
 

@@ -80,7 +80,7 @@ class ReferenceFree(PreferenceObjective):
         return NllPairBatch(**vars(batch), nll_targets=chosen, nll_tokens=int((chosen != IGNORE_INDEX).sum()))
 
     def start_step(self, accelerator, micro) -> None:
-        from hfsdp.distributed import all_sum
+        from hfsdp.parallel.world import all_sum
 
         if self.nll_weight:
             pairs, tokens = all_sum(accelerator, [float(sum(b.num_targets for b in micro)),

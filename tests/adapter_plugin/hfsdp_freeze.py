@@ -10,7 +10,7 @@ is refused in ``hfsdp_before_model_load``, as the lora plugin refuses it.
 from pydantic import Field
 
 from hfsdp import hookimpl
-from hfsdp.config import Section
+from hfsdp.config.schema import Section
 from hfsdp.errors import ConfigError
 
 __version__ = "0.0.1"

@@ -15,7 +15,7 @@ IDS = torch.arange(1, 17).reshape(2, 8) * 997 % 49152
 
 @hookimpl
 def hfsdp_on_train_end(run, metrics):
-    from hfsdp.batches import reshard
+    from hfsdp.data.batches import reshard
 
     model = run.model
     was_training = model.training

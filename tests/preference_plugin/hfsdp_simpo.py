@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 import hfsdp
-from hfsdp.config import Section
+from hfsdp.config.schema import Section
 from hfsdp.objective import PreferenceObjective
 
 

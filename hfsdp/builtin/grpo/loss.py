@@ -1,0 +1,456 @@
+"""The GRPO objective of plugin ``grpo`` (:mod:`hfsdp.builtin.grpo`): sampling, rewards, advantages and TRL 1.16's
+losses.
+
+Each generation round (``grpo.num_iterations`` optimizer steps) takes the plan's prompts of the global batch
+(``per_device_batch_size / num_generations`` prompts per micro-batch) and samples ``num_generations`` completions of
+each with the KV cache (``generate``), the whole global batch in one call. Every token is drawn by the completion's
+own generator, seeded by (seed, round, prompt position, generation index), never by rank, micro-batch or batch
+composition; every rank generates the same batch (under FSDP each forward is a collective), so 1 process and N
+ranks sample the same completions. Each rank scores the completions it trains on with the reward functions
+(TRL's calling convention, hook ``hfsdp_reward_functions``); the rewards are gathered, and the advantages are
+TRL's: the weighted sum of the rewards (None: left out) minus the group's mean, divided by the group's (or the
+batch's) standard deviation plus 1e-4 (``scale_rewards``).
+
+The loss of a token, with ``r = exp(logp - logp_old)`` (``logp_old`` the log-prob when sampled: kept when
+``num_iterations`` > 1, else ``logp`` detached, so ``r`` = 1 with its gradient) and advantage ``A``:
+``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, plus ``beta (exp(ref - logp) - (ref - logp) - 1)`` (the k3
+KL estimator; ``ref`` the base model's log-prob, the LoRA adapters disabled). Aggregated as TRL aggregates it
+(hfsdp then divides by the global batch's units, so any split over ranks and micro-batches gives one process's
+gradient): ``grpo`` the mean over completions of each one's token mean; ``bnpo`` the mean over micro-batches of
+their token mean; ``dr_grpo`` the token sum over completions times ``max_new_tokens``; ``dapo`` the global token
+mean. Log-probs and entropies are of the logits divided by the temperature, as TRL's.
+
+The round's completions, advantages and kept log-probs are part of every checkpoint (a registered object), so a
+resume inside a round continues it bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, reshard
+from hfsdp.builtin.prompt import ROW_COLUMN
+from hfsdp.errors import UserError
+from hfsdp.objective import Objective, adapters_disabled
+
+if TYPE_CHECKING:
+    from hfsdp.builtin.grpo import GrpoSection
+
+# TRL adds this to the standard deviation it divides the advantages by.
+STD_EPSILON = 1e-4
+
+
+class GroupPlan(BatchPlan):
+    """The plan of prompts: ``per_device_batch`` prompts per micro-batch, each plan step (a generation round)
+    trained ``iterations`` optimizer steps."""
+
+    def __init__(self, *args, iterations: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.iterations = iterations
+
+    def rows(self, step: int, micro_step: int, rank: int) -> list[int]:
+        return super().rows(step // self.iterations, micro_step, rank)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        return super().steps_for_epochs(epochs) * self.iterations
+
+    def epoch_of(self, step: int) -> float:
+        return super().epoch_of(step // self.iterations)
+
+    def source_counts(self, steps: int) -> list[int]:
+        return super().source_counts(-(-steps // self.iterations))
+
+
+def sample_seed(seed: int, round_: int, prompt: int, generation: int) -> int:
+    """The seed of one completion's sampling generator."""
+    digest = hashlib.sha256(f"grpo:{seed}:{round_}:{prompt}:{generation}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits divided by the temperature, then cut to the top k and the top-p nucleus (as transformers' warpers)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        ordered, index = torch.sort(logits, descending=False, dim=-1)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False  # keep at least the likeliest token
+        logits = logits.masked_fill(remove.scatter(-1, index, remove), -math.inf)
+    return logits
+
+
+def seeded_sampler(generators: list[torch.Generator], temperature: float, top_k: int, top_p: float):
+    """A transformers logits processor that draws each row's next token with that row's generator and leaves only
+    it possible, so that greedy decoding emits it: a row's tokens depend on its generator and its logits alone."""
+    from transformers import LogitsProcessor
+
+    class SeededSampler(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            probs = filtered_logits(scores, temperature, top_k, top_p).softmax(-1).cpu()
+            drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+            out = torch.full_like(scores, -math.inf)
+            out[torch.arange(len(drawn)), drawn.to(scores.device)] = 0.0
+            return out
+
+    return SeededSampler()
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """TRL's mask of the generated tokens: up to and including the first EOS."""
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))
+    eos_at = torch.full((completions.size(0),), completions.size(1), dtype=torch.long, device=completions.device)
+    has = is_eos.any(1)
+    eos_at[has] = is_eos.int().argmax(1)[has]
+    return torch.arange(completions.size(1), device=completions.device)[None] <= eos_at[:, None]
+
+
+def nanstd(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation of the values that are not NaN, with Bessel's correction (TRL's ``nanstd``)."""
+    kept = ~torch.isnan(tensor)
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    count = kept.sum(dim=dim, keepdim=True) if dim is not None else kept.sum()
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1)
+    variance = torch.where(count > 1, variance, torch.full_like(variance, math.nan))
+    return (variance.squeeze(dim) if dim is not None else variance.reshape(())).sqrt()
+
+
+def advantages_of(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """TRL's advantages of a batch's rewards ``[completions, functions]`` (NaN: no reward), groups consecutive."""
+    unscorable = torch.isnan(rewards).all(1)
+    total = (rewards * weights[None]).nansum(1)
+    total[unscorable] = math.nan
+    mean = torch.nanmean(total.view(-1, group), 1).repeat_interleave(group)
+    std = (nanstd(total.view(-1, group), 1).repeat_interleave(group) if scale != "batch"
+           else nanstd(total).expand_as(total))
+    advantages = total - mean
+    if scale != "none":
+        advantages = advantages / (std + STD_EPSILON)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def token_loss(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, ref: torch.Tensor | None,
+               mask: torch.Tensor, section, max_new_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the micro-batch's summed loss in its units, per-token values for the metrics): see the module docstring.
+    ``logps``, ``old``, ``ref``, ``mask``: ``[completions, tokens]``; ``advantages``: ``[completions]``."""
+    mask = mask.float()
+    ratio = torch.exp(logps - old)
+    high = section.epsilon_high if section.epsilon_high is not None else section.epsilon
+    a = advantages[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - section.epsilon, 1 + high) * a)
+    parts = {"clip_ratio": (((ratio < 1 - section.epsilon) & (a < 0)) | ((ratio > 1 + high) & (a > 0))).float()}
+    if section.beta:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token = per_token + section.beta * kl
+        parts["kl"] = kl.detach()
+    masked = per_token * mask
+    if section.loss_type == "grpo":
+        loss = (masked.sum(1) / mask.sum(1).clamp(min=1)).sum()
+    elif section.loss_type == "bnpo":
+        loss = masked.sum() / mask.sum().clamp(min=1) * mask.size(0)
+    elif section.loss_type == "dr_grpo":
+        loss = masked.sum() / max_new_tokens
+    else:  # dapo: units are tokens
+        loss = masked.sum()
+    return loss, parts
+
+
+@dataclass
+class GroupBatch(MicroBatch):
+    """A micro-batch of completions (rows: prompt + completion, only the completion labelled) with each
+    completion's advantage and the kept per-token log-probs (``[completions, tokens]`` at the labelled targets)."""
+
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+class RoundBuffer:
+    """The generation round in use (every micro-batch of the global batch), checkpointed with the run so that a
+    resume inside a round trains on the same completions: ``state_dict`` holds plain lists, the same on every
+    rank."""
+
+    def __init__(self):
+        self.round = -1
+        self.entries: list[dict[str, Any]] = []  # per global micro-batch: rows, prompts, completions, values
+        self.stats: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "entries": self.entries, "stats": self.stats}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round, self.entries, self.stats = int(state["round"]), state["entries"], state["stats"]
+
+
+def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere."""
+    logits = model(**batch.inputs).logits.float() / temperature
+    logprobs = logits.log_softmax(-1)
+    mask = batch.targets != IGNORE_INDEX
+    picked = logprobs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return picked * mask, entropy.detach() * mask
+
+
+def _spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """Per-completion token lists placed at the mask's positions (row-major: each row's tokens in order)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask.cpu()] = torch.tensor([v for row in values for v in row], dtype=torch.float32)
+    return out.to(mask.device)
+
+
+def _per_row(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    return [row[m].tolist() for row, m in zip(tensor.detach().float().cpu(), mask.cpu())]
+
+
+class GRPO(Objective):
+    progress_metrics = ("reward",)
+
+    def __init__(self, section: GrpoSection, rewards: list, config, tokenizer):
+        self.section, self.rewards, self.config, self.tokenizer = section, rewards, config, tokenizer
+        self.buffer = RoundBuffer()
+        self.unwrapped = None
+        self._sums: dict[str, torch.Tensor] = {}
+
+    # ---- the plan and the rounds
+
+    def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
+        return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
+                         world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
+                         iterations=self.section.num_iterations)
+
+    def prepare(self, model, accelerator, splits, cache_dir, model_path):
+        self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        accelerator.register_for_checkpointing(self.buffer)
+        return splits
+
+    def step_batches(self, model, dataset, plan, step, rank, pad_id, device, select_logits) -> list[GroupBatch]:
+        round_ = step // self.section.num_iterations
+        if self.buffer.round != round_:
+            self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits)
+        world = self.accelerator.num_processes
+        return [self._batch(self.buffer.entries[m * world + rank], pad_id, device, select_logits)
+                for m in range(plan.accumulation)]
+
+    def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
+        rows = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c}
+                for p, c in zip(entry["prompt_ids"], entry["completion_ids"])]
+        batch = micro_batch(rows, pad_id, device, select_logits)
+        mask = batch.targets != IGNORE_INDEX
+        units = batch.num_targets if self.section.loss_type == "dapo" else len(rows)
+        return GroupBatch(**vars(batch) | {"num_targets": units},
+                          advantages=torch.tensor(entry["advantages"], dtype=torch.float32, device=device),
+                          old_logps=_spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
+                          ref_logps=_spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
+
+    def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits) -> None:
+        """Sample, score and prepare the round's global batch (collective)."""
+        from hfsdp.run.generation import generating
+        from hfsdp.parallel.world import gather_objects
+
+        s, accelerator = self.section, self.accelerator
+        world, rank, group = accelerator.num_processes, accelerator.process_index, s.num_generations
+        slots = [(m, r) for m in range(plan.accumulation) for r in range(world)]  # global micro-batch k = m*world+r
+        rows = [plan.rows(step, m, r) for m, r in slots]
+        flat = [i for part in rows for i in part]
+        prompts = [list(dataset[i]["input_ids"]) for i in flat]
+        seeds = [sample_seed(self.config.train.seed, round_, p, j) for p in range(len(flat)) for j in range(group)]
+        with generating(model):
+            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
+        per_micro = len(rows[0]) * group
+        entries = []
+        for k, part in enumerate(rows):
+            start = k * per_micro
+            entries.append({"rows": part, "prompt_ids": [prompts[k * len(part) + q] for q in range(len(part))
+                                                         for _ in range(group)],
+                            "completion_ids": completions[start:start + per_micro]})
+        mine = [k for k, (m, r) in enumerate(slots) if r == rank]
+        rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
+        rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
+        weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
+        advantages = advantages_of(rewards, weights, group, s.scale_rewards)
+        for k, entry in enumerate(entries):
+            entry["rewards"] = rewards_of[k]
+            entry["advantages"] = advantages[k * per_micro:(k + 1) * per_micro].tolist()
+        kept = {}
+        if s.num_iterations > 1 or s.beta:  # log-probs when sampled, and of the reference
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                for k in mine:
+                    batch = self._batch(entries[k], pad_id, device, select_logits)
+                    mask = batch.targets != IGNORE_INDEX
+                    kept[k] = {}
+                    if s.num_iterations > 1:
+                        kept[k]["old_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
+                    if s.beta:
+                        with adapters_disabled(self.unwrapped):
+                            kept[k]["ref_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
+            model.train(was_training)
+            reshard(model)
+            for part in gather_objects(accelerator, kept):
+                for k, values in part.items():
+                    entries[k].update(values)
+        self.buffer.round, self.buffer.entries = round_, entries
+        self.buffer.stats = self._round_stats(rewards, entries)
+        self._log_completions(step, dataset, entries)
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], seeds: list[int] | None, pad_id: int) -> list[list[int]]:
+        """Completions (token ids up to and including the first EOS) of left-padded prompts, one generator each
+        (``seeds`` None: greedy)."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        s, model = self.section, self.unwrapped
+        device = next(model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
+            else self.tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                                  eos_token_id=eos_ids, use_cache=True)
+        sampler = [] if seeds is None else [seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds],
+                                                           s.temperature, s.top_k, s.top_p)]
+        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                             logits_processor=LogitsProcessorList(sampler))
+        generated = out[:, width:]
+        mask = completion_mask(generated, eos_ids)
+        return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
+
+    # ---- rewards
+
+    def _reward_inputs(self, dataset, entry: dict[str, Any], group: int) -> dict[str, list]:
+        raw = [json.loads(dataset[i][ROW_COLUMN]) for i in entry["rows"] for _ in range(group)]
+        texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
+        conversational = isinstance(raw[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
+        return {"prompts": [r["prompt"] for r in raw], "completions": completions,
+                "completion_ids": entry["completion_ids"], **columns}
+
+    def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
+        """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
+        went wrong."""
+        kwargs = self._reward_inputs(dataset, entry, group)
+        count = len(entry["completion_ids"])
+        columns = []
+        for name, source, fn, _ in self.rewards:
+            where = f"grpo reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
+            rows = ", ".join(str(i) for i in entry["rows"])
+            try:
+                values = fn(**kwargs)
+            except Exception as err:  # noqa: BLE001 (the user's function: reported with where it failed)
+                return (f"{where} raised {type(err).__name__}: {err} (scoring the completions of training rows "
+                        f"{rows}, counting from 0)")
+            if not isinstance(values, (list, tuple)) or len(values) != count:
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+                return (f"{where} returned {got} for {count} completions (training rows {rows}): return a list of "
+                        "one float (or None) per completion")
+            bad = next((v for v in values if v is not None and not (isinstance(v, (int, float)) and
+                                                                  not isinstance(v, bool))), None)
+            if bad is not None:
+                index = list(values).index(bad)
+                return (f"{where} returned {bad!r} for the completion of training row {entry['rows'][index // group]}: "
+                        "rewards are numbers (or None for no reward)")
+            columns.append([math.nan if v is None else float(v) for v in values])
+        return [list(r) for r in zip(*columns)]
+
+    def _gathered_scores(self, dataset, mine: dict[int, dict[str, Any]], group: int) -> dict[int, list]:
+        """Every rank's scores of its entries (key -> rewards), on every rank; a failure on any rank raises on all."""
+        from hfsdp.parallel.world import gather_objects
+
+        everyone = gather_objects(self.accelerator, {k: self._score(dataset, e, group) for k, e in mine.items()})
+        failure = next((v for part in everyone for v in part.values() if isinstance(v, str)), None)
+        if failure is not None:
+            raise UserError(failure)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
+        """The weighted reward of a greedy completion of every eval prompt (``eval_reward``) and each function's
+        mean. Every rank generates them all (FSDP's collectives); each scores its share."""
+        from hfsdp.run.generation import generating
+
+        world, rank = accelerator.num_processes, accelerator.process_index
+        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        with generating(model):
+            completions = self._sample(prompts, None, pad_id)
+        mine = {i: {"rows": [i], "completion_ids": [completions[i]]} for i in range(rank, len(dataset), world)}
+        scores = self._gathered_scores(dataset, mine, 1)
+        rewards = torch.tensor([scores[i][0] for i in range(len(dataset))], dtype=torch.float32)
+        stats = self._reward_stats(rewards)
+        return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
+
+    def _reward_stats(self, rewards: torch.Tensor) -> dict[str, float]:
+        weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
+        total = (rewards * weights[None]).nansum(1)
+        total[torch.isnan(rewards).all(1)] = math.nan
+        stats = {"reward": float(torch.nanmean(total)), "reward_std": float(nanstd(total))}
+        for i, (name, *_) in enumerate(self.rewards):
+            stats[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, i]))
+            stats[f"rewards/{name}/std"] = float(nanstd(rewards[:, i]))
+        return stats
+
+    def _round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
+        return {**self._reward_stats(rewards), "completion_length": float(lengths.mean())}
+
+    def _log_completions(self, step: int, dataset, entries: list[dict[str, Any]]) -> None:
+        n = self.section.log_completions
+        if not (n and self.accelerator.is_main_process):
+            return
+        out = Path(self.config.train.output_dir) / "completions.jsonl"
+        group = self.section.num_generations
+        lines = []
+        for entry in entries:
+            texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
+            for j, text in enumerate(texts):
+                if len(lines) == n:
+                    break
+                prompt = json.loads(dataset[entry["rows"][j // group]][ROW_COLUMN])["prompt"]
+                lines.append(json.dumps({"step": step + 1, "row": entry["rows"][j // group], "prompt": prompt,
+                                         "completion": text, "completion_ids": entry["completion_ids"][j],
+                                         "advantage": entry["advantages"][j],
+                                         "rewards": {name: (None if math.isnan(v) else v) for (name, *_), v
+                                                     in zip(self.rewards, entry["rewards"][j])}}))
+        with open(out, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    # ---- the loss and its metrics
+
+    def loss(self, model, batch: GroupBatch) -> torch.Tensor:
+        s = self.section
+        logps, entropy = token_logps(model, batch, s.temperature)
+        mask = batch.targets != IGNORE_INDEX
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        loss, parts = token_loss(logps, old, batch.advantages, batch.ref_logps, mask, s, s.max_new_tokens)
+        fmask = mask.float()
+        self._add("tokens", fmask.sum())
+        self._add("entropy", (entropy * fmask).sum())
+        for name, values in parts.items():
+            self._add(name, (values * fmask).sum())
+        return loss
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        self._sums[name] = self._sums.get(name, 0) + value.detach().double()
+
+    def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
+        from hfsdp.parallel.world import all_sum
+
+        names = [k for k in self._sums if k != "tokens"]
+        sums = all_sum(accelerator, [float(self._sums.get("tokens", 0))] + [float(self._sums[k]) for k in names])
+        self._sums = {}
+        tokens = sums[0]
+        return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()},
+                **{f"{prefix}{name}": total / tokens if tokens else math.nan for name, total in zip(names, sums[1:])}}

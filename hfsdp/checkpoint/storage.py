@@ -1,0 +1,207 @@
+"""What the host's storage does to a run, told as what it is: one run per output folder (:class:`RunLock`), the
+free space of a folder's file system (:func:`space_of`) against what a checkpoint and an export need
+(:func:`estimate`), and a failed write recognised as a full disk (:func:`disk_full`) even where torch's own writer
+hides the errno (its zip writer says ``unexpected pos N vs M``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hfsdp.errors import UserError
+from hfsdp.units import GIB, KIB, MIB
+
+LOCK_NAME = ".hfsdp-run.lock"  # in train.output_dir, held (flock) by rank 0 for the life of the run
+# A file system with less than this free after a write failed is full: the writer stopped because nothing was left.
+FULL_BELOW = 1 * MIB
+
+
+class OutOfSpace(UserError):
+    """A write that a full disk stopped; what it would have replaced is intact."""
+
+    exit_code = 1
+
+
+def size_text(nbytes: int) -> str:
+    for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:.1f} {name}"
+    return f"{nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class Space:
+    filesystem: str  # e.g. "tmpfs at /mnt/scratch"
+    free: int  # bytes this process may still write
+
+    def text(self) -> str:
+        return f"{self.filesystem} has {size_text(self.free)} ({self.free} bytes) free"
+
+
+def _mount_of(path: Path) -> str:
+    """The file system holding ``path``, as "<type> at <mount point>" (from /proc/self/mounts; the mount point alone
+    where that cannot be read)."""
+    real = os.path.realpath(path)
+    best, kind = "/", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return f"{kind} at {best}" if kind else best
+
+
+def space_of(path: Path) -> Space:
+    """Free space of the file system that holds ``path`` (or would: its nearest existing folder). Root may write into
+    the blocks reserved for it (ext4), so its free space counts them."""
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    st = os.statvfs(existing)
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    return Space(_mount_of(existing), blocks * st.f_frsize)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _errors_in(error: BaseException) -> list[BaseException]:
+    """``error`` and every error behind it: its causes and contexts, and the per-rank failures DCP gathers."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    found, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is seen for seen in found):
+            continue
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    return found
+
+
+def disk_full(error: BaseException, path: Path, still_needed: int = 0) -> Space | None:
+    """The space left where ``path`` is, if ``error`` (a failed write there) was a full disk: an ENOSPC (or EDQUOT:
+    a quota) anywhere behind it, or, now that it failed, less free than the write still needed (``still_needed``
+    bytes, where known) or almost nothing (torch's zip writer reports a short write as ``unexpected pos``, without
+    the errno; on a disk shared with other jobs a few MiB may be free again by then). Call it before the failed
+    write's files are removed."""
+    space = space_of(path)
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
+        return space
+    return space if space.free < max(FULL_BELOW, still_needed) else None
+
+
+def estimate(model_config, config, host) -> tuple[int, int]:
+    """Bytes of one checkpoint and of the exported model of this run, from the model built on the meta device as
+    training changes it (``hfsdp plan``'s builder): a checkpoint holds the model's state dict (tied weights under
+    each of their names, as DCP writes them) and, for every trainable parameter, AdamW's two moments of its size;
+    an export, every parameter once. A lower bound (the tokenizer, config and small state files come on top), so
+    that a refusal built on it is never wrong."""
+    from hfsdp.tools.plan.planner import build_meta_model
+
+    model = build_meta_model(model_config, config, host, config.model.dtype)
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    params = list(model.parameters())  # tied parameters once
+    moments = 2 * sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return state + moments, sum(p.numel() * p.element_size() for p in params)
+
+
+def check_space(output_dir: Path, checkpoint_bytes: int, export_bytes: int, config) -> str | None:
+    """Refuse a run whose ``train.output_dir`` cannot hold even one checkpoint (or its export); the warning (one line,
+    or None) when the checkpoints kept at once (``train.keep_last`` + the one being written) and the export cannot."""
+    train = config.train
+    space = space_of(output_dir)
+    first = checkpoint_bytes if train.save_every else 0
+    needed_now = max(first, export_bytes if train.export_final else 0)
+    if needed_now and space.free < needed_now:
+        what = "one checkpoint" if first >= needed_now else "the final export"
+        raise UserError(f"no space left on device for this run: {space.text()} and {what} of this model needs about "
+                        f"{size_text(needed_now)} ({needed_now} bytes); free space there or set train.output_dir to a "
+                        "folder with more room")
+    if not train.save_every:
+        return None
+    kept = train.keep_last if train.keep_last is not None else (train.max_steps or 0) // train.save_every
+    at_once = (kept + 1) * checkpoint_bytes + (export_bytes if train.export_final else 0)
+    if kept and space.free < at_once:
+        return (f"warning: {space.text()}, less than the about {size_text(at_once)} this run holds at once "
+                f"({kept + 1} checkpoints: train.keep_last {train.keep_last} + the one being written"
+                + (", and the final export" if train.export_final else "") + "); it stops at the save that does not "
+                "fit, the last complete checkpoint kept")
+    return None
+
+
+@dataclass
+class RunLock:
+    """``<output_dir>/.hfsdp-run.lock``, locked (``flock``) for the life of the run by one process: a second run into
+    the folder is refused while the first lives. The kernel releases the lock when its process ends, however it
+    ends (kill -9 included), so a killed run's lock is free again; the file says who holds it. A folder deleted or
+    replaced under the run loses the file (:meth:`still_ours`)."""
+
+    path: Path
+    fd: int
+    inode: int
+
+    @classmethod
+    def take(cls, output_dir: Path) -> "RunLock":
+        path = Path(output_dir) / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no locks on this fs
+                print(f"hfsdp: warning: {path}: the file system of train.output_dir does not support locks "
+                      f"({err.strerror}), so a second run into the folder is not refused", file=sys.stderr)
+                return cls(path, fd, os.fstat(fd).st_ino)
+            holder = _holder(fd)
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise UserError(f"train.output_dir {output_dir} is in use by another run ({holder}), which holds "
+                            f"{path}; nothing of it was changed. Wait for that run to end (or stop it), or set "
+                            "another train.output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}).encode())
+        os.fsync(fd)
+        return cls(path, fd, os.fstat(fd).st_ino)
+
+    def still_ours(self) -> bool:
+        """The lock file this run holds is still at its path (the folder was neither deleted nor replaced)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the file stays: deleting it could let two runs lock two different files
+            self.fd = -1
+
+
+def _holder(fd: int) -> str:
+    try:
+        info: dict[str, Any] = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info.get("pid"):
+        return "its process is starting"
+    return f"pid {info['pid']} on host {info.get('host', '?')}, started {info.get('started', '?')}"

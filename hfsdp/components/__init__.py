@@ -1,1 +1,0 @@
-"""Small single-purpose parts of a training run: checkpoints, export, metrics, generation eval."""

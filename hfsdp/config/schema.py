@@ -1,0 +1,742 @@
+"""The training config's schema: the pydantic sections and their validation (``validate_config``, the cross-section
+rules, the data paths); reading config files is ``hfsdp.config.files``.
+
+Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin
+declares; a section of an installed plugin that is not enabled is an error that says which plugin to enable.
+Every problem is reported at once: the core's, the plugin sections', the plugins' own checks (for the sections
+that validated) and ``data:``'s.
+This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from hfsdp.run import optimizers
+from hfsdp.hooks import host as plugin_host
+from hfsdp.model import quantized as quantization
+from hfsdp.run.optimizers import OPTIMIZER_NAMES
+from hfsdp.errors import InvalidSectionRead
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+
+
+def _dtype_alias(value: Any) -> Any:
+    return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, numbers given for strings are accepted."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=True)
+
+
+# model.attn_implementation: the transformers attention kernels hfsdp runs; which are usable where is checked at
+# start-up (hfsdp.model.loading.attention_problems), before any weight loads.
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+QuantStorage = Literal["uint8", "float32", "bfloat16", "float16"]
+
+
+class QuantizationConfig(Section):
+    """``model.quantization``: load the base model in 4 bits (bitsandbytes, through transformers'
+    BitsAndBytesConfig) and train LoRA adapters on top (QLoRA; needs the lora plugin)."""
+
+    bits: Literal[4, 8] = Field(description="4: bitsandbytes 4-bit Linear layers (QLoRA; FSDP2); 8 is refused under FSDP.")
+    quant_type: Literal["nf4", "fp4"] | None = Field(None, description="4-bit data type (default nf4).")
+    double_quant: bool | None = Field(None, description="quantize the per-block scales too (default true).")
+    compute_dtype: DType | None = Field(
+        None, description="dtype the 4-bit weights are dequantized to for each matmul; default: the mixed-precision "
+                          "param dtype, else model.dtype.")
+    quant_storage: QuantStorage | None = Field(
+        None, description="dtype the packed 4-bit data is stored in; default: the dtype FSDP2 gathers in (the "
+                          "mixed-precision param dtype, else model.dtype): sharded; uint8: kept whole on every rank.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: _dtype_alias(v) if k in ("compute_dtype", "quant_storage") else v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _eight_bit(self) -> "QuantizationConfig":
+        if self.bits == 8:
+            given = [k for k in ("quant_type", "double_quant", "quant_storage") if getattr(self, k) is not None]
+            raise ValueError("bits 8 is not supported: bitsandbytes' 8-bit weights keep their scales on the "
+                             "parameter, which FSDP replaces when it shards" +
+                             (f", and {', '.join(given)} only apply to 4 bits" if given else "") + "; use bits: 4")
+        return self
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
+    dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
+    trust_remote_code: bool = Field(False, description="allow model code from the hub (transformers option).")
+    attn_implementation: Literal[ATTENTION_KERNELS] = Field(
+        "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
+                            "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
+    quantization: QuantizationConfig | None = Field(
+        None, description="QLoRA: load the base's Linears in 4 bits (bitsandbytes) and train LoRA on them "
+                          "(docs/guide.md: QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), "
+                          "compute_dtype (default: "
+                          "the mixed-precision param dtype, else dtype), quant_storage (default: the same: sharded by "
+                          "FSDP2; uint8: whole on every rank)}.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dtype" in data:
+            data = {**data, "dtype": _dtype_alias(data["dtype"])}
+        return data
+
+
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class MessageKeys(Section):
+    role: str = Field("role", description="key of a message's role.")
+    content: str = Field("content", description="key of a message's text.")
+
+
+# The keys a data.datasets source may set for itself; a key it leaves unset takes the data section's value.
+SOURCE_KEYS = ("path", "format", "name", "split", "text_field", "messages_field", "message_keys", "roles")
+
+
+class DataSource(Section):
+    path: str = Field(description="like data.path; also a folder or glob (e.g. shards/*.jsonl) of JSONL/Parquet shards.")
+    format: str | None = Field(None, description="this source's format (default data.format).")
+    name: str | None = Field(None, description="datasets config name (default data.name).")
+    split: str | None = Field(None, description="split read for training (default data.split).")
+    text_field: str | None = Field(None, description="text format: the column holding the text (default data.text_field).")
+    messages_field: str | None = Field(None, description="chat format: the messages column (default data.messages_field).")
+    message_keys: MessageKeys | None = Field(None, description="chat format: role and text keys (default data.message_keys).")
+    roles: dict[str, ChatRole] | None = Field(None, description="chat format: role names (default data.roles).")
+    weight: float | None = Field(None, description="share of the mixture, relative to the other sources' weights "
+                                                   "(give every source a weight, or none).")
+    epochs: float | None = Field(None, description="without weights: passes over this source per epoch of the "
+                                                   "mixture (default 1: every row once).")
+
+
+class DataConfig(Section):
+    format: str = Field("text", description="text, instruction, chat, or a format a plugin registers.")
+    path: str | None = Field(None, description="local file (.txt/.jsonl/.json/.csv/.parquet), folder or glob of "
+                                                "shards, or datasets-loadable name (or give data.datasets).")
+    datasets: list[DataSource] | None = Field(
+        None, description="several sources mixed into one training set (instead of data.path); each takes the keys "
+                          "above it leaves unset from this section.")
+    name: str | None = Field(None, description="datasets config name, for hub-style datasets.")
+    split: str = Field("train", description="split of `path` used for training.")
+    text_field: str = Field("text", description="text format: the column holding the text.")
+    messages_field: str | None = Field(
+        None, description="chat format: the column holding the messages list; default: messages, or conversations "
+                          "(ShareGPT) when the rows have that column instead.")
+    message_keys: MessageKeys | None = Field(
+        None, description="chat format: a message's role and text keys, e.g. {role: from, content: value}; default: "
+                          "role/content, or from/value (ShareGPT) when the messages have those instead.")
+    roles: dict[str, ChatRole] | None = Field(
+        None, description="chat format: the rows' role names as system/user/assistant, e.g. {human: user, gpt: "
+                          "assistant}, added to the defaults (system, user, assistant, and ShareGPT's human, gpt).")
+    max_seq_len: int = Field(512, gt=1, description="tokens per sample; longer samples follow too_long.")
+    too_long: Literal["truncate", "drop"] = Field("truncate", description="policy for longer samples (counted in the log).")
+    eval_path: str | None = Field(None, description="separate eval file (set one of eval_path, eval_split, eval_fraction).")
+    eval_split: str | None = Field(None, description="split of `path` used for eval.")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of train held out for eval.")
+    max_eval_samples: int | None = Field(None, gt=0, description="cap on eval rows.")
+    num_proc: int | None = Field(None, gt=0, description="processes for reading and tokenizing (default: the cores "
+                                                          "this process may use).")
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "DataConfig":
+        sources = [k for k in ("eval_path", "eval_split") if getattr(self, k)] + (
+            ["eval_fraction"] if self.eval_fraction > 0 else []
+        )
+        if len(sources) > 1:
+            raise ValueError(f"set only one of eval_path, eval_split, eval_fraction (got {', '.join(sources)})")
+        return self
+
+    @model_validator(mode="after")
+    def _one_training_source(self) -> "DataConfig":
+        if (self.path is None) == (self.datasets is None):
+            raise ValueError("give data.path (one source) or data.datasets (a list of sources), not "
+                             + ("both" if self.path is not None else "neither"))
+        if self.datasets is not None:
+            problems = [f"data.datasets[{i}]: give weight or epochs, not both" for i, s in enumerate(self.datasets)
+                        if s.weight is not None and s.epochs is not None]
+            problems += [f"data.datasets[{i}].{key}: {value:g}; it must be more than 0 (a source that should not "
+                         "train is removed from the list)" for i, s in enumerate(self.datasets)
+                         for key, value in (("weight", s.weight), ("epochs", s.epochs))
+                         if value is not None and not value > 0]
+            weighted = [s.weight is not None for s in self.datasets]
+            if any(weighted) and not all(weighted):
+                problems.append(f"data.datasets: sources {[i for i, w in enumerate(weighted) if not w]} have no "
+                                "weight: give every source a weight, or none (then each source's epochs decide)")
+            if not self.datasets:
+                problems.append("data.datasets: the list is empty; give at least one source")
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
+    def sources(self) -> list["DataConfig"]:
+        """The training sources, each as a whole data section (a data.datasets entry over this section's keys;
+        without data.datasets, this section itself)."""
+        if self.datasets is None:
+            return [self]
+        return [self.model_copy(update={"datasets": None, **{k: getattr(s, k) for k in SOURCE_KEYS
+                                                             if getattr(s, k) is not None}})
+                for s in self.datasets]
+
+
+class MixedPrecisionParts(Section):
+    param: DType = "bfloat16"
+    reduce: DType = "float32"
+    buffer: DType = "float32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return {k: _dtype_alias(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+STRATEGIES: tuple[str, ...] = typing.get_args(ShardingStrategy)
+FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "sync_module_states", "use_orig_params", "limit_all_gathers")
+
+
+class FSDPConfig(Section):
+    version: Literal[1, 2] = Field(2, description="1: FullyShardedDataParallel, 2: fully_shard (per-parameter DTensor).")
+    sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="what is sharded; see the strategy table.")
+    wrap_policy: Literal["transformer", "size", "none"] = Field(
+        "transformer", description="how FSDP units are formed: transformer (each decoder layer), size (modules of "
+                                   "min_num_params or more; tied embeddings stay in the root unit), none (the root "
+                                   "only).")
+    transformer_layer_cls: list[str] | None = Field(
+        None, description="layer classes wrapped as FSDP units; default: the model's _no_split_modules."
+    )
+    min_num_params: int | None = Field(None, gt=0, description="size policy: a module with at least this many "
+                                       "parameters not already in a smaller unit becomes a unit (e.g. 100000000).")
+    mixed_precision: Literal["no", "bf16", "fp16"] | MixedPrecisionParts = Field(
+        "no", description="bf16/fp16 compute with fp32 reduction, or {param, reduce, buffer} dtypes (buffer: FSDP1 "
+              "only; NO_SHARD under FSDP2 runs as DDP and reduces in float32).")
+    cpu_offload: bool = Field(False, description="keep parameters (and optimizer state) in host memory; GPU only (NCCL + gloo).")
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
+        "SHARDED_STATE_DICT", description="checkpoint layout: one gathered file, or per-rank shards (DCP).")
+    activation_checkpointing: bool = Field(False, description="recompute layer activations in backward.")
+    cpu_ram_efficient_loading: bool = Field(False, description="only rank 0 reads weights; others get them.")
+    hybrid_shard_size: int | None = Field(
+        None, gt=0, description="HYBRID_SHARD: ranks per shard group (default: processes per node)."
+    )
+    single_process: Literal["auto", "fsdp"] = Field(
+        "auto", description="one process: auto runs the model without a wrapper unless an option needs FSDP "
+                            "(cpu_offload); fsdp wraps it anyway, as N ranks would.")
+    # FSDP1-only knobs: None means "not set", so setting one under version 2 can be reported.
+    forward_prefetch: bool | None = Field(None, description="FSDP1: issue the next all-gather early (default false).")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = Field(
+        None, description="FSDP1: when to prefetch in backward (default BACKWARD_PRE).")
+    sync_module_states: bool | None = Field(
+        None, description="FSDP1: broadcast rank 0's weights (default: cpu_ram_efficient_loading).")
+    use_orig_params: bool | None = Field(None, description="FSDP1: keep original parameters (default true; LoRA needs it).")
+    limit_all_gathers: bool | None = Field(None, description="FSDP1: rate-limit all-gathers (default true).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FSDPConfig":
+        problems = []
+        if self.version == 2:
+            given = [k for k in FSDP1_ONLY if getattr(self, k) is not None]
+            if given:
+                problems.append(f"{', '.join(given)} only exist in FSDP1: remove them or set fsdp.version: 1")
+        if self.wrap_policy == "size" and self.min_num_params is None:
+            problems.append("wrap_policy 'size' needs fsdp.min_num_params (e.g. 100000000)")
+        if self.wrap_policy != "size" and self.min_num_params is not None:
+            problems.append("min_num_params only applies to wrap_policy 'size'")
+        if self.wrap_policy != "transformer" and self.transformer_layer_cls:
+            problems.append("transformer_layer_cls only applies to wrap_policy 'transformer'")
+        if self.hybrid_shard_size is not None and self.sharding_strategy != "HYBRID_SHARD":
+            problems.append("hybrid_shard_size only applies to sharding_strategy HYBRID_SHARD")
+        if self.version == 1 and self.cpu_ram_efficient_loading and self.sync_module_states is False:
+            problems.append("cpu_ram_efficient_loading needs sync_module_states (ranks > 0 start empty)")
+        if self.runs_as_ddp:
+            ddp = "NO_SHARD with FSDP2 runs as DDP, which"
+            if self.cpu_offload:
+                problems.append(f"{ddp} has no cpu_offload: use FULL_SHARD or version 1")
+            if self.cpu_ram_efficient_loading:
+                problems.append(f"{ddp} loads the weights on every rank (no cpu_ram_efficient_loading): "
+                                "use FULL_SHARD or version 1")
+            if isinstance(self.mixed_precision, MixedPrecisionParts) and self.mixed_precision.reduce != "float32":
+                problems.append(f"{ddp} reduces gradients in float32 (the master weights' dtype), so "
+                                "mixed_precision.reduce must be float32: use FULL_SHARD or version 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def runs_as_ddp(self) -> bool:
+        """FSDP2 has no NO_SHARD; the seeds define NO_SHARD as DDP, so that is what runs (no FSDP plugin)."""
+        return self.version == 2 and self.sharding_strategy == "NO_SHARD"
+
+    @property
+    def precision_name(self) -> str:
+        if isinstance(self.mixed_precision, str):
+            return self.mixed_precision
+        return "bf16" if self.mixed_precision.param == "bfloat16" else "fp16" if self.mixed_precision.param == "float16" else "no"
+
+
+# Experiment trackers that Accelerate drives (its `log_with` names): the module each needs, and the pip package that
+# provides it. A tracker named but not installed is a config error (Accelerate itself would silently skip it).
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "comet_ml": ("comet_ml", "comet-ml"),
+    "aim": ("aim", "aim"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+}
+Tracker = Literal[tuple(TRACKERS)]
+
+
+class CompileConfig(Section):
+    """``train.compile`` as a mapping: how each transformer block is compiled (``torch.compile`` arguments)."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile backend: inductor (generated kernels), aot_eager (traced, no code "
+                                "generation: for checking), eager (dynamo only).")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="inductor mode (reduce-overhead and max-autotune use CUDA graphs: GPUs only).")
+
+    @model_validator(mode="after")
+    def _mode_needs_inductor(self) -> "CompileConfig":
+        if self.mode is not None and self.backend != "inductor":
+            raise ValueError(f"compile.mode only applies to backend inductor (backend is {self.backend})")
+        return self
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.mode in ("reduce-overhead", "max-autotune")
+
+
+class TrainConfig(Section):
+    output_dir: str = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
+    epochs: float | None = Field(None, gt=0, description="passes over the train set (when max_steps is unset).")
+    per_device_batch_size: int = Field(1, gt=0, description="samples per micro-batch per rank.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    group_by_length: bool = Field(
+        False, description="put rows of similar length into the same micro-batches (less padding); the order "
+                           "stays a function of seed and step.")
+    optimizer: Literal[OPTIMIZER_NAMES] = Field(
+        "adamw", description="adamw (torch), adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments), adafactor (torch: "
+                             "factored second moment), muon (torch's Muon on the hidden 2-D matrices, AdamW on "
+                             "embeddings, head, norms and biases), schedule_free_adamw (schedulefree's "
+                             "AdamWScheduleFree: no LR schedule; evaluation, checkpoints and export use its averaged "
+                             "weights), sgd (torch). docs/guide.md: where each runs.")
+    optimizer_args: dict[str, Any] = Field(
+        {}, description="other keyword arguments of the optimizer (e.g. {momentum: 0.9} for sgd), checked against its "
+                        "signature; lr, weight_decay, betas and eps come from the keys here.")
+    learning_rate: float = Field(2e-5, gt=0, description="peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms/biases).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="beta1 of the Adam family (adamw, adamw_8bit, muon's "
+                                                           "AdamW, schedule_free_adamw).")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="beta2 of the Adam family.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="epsilon of the Adam family.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="decay after warmup (to 0 at the last step).")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping.")
+    seed: int = Field(42, description="seeds data order, init and dropout.")
+    log_every: int = Field(10, gt=0, description="steps between metrics.jsonl records.")
+    eval_every: int | None = Field(None, gt=0, description="steps between evals; eval also runs at start and end.")
+    eval_at_start: bool = Field(True, description="evaluate before the first step (the before/after report).")
+    max_eval_batches: int | None = Field(None, gt=0, description="cap on eval batches per rank.")
+    save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
+    keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
+    async_save: bool = Field(
+        False, description="write SHARDED checkpoints in the background while training continues (staged to a "
+                           "host-memory copy first; FSDP-wrapped models); a checkpoint counts only once complete.")
+    export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
+    report_to: list[Tracker] = Field(
+        ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
+        "replaces train.tensorboard (false: none).")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the table of known GPUs in docs/guide.md.")
+    compile: CompileConfig | None = Field(
+        None, description="torch.compile each transformer block in place (before FSDP2 shards it; FSDP1: refused): "
+                          "true (Inductor), false, or {backend: inductor|aot_eager|eager, mode: default|"
+                          "max-autotune-no-cudagraphs|reduce-overhead|max-autotune}. Off by default (docs/benchmarks.md: "
+                          "what it gains on CPU).")
+    chunked_loss: bool = Field(
+        True, description="compute the output projection and cross entropy inside the model's forward, chunk by "
+                          "chunk, each chunk's gradients made there (no recomputation), so the full logits never "
+                          "exist; used where it is exact (checked at start-up, else the plain loss); false: the plain "
+                          "loss.")
+    deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also "
+                                                   "CUBLAS_WORKSPACE_CONFIG).")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
+    max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
+    collective_timeout_s: int = Field(
+        600, gt=0, description="seconds a rank waits in a collective for the others before the job fails "
+                               "(a hung or frozen rank); also bounds rank 0's first-time tokenization.")
+    save_timeout_s: float | None = Field(
+        3600, gt=0, description="seconds a checkpoint may take from the start of its save until it is complete; "
+                                "a save that takes longer (storage too slow or hung) stops every rank with the step, "
+                                "the path and the time instead of hanging (null: no limit).")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value: Any) -> Any:
+        """``compile: true`` is the default mapping, ``false`` is off."""
+        return ({} if value else None) if isinstance(value, bool) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "tensorboard" in data:  # the key report_to replaced: old configs keep validating
+            legacy = data.pop("tensorboard")
+            if "report_to" in data:
+                raise ValueError("tensorboard is replaced by report_to: remove tensorboard")
+            if not isinstance(legacy, bool):
+                raise ValueError("tensorboard (deprecated) must be true or false; better: report_to")
+            data["report_to"] = ["tensorboard"] if legacy else []
+        value = data.get("report_to", ["tensorboard"])
+        if value is None or value == "none":
+            value = []
+        elif isinstance(value, str):
+            value = [value]
+        if isinstance(value, list) and "none" in value:
+            if len(value) > 1:
+                raise ValueError("report_to: 'none' cannot be combined with trackers")
+            value = []
+        data["report_to"] = value
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, value: list[str]) -> list[str]:
+        missing = [name for name in value if importlib.util.find_spec(TRACKERS[name][0]) is None]
+        if missing:
+            raise ValueError("; ".join(f"tracker '{name}' is not installed: pip install {TRACKERS[name][1]}"
+                                       for name in missing) + " (or remove it from train.report_to)")
+        return list(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+
+class GenerationEvalConfig(Section):
+    """Greedy generation on held-out prompts before and after training: exact-match accuracy and examples."""
+
+    num_samples: int = Field(32, ge=0, description="eval rows generated (greedy) before and after training.")
+    max_new_tokens: int = Field(64, gt=0, description="generation length cap.")
+    show: int = Field(2, ge=0, description="examples printed before/after.")
+
+
+# Suffixes of the data files hfsdp reads (data.py maps each to its datasets loader).
+DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".csv", ".parquet")
+# The formats whose rows generation_eval can split into a prompt and a reference answer.
+GENERATION_FORMATS = ("chat", "instruction")
+
+
+class HfsdpConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    fsdp: FSDPConfig = FSDPConfig()
+    generation_eval: GenerationEvalConfig | None = Field(
+        None, description="off unless the section is given; chat and instruction formats.")
+    plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
+    plugin_config: dict[str, Any] = Field(
+        default_factory=dict, description="validated plugin sections (filled by load_config, not set in YAML)."
+    )
+
+    def section(self, name: str) -> Any:
+        return self.plugin_config.get(name)
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The resolved config as the user would write it (plugin sections back at top level)."""
+        out = self.model_dump(mode="json", exclude={"plugin_config"})
+        for name, section in self.plugin_config.items():
+            out[name] = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
+        return out
+
+    def fingerprint(self, *, exclude: tuple[str, ...] = ()) -> str:
+        data = self.to_yaml_dict()
+        for dotted in exclude:
+            parent, _, leaf = dotted.rpartition(".")
+            node = data
+            for part in filter(None, parent.split(".")):
+                node = node.get(part, {})
+            node.pop(leaf, None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}
+
+
+def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The section model of field ``name`` (also inside ``X | None`` and other unions), if it is one."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _unknown_key(model: type[BaseModel], loc: list[str], reference: str) -> str:
+    """'unknown key', with the closest valid key of that (sub)section and the command that prints them all."""
+    for part in loc[:-1]:
+        model = _submodel(model, part) or model
+    keys = [k for k in model.model_fields if k != "plugin_config"]
+    # a close spelling, else a key the unknown one abbreviates (model.name -> name_or_path)
+    close = difflib.get_close_matches(loc[-1], keys, n=1) or [k for k in keys if k.startswith(f"{loc[-1]}_")][:1]
+    maybe = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown key ({maybe}`{reference}` lists the valid keys)"
+
+
+def _pydantic_problems(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None,
+                       plugin: str | None = None) -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-after", "function-before"))]
+        # Union members add their type name to the path; drop it so the path is the YAML path.
+        loc = [p for p in loc if p not in ("str", "MixedPrecisionParts", "literal['no','bf16','fp16']")]
+        path = ".".join(filter(None, [prefix, *loc]))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            section = path.split(".")[0]
+            reference = f"hfsdp config-reference {section}" + (f" --enable {plugin}" if plugin else "")
+            msg = _unknown_key(model or HfsdpConfig, loc, reference)
+        elif e["type"] == "missing":
+            msg = "required key is missing" + (" (or start from a preset that has it: `base: default`; "
+                                               "`hfsdp presets` lists them)" if len(loc) == 1 and not prefix else "")
+        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        problems.append((path, msg))
+    return problems
+
+
+class InvalidSection:
+    """Stands in for a section that failed validation (its problems are reported), so that plugin checks that do
+    not read it still run; reading it raises :class:`InvalidSectionRead`, which skips the check that did."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise InvalidSectionRead(self._name)
+
+    def __repr__(self) -> str:
+        return f"<invalid section {self._name}>"
+
+
+def _core_config(core: dict[str, Any]) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
+    """The core sections; a section with problems becomes an :class:`InvalidSection` (see there)."""
+    try:
+        return HfsdpConfig.model_validate(core), []
+    except ValidationError as err:
+        problems = _pydantic_problems(err)
+        broken = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    values: dict[str, Any] = {}
+    for name, field in HfsdpConfig.model_fields.items():
+        if name in broken:
+            values[name] = InvalidSection(name)
+        elif name in core:
+            values[name] = TypeAdapter(field.annotation).validate_python(core[name])
+        else:
+            values[name] = field.get_default(call_default_factory=True)
+    return HfsdpConfig.model_construct(**values), problems
+
+
+def validate_config(
+    raw: dict[str, Any], plugin_sections: dict[str, tuple[str, type[BaseModel]]],
+) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
+    """Validate raw YAML data: the config (sections with problems stand in as :class:`InvalidSection`) and the
+    problems. ``plugin_sections`` maps section name → (plugin, schema) for the enabled plugins."""
+    problems: list[tuple[str, str]] = []
+    plugin_config: dict[str, Any] = {}
+    unknown = []
+    for name, (plugin, _) in list(plugin_sections.items()):
+        if name in CORE_SECTIONS or name == "plugin_config":
+            problems.append((name, f"plugin '{plugin}' declares section '{name}', which is a core section"))
+            plugin_sections = {k: v for k, v in plugin_sections.items() if k != name}
+    for key in raw:
+        if key in CORE_SECTIONS:
+            continue
+        if key == "plugin_config":
+            problems.append((key, "unknown key: plugin sections go at the top level under their own name"))
+        elif key not in plugin_sections:
+            unknown.append(key)
+    if unknown:
+        owners = {name: plugin for name, (plugin, _) in plugin_host.installed_sections().items()}
+        for key in unknown:
+            if key in owners:
+                problems.append((key, f"section of plugin '{owners[key]}', which is not enabled: enable plugin "
+                                      f"'{owners[key]}' (add it to `plugins:`)"))
+            else:
+                close = difflib.get_close_matches(key, sorted(CORE_SECTIONS | set(plugin_sections) | set(owners)), n=1)
+                problems.append((key, "unknown section" + (f" (did you mean '{close[0]}'?)" if close else "")
+                                 + f"; valid sections: {', '.join(sorted(CORE_SECTIONS | set(plugin_sections)))}"))
+    # Enabled plugins with a section get their defaults even when the YAML omits the section.
+    for name, (plugin, schema) in plugin_sections.items():
+        try:
+            plugin_config[name] = schema.model_validate(raw.get(name) or {})
+        except ValidationError as err:
+            plugin_config[name] = InvalidSection(name)
+            problems += [(path, f"{msg} [section of plugin '{plugin}']")
+                         for path, msg in _pydantic_problems(err, prefix=name, model=schema, plugin=plugin)]
+    config, core_problems = _core_config({k: v for k, v in raw.items() if k in CORE_SECTIONS})
+    config.plugin_config = plugin_config
+    return config, core_problems + problems
+
+
+def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
+    """Combinations of keys from different sections that cannot do what they say."""
+    problems = []
+    parts = config.fsdp.mixed_precision
+    if (isinstance(parts, MixedPrecisionParts) and "buffer" in parts.model_fields_set and config.fsdp.version == 2
+            and parts.buffer != config.model.dtype):
+        problems.append(("fsdp.mixed_precision.buffer",
+                         f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
+                         f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
+                         "or use fsdp.version 1"))
+    if config.train.compile is not None and config.fsdp.version == 1:
+        problems.append(("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
+                                          "compile per block: use fsdp.version 2, or remove train.compile"))
+    if config.train.async_save and config.fsdp.state_dict_type != "SHARDED_STATE_DICT":
+        problems.append(("train.async_save", "writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the "
+                                             "background; a FULL_STATE_DICT one is gathered into one file on rank 0: "
+                                             "set fsdp.state_dict_type: SHARDED_STATE_DICT, or remove "
+                                             "train.async_save"))
+    if config.train.async_save and config.fsdp.version == 1:
+        problems.append(("train.async_save", "FSDP1's sharded state dict holds ShardedTensors, which DCP's "
+                                             "host-memory staging cannot copy: use fsdp.version 2, or remove "
+                                             "train.async_save"))
+    if config.train.async_save and config.fsdp.runs_as_ddp:
+        problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
+                                             "whose checkpoint is one file: use FULL_SHARD, or remove "
+                                             "train.async_save"))
+    problems += quantization.problems(config) + optimizers.problems(config)
+    generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
+    if config.generation_eval is not None and generated not in GENERATION_FORMATS:
+        problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
+                                            f"and a reference answer), not '{generated}': remove the section"))
+    return problems
+
+
+def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
+    """The key of the plugin reader for ``path``: a source prefix (``"mydb://"``) it starts with, or a file suffix
+    (``".tsv"``) it ends with (case-insensitive); None when no plugin reader claims it."""
+    keys = list(readers)
+    for key in keys:
+        if key.endswith("://") and path.startswith(key):
+            return key
+    suffix = Path(path).suffix.lower()
+    return next((key for key in keys if not key.endswith("://") and key.lower() == suffix), None)
+
+
+def is_glob(path: str) -> bool:
+    """A path with glob characters that names no file or folder itself (a file may have ``[`` in its name)."""
+    return any(c in path for c in "*?[") and not Path(path).expanduser().exists()
+
+
+def shard_files(path: str) -> list[Path]:
+    """The data files a local source is made of: the file itself, the files a glob matches (sorted), or a folder's
+    data files (a folder saved by datasets holds none: it is read as a whole)."""
+    local = Path(path).expanduser()
+    if is_glob(path):
+        return sorted(Path(p) for p in glob.glob(str(local), recursive=True) if Path(p).is_file())
+    if local.is_dir():
+        return sorted(p for p in local.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
+                      and not any(part.startswith(".") for part in p.relative_to(local).parts))
+    return [local]
+
+
+def empty_file(path: Path) -> bool:
+    """A data file without a single non-blank character in its first 4 KiB: no rows (an empty shard)."""
+    with open(path, "rb") as f:
+        return not f.read(4096).strip()
+
+
+def _source_path_problems(where: str, value: str, readers: list[str]) -> list[tuple[str, str]]:
+    claimed = data_reader_key(value, readers)
+    if claimed is not None and claimed.endswith("://"):
+        return []
+    local = Path(value).expanduser()
+    if is_glob(value):
+        files = shard_files(value)
+        if not files:
+            return [(where, f"{value} matches no file ({RELATIVE_DATA_PATHS})")]
+        kinds = sorted({f.suffix.lower() for f in files})
+        if len(kinds) > 1:
+            return [(where, f"{value} matches files of {len(kinds)} kinds ({', '.join(kinds)}): a source's shards "
+                            "are one kind; narrow the glob or give each kind its own source")]
+        if kinds[0] not in DATA_SUFFIXES:
+            return [(where, f"{value}: hfsdp reads {', '.join(DATA_SUFFIXES)} shards, not '{kinds[0]}'")]
+    elif local.is_file():
+        if claimed is None and local.suffix.lower() not in DATA_SUFFIXES:
+            plugin_kinds = [k for k in readers if not k.endswith("://")]
+            return [(where, f"{local}: hfsdp reads {', '.join(DATA_SUFFIXES)} files"
+                            + (f" (and enabled plugins {', '.join(plugin_kinds)})" if plugin_kinds else "")
+                            + f", not '{local.suffix or local.name}': convert it, or enable a plugin "
+                              "that reads it (hook hfsdp_data_readers)")]
+        files = [local]
+    elif local.is_dir():
+        if not os.access(local, os.R_OK | os.X_OK):
+            return [(where, f"cannot read the folder {local}: permission denied")]
+        files = shard_files(value)
+    elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
+        return [(where, f"{local.resolve()} does not exist ({RELATIVE_DATA_PATHS})")]
+    else:
+        return []  # a datasets name, loaded (and checked) with the data
+    problems = []
+    for f in files:
+        if not os.access(f, os.R_OK):
+            problems.append((where, f"cannot read {f}: permission denied"))
+        elif len(files) > 1 and empty_file(f):
+            problems.append((where, f"the shard {f} is empty (no rows): remove it, or fill it"))
+    return problems
+
+
+def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """Every training source's path and ``data.eval_path``: exists, is readable, and hfsdp or an enabled plugin reads
+    its kind; a glob or folder of shards: matches files of one kind, none of them empty. A plugin's own source
+    (``prefix://``) is the plugin's to check; a name that is no local path is a datasets name, loaded (and checked)
+    with the data."""
+    readers = list(readers)
+    paths = [("data.path", data.path)] if data.datasets is None else \
+        [(f"data.datasets[{i}].path", s.path) for i, s in enumerate(data.datasets)]
+    problems = []
+    for where, value in paths + [("data.eval_path", data.eval_path)]:
+        if value:
+            problems += _source_path_problems(where, value, readers)
+    return problems
+
+
+# The one rule for relative data paths, named wherever a missing path is reported.
+RELATIVE_DATA_PATHS = ("a relative path in a config file is taken from the config file's folder; one given with "
+                       "--set, from the working directory")
+
+

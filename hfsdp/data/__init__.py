@@ -1,0 +1,3 @@
+"""Data: raw rows to tokenized datasets through the format hooks (:mod:`~hfsdp.data.prepare`), the per-node
+preprocessing cache (:mod:`~hfsdp.data.cache`), mixtures, the batch plan and collation (:mod:`~hfsdp.data.batches`),
+and prompt rendering (:mod:`~hfsdp.data.prompts`)."""

@@ -1,0 +1,3 @@
+"""Export: one pipeline from a trained model or a checkpoint to a Hugging Face folder (:mod:`~hfsdp.export.pipeline`),
+the safetensors folder writer (:mod:`~hfsdp.export.hf_folder`), and staging into place without losing what was there
+(:mod:`~hfsdp.export.staging`)."""

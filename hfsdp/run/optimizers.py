@@ -1,0 +1,352 @@
+"""The optimizer a run trains with (``train.optimizer``, ``train.optimizer_args``): the choices, what is checked of
+them before any weight loads, the parameter groups made by name, and the builder.
+
+Every choice is an implementation people already use: ``torch.optim.AdamW``, ``torch.optim.SGD``,
+``torch.optim.Adafactor``, ``torch.optim.Muon`` (torch >= 2.9), bitsandbytes' ``AdamW8bit`` and the
+``schedulefree`` package's ``AdamWScheduleFree``. hfsdp sets the learning rate, the weight decay (on matrices only)
+and, for the Adam family, betas and epsilon from the ``train`` keys; ``optimizer_args`` passes the rest on, checked
+against the optimizer's signature and tried on a small tensor before any weight loads.
+
+The same update on N ranks as on one process: elementwise optimizers (AdamW, SGD, schedule-free AdamW) update a
+shard as they update the whole tensor. Muon orthogonalises whole matrices: under FSDP2 :class:`WholeMatrixMuon`
+runs Newton-Schulz on the gathered momentum and keeps this rank's rows of the result, which is torch's Muon on one
+process. Optimizers that need each parameter whole are refused where FSDP1 wraps the model (its flat parameters
+are slices of several parameters concatenated), and 8-bit AdamW (its quantization blocks) and Adafactor (its row
+and column factors, which torch's implementation cannot compute on DTensors) where FSDP2 wraps it: one process,
+or DDP (``fsdp.sharding_strategy: NO_SHARD``), runs them (:func:`wrapper_problems`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+    from hfsdp.config.schema import HfsdpConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One value of ``train.optimizer``."""
+
+    path: str  # "module:Class"
+    pip: str | None  # what installs it, None: torch itself
+    adam: bool  # hfsdp passes betas and eps (train.adam_*)
+    defaults: dict[str, Any] = field(default_factory=dict)  # hfsdp's own, which optimizer_args may change
+    # why each parameter must be whole (refused under FSDP1), None: it updates each element on its own
+    whole: str | None = None
+    # why a shard of a parameter cannot be updated as the whole one (refused where FSDP2 shards), None: it can
+    unsharded: str | None = None
+
+    def load(self) -> type:
+        module, name = self.path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.path.split(".")[0].split(":")[0]) is not None
+
+
+BITSANDBYTES = "bitsandbytes==0.50.2"  # the version hfsdp is tested with (pyproject's optimizers and qlora extras)
+SCHEDULEFREE = "schedulefree==1.4.1"
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes' 8-bit block size and its smallest 8-bit tensor (its default)
+CHOICES: dict[str, Choice] = {
+    # fused: one kernel per step instead of a loop of per-parameter ops (CPU's default); 3x faster on 2 CPU cores.
+    "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True}),
+    "adamw_8bit": Choice(
+        "bitsandbytes.optim:AdamW8bit", BITSANDBYTES, adam=True,
+        whole="its moments are quantized in blocks of each parameter",
+        unsharded="bitsandbytes quantizes each moment in blocks of 256 elements of the tensor it is given, and keeps "
+                  "tensors under 4096 elements in 32 bits: a shard gets other blocks than the whole parameter (and "
+                  "its kernels take plain tensors, not FSDP2's DTensors), so the update would differ from one "
+                  "process's"),
+    "adafactor": Choice(
+        "torch.optim:Adafactor", None, adam=False,
+        whole="it factors each matrix's second moment into its rows and columns",
+        unsharded="it factors each matrix's second moment into its rows and columns and scales each step by the "
+                  "whole parameter's norm, and torch's Adafactor cannot run on FSDP2's DTensors (its in-place "
+                  "row and column norms fail there)"),
+    "muon": Choice("hfsdp.run.optimizers:WholeMatrixMuon", None, adam=True,
+                   whole="it orthogonalises each whole matrix"),
+    "schedule_free_adamw": Choice("schedulefree:AdamWScheduleFree", SCHEDULEFREE, adam=True),
+    "sgd": Choice("torch.optim:SGD", None, adam=False),
+}
+OPTIMIZER_NAMES = tuple(CHOICES)
+# the keyword arguments hfsdp sets itself, from these keys (betas and eps only for the Adam family)
+SET_BY = {"params": "hfsdp (the parameter groups)", "lr": "train.learning_rate", "weight_decay": "train.weight_decay",
+          "betas": "train.adam_beta1 and train.adam_beta2", "eps": "train.adam_epsilon"}
+
+
+def set_by_hfsdp(choice: Choice) -> set[str]:
+    return {"params", "lr", "weight_decay"} | ({"betas", "eps"} if choice.adam else set())
+
+
+def signature_keys(choice: Choice) -> list[str]:
+    """The keyword arguments ``optimizer_args`` may give: the optimizer's signature less what hfsdp sets."""
+    return [p.name for p in inspect.signature(choice.load()).parameters.values()
+            if p.name not in set_by_hfsdp(choice) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What cannot work, from the config alone, before any weight loads: a package not installed, an argument the
+    optimizer does not take or refuses, schedule-free with an LR schedule. torch is imported only to check Muon's
+    presence or ``optimizer_args`` (by the optimizer's signature and a step on a small layer): validating a config
+    without them stays torch-free (``hfsdp validate --no-rows``)."""
+    cfg = config.train
+    choice = CHOICES[cfg.optimizer]
+    if not choice.installed:
+        return [("train.optimizer", f"{cfg.optimizer} needs {choice.pip.split('==')[0]}, which is not installed: "
+                                    f"pip install '{choice.pip}' (or pip install 'hfsdp[optimizers]')")]
+    if cfg.optimizer == "muon":
+        import torch
+
+        if not hasattr(torch.optim, "Muon"):
+            return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch.__version__} lacks: "
+                                        "pip install 'torch>=2.9'")]
+    out = []
+    if cfg.optimizer_args:
+        valid = signature_keys(choice)
+        for key in cfg.optimizer_args:
+            if key in set_by_hfsdp(choice):
+                out.append((f"train.optimizer_args.{key}", f"set by {SET_BY[key]}: remove it from optimizer_args"))
+            elif key not in valid:
+                out.append((f"train.optimizer_args.{key}",
+                            f"unknown argument of {cfg.optimizer} ({choice.path.replace(':', '.')}); it takes: "
+                            f"{', '.join(valid) or 'none'}"))
+        if not out:
+            refused = _try_on_small_tensors(config)
+            if refused:
+                out.append(("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}"))
+    if cfg.optimizer == "schedule_free_adamw" and cfg.lr_scheduler != "constant":
+        out.append(("train.lr_scheduler", f"{cfg.lr_scheduler}: schedule-free AdamW replaces the LR schedule (it "
+                                          "averages its iterates instead): set train.lr_scheduler: constant "
+                                          "(train.warmup_steps still warms up)"))
+    return out
+
+
+def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str]]:
+    """An optimizer that cannot give one process's update under ``wrapper`` (what wraps the model on this world:
+    ``hfsdp.parallel.fsdp.wrapper``), refused before any weight loads with the reason."""
+    name = config.train.optimizer
+    choice = CHOICES[name]
+    if wrapper == "fsdp1" and choice.whole:
+        return [("train.optimizer", f"{name} cannot run under FSDP1: {choice.whole}, and FSDP1 gives the optimizer "
+                                    "flat slices of several parameters concatenated: use fsdp.version: 2")]
+    if wrapper == "fsdp1" and name == "schedule_free_adamw":
+        return [("train.optimizer", "schedule_free_adamw cannot run under FSDP1 yet: a run resumed from its FSDP1 "
+                                    "checkpoint does not continue the steps it stopped at (its averaged and its "
+                                    "training weights are not both restored): use fsdp.version: 2")]
+    if wrapper == "fsdp2" and choice.unsharded:
+        return [("train.optimizer", f"{name} cannot run on FSDP2's sharded parameters: {choice.unsharded}. Run it "
+                                    "without FSDP2's shards: on one process without FSDP (fsdp.single_process: "
+                                    "auto), under DDP (fsdp.sharding_strategy: NO_SHARD), or choose another "
+                                    "optimizer")]
+    return []
+
+
+def _try_on_small_tensors(config: "HfsdpConfig") -> str | None:
+    """The optimizer built with the run's arguments over a small matrix and vector (and stepped once): its own
+    refusal of a value (a negative momentum, a tuple of the wrong length), or None."""
+    import torch
+
+    layer = torch.nn.Linear(4, 4)
+    try:
+        optimizer = build(layer, config.train, hidden={"weight"})
+        for p in layer.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        with training_mode(optimizer):
+            optimizer.step()
+    except (ValueError, TypeError, RuntimeError, AssertionError) as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def groups(model: "torch.nn.Module", matrices: set[str], hidden: set[str]) -> dict[str, list]:
+    """The trainable parameters by name: ``decay`` (matrices), ``no_decay`` (norms, biases), and for Muon
+    ``hidden`` (2-D matrices of the hidden layers: not the embeddings, not the output head). Names are compared
+    without the prefixes FSDP1 and its activation checkpointing add."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    out: dict[str, list] = {"hidden": [], "decay": [], "no_decay": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            name = clean_tensor_name(name)
+            out["hidden" if name in hidden else "decay" if name in matrices else "no_decay"].append(p)
+    return out
+
+
+def hidden_matrices(model: "torch.nn.Module") -> set[str]:
+    """Names of the 2-D parameters that are not the input embeddings or the output head (Muon's matrices)."""
+    outer = set()
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            outer |= {id(p) for p in module.parameters()}
+    return {name for name, p in model.named_parameters() if p.ndim == 2 and id(p) not in outer}
+
+
+def build(model: "torch.nn.Module", cfg: "TrainConfig", matrices: set[str] | None = None,
+          hidden: set[str] | None = None) -> "torch.optim.Optimizer":
+    """``cfg.optimizer`` over ``model``'s trainable parameters, weight decay on the ``matrices`` (names of the
+    parameters that are 2-D or more; by default read from ``model``, which FSDP1 cannot give: its parameters are
+    flat views of each rank's shard). Muon gets the ``hidden`` matrices (by default read from ``model``), and AdamW
+    the rest, in one optimizer (:class:`WholeMatrixMuon`)."""
+    if matrices is None:
+        matrices = {name for name, p in model.named_parameters() if p.ndim >= 2}
+    if cfg.optimizer == "muon" and hidden is None:
+        hidden = hidden_matrices(model)
+    by_kind = groups(model, matrices, hidden if cfg.optimizer == "muon" else set())
+    choice = CHOICES[cfg.optimizer]
+    kwargs = {**choice.defaults, "lr": cfg.learning_rate,
+              **({"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon} if choice.adam else {}),
+              **cfg.optimizer_args}
+    param_groups = [{"params": by_kind["hidden"], "weight_decay": cfg.weight_decay, "use_muon": True},
+                    {"params": by_kind["decay"], "weight_decay": cfg.weight_decay},
+                    {"params": by_kind["no_decay"], "weight_decay": 0.0}]
+    return choice.load()([g for g in param_groups if g["params"]], **kwargs)
+
+
+def schedule_factor(step: int, *, name: str, warmup: int, total: int) -> float:
+    """The learning rate's factor at ``step`` of ``train.lr_scheduler`` ``name`` after ``warmup`` steps of
+    ``total``: transformers' ``get_constant_schedule_with_warmup``, ``get_linear_schedule_with_warmup`` and
+    ``get_cosine_schedule_with_warmup`` (half a cycle), expression for expression, so the rates are its own bit for
+    bit (tests/test_optimizers.py). Written here because ``transformers.optimization`` imports ``trainer_utils``,
+    which imports peft and, through it, bitsandbytes and Inductor: about 2 s of every process's start."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if name == "constant":
+        return 1.0
+    if name == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+def build_scheduler(optimizer: "torch.optim.Optimizer", cfg: "TrainConfig",
+                    max_steps: int) -> "torch.optim.lr_scheduler.LambdaLR":
+    """``cfg.lr_scheduler`` over ``max_steps`` as a ``LambdaLR`` of :func:`schedule_factor` (a ``partial``, as
+    transformers makes it, so its state dict is transformers' too)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, functools.partial(schedule_factor, name=cfg.lr_scheduler, warmup=cfg.warmup_steps,
+                                                 total=max_steps))
+
+
+@contextlib.contextmanager
+def training_mode(optimizer) -> Iterator[None]:
+    """Schedule-free optimizers step in train mode (the parameters hold the point gradients are taken at);
+    others have no mode."""
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+    if hasattr(torch_optimizer, "train") and hasattr(torch_optimizer, "eval"):
+        torch_optimizer.train()
+        # train() reads self.state[p] of every parameter, which leaves empty entries in the defaultdict before the
+        # first step; torch's _init_optim_state (a resume's load target) then takes the state as made and loads
+        # nothing into it
+        for p in [p for p, st in torch_optimizer.state.items() if not st]:
+            del torch_optimizer.state[p]
+    yield
+
+
+def set_training(optimizer) -> None:
+    """Put a schedule-free optimizer in train mode (before training steps); others are left as they are."""
+    with training_mode(optimizer):
+        pass
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer) -> Iterator[None]:
+    """While inside: the parameters hold the weights a schedule-free optimizer defines for evaluation and export
+    (its average ``x``, its ``eval()``); afterwards its train mode again if it was in it. Other optimizers' weights
+    are the parameters themselves."""
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+    switch = hasattr(torch_optimizer, "eval") and any(g.get("train_mode") for g in torch_optimizer.param_groups)
+    if switch:
+        torch_optimizer.eval()
+    try:
+        yield
+    finally:
+        if switch:
+            torch_optimizer.train()
+
+
+def _whole_matrix_muon() -> type:
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.optim import _muon
+    from torch.optim.adamw import adamw
+
+    class WholeMatrixMuon(torch.optim.Muon):
+        """torch's Muon for the groups marked ``use_muon`` (the hidden 2-D matrices) and AdamW for the others, in one
+        optimizer (one state to checkpoint and verify). On FSDP2's sharded matrices (DTensors) Newton-Schulz runs on
+        the gathered momentum, and each rank keeps its own rows of the result: the update one process makes.
+        ``betas`` and ``eps`` are the AdamW groups'; ``ns_eps`` is Muon's own ``eps`` (its Newton-Schulz floor)."""
+
+        def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                     nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                     ns_steps: int = 5, adjust_lr_fn: str | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                     eps: float = 1e-8, ns_eps: float = 1e-7):
+            params = list(params)
+            super().__init__([g for g in params if g.get("use_muon")] or [{"params": [], "use_muon": True}], lr=lr,
+                             weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                             ns_coefficients=ns_coefficients, eps=ns_eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+            for group in params:
+                if not group.get("use_muon"):  # Muon's constructor checks only its own groups for 2-D
+                    self.add_param_group({**group, "use_muon": False, "betas": betas, "eps": eps})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                (self._muon_step if group["use_muon"] else self._adamw_step)(group)
+            return loss
+
+        def _muon_step(self, group) -> None:
+            """torch.optim._muon._single_tensor_muon, Newton-Schulz on the whole matrix."""
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, momentum = _muon._to_scalar(group["lr"]), group["momentum"]
+            ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            for param, grad, buf in zip(params, grads, bufs):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                if isinstance(update, DTensor):
+                    whole = _muon._zeropower_via_newtonschulz(update.full_tensor(), *ns)
+                    # every rank holds the same whole result: each keeps its own part, without communication
+                    update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+                else:
+                    update = _muon._zeropower_via_newtonschulz(update, *ns)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-_muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+
+        def _adamw_step(self, group) -> None:
+            """torch's AdamW (its single-tensor path) on the embeddings, the head, norms and biases."""
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                         exp_avg_sq=torch.zeros_like(p))
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                  [], [s["step"] for s in states], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    return WholeMatrixMuon
+
+
+def __getattr__(name: str):
+    """``WholeMatrixMuon`` is made on first use (it subclasses torch's Muon, which torch before 2.9 lacks)."""
+    if name == "WholeMatrixMuon":
+        globals()[name] = _whole_matrix_muon()
+        return globals()[name]
+    raise AttributeError(name)

@@ -1,0 +1,367 @@
+"""``hfsdp bench``: run a config under several sharding strategies and world sizes, side by side, and tabulate
+per-rank memory and throughput.
+
+Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
+CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
+output folder. This module only launches runs and reads those files (it asks ``hfsdp.parallel.fsdp.wrapper`` what one
+process runs; it never imports transformers).
+
+One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
+strategy: those strategies are run once at one process, as the row ``none (1 process)``, the baseline of the
+"÷ 1 proc" ratios. With ``--set fsdp.single_process=fsdp`` every strategy runs as a one-rank FSDP.
+
+Outputs in ``--out``: ``bench.md``, ``bench.csv``, ``bench.json`` and ``bench.png`` (memory per rank and tokens/s
+per strategy), plus ``runs/<strategy>-np<N>/`` with each run's logs and probe files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hfsdp.config.schema import STRATEGIES
+from hfsdp.parallel.launch import free_port
+from hfsdp.units import MIB
+
+ONE_PROCESS = "none (1 process)"  # the strategy column of a one-process run without a wrapper
+
+COLUMNS = [
+    # (key, header, format)
+    ("model", "model", "{}"),
+    ("parameters_m", "params (M)", "{:.1f}"),
+    ("world_size", "ranks", "{}"),
+    ("strategy", "strategy", "{}"),
+    ("fsdp_version", "FSDP", "{}"),
+    ("precision", "precision", "{}"),
+    ("param_mib", "params MiB/rank", "{:.1f}"),
+    ("grad_mib", "grads MiB/rank", "{:.1f}"),
+    ("optim_mib", "optim MiB/rank", "{:.1f}"),
+    ("state_mib", "p+g+o MiB/rank", "{:.1f}"),
+    ("mem_base_mib", "mem before load MiB", "{:.0f}"),
+    ("mem_prepared_mib", "mem after prepare MiB", "{:.0f}"),
+    ("mem_peak_mib", "peak mem steps MiB", "{:.0f}"),
+    ("mem_peak_above_base_mib", "peak above base MiB", "{:.0f}"),
+    ("step_time_s", "step s (median)", "{:.3f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("state_vs_no_shard", "p+g+o ÷ NO_SHARD", "{:.3f}"),
+    ("peak_vs_no_shard", "peak ÷ NO_SHARD", "{:.3f}"),
+    ("peak_above_base_vs_no_shard", "peak above base ÷ NO_SHARD", "{:.3f}"),
+    ("tokens_per_s_vs_no_shard", "tokens/s ÷ NO_SHARD", "{:.2f}"),
+    ("state_vs_1proc", "p+g+o ÷ 1 proc", "{:.3f}"),
+    ("peak_vs_1proc", "peak ÷ 1 proc", "{:.3f}"),
+    ("tokens_per_s_vs_1proc", "tokens/s ÷ 1 proc", "{:.2f}"),
+]
+# The printed and bench.md table (``--wide``: every column; bench.csv and bench.json always have every figure):
+# the seeds' columns (model, ranks, strategy, memory per rank, throughput) and the ratios a reader compares.
+NARROW = ["model", "world_size", "strategy", "fsdp_version", "state_mib", "mem_peak_above_base_mib", "tokens_per_s",
+          "state_vs_no_shard", "peak_above_base_vs_no_shard", "peak_vs_no_shard", "tokens_per_s_vs_no_shard"]
+# CPU runs: glibc otherwise keeps freed memory (the full model loaded before sharding, FSDP's per-unit all-gather
+# and reduce-scatter buffers) in the heap, so RSS would show the largest buffer ever used instead of what a rank
+# holds. Large allocations are mmapped (and unmapped when freed) and the heap is trimmed on every free.
+MALLOC_RETURNS_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+@dataclass
+class BenchOptions:
+    config: str | None
+    strategies: list[str]
+    nprocs: list[int]
+    steps: int
+    out: Path
+    overrides: list[str]
+    warmup: int = 1
+    timeout: float = 1800
+    wide: bool = False
+
+
+def _probe_plugin() -> str:
+    from hfsdp.hooks.host import discover
+
+    # Stale install metadata may lack the entry point; the dotted path always works.
+    return "bench_probe" if "bench_probe" in discover() else "hfsdp.builtin.bench_probe"
+
+
+def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
+    from hfsdp.config.files import apply_overrides, read_config, resolve_config_path
+
+    return apply_overrides(read_config(resolve_config_path(config)), overrides)
+
+
+def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
+    """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
+    from hfsdp.config.schema import FSDPConfig
+    from hfsdp.parallel.fsdp import wrapper
+
+    section = {**(_raw_config(opts.config, opts.overrides).get("fsdp") or {}), "sharding_strategy": strategy}
+    return wrapper(FSDPConfig.model_validate(section), 1) == "none"
+
+
+def _runs(opts: BenchOptions) -> list[tuple[int, str, bool]]:
+    """(processes, strategy, unwrapped) to run: at one process, the strategies without a wrapper only once."""
+    runs = []
+    for nproc in sorted(opts.nprocs):
+        for strategy in opts.strategies:
+            unwrapped = nproc == 1 and _unwrapped_at_one(opts, strategy)
+            if not (unwrapped and any(u for _, _, u in runs)):
+                runs.append((nproc, strategy, unwrapped))
+    return runs
+
+
+def _cuda_devices() -> int:
+    """GPUs visible to the runs, asked in a child process so that this one never imports torch."""
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip() or 0)
+    except (subprocess.SubprocessError, ValueError):
+        return 0
+
+
+def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """One torchrun job; returns the per-rank probe records (raises with the log tail if it failed)."""
+    run_dir = opts.out / "runs" / f"{strategy}-np{nproc}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sets = [
+        *opts.overrides,
+        f"train.output_dir={run_dir / 'train'}",
+        f"train.max_steps={opts.steps}",
+        f"fsdp.sharding_strategy={strategy}",
+        f"plugins=[{', '.join(plugins)}]",
+        "train.export_final=false", "train.save_every=null", "train.eval_at_start=false", "train.eval_every=null",
+        "train.report_to=none", "generation_eval=null",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "hfsdp", "train", *( [opts.config] if opts.config else [] ),
+           "--overwrite"]
+    for s in sets:
+        cmd += ["--set", s]
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    t0 = time.perf_counter()
+    with open(run_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=opts.timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text()[-4000:]
+        raise RuntimeError(f"bench run {strategy} x{nproc} failed (exit {proc.returncode}); log {run_dir / 'log.txt'}:\n{tail}")
+    ranks = []
+    for r in range(nproc):
+        path = run_dir / "train" / f"bench_rank{r}.json"
+        if not path.is_file():
+            raise RuntimeError(f"bench run {strategy} x{nproc}: rank {r} wrote no {path.name} (is bench_probe enabled?)")
+        ranks.append(json.loads(path.read_text()))
+    return {"ranks": ranks, "wall_s": wall, "command": " ".join(cmd)}
+
+
+def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """One table row from the per-rank records: the worst rank for memory, the slowest rank for time."""
+    r0 = ranks[0]
+
+    def worst(key: str) -> float:
+        return max(float(r.get(key) or 0) for r in ranks)
+
+    times = [r["step_times_s"][warmup:] or r["step_times_s"] for r in ranks]
+    # The same step ends on all ranks within one collective of each other: take the slowest rank per step.
+    per_step = [max(ts) for ts in zip(*times)]
+    step_time = statistics.median(per_step)
+    tokens = r0["tokens"][warmup:] or r0["tokens"]
+    state = worst("param_bytes") + worst("grad_bytes") + worst("optim_bytes")
+    return {
+        "model": r0["model"],
+        "parameters_m": r0["parameters"] / 1e6,
+        "world_size": r0["world_size"],
+        "strategy": r0["strategy"],
+        "runs_as": r0["distributed_type"],
+        "fsdp_version": r0["fsdp_version"] if r0["distributed_type"] == "FSDP" else
+                        "- (no wrapper)" if r0["distributed_type"] == "NO" else "- (DDP)",
+        "precision": r0["precision"],
+        "device": r0["device"],
+        "memory_kind": r0["memory_kind"],
+        "param_bytes": worst("param_bytes"),
+        "quant_linear_bytes": worst("quant_linear_bytes"),  # QLoRA: the 4-bit Linears with their quant state
+        "quant_linear_bf16_bytes": worst("quant_linear_bf16_bytes"),
+        "grad_bytes": worst("grad_bytes"),
+        "optim_bytes": worst("optim_bytes"),
+        "state_bytes": state,
+        "param_mib": worst("param_bytes") / MIB,
+        "grad_mib": worst("grad_bytes") / MIB,
+        "optim_mib": worst("optim_bytes") / MIB,
+        "state_mib": state / MIB,
+        "mem_base_mib": worst("rss_before_load") / MIB if r0["memory_kind"] == "rss" else 0.0,
+        "mem_prepared_mib": worst("mem_after_prepare") / MIB,
+        "mem_peak_mib": worst("mem_peak_steps") / MIB,
+        "mem_peak_above_base_mib": max(
+            (r["mem_peak_steps"] - (r.get("rss_before_load") or 0 if r["memory_kind"] == "rss" else 0)) for r in ranks
+        ) / MIB,
+        "step_time_s": step_time,
+        "step_times_s": per_step,
+        "tokens_per_step": statistics.median(tokens),
+        "tokens_per_s": statistics.median(tokens) / step_time if step_time > 0 else 0.0,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    def ratio(a, b):
+        return a / b if b else None
+
+    for row in rows:
+        base = next((r for r in rows if r["strategy"] == "NO_SHARD" and r["world_size"] == row["world_size"]), None)
+        # One process: the same strategy as a one-rank FSDP, or else the run without a wrapper.
+        one = next((r for r in rows if r["world_size"] == 1 and r["strategy"] == row["strategy"]),
+                   next((r for r in rows if r["strategy"] == ONE_PROCESS), None))
+        for key, ref in (("no_shard", base), ("1proc", one)):
+            row[f"state_vs_{key}"] = ratio(row["state_bytes"], ref["state_bytes"]) if ref else None
+            row[f"peak_vs_{key}"] = ratio(row["mem_peak_mib"], ref["mem_peak_mib"]) if ref else None
+            row[f"tokens_per_s_vs_{key}"] = ratio(row["tokens_per_s"], ref["tokens_per_s"]) if ref else None
+        row["peak_above_base_vs_no_shard"] = (
+            ratio(row["mem_peak_above_base_mib"], base["mem_peak_above_base_mib"]) if base else None
+        )
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def _columns(wide: bool) -> list[tuple[str, str, str]]:
+    return COLUMNS if wide else [c for key in NARROW for c in COLUMNS if c[0] == key]
+
+
+def markdown_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    columns = _columns(wide)
+    headers = [h for _, h, _ in columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row, k, f) for k, _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def text_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    columns = _columns(wide)
+    cells = [[h for _, h, _ in columns]] + [[_cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) for c in cells)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([k for k, _, _ in COLUMNS])
+        for row in rows:
+            writer.writerow(["" if row.get(k) is None else row.get(k) for k, _, _ in COLUMNS])
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['strategy']}\n{r['world_size']} proc" for r in rows]
+    mem_kind = "GPU max allocated" if rows and rows[0]["memory_kind"] == "cuda_allocated" else "peak RSS"
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 2), 4.5))
+    x = range(len(rows))
+    axes[0].bar([i - 0.2 for i in x], [r["state_mib"] for r in rows], width=0.4, label="params+grads+optim")
+    axes[0].bar([i + 0.2 for i in x], [r["mem_peak_mib"] for r in rows], width=0.4, label=f"{mem_kind} (steps)")
+    axes[0].set_ylabel("MiB per rank")
+    axes[0].set_title("memory per rank")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(list(x), [r["tokens_per_s"] for r in rows], color="tab:green")
+    axes[1].set_ylabel("tokens/s (all ranks)")
+    axes[1].set_title("throughput")
+    for ax in axes:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=8)
+    fig.suptitle(f"{rows[0]['model']} ({rows[0]['parameters_m']:.1f}M params, {rows[0]['device']})" if rows else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
+    for s in opts.strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s}; choose from {', '.join(STRATEGIES)}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    plugins = list(_raw_config(opts.config, opts.overrides).get("plugins") or [])
+    probe = _probe_plugin()
+    if probe not in plugins:
+        plugins.append(probe)
+    gpus = _cuda_devices()
+    if gpus and max(opts.nprocs) > gpus:
+        raise ValueError(f"--nproc {max(opts.nprocs)} needs that many GPUs; {gpus} visible")
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not gpus:
+        # CPU rehearsal: one compute thread per rank unless the caller chose otherwise; ranks share the cores.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(opts.nprocs))))
+        for key, value in MALLOC_RETURNS_FREED.items():
+            env.setdefault(key, value)
+    for key in [k for k in env if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        env.pop(key)
+    rows, raw = [], []
+    for nproc, strategy, unwrapped in _runs(opts):
+        if unwrapped:
+            echo(f"bench: 1 process without a wrapper (fsdp.single_process: auto; the same steps under every "
+                 f"strategy that needs no FSDP), {opts.steps} steps ...")
+        else:
+            echo(f"bench: {strategy} on {nproc} process(es), {opts.steps} steps ...")
+        result = run_one(opts, strategy, nproc, plugins, env)
+        row = summarize(result["ranks"], opts.warmup)
+        if row["runs_as"] == "NO":
+            row["strategy"] = ONE_PROCESS
+        row["wall_s"] = result["wall_s"]
+        rows.append(row)
+        raw.append({"strategy": strategy, "nproc": nproc, **result})
+        echo(f"  p+g+o {row['state_mib']:.1f} MiB/rank, peak {row['mem_peak_mib']:.0f} MiB/rank, "
+             f"step {row['step_time_s']:.3f} s, {row['tokens_per_s']:.0f} tokens/s ({row['wall_s']:.0f} s wall)")
+    add_ratios(rows)
+    (opts.out / "bench.md").write_text(_markdown_report(rows, opts, gpus) + "\n")
+    write_csv(rows, opts.out / "bench.csv")
+    (opts.out / "bench.json").write_text(json.dumps({"rows": rows, "runs": raw, "gpus": gpus,
+                                                      "steps": opts.steps, "warmup": opts.warmup}, indent=2,
+                                                     default=str))
+    written = ["bench.md", "bench.csv", "bench.json"]
+    if plot(rows, opts.out / "bench.png"):
+        written.append("bench.png")
+    else:
+        echo("bench: matplotlib is not installed (pip install 'hfsdp[bench]'): no bench.png")
+    echo(text_table(rows, opts.wide))
+    echo(f"bench: wrote {opts.out}/{', '.join(written)}")
+    return rows
+
+
+def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) -> str:
+    device = f"{gpus} CUDA GPU(s), NCCL" if gpus else f"CPU ({os.cpu_count()} cores), gloo"
+    mem = ("peak = torch.cuda.max_memory_allocated during the steps" if gpus else
+           "peak = peak RSS during the steps (kernel high-water mark reset after prepare); "
+           "base = RSS before the model is loaded (interpreter, libraries, tokenizer, data); "
+           "peak above base is the CPU analogue of max_memory_allocated; glibc returns freed memory to the OS "
+           "(" + " ".join(f"{k}={v}" for k, v in MALLOC_RETURNS_FREED.items()) + ")")
+    one = (f" `{ONE_PROCESS}`: one process trains without a wrapper (fsdp.single_process: auto), the same steps "
+           "under every strategy, so it ran once; the ÷ 1 proc ratios compare with it (--set "
+           "fsdp.single_process=fsdp runs each strategy as a one-rank FSDP)." if any(
+               r["strategy"] == ONE_PROCESS for r in rows) else "")
+    return (f"# hfsdp bench\n\nconfig `{opts.config or 'default'}`, {opts.steps} steps (first {opts.warmup} not "
+            f"timed), {device}. Bytes are counted from live tensors (DTensor local shards, FSDP1 flat-parameter "
+            f"views, plain tensors); per-rank figures are the largest rank's; {mem}.{one} Every figure is in "
+            f"bench.csv and bench.json.\n\n" + markdown_table(rows, opts.wide))
+
+
+def parse_list(text: str, kind=str) -> list:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
