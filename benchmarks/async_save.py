@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "hfsdp" / "presets" / "bench.yaml"
+PRESET = REPO / "hfsdp" / "config" / "presets" / "bench.yaml"
 
 
 def run(out: Path, name: str, steps: int, save_every: int | None, asynchronous: bool) -> dict:
     folder = out / name
     sets = [f"train.output_dir={folder}", f"train.max_steps={steps}", "train.keep_last=2",
             f"train.save_every={save_every if save_every else 'null'}", f"train.async_save={str(asynchronous).lower()}",
-            f"data.path={REPO / 'hfsdp' / 'presets' / 'data' / 'contacts_train.jsonl'}"]
+            f"data.path={REPO / 'hfsdp' / 'config' / 'presets' / 'data' / 'contacts_train.jsonl'}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            "--master-port=29611", "-m", "hfsdp", "train", str(PRESET), "--overwrite",
            *[arg for s in sets for arg in ("--set", s)]]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET_DATA = REPO / "hfsdp" / "presets" / "data"
+PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 VOCAB = 128256
 
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "hfsdp" / "presets" / "tiny.yaml"
+PRESET = REPO / "hfsdp" / "config" / "presets" / "tiny.yaml"
 MIB = 2**20
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     run = out / "run"
-    data = REPO / "hfsdp" / "presets" / "data"
+    data = REPO / "hfsdp" / "config" / "presets" / "data"
     sets = [f"train.output_dir={run}", f"train.max_steps={a.steps}", f"train.save_every={a.save_every}",
             f"train.eval_every={a.eval_every}", "train.log_every=50", "plugins=[soak_rss]",
             f"data.path={data / 'contacts_train.jsonl'}", f"data.eval_path={data / 'contacts_eval.jsonl'}"]

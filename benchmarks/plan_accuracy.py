@@ -36,9 +36,11 @@ sys.path.insert(0, str(REPO))
 
 from hfsdp.config.files import load_config  # noqa: E402
 from hfsdp.model.loading import architecture_config  # noqa: E402
-from hfsdp.tools.plan.planner import MIB, Planner, setup_from_config  # noqa: E402
+from hfsdp.tools.plan.planner import Planner  # noqa: E402
+from hfsdp.units import MIB  # noqa: E402
+from hfsdp.tools.plan.estimate import setup_from_config  # noqa: E402
 
-DATA = REPO / "hfsdp" / "presets" / "data"
+DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 REUSE = False  # --reuse: run nothing, read back what an earlier run measured into --out
 
 

@@ -382,7 +382,8 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     from hfsdp.config.files import load_config
     from hfsdp.model.loading import architecture_config
     from hfsdp.config.schema import STRATEGIES
-    from hfsdp.tools.plan.planner import Planner, header, plan as run_plan, plot, text_table, to_json
+    from hfsdp.tools.plan.planner import Planner, plan as run_plan
+    from hfsdp.tools.plan.table import header, plot, text_table, to_json
 
     cfg, _ = load_config(config, overrides)
     names = parse_list(strategies) if strategies else [s for s in STRATEGIES if nodes > 1 or s != "HYBRID_SHARD"]

@@ -30,7 +30,7 @@ class ConfigError(UserError):
 
 class InvalidSectionRead(Exception):
     """A check read a config section that failed validation; that section's own problems are already reported, so
-    the check is skipped rather than reported twice (see ``hfsdp.config.schema.InvalidSection``)."""
+    the check is skipped rather than reported twice (see ``hfsdp.config.validate.InvalidSection``)."""
 
     def __init__(self, section: str):
         self.section = section

@@ -2,7 +2,7 @@
 
 A held-out split makes the effect of fine-tuning measurable as exact-match accuracy: the pretrained
 SmolLM2-135M-Instruct answers in prose or malformed JSON; after a few dozen steps it answers in the format.
-Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/presets/data/contacts_*.jsonl)
+Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/config/presets/data/contacts_*.jsonl)
 
 The preference files (contacts_pref_<split>.jsonl, for ``data.format: preference``) pair the first rows' prompt with
 the right JSON (chosen) and the same JSON with one field wrong (rejected): TRL's conversational shape. The prompt
@@ -52,7 +52,7 @@ def example(rng: random.Random) -> dict:
     ]}
 
 
-OUT = Path(__file__).resolve().parent.parent / "hfsdp" / "presets" / "data"
+OUT = Path(__file__).resolve().parent.parent / "hfsdp" / "config" / "presets" / "data"
 
 
 def splits() -> dict[str, list[dict]]:

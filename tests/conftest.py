@@ -20,7 +20,7 @@ import yaml
 from hfsdp.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET_DATA = REPO / "hfsdp" / "presets" / "data"
+PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 CACHE_DIR = Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp-tests"))
 
 

@@ -43,7 +43,7 @@ def test_refused_before_any_weight_loads(tmp_path, sets, where, says):
 def test_flash_attention_asks_for_16_bit_compute_and_its_package():
     """The GPU-only kernel's requirements, checked as a GPU run would check them (tests/test_gpu.py runs it)."""
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.model.loading import attention_problems
+    from hfsdp.rules.attention import attention_problems
 
     def problems(**fsdp):
         config = HfsdpConfig.model_validate({

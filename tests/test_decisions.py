@@ -14,7 +14,7 @@ from hfsdp.checkpoint.resume import keep_global_batch, run_fingerprint
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.parallel.world import World
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.parallel.fsdp import check_world
+from hfsdp.rules.wrapping import check_world
 from hfsdp.run.setup import decide
 
 
@@ -125,7 +125,8 @@ def test_keep_global_batch_refuses_what_no_accumulation_keeps(tmp_path):
 
 
 def test_plan_estimate_shards_params_grads_and_optimizer_state():
-    from hfsdp.tools.plan.planner import Activations, ModelFacts, Param, Setup, estimate
+    from hfsdp.tools.plan.facts import Activations, ModelFacts, Param
+    from hfsdp.tools.plan.estimate import Setup, estimate
 
     params = (Param(numel=1000, rows=100, itemsize=4, trainable=True, unit=0),
               *(Param(numel=4096, rows=64, itemsize=4, trainable=True, unit=u) for u in (1, 2)))

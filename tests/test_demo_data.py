@@ -1,4 +1,4 @@
-"""The bundled demo task (hfsdp/presets/data/contacts_*.jsonl) is what scripts/make_demo_data.py generates, in
+"""The bundled demo task (hfsdp/config/presets/data/contacts_*.jsonl) is what scripts/make_demo_data.py generates, in
 correct English."""
 
 from __future__ import annotations

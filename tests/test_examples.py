@@ -32,7 +32,8 @@ def test_examples_cover_sizes_methods_and_data_formats():
 def test_example_validates_and_fits_the_hardware_in_its_comment(path: Path):
     from hfsdp.config.files import load_config
     from hfsdp.model.loading import architecture_config
-    from hfsdp.tools.plan.planner import GIB, Planner, plan
+    from hfsdp.tools.plan.planner import Planner, plan
+    from hfsdp.units import GIB
 
     nodes, gpus, gib = map(int, HARDWARE.search(path.read_text()).groups())
     run_cli("validate", str(path), env=base_env(HF_HUB_OFFLINE="1"))

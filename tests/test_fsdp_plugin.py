@@ -171,7 +171,7 @@ def test_launcher_env_changes_no_field(case, monkeypatch):
 
 
 def test_check_world_and_hybrid_mesh_share_one_shard_size():
-    from hfsdp.parallel.fsdp import check_world, hybrid_mesh_shape
+    from hfsdp.rules.wrapping import check_world, hybrid_mesh_shape
 
     hybrid = FSDPConfig(sharding_strategy="HYBRID_SHARD")
     assert hybrid_mesh_shape(hybrid, 8, 4) == (2, 4) and check_world(hybrid, 8, 4) == []
@@ -188,7 +188,7 @@ def test_check_world_and_hybrid_mesh_share_one_shard_size():
 
 def test_hybrid_shard_groups_of_one_rank_are_refused():
     """Shard groups of one rank shard nothing; Accelerate raised a ValueError about tensor parallelism on every rank."""
-    from hfsdp.parallel.fsdp import check_world
+    from hfsdp.rules.wrapping import check_world
 
     ones = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=1)
     problems = check_world(ones, 2, 2)

@@ -341,7 +341,7 @@ def test_gpu_only_options_are_refused_in_rehearsal(tmp_path):
 
 def test_rehearsal_problems_name_every_gpu_only_option():
     from hfsdp.config.schema import FSDPConfig, HfsdpConfig
-    from hfsdp.parallel.accelerator import rehearsal_problems
+    from hfsdp.rules.wrapping import rehearsal_problems
 
     def problems(**fsdp):
         config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},

@@ -104,7 +104,7 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
 
 def test_what_wraps_the_model():
     from hfsdp.config.schema import FSDPConfig
-    from hfsdp.parallel.fsdp import wrapper
+    from hfsdp.rules.wrapping import wrapper
 
     assert wrapper(FSDPConfig(), 1) == "none"  # one process: nothing to shard, no wrapper
     assert wrapper(FSDPConfig(), 2) == "fsdp2"

@@ -154,7 +154,7 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
     import torch
 
     from hfsdp.parallel.world import all_sum, gather_objects, local_tensor, per_rank
-    from hfsdp.parallel.fsdp import copies
+    from hfsdp.rules.wrapping import copies
 
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
     replicas = copies(config.fsdp, world.size, world.local_size)

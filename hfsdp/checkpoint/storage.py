@@ -116,7 +116,7 @@ def estimate(model_config, config, host) -> tuple[int, int]:
     each of their names, as DCP writes them) and, for every trainable parameter, AdamW's two moments of its size;
     an export, every parameter once. A lower bound (the tokenizer, config and small state files come on top), so
     that a refusal built on it is never wrong."""
-    from hfsdp.tools.plan.planner import build_meta_model
+    from hfsdp.tools.plan.facts import build_meta_model
 
     model = build_meta_model(model_config, config, host, config.model.dtype)
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())

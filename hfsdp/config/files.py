@@ -13,14 +13,9 @@ from typing import Any
 import yaml
 
 from hfsdp.hooks import host as plugin_host
-from hfsdp.config.schema import (
-    DATA_SUFFIXES,
-    HfsdpConfig,
-    cross_section_problems,
-    data_path_problems,
-    is_glob,
-    validate_config,
-)
+from hfsdp.config.data_paths import DATA_SUFFIXES, data_path_problems, is_glob
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.config.validate import cross_section_problems, validate_config
 from hfsdp.errors import ConfigError, InvalidSectionRead
 
 

@@ -1,32 +1,20 @@
-"""The training config's schema: the pydantic sections and their validation (``validate_config``, the cross-section
-rules, the data paths); reading config files is ``hfsdp.config.files``.
-
-Unknown keys are errors everywhere. Plugin sections (e.g. ``lora:``) are validated by the schema their plugin
-declares; a section of an installed plugin that is not enabled is an error that says which plugin to enable.
-Every problem is reported at once: the core's, the plugin sections', the plugins' own checks (for the sections
-that validated) and ``data:``'s.
+"""The training config's schema: the pydantic sections, each key with its default, type and description (what
+``hfsdp config-reference`` prints). Unknown keys are errors everywhere (``extra="forbid"``). Validating a raw config
+is :mod:`hfsdp.config.validate`; reading config files is :mod:`hfsdp.config.files`.
 This module imports neither torch nor transformers, so ``hfsdp validate`` and ``--help`` stay fast.
 """
 
 from __future__ import annotations
 
-import difflib
-import glob
 import hashlib
 import importlib.util
 import json
-import os
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hfsdp.run import optimizers
-from hfsdp.hooks import host as plugin_host
-from hfsdp.model import quantized as quantization
 from hfsdp.run.optimizers import OPTIMIZER_NAMES
-from hfsdp.errors import InvalidSectionRead
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
@@ -43,7 +31,7 @@ class Section(BaseModel):
 
 
 # model.attn_implementation: the transformers attention kernels hfsdp runs; which are usable where is checked at
-# start-up (hfsdp.model.loading.attention_problems), before any weight loads.
+# start-up (hfsdp.rules.attention.attention_problems), before any weight loads.
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
@@ -450,8 +438,6 @@ class GenerationEvalConfig(Section):
     show: int = Field(2, ge=0, description="examples printed before/after.")
 
 
-# Suffixes of the data files hfsdp reads (data.py maps each to its datasets loader).
-DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".csv", ".parquet")
 # The formats whose rows generation_eval can split into a prompt and a reference answer.
 GENERATION_FORMATS = ("chat", "instruction")
 
@@ -490,253 +476,5 @@ class HfsdpConfig(Section):
 
 
 CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}
-
-
-def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    """The section model of field ``name`` (also inside ``X | None`` and other unions), if it is one."""
-    field = model.model_fields.get(name)
-    if field is None:
-        return None
-    for candidate in (field.annotation, *typing.get_args(field.annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
-def _unknown_key(model: type[BaseModel], loc: list[str], reference: str) -> str:
-    """'unknown key', with the closest valid key of that (sub)section and the command that prints them all."""
-    for part in loc[:-1]:
-        model = _submodel(model, part) or model
-    keys = [k for k in model.model_fields if k != "plugin_config"]
-    # a close spelling, else a key the unknown one abbreviates (model.name -> name_or_path)
-    close = difflib.get_close_matches(loc[-1], keys, n=1) or [k for k in keys if k.startswith(f"{loc[-1]}_")][:1]
-    maybe = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown key ({maybe}`{reference}` lists the valid keys)"
-
-
-def _pydantic_problems(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None,
-                       plugin: str | None = None) -> list[tuple[str, str]]:
-    problems = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-after", "function-before"))]
-        # Union members add their type name to the path; drop it so the path is the YAML path.
-        loc = [p for p in loc if p not in ("str", "MixedPrecisionParts", "literal['no','bf16','fp16']")]
-        path = ".".join(filter(None, [prefix, *loc]))
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            section = path.split(".")[0]
-            reference = f"hfsdp config-reference {section}" + (f" --enable {plugin}" if plugin else "")
-            msg = _unknown_key(model or HfsdpConfig, loc, reference)
-        elif e["type"] == "missing":
-            msg = "required key is missing" + (" (or start from a preset that has it: `base: default`; "
-                                               "`hfsdp presets` lists them)" if len(loc) == 1 and not prefix else "")
-        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        problems.append((path, msg))
-    return problems
-
-
-class InvalidSection:
-    """Stands in for a section that failed validation (its problems are reported), so that plugin checks that do
-    not read it still run; reading it raises :class:`InvalidSectionRead`, which skips the check that did."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        raise InvalidSectionRead(self._name)
-
-    def __repr__(self) -> str:
-        return f"<invalid section {self._name}>"
-
-
-def _core_config(core: dict[str, Any]) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
-    """The core sections; a section with problems becomes an :class:`InvalidSection` (see there)."""
-    try:
-        return HfsdpConfig.model_validate(core), []
-    except ValidationError as err:
-        problems = _pydantic_problems(err)
-        broken = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
-    values: dict[str, Any] = {}
-    for name, field in HfsdpConfig.model_fields.items():
-        if name in broken:
-            values[name] = InvalidSection(name)
-        elif name in core:
-            values[name] = TypeAdapter(field.annotation).validate_python(core[name])
-        else:
-            values[name] = field.get_default(call_default_factory=True)
-    return HfsdpConfig.model_construct(**values), problems
-
-
-def validate_config(
-    raw: dict[str, Any], plugin_sections: dict[str, tuple[str, type[BaseModel]]],
-) -> tuple[HfsdpConfig, list[tuple[str, str]]]:
-    """Validate raw YAML data: the config (sections with problems stand in as :class:`InvalidSection`) and the
-    problems. ``plugin_sections`` maps section name → (plugin, schema) for the enabled plugins."""
-    problems: list[tuple[str, str]] = []
-    plugin_config: dict[str, Any] = {}
-    unknown = []
-    for name, (plugin, _) in list(plugin_sections.items()):
-        if name in CORE_SECTIONS or name == "plugin_config":
-            problems.append((name, f"plugin '{plugin}' declares section '{name}', which is a core section"))
-            plugin_sections = {k: v for k, v in plugin_sections.items() if k != name}
-    for key in raw:
-        if key in CORE_SECTIONS:
-            continue
-        if key == "plugin_config":
-            problems.append((key, "unknown key: plugin sections go at the top level under their own name"))
-        elif key not in plugin_sections:
-            unknown.append(key)
-    if unknown:
-        owners = {name: plugin for name, (plugin, _) in plugin_host.installed_sections().items()}
-        for key in unknown:
-            if key in owners:
-                problems.append((key, f"section of plugin '{owners[key]}', which is not enabled: enable plugin "
-                                      f"'{owners[key]}' (add it to `plugins:`)"))
-            else:
-                close = difflib.get_close_matches(key, sorted(CORE_SECTIONS | set(plugin_sections) | set(owners)), n=1)
-                problems.append((key, "unknown section" + (f" (did you mean '{close[0]}'?)" if close else "")
-                                 + f"; valid sections: {', '.join(sorted(CORE_SECTIONS | set(plugin_sections)))}"))
-    # Enabled plugins with a section get their defaults even when the YAML omits the section.
-    for name, (plugin, schema) in plugin_sections.items():
-        try:
-            plugin_config[name] = schema.model_validate(raw.get(name) or {})
-        except ValidationError as err:
-            plugin_config[name] = InvalidSection(name)
-            problems += [(path, f"{msg} [section of plugin '{plugin}']")
-                         for path, msg in _pydantic_problems(err, prefix=name, model=schema, plugin=plugin)]
-    config, core_problems = _core_config({k: v for k, v in raw.items() if k in CORE_SECTIONS})
-    config.plugin_config = plugin_config
-    return config, core_problems + problems
-
-
-def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
-    """Combinations of keys from different sections that cannot do what they say."""
-    problems = []
-    parts = config.fsdp.mixed_precision
-    if (isinstance(parts, MixedPrecisionParts) and "buffer" in parts.model_fields_set and config.fsdp.version == 2
-            and parts.buffer != config.model.dtype):
-        problems.append(("fsdp.mixed_precision.buffer",
-                         f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
-                         f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
-                         "or use fsdp.version 1"))
-    if config.train.compile is not None and config.fsdp.version == 1:
-        problems.append(("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
-                                          "compile per block: use fsdp.version 2, or remove train.compile"))
-    if config.train.async_save and config.fsdp.state_dict_type != "SHARDED_STATE_DICT":
-        problems.append(("train.async_save", "writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the "
-                                             "background; a FULL_STATE_DICT one is gathered into one file on rank 0: "
-                                             "set fsdp.state_dict_type: SHARDED_STATE_DICT, or remove "
-                                             "train.async_save"))
-    if config.train.async_save and config.fsdp.version == 1:
-        problems.append(("train.async_save", "FSDP1's sharded state dict holds ShardedTensors, which DCP's "
-                                             "host-memory staging cannot copy: use fsdp.version 2, or remove "
-                                             "train.async_save"))
-    if config.train.async_save and config.fsdp.runs_as_ddp:
-        problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
-                                             "whose checkpoint is one file: use FULL_SHARD, or remove "
-                                             "train.async_save"))
-    problems += quantization.problems(config) + optimizers.problems(config)
-    generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
-    if config.generation_eval is not None and generated not in GENERATION_FORMATS:
-        problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
-                                            f"and a reference answer), not '{generated}': remove the section"))
-    return problems
-
-
-def data_reader_key(path: str, readers: typing.Iterable[str]) -> str | None:
-    """The key of the plugin reader for ``path``: a source prefix (``"mydb://"``) it starts with, or a file suffix
-    (``".tsv"``) it ends with (case-insensitive); None when no plugin reader claims it."""
-    keys = list(readers)
-    for key in keys:
-        if key.endswith("://") and path.startswith(key):
-            return key
-    suffix = Path(path).suffix.lower()
-    return next((key for key in keys if not key.endswith("://") and key.lower() == suffix), None)
-
-
-def is_glob(path: str) -> bool:
-    """A path with glob characters that names no file or folder itself (a file may have ``[`` in its name)."""
-    return any(c in path for c in "*?[") and not Path(path).expanduser().exists()
-
-
-def shard_files(path: str) -> list[Path]:
-    """The data files a local source is made of: the file itself, the files a glob matches (sorted), or a folder's
-    data files (a folder saved by datasets holds none: it is read as a whole)."""
-    local = Path(path).expanduser()
-    if is_glob(path):
-        return sorted(Path(p) for p in glob.glob(str(local), recursive=True) if Path(p).is_file())
-    if local.is_dir():
-        return sorted(p for p in local.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
-                      and not any(part.startswith(".") for part in p.relative_to(local).parts))
-    return [local]
-
-
-def empty_file(path: Path) -> bool:
-    """A data file without a single non-blank character in its first 4 KiB: no rows (an empty shard)."""
-    with open(path, "rb") as f:
-        return not f.read(4096).strip()
-
-
-def _source_path_problems(where: str, value: str, readers: list[str]) -> list[tuple[str, str]]:
-    claimed = data_reader_key(value, readers)
-    if claimed is not None and claimed.endswith("://"):
-        return []
-    local = Path(value).expanduser()
-    if is_glob(value):
-        files = shard_files(value)
-        if not files:
-            return [(where, f"{value} matches no file ({RELATIVE_DATA_PATHS})")]
-        kinds = sorted({f.suffix.lower() for f in files})
-        if len(kinds) > 1:
-            return [(where, f"{value} matches files of {len(kinds)} kinds ({', '.join(kinds)}): a source's shards "
-                            "are one kind; narrow the glob or give each kind its own source")]
-        if kinds[0] not in DATA_SUFFIXES:
-            return [(where, f"{value}: hfsdp reads {', '.join(DATA_SUFFIXES)} shards, not '{kinds[0]}'")]
-    elif local.is_file():
-        if claimed is None and local.suffix.lower() not in DATA_SUFFIXES:
-            plugin_kinds = [k for k in readers if not k.endswith("://")]
-            return [(where, f"{local}: hfsdp reads {', '.join(DATA_SUFFIXES)} files"
-                            + (f" (and enabled plugins {', '.join(plugin_kinds)})" if plugin_kinds else "")
-                            + f", not '{local.suffix or local.name}': convert it, or enable a plugin "
-                              "that reads it (hook hfsdp_data_readers)")]
-        files = [local]
-    elif local.is_dir():
-        if not os.access(local, os.R_OK | os.X_OK):
-            return [(where, f"cannot read the folder {local}: permission denied")]
-        files = shard_files(value)
-    elif value.startswith((".", "/", "~")) or local.suffix.lower() in DATA_SUFFIXES or claimed is not None:
-        return [(where, f"{local.resolve()} does not exist ({RELATIVE_DATA_PATHS})")]
-    else:
-        return []  # a datasets name, loaded (and checked) with the data
-    problems = []
-    for f in files:
-        if not os.access(f, os.R_OK):
-            problems.append((where, f"cannot read {f}: permission denied"))
-        elif len(files) > 1 and empty_file(f):
-            problems.append((where, f"the shard {f} is empty (no rows): remove it, or fill it"))
-    return problems
-
-
-def data_path_problems(data: DataConfig, readers: typing.Iterable[str]) -> list[tuple[str, str]]:
-    """Every training source's path and ``data.eval_path``: exists, is readable, and hfsdp or an enabled plugin reads
-    its kind; a glob or folder of shards: matches files of one kind, none of them empty. A plugin's own source
-    (``prefix://``) is the plugin's to check; a name that is no local path is a datasets name, loaded (and checked)
-    with the data."""
-    readers = list(readers)
-    paths = [("data.path", data.path)] if data.datasets is None else \
-        [(f"data.datasets[{i}].path", s.path) for i, s in enumerate(data.datasets)]
-    problems = []
-    for where, value in paths + [("data.eval_path", data.eval_path)]:
-        if value:
-            problems += _source_path_problems(where, value, readers)
-    return problems
-
-
-# The one rule for relative data paths, named wherever a missing path is reported.
-RELATIVE_DATA_PATHS = ("a relative path in a config file is taken from the config file's folder; one given with "
-                       "--set, from the working directory")
 
 

@@ -11,16 +11,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.config.schema import (
+from hfsdp.config.data_paths import (
     DATA_SUFFIXES,
     RELATIVE_DATA_PATHS,
-    DataConfig,
-    HfsdpConfig,
     data_reader_key,
     empty_file,
     is_glob,
     shard_files,
 )
+from hfsdp.config.schema import DataConfig, HfsdpConfig
 from hfsdp.data.batches import Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
 from hfsdp.errors import PluginError, RowError, UserError

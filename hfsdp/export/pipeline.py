@@ -13,7 +13,8 @@ from pathlib import Path
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.export.hf_folder import ModelFiles, model_metadata
 from hfsdp.export.staging import check_export_target, staged_export
-from hfsdp.model import quantized as quantization
+from hfsdp.model import quantized
+from hfsdp.rules import quantization
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.hooks.host import Lazy
@@ -31,7 +32,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     quant = quantization.settings(config)
     merge = getattr(config.section("lora"), "merge", False)
     if quant is not None and merge:
-        problem = quantization.base_not_in_cache(config.model.name_or_path)
+        problem = quantized.base_not_in_cache(config.model.name_or_path)
         if problem:
             raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
 
@@ -39,9 +40,9 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
         from hfsdp.model import loading as models
 
         path = models.resolve_model_path(config.model.name_or_path, cache_dir)
-        return dict(quantization.quantized_linears(models.load_model(path, config.model, quant=quant)))
+        return dict(quantized.quantized_linears(models.load_model(path, config.model, quant=quant)))
 
-    weights = quantization.exported_weights(checkpoint.CheckpointWeights(checkpoint_dir), config, base_layers,
+    weights = quantized.exported_weights(checkpoint.CheckpointWeights(checkpoint_dir), config, base_layers,
                                             check_bytes=True)
 
     def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)

@@ -31,25 +31,6 @@ if TYPE_CHECKING:
     from hfsdp.run.setup import RunSetup
 
 
-# Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
-_GPU_ONLY = {
-    "fsdp.cpu_offload": lambda c: c.fsdp.cpu_offload,
-    "fsdp.version 1 with cpu_ram_efficient_loading": lambda c: c.fsdp.version == 1 and c.fsdp.cpu_ram_efficient_loading,
-    "fsdp.version 1 with HYBRID_SHARD": lambda c: c.fsdp.version == 1 and c.fsdp.sharding_strategy == "HYBRID_SHARD",
-    # Accelerate's FSDP1 plugin binds sync_module_states to the current CUDA device and raises without one.
-    "fsdp.sync_module_states": lambda c: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
-    "train.compile.mode reduce-overhead / max-autotune (CUDA graphs)":
-        lambda c: c.train.compile is not None and c.train.compile.cuda_graphs,
-}
-
-
-def rehearsal_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
-    return [
-        (option, "needs a GPU; CPU rehearsal mode cannot run it (remove it for the rehearsal)")
-        for option, applies in _GPU_ONLY.items() if applies(config)
-    ]
-
-
 def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
     """The Accelerator with exactly the distributed type the run's wrapper needs, or a UserError saying why not."""
     from datetime import timedelta

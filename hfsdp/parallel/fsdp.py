@@ -17,50 +17,18 @@ NO_SHARD       ShardingStrategy.NO_SHARD                    plain DDP (no FSDP p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
-from hfsdp.config.schema import FSDPConfig, MixedPrecisionParts
+from hfsdp.config.schema import FSDPConfig
+from hfsdp.rules.wrapping import hybrid_mesh_shape, precision_parts
 
 if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
 
-# Shorthands keep the gradient reduction in fp32: summing bf16 gradients across ranks loses precision
-# (torchtitan's default); give the parts explicitly to reduce in bf16.
-_PRECISION_SHORTHANDS = {
-    "bf16": MixedPrecisionParts(param="bfloat16", reduce="float32", buffer="float32"),
-    "fp16": MixedPrecisionParts(param="float16", reduce="float32", buffer="float32"),
-}
 # Accelerate's names; the size policy is hfsdp's own (hfsdp.parallel.size_policy.SizeUnits).
 _WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "none": "NO_WRAP"}
-
-
-def precision_parts(cfg: FSDPConfig) -> MixedPrecisionParts | None:
-    if isinstance(cfg.mixed_precision, MixedPrecisionParts):
-        return cfg.mixed_precision
-    return _PRECISION_SHORTHANDS.get(cfg.mixed_precision)
-
-
-# What wraps the model: nothing (one process), DDP (FSDP2's NO_SHARD on several ranks), or FSDP of a version.
-Wrapper = Literal["none", "ddp", "fsdp1", "fsdp2"]
-FSDP_WRAPPERS = ("fsdp1", "fsdp2")
-
-
-def wrapper(cfg: FSDPConfig, world_size: int) -> Wrapper:
-    """What wraps the model on ``world_size`` ranks: the one rule, decided once per run (``RunSetup.wrapper``) and
-    by ``hfsdp plan``/``bench`` for the setups they predict.
-
-    One process has nothing to shard, and a one-rank FSDP still copies every parameter into and out of its
-    all-gather buffers, reduce-scatters every gradient and runs the optimizer on DTensors. So one process runs the
-    model as it is, unless an option needs FSDP (``cpu_offload``) or ``single_process: fsdp`` asks for it.
-    FSDP2 has no NO_SHARD: the seeds define it as DDP, so that is what runs (``FSDPConfig.runs_as_ddp``).
-    """
-    if cfg.runs_as_ddp:
-        return "ddp" if world_size > 1 else "none"
-    if world_size > 1 or cfg.cpu_offload or cfg.single_process == "fsdp":
-        return "fsdp1" if cfg.version == 1 else "fsdp2"
-    return "none"
 
 
 def _mixed_precision_policy(cfg: FSDPConfig):
@@ -131,23 +99,6 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
     )
 
 
-def hybrid_mesh_shape(cfg: FSDPConfig, world_size: int, local_world_size: int) -> tuple[int, int] | None:
-    """(replicate, shard) sizes for HYBRID_SHARD: shard within a node, replicate across nodes."""
-    if cfg.sharding_strategy != "HYBRID_SHARD":
-        return None
-    shard = cfg.hybrid_shard_size or local_world_size
-    return world_size // shard, shard
-
-
-def copies(cfg: FSDPConfig, world_size: int, local_world_size: int) -> int:
-    """How many ranks hold each element of a parameter (and of its gradient and optimizer state): one where FSDP
-    shards over all ranks, the replica groups under HYBRID_SHARD, every rank under NO_SHARD, DDP or one process."""
-    if wrapper(cfg, world_size) not in FSDP_WRAPPERS or cfg.sharding_strategy == "NO_SHARD":
-        return world_size
-    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    return shape[0] if shape else 1
-
-
 def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size: int) -> "ParallelismConfig | None":
     """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD; None for the other strategies."""
     shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
@@ -159,23 +110,3 @@ def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size:
     return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
 
 
-def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list[tuple[str, str]]:
-    """Problems that only show once the world size is known (still before any model is loaded). None where FSDP
-    does not wrap the model (one process): a cluster's config still runs a one-process smoke test."""
-    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    if shape is None or wrapper(cfg, world_size) not in FSDP_WRAPPERS:
-        return []
-    replicate, shard = shape
-    if shard == 1:
-        given = "fsdp.hybrid_shard_size is 1" if cfg.hybrid_shard_size else \
-            "the default group is the processes per node, 1 here"
-        return [("fsdp.hybrid_shard_size", f"HYBRID_SHARD with one rank per shard group shards nothing ({given}): "
-                                           "set fsdp.hybrid_shard_size to a divisor of the world size of at least 2, "
-                                           "or use NO_SHARD")]
-    if replicate * shard != world_size:
-        return [("fsdp.hybrid_shard_size", f"{shard} ranks per shard group does not divide the world size {world_size}")]
-    if replicate == 1 and cfg.hybrid_shard_size is None:
-        return [("fsdp.sharding_strategy", f"HYBRID_SHARD on one node of {world_size} ranks has nothing to replicate "
-                                           "across: set fsdp.hybrid_shard_size to a divisor of the world size, "
-                                           "or use FULL_SHARD")]
-    return []

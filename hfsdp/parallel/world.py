@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.parallel.fsdp import FSDP_WRAPPERS, copies, wrapper
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, copies, wrapper
 
 
 

@@ -28,7 +28,8 @@ from hfsdp.data import prepare as data
 from hfsdp.run import loss as losses
 from hfsdp.model import loading as models
 from hfsdp.run import optimizers
-from hfsdp.model import quantized as quantization
+from hfsdp.model import quantized
+from hfsdp.rules import quantization
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.data import cache as data_cache
 from hfsdp.run import generation
@@ -408,14 +409,14 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     model = models.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world,
                        setup=setup)
-    probe = quantization.probe_before_sharding(model) if config.model.quantization else None
+    probe = quantized.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
     chunked = (losses.ChunkedLoss(model, vocab_size)
                if config.train.chunked_loss and replaced is None and losses.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: optimizers.build(m, config.train, matrices))
-    quantization.check_sharded_forward(model, probe, accelerator)
+    quantized.check_sharded_forward(model, probe, accelerator)
     if packed:
         batches.check_packed_attention(model, vocab_size, accelerator.device)
     if replaced is not None:
@@ -611,8 +612,8 @@ def _export_weights(run: Run, out_dir: Path) -> None:
     accelerator = run.accelerator
     state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
     unwrapped = accelerator.unwrap_model(run.model)
-    state_dict = quantization.exported_weights(state_dict, run.config,
-                                               lambda: dict(quantization.quantized_linears(unwrapped)),
+    state_dict = quantized.exported_weights(state_dict, run.config,
+                                               lambda: dict(quantized.quantized_linears(unwrapped)),
                                                check_bytes=False)
     if accelerator.is_main_process:
         with staged_export(out_dir, overwrite=True) as tmp:

@@ -134,7 +134,7 @@ def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
 
 def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str]]:
     """An optimizer that cannot give one process's update under ``wrapper`` (what wraps the model on this world:
-    ``hfsdp.parallel.fsdp.wrapper``), refused before any weight loads with the reason."""
+    ``hfsdp.rules.wrapping.wrapper``), refused before any weight loads with the reason."""
     name = config.train.optimizer
     choice = CHOICES[name]
     if wrapper == "fsdp1" and choice.whole:

@@ -14,10 +14,10 @@ from typing import Any
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.parallel.world import World
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.parallel.fsdp import FSDP_WRAPPERS, Wrapper, check_world, wrapper
-from hfsdp.model.loading import attention_problems
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, wrapper
+from hfsdp.rules.attention import attention_problems
 from hfsdp.run.optimizers import wrapper_problems
-from hfsdp.parallel.accelerator import rehearsal_problems
+from hfsdp.rules.wrapping import rehearsal_problems
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class RunSetup:
 
     @property
     def wrapper(self) -> Wrapper:
-        """What wraps the model: the one rule (``hfsdp.parallel.fsdp.wrapper``) applied to the effective config."""
+        """What wraps the model: the one rule (``hfsdp.rules.wrapping.wrapper``) applied to the effective config."""
         return wrapper(self.config.fsdp, self.world.size)
 
     @property

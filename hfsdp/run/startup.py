@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfsdp import __version__
-from hfsdp.model import quantized as quantization
+from hfsdp.model import quantized
+from hfsdp.rules import quantization
 from hfsdp.parallel.world import local_tensor
 from hfsdp.errors import UserError
-from hfsdp.parallel.fsdp import hybrid_mesh_shape
+from hfsdp.rules.wrapping import hybrid_mesh_shape
 from hfsdp.units import MIB
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
     }
     quant = quantization.settings(config)
     if quant is not None:
-        report["quantized_base"] = quantization.base_report(model, quant)
+        report["quantized_base"] = quantized.base_report(model, quant)
         report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
     group = mesh[1] if mesh else world.size
@@ -118,7 +119,7 @@ def format_report(report: dict[str, Any]) -> str:
            "every rank's write is on disk)" if report.get("checkpoint_saves") == "asynchronous" else "")
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
-        + ("\n" + quantization.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
+        + ("\n" + quantized.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
            if "quantized_base" in report else "")
     )
 

@@ -3,7 +3,7 @@ per-rank memory and throughput.
 
 Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
 CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
-output folder. This module only launches runs and reads those files (it asks ``hfsdp.parallel.fsdp.wrapper`` what one
+output folder. This module only launches runs and reads those files (it asks ``hfsdp.rules.wrapping.wrapper`` what one
 process runs; it never imports transformers).
 
 One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
@@ -98,7 +98,7 @@ def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
 def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
     """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
     from hfsdp.config.schema import FSDPConfig
-    from hfsdp.parallel.fsdp import wrapper
+    from hfsdp.rules.wrapping import wrapper
 
     section = {**(_raw_config(opts.config, opts.overrides).get("fsdp") or {}), "sharding_strategy": strategy}
     return wrapper(FSDPConfig.model_validate(section), 1) == "none"

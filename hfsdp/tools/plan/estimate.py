@@ -1,0 +1,302 @@
+"""Step 3 of ``hfsdp plan``: the bytes per rank of one setup (strategy, world, plugins, optimizer), arithmetic over
+hand-buildable facts (:class:`~hfsdp.tools.plan.facts.ModelFacts`, :class:`~hfsdp.tools.plan.facts.Activations`):
+no torch. How FSDP1 (flat parameters per unit, padded to the world size) and FSDP2 (each parameter split on dim 0)
+shard, which units are gathered at once, what activation checkpointing keeps, where CPU offload puts things; the
+model of a step's peak is documented on :func:`estimate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from hfsdp.config.schema import FSDPConfig, HfsdpConfig
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, hybrid_mesh_shape, precision_parts, wrapper
+from hfsdp.tools.plan.facts import Activations, ModelFacts, Param, _gathered_itemsize
+from hfsdp.units import DTYPE_BYTES, PRECISION_DTYPES
+
+
+# FSDP1 with use_orig_params pads each original parameter inside its flat parameter to a 16-byte boundary.
+_FSDP1_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One table row's knobs: the config's ``fsdp`` section (varied by strategy and by suggested changes) and the
+    job's shape."""
+
+    fsdp: FSDPConfig
+    nproc_per_node: int
+    nodes: int
+    plugins: tuple[str, ...]  # enabled, in order (varied when a plugin is suggested)
+    accumulation: int
+    multi_tensor_adam: bool = True  # torch's AdamW on GPUs; on CPUs it loops over parameters
+    async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
+    optimizer: str = "adamw"  # train.optimizer, and its train.optimizer_args
+    optimizer_args: tuple[tuple[str, Any], ...] = ()
+
+    def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
+        """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
+        section = FSDPConfig.model_validate({**self.fsdp.model_dump(), **(fsdp or {})}) if fsdp else self.fsdp
+        return replace(self, fsdp=section, **job)
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nodes
+
+    @property
+    def strategy(self) -> str:
+        return self.fsdp.sharding_strategy
+
+    @property
+    def precision(self) -> str:
+        return self.fsdp.precision_name
+
+    @property
+    def wrapper(self) -> Wrapper:
+        """What wraps the model, by train's own rule (``hfsdp.rules.wrapping.wrapper``): ``none`` is one process training the
+        model as it is (full parameters, gradients and optimizer state, no FSDP buffers)."""
+        return wrapper(self.fsdp, self.world)
+
+    @property
+    def runs_as(self) -> str:
+        """What wraps the model, for the table: FSDP, DDP or nothing."""
+        return {"none": "no wrapper", "ddp": "DDP"}.get(self.wrapper, "FSDP")
+
+    @property
+    def prefetch(self) -> int:
+        """Layer units gathered ahead of the one computing: FSDP1 backward_prefetch (default BACKWARD_PRE), FSDP2's
+        implicit prefetch of the next unit."""
+        return 0 if self.fsdp.version == 1 and self.fsdp.backward_prefetch == "NONE" else 1
+
+    def shard_group(self) -> int:
+        if self.strategy == "NO_SHARD":
+            return 1
+        mesh = hybrid_mesh_shape(self.fsdp, self.world, self.nproc_per_node)
+        return mesh[1] if mesh else self.world
+
+
+def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
+    base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
+                 accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
+                 optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()))
+    # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
+    return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank (the largest rank's) for one setup."""
+
+    setup: Setup
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int  # unsharded parameters FSDP holds at the peak (root unit + prefetched layer units, or all)
+    grad_buffers: int  # unsharded gradients and their reduce-scatter copies; DDP's buckets; tied-weight sums
+    activations: int
+    loss_transient: int
+    optimizer_step_temp: int
+    device_peak: int
+    host_per_rank: int  # CPU offload: parameters, gradients and optimizer state; async saves: their staging copy
+    host_load_per_node: int  # host RAM when the model is loaded, before sharding
+    problem: str | None = None
+    fits: bool | None = None
+    suggestion: str | None = None
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def compute_dtype(config: HfsdpConfig, precision: str) -> str:
+    return PRECISION_DTYPES.get(precision, config.model.dtype)
+
+
+def _chunk(n: int, parts: int, rank: int) -> int:
+    """Elements of ``n`` that ``torch.chunk`` gives to ``rank`` of ``parts`` (FSDP2's dim-0 sharding)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - rank * size))
+
+
+def _fsdp2_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool]) -> int:
+    """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks."""
+    return max(sum((p.numel if p.replicated else _chunk(p.rows, group, r) * (p.numel // max(p.rows, 1))) * p.itemsize
+                   for p in facts.params if select(p)) for r in range(group))
+
+
+def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool], align: bool,
+                 whole_flat: bool) -> int:
+    """The largest rank's bytes under FSDP1: each unit's parameters flattened (aligned to 16 bytes with
+    use_orig_params), padded to a multiple of ``group`` and split evenly. ``whole_flat`` counts the rank's whole
+    flat shard (parameters); otherwise only the selected parameters' views in it (gradients, optimizer state)."""
+    per_rank = [0] * group
+    for unit in range(len(facts.units)):
+        offset, spans = 0, []
+        itemsize = 4
+        for p in facts.params:
+            if p.unit != unit:
+                continue
+            itemsize = p.itemsize
+            if align:
+                step = max(1, _FSDP1_ALIGN_BYTES // p.itemsize)
+                offset = -(-offset // step) * step
+            spans.append((offset, p.numel, p))
+            offset += p.numel
+        if not spans:
+            continue
+        shard = -(-offset // group)
+        for r in range(group):
+            lo, hi = r * shard, (r + 1) * shard
+            if whole_flat:
+                per_rank[r] += shard * itemsize if any(select(p) for _, _, p in spans) else 0
+            else:
+                per_rank[r] += sum(max(0, min(hi, o + n) - max(lo, o)) * p.itemsize for o, n, p in spans if select(p))
+    return max(per_rank)
+
+
+def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
+    group = setup.shard_group()
+    if setup.wrapper in ("ddp", "none"):
+        return sum(p.numel * p.itemsize for p in facts.params if select(p))
+    if setup.fsdp.version == 1:
+        return _fsdp1_bytes(facts, group, select, setup.fsdp.use_orig_params is not False, whole_flat)
+    return _fsdp2_bytes(facts, group, select)
+
+
+def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
+    """The largest rank's bytes of optimizer state (tensors of one or more dimensions, each storage once, as
+    bench counts them), as each ``train.optimizer`` allocates it for the trainable parameters: AdamW and
+    schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
+    Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
+    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW
+    (unsharded only) two bytes per element plus two float32 block scales per 256 elements and the two 256-entry
+    quantization maps all parameters share, with parameters under ``min_8bit_size`` elements in float32."""
+    from hfsdp.run.optimizers import BNB_BLOCK, BNB_MIN_8BIT
+
+    args = dict(setup.optimizer_args)
+    trainable = [p for p in facts.params if p.trainable]
+    select = lambda hidden: lambda p: p.trainable and p.hidden == hidden  # noqa: E731
+    if setup.optimizer == "muon":
+        return sharded_bytes(facts, setup, select(True)) + 2 * sharded_bytes(facts, setup, select(False))
+    if setup.optimizer == "sgd":
+        return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
+    if setup.optimizer == "adafactor":
+        return sum((p.numel // p.shape[-1] + p.numel // p.shape[-2] if len(p.shape) >= 2 else p.numel) * 4
+                   for p in trainable)
+    if setup.optimizer == "adamw_8bit":
+        small = args.get("min_8bit_size", BNB_MIN_8BIT)
+        quantized = [p for p in trainable if p.numel >= small]
+        return (sum(2 * p.numel + 2 * 4 * -(-p.numel // BNB_BLOCK) for p in quantized) + (2 * 256 * 4 if quantized
+                else 0) + sum(2 * 4 * p.numel for p in trainable if p.numel < small))
+    return 2 * sharded_bytes(facts, setup, lambda p: p.trainable)  # adamw, schedule_free_adamw
+
+
+def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
+    """Per-rank memory of one strategy and world size.
+
+    * one process runs without a wrapper unless ``fsdp.single_process: fsdp`` or an option needs FSDP (as train
+      does, ``Setup.wrapper``): the whole parameters, gradients and optimizer state, no gathered units and no
+      reduce buffers; with mixed precision, autocast's compute-dtype copy of the weights.
+    * parameters / gradients / optimizer: the largest rank's share, sharded as FSDP1/FSDP2 shard (see module
+      docstring); gradients and AdamW's two moments only for trainable parameters, in the parameters' dtype.
+    * gathered: unsharded parameters in the compute dtype. FULL_SHARD / HYBRID_SHARD: the root unit (FSDP keeps
+      it gathered through forward and backward) plus the largest layer unit times (1 + prefetch). SHARD_GRAD_OP:
+      every unit stays gathered from its forward to its backward. NO_SHARD: a compute-dtype copy of the model when
+      mixed precision casts it, nothing otherwise.
+    * grad buffers: the root unit's unsharded gradients (alive from the lm_head's backward to the end) plus the
+      largest of: one layer unit's unsharded gradients and their reduce-scatter copy (reduce dtype), the root's
+      reduce-scatter copy, the tied embedding's second gradient before it is added to the first. DDP: its buckets
+      (a second copy of every gradient) plus the tied embedding's second gradient.
+    * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
+      recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
+      logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
+      float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved, and the transients are one
+      chunk's (``hfsdp.run.loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, and three (the logits, their
+      log-softmax and their gradient, which it makes at the end of the forward with the head's gradient) counted
+      in backward beside the root's gradients, an upper bound of that moment.
+    * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
+      loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
+      logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
+      (gradients + AdamW's temporaries: one state-sized tensor on GPUs, where it runs multi-tensor; one
+      parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
+      during forward and backward too.
+    * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
+    * ``train.async_save`` stages a copy of the rank's parameters and optimizer state in host memory while a save
+      is written (one save in flight at a time): added to ``host_per_rank`` where FSDP wraps the model.
+    * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
+      cpu_ram_efficient_loading (FSDP only).
+    """
+    everything = lambda p: True  # noqa: E731
+    trainable = lambda p: p.trainable  # noqa: E731
+    params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
+    grads = sharded_bytes(facts, setup, trainable)
+    optimizer = optimizer_bytes(facts, setup)
+    compute = DTYPE_BYTES[PRECISION_DTYPES.get(setup.precision, "float32")] if setup.precision != "no" else None
+    full_compute = sum(p.numel * _gathered_itemsize(p, compute) for p in facts.params)
+    root = facts.unit_bytes(0, compute)
+    layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
+    largest = max(layer_units, default=0)
+    group = setup.shard_group()
+    if setup.wrapper == "none" or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
+        gathered = full_compute if compute else 0
+    elif setup.strategy == "SHARD_GRAD_OP":
+        gathered = full_compute
+    else:
+        gathered = root + largest * (1 + setup.prefetch)
+    parts = precision_parts(setup.fsdp)
+    reduce_size = DTYPE_BYTES[parts.reduce] if parts else None
+
+    def unit_grads(unit: int, itemsize: int | None) -> int:
+        return sum(p.numel * (itemsize or p.itemsize) for p in facts.params if p.unit == unit and p.trainable)
+
+    # Gradient buffers beside the (sharded) gradients: during backward, and at its end, when the root unit's
+    # gradients are complete.
+    tied_grad = facts.tied_trainable_numel * facts.params[0].itemsize
+    if setup.wrapper == "none":
+        # Autograd alone: the tied weight's second gradient meets the first at the end.
+        during, at_end = 0, tied_grad
+    elif setup.wrapper == "ddp":
+        # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet at the end.
+        buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
+        during, at_end = buckets, buckets + tied_grad
+    else:
+        tied = facts.tied_trainable_numel * (compute or facts.params[0].itemsize)
+        if group == 1 and setup.fsdp.version == 1:  # FSDP1 reduces a single shard's flat gradient in place
+            during, at_end = 0, tied
+        else:
+            # The root's unsharded gradients live from the lm_head's backward to the end; meanwhile one layer
+            # unit's unsharded gradients and their reduce-scatter copy; at the end the root's reduce-scatter copy,
+            # or before it the tied weight's second gradient, not yet added to the first.
+            root = unit_grads(0, compute)
+            layer = max((unit_grads(u, compute) + unit_grads(u, reduce_size) for u in range(1, len(facts.units))),
+                        default=0)
+            during, at_end = root + layer, root + max(unit_grads(0, reduce_size), tied)
+    grad_buffers = max(during, at_end)
+    activations = acts.saved(setup.fsdp.activation_checkpointing)
+    loss_transient = acts.loss_forward
+    # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
+    # per-parameter loop (CPUs) one parameter's worth.
+    step_temp = grads if setup.multi_tensor_adam else max(
+        (p.numel * p.itemsize // setup.shard_group() for p in facts.params if p.trainable), default=0)
+    on_device_params, on_device_grads, on_device_optim = params, grads, optimizer
+    host = 0
+    if setup.fsdp.cpu_offload:
+        host = params + grads + optimizer
+        on_device_params = on_device_grads = on_device_optim = step_temp = 0
+    if setup.async_save and setup.wrapper in FSDP_WRAPPERS:
+        host += params + optimizer
+    earlier_grads = on_device_grads if setup.accumulation > 1 else 0
+    # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
+    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: the
+    # same for one chunk, and its gradients' transients beside the head's gradient (``Activations.loss_backward``).
+    forward_end = gathered + activations + loss_transient + earlier_grads
+    backward = gathered + during + activations + acts.loss_backward + earlier_grads
+    backward_end = gathered + at_end + on_device_grads
+    step = on_device_grads + step_temp
+    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
+    full_load = sum(p.numel * p.itemsize for p in facts.params)
+    loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
+    return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
+                    grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
+                    optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
+                    host_load_per_node=loaders * full_load)

@@ -1,0 +1,164 @@
+"""What ``hfsdp plan`` knows of a model before anything loads (step 1 of :mod:`hfsdp.tools.plan.planner`): the model
+built on the meta device and changed by the enabled plugins' ``hfsdp_modify_model`` as training changes it; each
+parameter's shape, dtype, trainability and FSDP unit (the wrap policy, emulated); and the traced step's activations
+(:class:`Activations`, made by :mod:`hfsdp.tools.plan.trace`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.model import quantized
+from hfsdp.model.loading import layer_classes, meta_model
+from hfsdp.parallel.world import World
+from hfsdp.rules import quantization
+from hfsdp.run import optimizers
+
+
+@dataclass(frozen=True)
+class Param:
+    numel: int
+    rows: int  # dim 0 (FSDP2 shards on it); 1 for a 0-dim tensor
+    itemsize: int
+    trainable: bool
+    unit: int  # index into ModelFacts.units; 0 is the root unit
+    cast: bool = True  # mixed precision gathers it in the compute dtype (not packed 4-bit data)
+    replicated: bool = False  # kept whole on every rank (uint8-stored 4-bit data)
+    weights: int | None = None  # packed 4-bit data: the weights it holds (two a byte)
+    shape: tuple[int, ...] = ()  # the whole parameter's (Adafactor's row and column factors)
+    hidden: bool = False  # a 2-D matrix of the hidden layers (Muon's; hfsdp.run.optimizers.hidden_matrices)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    params: tuple[Param, ...]
+    units: tuple[str, ...]  # unit names, root first
+    layer_classes: tuple[str, ...]
+    vocab_size: int
+    num_layers: int
+    tied_embeddings: bool
+    tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
+    quant_state_bytes: int = 0  # QLoRA: the 4-bit layers' quant state, on the modules, whole on every rank
+
+    @property
+    def total_params(self) -> int:
+        return sum(p.weights or p.numel for p in self.params)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def unit_bytes(self, unit: int, itemsize: int | None = None) -> int:
+        return sum(p.numel * _gathered_itemsize(p, itemsize) for p in self.params if p.unit == unit)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd keeps for backward, for one micro-batch, in the compute dtype."""
+
+    outside_layers: int  # embeddings, final norm, lm_head input
+    per_layer: tuple[int, ...]  # each decoder layer's saved tensors
+    layer_inputs: tuple[int, ...]  # each decoder layer's input (all that checkpointing keeps of it)
+    logits_bytes: int  # one fp32 copy of the micro-batch's logits (the loss transients are counted in these)
+    loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
+    chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.run.loss.LOSS_CHUNK_ELEMENTS), else 0
+
+    def saved(self, checkpointing: bool) -> int:
+        # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.
+        outside = self.outside_layers + (0 if self.chunk_bytes else self.loss_saved)
+        if not checkpointing:
+            return outside + sum(self.per_layer)
+        # A checkpointed layer keeps its input; in backward one layer at a time is recomputed in full.
+        return outside + sum(self.layer_inputs) + max(self.per_layer, default=0)
+
+    @property
+    def loss_forward(self) -> int:
+        """Transients at the end of forward: the logits and their float32 copy (the chunked loss: one chunk's)."""
+        return 2 * (self.chunk_bytes or self.logits_bytes)
+
+    @property
+    def loss_backward(self) -> int:
+        """Transients in the loss's backward: the logits' gradient; the chunked loss: one chunk's logits, their
+        log-softmax and their gradient, which it makes at the end of the forward together with the head's gradient,
+        counted here beside the root's gradients (which hold the head's): an upper bound of that moment."""
+        return 3 * self.chunk_bytes if self.chunk_bytes else self.logits_bytes
+
+
+def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: int | None) -> tuple[dict[int, int], list[str]]:
+    """Map id(parameter) -> FSDP unit index, emulating the auto-wrap policy (root = unit 0)."""
+    units = ["<root>"]
+    owner: dict[int, int] = {}
+    if wrap_policy == "transformer":
+        for name, module in model.named_modules():
+            if type(module).__name__ in layer_classes and name:
+                units.append(name)
+                for p in module.parameters():
+                    owner.setdefault(id(p), len(units) - 1)
+    elif wrap_policy == "size":
+        from hfsdp.parallel.size_policy import size_units  # the units train forms (innermost first)
+
+        modules = dict(model.named_modules())
+        for name in size_units(model, min_num_params or 0):
+            units.append(name)
+            for p in modules[name].parameters():
+                owner.setdefault(id(p), len(units) - 1)
+    return owner, units
+
+
+def build_meta_model(model_config, config: HfsdpConfig, host, dtype: str):
+    """The architecture on the meta device in ``dtype``, changed by the enabled plugins as training changes it: their
+    ``hfsdp_modify_model`` (LoRA's adapters) gets the meta model, no tokenizer and a world of one process; what they
+    print meanwhile is not plan's output."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    from hfsdp.run.setup import RunSetup
+
+    world = World(rank=0, size=1, local_size=1, on_cpu=False)
+    with torch.device("meta"), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
+        # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
+        attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+        model = meta_model(model_config, config.model.trust_remote_code, attn)
+        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
+                           setup=RunSetup(config=config, world=world, resume=None))
+    return model.to(getattr(torch, dtype))
+
+
+def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
+    model = build_meta_model(model_config, config, host, config.model.dtype)
+    classes = layer_classes(config.fsdp, model_config)
+    tied = bool(getattr(model_config, "tie_word_embeddings", False))
+    shared = model.get_input_embeddings().weight
+    tied_numel = shared.numel() if tied and shared.requires_grad else 0
+    owner, units = _unit_of(model, set(classes), config.fsdp.wrap_policy, config.fsdp.min_num_params)
+    quant = quantization.settings(config)
+    packed = {id(m.weight): m.weight.numel() for m in quantized.linears_to_quantize(model)} if quant else {}
+    params = []
+    hidden = optimizers.hidden_matrices(model)
+    for name, p in model.named_parameters():  # tied parameters appear once
+        unit = owner.get(id(p), 0)
+        if id(p) not in packed:
+            params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
+                                trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden))
+            continue
+        # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
+        # stays on the module, whole on every rank
+        itemsize = quantization.ITEMSIZE[quant.quant_storage]
+        rows = p.numel() // 2 // itemsize
+        params.append(Param(numel=rows, rows=rows, itemsize=itemsize, trainable=False, unit=unit, cast=False,
+                            replicated=quant.quant_storage == "uint8", weights=p.numel()))
+    params = tuple(params)
+    return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
+                      layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
+                      num_layers=sum(type(m).__name__ in classes for m in model.modules()),
+                      tied_embeddings=tied, tied_trainable_numel=tied_numel,
+                      quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0)
+
+
+def _gathered_itemsize(p: Param, compute: int | None) -> int:
+    return compute if compute and p.cast else p.itemsize

@@ -1,0 +1,125 @@
+"""What ``hfsdp plan`` prints: the header, the table of estimates, JSON and the PNG."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable
+
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.errors import UserError
+from hfsdp.rules import quantization
+from hfsdp.tools.plan.estimate import Estimate
+from hfsdp.tools.plan.facts import ModelFacts
+from hfsdp.units import GIB, MIB
+
+
+def _count(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def table_unit(rows: list[Estimate]) -> tuple[str, int]:
+    """GiB when some row peaks above 1 GiB, MiB otherwise."""
+    return ("GiB", GIB) if max((e.device_peak for e in rows), default=0) >= GIB else ("MiB", MIB)
+
+
+def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
+    def size(n: int) -> str:
+        return f"{n / unit:.2f}"
+
+    return [
+        ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
+                                                    if e.setup.nodes > 1 else "")),
+        ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
+        ("params", lambda e: size(e.params)),
+        ("grads", lambda e: size(e.grads)),
+        ("optim", lambda e: size(e.optimizer)),
+        ("gathered", lambda e: size(e.gathered)),
+        ("activ.", lambda e: size(e.activations + e.loss_transient)),
+        ("peak/rank", lambda e: size(e.device_peak)),
+        ("host/rank", lambda e: size(e.host_per_rank)),
+        ("load RAM/node", lambda e: size(e.host_load_per_node)),
+        ("fits", lambda e: "-" if e.problem else ("yes" if e.fits else "NO")),
+        ("cheapest change that fits", lambda e: e.problem or e.suggestion or ("-" if e.fits else "none of the listed")),
+    ]
+
+
+def text_table(rows: list[Estimate]) -> str:
+    columns = _columns(table_unit(rows)[1])
+    cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    left = (1, len(columns) - 1)
+    return "\n".join("  ".join(c[i].ljust(widths[i]) if i in left else c[i].rjust(widths[i])
+                               for i in range(len(columns))).rstrip() for c in cells)
+
+
+def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None) -> str:
+    fsdp = config.fsdp
+    adapted = facts.trainable_params < facts.total_params
+    if objective is not None:
+        n = objective.sequences_per_row
+        loss = f"{type(objective).__name__} ({n} sequence{'s' if n != 1 else ''} a row, full logits)"
+    else:
+        loss = "chunked" if config.train.chunked_loss else "plain (full logits)"
+    return (f"{facts.name}: {_count(facts.total_params)} parameters"
+            + (f" ({_count(facts.trainable_params)} trainable)" if adapted else "")
+            + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
+            f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
+            f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
+            f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
+            f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
+            f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config))
+
+
+def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
+    """QLoRA: what the 4-bit base costs beside what it would in the compute dtype."""
+    quant = quantization.settings(config)
+    packed = [p for p in facts.params if p.weights]
+    if not packed:
+        return ""
+    state = facts.quant_state_bytes
+    packed_bytes = sum(p.numel * p.itemsize for p in packed)
+    weights = sum(p.weights for p in packed)
+    where = "whole on every rank (uint8 storage)" if quant.quant_storage == "uint8" else "sharded by FSDP2"
+    return (f"\n4-bit base ({quant.quant_type}{', double quant' if quant.double_quant else ''}, stored "
+            f"{quant.quant_storage}): {_count(weights)} weights in {packed_bytes / GIB:.2f} GiB packed, {where}, "
+            f"+ {state / GIB:.2f} GiB quant state on every rank; in bf16 they would be {2 * weights / GIB:.2f} GiB "
+            f"({(packed_bytes + state) / (2 * weights):.2f} of it)")
+
+
+def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, Any]:
+    out = []
+    for e in rows:
+        d = {k: v for k, v in asdict(e).items() if k != "setup"}
+        d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
+                 world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.fsdp.runs_as_ddp,
+                 runs_as=e.setup.runs_as,
+                 plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
+        out.append(d)
+    return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
+            "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget, "rows": out}
+
+
+def plot(rows: list[Estimate], budget: int, path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--png needs matplotlib: pip install 'hfsdp[bench]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strategy in dict.fromkeys(e.setup.strategy for e in rows):
+        points = [(e.setup.world, e.device_peak / GIB) for e in rows if e.setup.strategy == strategy and not e.problem]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=strategy)
+    ax.axhline(budget / GIB, color="red", linestyle="--", label=f"budget {budget / GIB:.0f} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted peak GiB per rank")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,122 @@
+"""Step 2 of ``hfsdp plan``: one forward and the training loss of a micro-batch on the meta device, with a
+saved-tensors hook that records every tensor autograd keeps for the backward pass (see
+:func:`trace_activations`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.model.loading import layer_classes
+from hfsdp.tools.plan.estimate import compute_dtype
+from hfsdp.tools.plan.facts import Activations, build_meta_model
+
+
+def _fused_sdpa():
+    """``scaled_dot_product_attention`` as the fused kernels (flash / memory-efficient on GPUs, flash on CPUs)
+    behave for memory: they save q, k, v, the output and a float32 log-sum-exp per query and head."""
+    import torch
+
+    class FusedSDPA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # never called: the trace runs no backward
+            raise NotImplementedError
+
+    def sdpa(query, key, value, *args, **kwargs):
+        return FusedSDPA.apply(query, key, value)
+
+    return sdpa
+
+
+def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
+    """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens,
+    times a plugin ``objective``'s sequences per row) in the compute dtype of ``precision``. Only the default
+    objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full logits."""
+    import contextlib
+    from unittest import mock
+
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    from hfsdp.run.loss import token_loss_sum
+
+    batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
+    batch *= objective.sequences_per_row if objective is not None else 1
+    chunked = config.train.chunked_loss and objective is None
+    model = build_meta_model(model_config, config, host, compute_dtype(config, precision))
+    model.train()
+    classes = set(layer_classes(config.fsdp, model_config))
+    params = {id(p) for p in model.parameters()}
+    current: list[int | None] = [None]
+    saved: dict[int, tuple[int | None, int]] = {}  # id(storage owner) -> (layer, bytes)
+    inputs: dict[int, int] = {}
+    layer_inputs: list[int] = []
+    keep: list[Any] = []  # saved tensors stay alive, so ids are not reused during the trace
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        keep.append(t)
+        if id(base) not in params and id(t) not in params and id(base) not in saved:
+            saved[id(base)] = (current[0], base.numel() * base.element_size())
+        return t
+
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    hooks = []
+    for index, layer in enumerate(layers):
+        def pre(module, args, kwargs, index=index):
+            current[0] = index
+            # What a checkpointed layer keeps: its tensor inputs (shared ones, like rotary tables, once).
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for v in kwargs.values() if isinstance(v, tuple) for t in v if isinstance(t, torch.Tensor)]
+            fresh = 0
+            for t in tensors:
+                if id(t) not in inputs:
+                    inputs[id(t)] = t.numel() * t.element_size()
+                    keep.append(t)
+                    fresh += inputs[id(t)]
+            layer_inputs.append(fresh)
+
+        def post(module, args, output):
+            current[0] = None
+
+        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(layer.register_forward_hook(post))
+    patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
+             if config.model.attn_implementation != "eager" else contextlib.nullcontext())
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # What the plain loss saves after the model's forward (train.chunked_loss keeps none of it).
+    hooks.append(model.register_forward_hook(lambda module, args, output: current.__setitem__(0, "loss")))
+    try:
+        with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # The plain loss itself, on a batch of rows without padding. use_cache left on: an empty cache holds only
+            # the keys and values backward saves anyway (training turns it off); off, transformers looks for packed
+            # rows with a .item() that meta tensors cannot answer.
+            loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids}, targets=ids))
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    per_layer = [0] * len(layers)
+    outside = loss_saved = 0
+    for layer, nbytes in saved.values():
+        if layer is None:
+            outside += nbytes
+        elif layer == "loss":
+            loss_saved += nbytes
+        else:
+            per_layer[layer] += nbytes
+    from hfsdp.run.loss import LOSS_CHUNK_ELEMENTS
+
+    vocab = model_config.vocab_size
+    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked else 0
+    return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
+                       logits_bytes=batch * seq * vocab * 4, loss_saved=loss_saved, chunk_bytes=chunk)
