@@ -195,7 +195,8 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     if world.rank == 0:
         for note in notes:
             click.echo(f"hfsdp: {note}", err=True)
-    from hfsdp.run.loop import Options, Preempted, train as run_training
+    from hfsdp.run.state import Options
+    from hfsdp.run.loop import Preempted, train as run_training
 
     try:
         run_training(setup, host, Options(cache_dir=_cache_dir(), overwrite=overwrite))

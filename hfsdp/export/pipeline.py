@@ -1,23 +1,42 @@
-"""``hfsdp export``: a saved checkpoint (FULL or SHARDED, any world size) → a Hugging Face safetensors folder.
+"""One export pipeline: the trained model at the end of training (:func:`export_model`, ``train.output_dir/final``)
+and a saved checkpoint (:func:`export_checkpoint`, ``hfsdp export``) become a Hugging Face folder the same way
+(:func:`write_export`): the weights (a 4-bit base dequantized for QLoRA), staged next to their final place, through
+the ``hfsdp_export`` hook, so plugins (e.g. LoRA) export checkpoints the way they export final models.
 
-Runs in one process without a process group: sharded (DCP) checkpoints are read and written one tensor at a time,
-so peak memory stays near the largest tensor whatever the model size, and the built-in export imports no
-transformers (it copies the checkpoint's config and tokenizer files). The export goes through the same ``hfsdp_export`` hook
-as the end of training, so plugins (e.g. LoRA) export checkpoints the way they export final models.
+``hfsdp export`` runs in one process without a process group: sharded (DCP) checkpoints are read and written one
+tensor at a time, so peak memory stays near the largest tensor whatever the model size, and the built-in export
+imports no transformers (it copies the checkpoint's config and tokenizer files).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Mapping, TYPE_CHECKING
 
 from hfsdp.checkpoint import store as checkpoint
-from hfsdp.export.hf_folder import ModelFiles, model_metadata
-from hfsdp.export.staging import check_export_target, staged_export
-from hfsdp.model import quantized
-from hfsdp.rules import quantization
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
-from hfsdp.hooks.host import Lazy
+from hfsdp.export.hf_folder import ModelFiles, model_metadata
+from hfsdp.export.staging import check_export_target, staged_export
+from hfsdp.hooks.host import Lazy, PluginHost
+from hfsdp.model import quantized
+from hfsdp.rules import quantization
+
+
+if TYPE_CHECKING:
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.run.state import Run
+
+
+def write_export(host: PluginHost, out_dir: Path, weights: Mapping[str, Any], *, config: "HfsdpConfig",
+                 model_config, tokenizer, generation_config, model_files: ModelFiles, overwrite: bool,
+                 source: Path | None = None, max_shard_bytes: int | None = None) -> None:
+    """``weights`` into ``out_dir`` through the ``hfsdp_export`` hook, written into a temporary folder beside it and
+    renamed into place when complete (:func:`hfsdp.export.staging.staged_export`)."""
+    with staged_export(out_dir, overwrite=overwrite, source=source) as tmp:
+        host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp,
+                    destination=out_dir, generation_config=generation_config, config=config, model_files=model_files,
+                    max_shard_bytes=max_shard_bytes)
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
@@ -54,8 +73,26 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
 
     model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
     generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
-    with staged_export(out_dir, overwrite=overwrite, source=checkpoint_dir) as tmp:
-        host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp, destination=out_dir,
-                    generation_config=generation_config, config=config, model_files=ModelFiles.in_folder(model_dir),
-                    max_shard_bytes=max_shard_bytes)
+    write_export(host, out_dir, weights, config=config, model_config=model_config, tokenizer=tokenizer,
+                 generation_config=generation_config, model_files=ModelFiles.in_folder(model_dir), overwrite=overwrite,
+                 source=checkpoint_dir, max_shard_bytes=max_shard_bytes)
     return out_dir
+
+
+def export_model(run: "Run", out_dir: Path) -> None:
+    """The trained model into ``out_dir`` (replacing an earlier export there). Collective: every rank calls it."""
+    from hfsdp.run import optimizers
+
+    accelerator = run.accelerator
+    # schedule-free: the averaged weights it evaluates with, held while they are written (one process's state dict
+    # holds the parameters themselves)
+    with optimizers.evaluation_weights(run.optimizer):
+        state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
+        unwrapped = accelerator.unwrap_model(run.model)
+        weights = quantized.exported_weights(state_dict, run.config,
+                                             lambda: dict(quantized.quantized_linears(unwrapped)), check_bytes=False)
+        if accelerator.is_main_process:
+            write_export(run.plugins, out_dir, weights, config=run.config, model_config=run.model_config,
+                         tokenizer=run.tokenizer, generation_config=run.generation_config,
+                         model_files=run.model_files, overwrite=True)
+    accelerator.wait_for_everyone()

@@ -177,7 +177,7 @@ def hfsdp_reward_functions():
 @hookspec
 def hfsdp_on_train_start(run):
     """Training is about to start: the model is sharded and the "before" eval ran; step 1 (or the resumed step)
-    comes next. Every rank. ``run`` is the :class:`hfsdp.run.loop.Run` (config, accelerator, model, optimizer,
+    comes next. Every rank. ``run`` is the :class:`hfsdp.run.state.Run` (config, accelerator, model, optimizer,
     world, ...)."""
 
 

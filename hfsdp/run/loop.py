@@ -9,52 +9,36 @@ normalised the same way, by its own units (``MicroBatch.num_targets``: e.g. the 
 
 from __future__ import annotations
 
-import math
 import os
-import shutil
 import signal
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from hfsdp.data import batches
-from hfsdp.data import prepare as data
-from hfsdp.run import loss as losses
-from hfsdp.model import loading as models
-from hfsdp.run import optimizers
-from hfsdp.model import quantized
-from hfsdp.rules import quantization
-from hfsdp.checkpoint import store as checkpoint
-from hfsdp.data import cache as data_cache
-from hfsdp.run import generation
-from hfsdp.tools import plots
-from hfsdp.checkpoint import resume
-from hfsdp.checkpoint import storage
-from hfsdp.run import throughput
-from hfsdp.export.hf_folder import ModelFiles, model_metadata
-from hfsdp.run.metrics import MetricsWriter
-from hfsdp.export.staging import check_export_target, staged_export
-from hfsdp.run.startup import report_optimizer_state, report_startup
+from hfsdp.checkpoint import resume, storage, store as checkpoint
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.parallel.world import World, all_sum, any_rank, clip_grad_norm, per_rank
-from hfsdp.errors import UserError
-from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
+from hfsdp.data import batches, cache as data_cache, prepare as data
+from hfsdp.export.hf_folder import ModelFiles, model_metadata
+from hfsdp.export.pipeline import export_model
 from hfsdp.hooks.host import PluginHost
-from hfsdp.run.setup import RunSetup
+from hfsdp.model import loading as models, quantized
+from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.parallel.accelerator import build_accelerator, grad_scaler, prepare_model_and_optimizer
-
-OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
-           "completions.jsonl")
-
-
-class NonFiniteLoss(UserError):
-    exit_code = 3
+from hfsdp.parallel.world import any_rank, per_rank
+from hfsdp.rules import quantization
+from hfsdp.run import generation, loss as losses, optimizers, throughput
+from hfsdp.run.evaluate import Evaluator
+from hfsdp.run.folder import prepare
+from hfsdp.run.metrics import MetricsWriter
+from hfsdp.run.setup import RunSetup
+from hfsdp.run.startup import report_optimizer_state, report_startup
+from hfsdp.run.state import Options, Run, TrainerState
+from hfsdp.run.step import compile_metrics, log_step, train_step
+from hfsdp.run.summary import finish
 
 
 class Preempted(Exception):
@@ -67,52 +51,7 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name}{saved}")
 
 
-@dataclass
-class TrainerState:
-    """Progress that a checkpoint must carry besides model, optimizer and RNG (registered with Accelerate)."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0
-    consecutive_skips: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for key, value in state.items():
-            setattr(self, key, int(value))
-
-
-@dataclass
-class Run:
-    """What hooks receive as ``run``."""
-
-    config: HfsdpConfig
-    accelerator: Any
-    model: Any
-    tokenizer: Any
-    output_dir: Path
-    state: TrainerState
-    plugins: PluginHost
-    is_main_process: bool
-    extras: dict[str, Any] = field(default_factory=dict)  # for plugins; hfsdp keeps nothing here
-    world: World | None = None
-    optimizer: Any = None  # as prepared by Accelerate (``.optimizer`` is the torch optimizer)
-    model_config: Any = None  # the transformers config
-    generation_config: dict[str, Any] | None = None  # the model's generation_config.json, as exports write it
-    model_files: ModelFiles | None = None  # what checkpoints and exports write besides the weights
-    resume_identity: dict[str, Any] = field(default_factory=dict)  # the schedule length and data a resume must keep
-    objective: Objective = field(default_factory=TokenCrossEntropy)  # what the loop trains: ``objective(model,
     # batch)`` is the micro-batch's summed loss (a plugin's, hook hfsdp_objective, else next-token cross entropy)
-
-
-@dataclass
-class Options:
-    """What the CLI read of argv and the environment besides the run it decided (``RunSetup``)."""
-
-    cache_dir: Path
-    overwrite: bool = False
 
 
 class PreemptionFlag:
@@ -136,88 +75,6 @@ class PreemptionFlag:
         self.signum = signum
         print(f"\nhfsdp: {signal.Signals(signum).name} received: saving a checkpoint after this step "
               "(send it again to exit now)", file=sys.stderr, flush=True)
-
-
-def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> storage.RunLock | None:
-    """Check and prepare ``train.output_dir`` (writable; not another live run's: the main process takes its
-    :class:`storage.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
-    blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
-                        "set train.output_dir to a folder (it is created if missing)")
-    check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
-    existing = [name for name in OUTPUTS if (output_dir / name).exists()]
-    if existing and not resuming and not opts.overwrite:
-        raise UserError(
-            f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to continue "
-            "it, --overwrite to replace it, or set another train.output_dir"
-        )
-    _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
-    lock = storage.RunLock.take(output_dir) if is_main else None
-    if existing and opts.overwrite and is_main:  # only once the folder is this run's
-        for name in existing:
-            target = output_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        for stale in output_dir.glob("startup_rank*.json"):
-            stale.unlink()
-    return lock
-
-
-def _check_writable(folder: Path, what: str, fix: str) -> None:
-    """``folder`` exists (created if missing) and this process can create a file in it."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".hfsdp-write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
-
-
-@torch.no_grad()
-def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
-             objective: Objective) -> dict[str, float]:
-    model.eval()
-    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size,
-                                        accelerator.num_processes, accelerator.process_index)
-    if config.train.max_eval_batches:
-        rank_batches = rank_batches[: config.train.max_eval_batches]
-    loss_sum, tokens = 0.0, 0
-    for rows in rank_batches:
-        batch = objective.micro_batch([dataset[i] for i in (rows or [0])], pad_id, accelerator.device, select_logits)
-        if rows is None:  # filler so that every rank runs the same number of forwards
-            batch.make_filler()
-        objective.start_step(accelerator, [batch])
-        loss_sum += float(objective(model, batch))
-        tokens += batch.num_targets
-    model.train()
-    loss_sum, tokens = all_sum(accelerator, [loss_sum, tokens])
-    return {**objective.eval_metrics(loss_sum / max(tokens, 1), tokens),
-            **objective.take_metrics(accelerator, prefix="eval_")}
-
-
-def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
-    """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
-    lock), the prepared output folder and its lock (main process), for a run whose checks
-    :func:`hfsdp.run.setup.decide` made. The cache folder and the output folder are checked writable first."""
-    config = setup.config
-    _check_writable(opts.cache_dir, "the hfsdp cache folder", "set HFSDP_CACHE_DIR to a folder you can write to")
-    output_dir = Path(config.train.output_dir)
-    lock = prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
-    try:
-        model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    if config.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    if setup.world.rank != 0:  # one "Loading weights" bar, beside rank 0's other bars (not one per rank)
-        hf_logging.disable_progress_bar()
-    return model_path, output_dir, lock
 
 
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
@@ -426,160 +283,6 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     return model, optimizer, flops, TokenCrossEntropy(loss_sum)
 
 
-class Evaluator:
-    """``run_eval(step, label)``: eval loss on the eval split and generation exact match, written to the metrics and
-    given to ``hfsdp_on_eval``; the generations stay in ``generations[label]`` for the summary."""
-
-    def __init__(self, run: Run, unwrapped, eval_set, gen_items: list, metrics: MetricsWriter, select_logits: bool):
-        self.run, self.unwrapped, self.eval_set, self.gen_items = run, unwrapped, eval_set, gen_items
-        self.metrics, self.select_logits = metrics, select_logits
-        self.generations: dict[str, generation.GenerationResult] = {}
-        self.enabled = eval_set is not None or bool(gen_items)
-
-    def __call__(self, step: int, label: str) -> dict[str, Any]:
-        run = self.run
-        with optimizers.evaluation_weights(run.optimizer):
-            results = self._evaluate(step, label)
-        if results:
-            self.metrics.write(step, results)
-            run.plugins.call("hfsdp_on_eval", run=run, step=step, metrics=results)
-        return results
-
-    def _evaluate(self, step: int, label: str) -> dict[str, Any]:
-        run = self.run
-        results: dict[str, Any] = {}
-        if self.eval_set is not None:
-            results.update(run.objective.evaluate(run.model, self.eval_set, run.accelerator, run.tokenizer.pad_token_id,
-                                                  self.select_logits)
-                           or evaluate(run.model, self.eval_set, run.config, run.accelerator,
-                                       run.tokenizer.pad_token_id, self.select_logits, run.objective))
-        if self.gen_items:
-            gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
-                                           run.config.generation_eval.max_new_tokens)
-            results["gen_exact_match"] = gen.accuracy
-            self.generations[label] = gen
-        return results
-
-    def before_training(self) -> dict[str, Any]:
-        """The eval before the first step (``train.eval_at_start``; not when resuming), printed."""
-        if not (self.run.config.train.eval_at_start and self.run.state.step == 0):
-            return {}
-        before = self(self.run.state.step, "before")
-        if before:
-            self.run.accelerator.print(
-                "eval before training: " + (f"reward {before['eval_reward']:.4f}" if "eval_reward" in before else
-                                            f"loss {before.get('eval_loss', float('nan')):.4f}")
-                + (f", exact match {before['gen_exact_match']:.1%}" if "gen_exact_match" in before else ""))
-        return before
-
-
-@dataclass
-class StepResult:
-    loss: float  # the global batch's mean token loss
-    grad_norm: float
-    tokens: float  # in the global batch (rows' lengths), and the sum of their squares (attention FLOPs)
-    sq_lengths: float
-    stepped: bool  # False: a non-finite loss or gradient norm skipped the step (train.on_nonfinite: skip)
-
-
-def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> StepResult:
-    """One optimizer step on this rank's micro-batches of the global batch: forward and backward (the loss normalised
-    as the module docstring says), gradient clipping, then the optimizer step, or, on a non-finite loss or gradient
-    norm, ``train.on_nonfinite``; then the LR schedule and ``run.state`` advance. Collective: every rank calls it for
-    every step."""
-    accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
-    local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
-    global_labels, global_tokens, global_sq_lengths = all_sum(
-        accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
-    run.objective.start_step(accelerator, micro)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for batch in micro:  # no host sync in here: the loss is summed on the device
-        part = run.objective(model, batch)
-        loss = part * run.world.size / max(global_labels, 1)
-        accelerator.backward(scaler.scale(loss) if scaler else loss)
-        loss_sum += part.detach().double()
-    (total_loss,) = all_sum(accelerator, [float(loss_sum)])
-    step_loss = total_loss / max(global_labels, 1)
-    if scaler:
-        scaler.unscale_(optimizer)
-    # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
-    finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
-    if scaler and not math.isfinite(grad_norm):
-        finite = True  # fp16 overflow: the scaler skips the step and lowers its scale
-    if finite:
-        run.state.consecutive_skips = 0
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if not finite:
-        skip_nonfinite(run, f"non-finite loss/grad norm at step {run.state.step + 1} (loss {step_loss}, "
-                            f"grad norm {grad_norm})")
-    scheduler.step()
-    run.state.step += 1
-    run.state.tokens_seen += int(global_tokens)
-    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite)
-
-
-def compile_metrics(config: HfsdpConfig) -> dict[str, int]:
-    """With ``train.compile``: the graphs dynamo has compiled so far (``compile_graphs``; it stops growing once
-    every input variant has been seen: a count that keeps growing means recompiles) and the graph breaks."""
-    if config.train.compile is None:
-        return {}
-    from torch._dynamo.utils import counters
-
-    return {"compile_graphs": int(counters["stats"]["unique_graphs"]),
-            "compile_graph_breaks": int(sum(counters["graph_break"].values()))}
-
-
-def skip_nonfinite(run: Run, what: str) -> None:
-    """Count a skipped step, or stop the run as ``train.on_nonfinite`` / ``train.max_consecutive_skips`` say."""
-    state, cfg = run.state, run.config.train
-    state.skipped_steps += 1
-    state.consecutive_skips += 1
-    if cfg.on_nonfinite == "stop":
-        raise NonFiniteLoss(f"{what}; stopped without saving (train.on_nonfinite: stop). "
-                            "Lower the learning rate or check the data, then --resume")
-    if state.consecutive_skips > cfg.max_consecutive_skips:
-        raise NonFiniteLoss(f"{what}; {state.consecutive_skips} consecutive skipped steps "
-                            f"exceed train.max_consecutive_skips ({cfg.max_consecutive_skips})")
-    run.accelerator.print(f"warning: {what}; step skipped")
-
-
-def log_step(run: Run, step_metrics: dict[str, Any], metrics: MetricsWriter, progress, meter: throughput.StepMeter,
-             max_steps: int) -> None:
-    """The step's metrics to the progress bar, the metrics files (every ``train.log_every`` steps, the first and the
-    last) and ``hfsdp_on_step_end``."""
-    step = run.state.step
-    if progress is not None:
-        progress.update(1)
-        shown = run.objective.progress_metrics
-        progress.set_postfix(loss=f"{step_metrics['loss']:.4f}", lr=f"{step_metrics['lr']:.2e}",
-                             **{name.rsplit("/", 1)[-1]: f"{step_metrics[name]:.3f}" for name in shown},
-                             **meter.postfix(step_metrics))
-    if step % run.config.train.log_every == 0 or step == max_steps or step == 1:
-        metrics.write(step, step_metrics)
-    run.plugins.call("hfsdp_on_step_end", run=run, step=step, metrics=step_metrics)
-
-
-def finish(run: Run, summary: dict[str, Any], metrics: MetricsWriter,
-           generations: dict[str, generation.GenerationResult]) -> None:
-    """The end of a completed run: ``summary.json``, ``hfsdp_on_train_end``, the summary and the loss plot."""
-    import json
-
-    if run.is_main_process:
-        (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    run.plugins.call("hfsdp_on_train_end", run=run, metrics=summary["after"])
-    metrics.close()
-    run.accelerator.print(format_summary(summary, generations, run.config))
-    if run.is_main_process:
-        run.accelerator.print(plots.run_plot(run.output_dir))
-
-
 def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
@@ -601,28 +304,6 @@ def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pendi
     run.plugins.call("hfsdp_on_checkpoint", run=run, step=done.step, path=done.final)
 
 
-def export_model(run: Run, out_dir: Path) -> None:
-    # schedule-free: the averaged weights it evaluates with, held while they are written (one process's state dict
-    # holds the parameters themselves)
-    with optimizers.evaluation_weights(run.optimizer):
-        _export_weights(run, out_dir)
-
-
-def _export_weights(run: Run, out_dir: Path) -> None:
-    accelerator = run.accelerator
-    state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
-    unwrapped = accelerator.unwrap_model(run.model)
-    state_dict = quantized.exported_weights(state_dict, run.config,
-                                               lambda: dict(quantized.quantized_linears(unwrapped)),
-                                               check_bytes=False)
-    if accelerator.is_main_process:
-        with staged_export(out_dir, overwrite=True) as tmp:
-            run.plugins.export(state_dict=state_dict, model_config=run.model_config, tokenizer=run.tokenizer,
-                               out_dir=tmp, destination=out_dir, generation_config=run.generation_config,
-                               config=run.config, model_files=run.model_files, max_shard_bytes=None)
-    accelerator.wait_for_everyone()
-
-
 def _progress(is_main: bool, start: int, total: int):
     if not is_main:
         return None
@@ -631,36 +312,3 @@ def _progress(is_main: bool, start: int, total: int):
     return tqdm(total=total, initial=start, desc="training", dynamic_ncols=True)
 
 
-def format_summary(summary: dict[str, Any], generations: dict[str, generation.GenerationResult],
-                   config: HfsdpConfig) -> str:
-    before, after = summary["before"], summary["after"]
-    lines = [f"done: {summary['steps']} steps, {summary['tokens_seen']} tokens"
-             + (f", {summary['skipped_steps']} skipped" if summary["skipped_steps"] else ""),
-             throughput.format_throughput(summary["throughput"])]
-    if "eval_loss" in before and "eval_loss" in after:
-        lines.append(f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}"
-                     + (f" (perplexity {before['eval_ppl']:.2f} -> {after['eval_ppl']:.2f})" if "eval_ppl" in after
-                        else ""))
-    elif "eval_loss" in after:
-        lines.append(f"eval loss {after['eval_loss']:.4f}"
-                     + (f" (perplexity {after['eval_ppl']:.2f})" if "eval_ppl" in after else ""))
-    if "eval_reward" in after:
-        lines.append(f"eval reward {before['eval_reward']:.4f} -> {after['eval_reward']:.4f}" if "eval_reward" in before
-                     else f"eval reward {after['eval_reward']:.4f}")
-    if "gen_exact_match" in before and "gen_exact_match" in after:
-        lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}")
-    show = config.generation_eval.show if config.generation_eval else 0
-    gen_before, gen_after = generations.get("before"), generations.get("after")
-    if gen_before and gen_after:
-        for (prompt, ref, out_before), (_, _, out_after) in list(zip(gen_before.examples, gen_after.examples))[:show]:
-            lines += ["", f"prompt:    {prompt}", f"expected:  {ref}", f"before:    {out_before}", f"after:     {out_after}"]
-    if summary["last_checkpoint"]:
-        lines.append(f"latest checkpoint: {summary['last_checkpoint']} (`hfsdp export` consolidates it)")
-    saves = summary["saves"]
-    if saves["count"]:
-        lines.append(f"checkpoints saved {saves['mode']}: {saves['count']}, training blocked "
-                     f"{saves['stall_s_median']:.2f} s per save (median), each complete after "
-                     f"{saves['write_s_median']:.2f} s")
-    if config.train.export_final:
-        lines.append(f"\nmodel written to {Path(config.train.output_dir) / 'final'}")
-    return "\n".join(lines)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 
+
 # Logit elements per chunk: 2**25 float32 values are 128 MiB (261 positions of a 128,256-token vocabulary, 682 of
 # SmolLM2's 49,152): a few such tensors at a time instead of the micro-batch's whole logits, and chunks large enough
 # that the per-chunk matmul stays efficient and the Python loop short.

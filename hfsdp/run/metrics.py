@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+
 # The name trackers file the run under: TensorBoard's sub-folder of <output_dir>/tensorboard, MLflow's experiment,
 # W&B's project.
 TRACKER_PROJECT = "hfsdp"

@@ -25,7 +25,8 @@ import importlib.util
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, TYPE_CHECKING
+
 
 if TYPE_CHECKING:
     import torch

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.parallel.world import World
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, wrapper
+from hfsdp.parallel.world import World
 from hfsdp.rules.attention import attention_problems
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, rehearsal_problems, wrapper
 from hfsdp.run.optimizers import wrapper_problems
-from hfsdp.rules.wrapping import rehearsal_problems
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,18 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 
 from hfsdp import __version__
-from hfsdp.model import quantized
-from hfsdp.rules import quantization
-from hfsdp.parallel.world import local_tensor
 from hfsdp.errors import UserError
+from hfsdp.model import quantized
+from hfsdp.parallel.world import local_tensor
+from hfsdp.rules import quantization
 from hfsdp.rules.wrapping import hybrid_mesh_shape
 from hfsdp.units import MIB
+
 
 if TYPE_CHECKING:
     from hfsdp.run.setup import RunSetup

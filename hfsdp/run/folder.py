@@ -1,0 +1,81 @@
+"""The run folder (``train.output_dir``) before anything loads: writable, not another live run's (its lock), an
+earlier run refused or replaced (``--overwrite``) as the CLI says; the model's local path resolved."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from hfsdp.checkpoint import storage
+from hfsdp.errors import UserError
+from hfsdp.export.staging import check_export_target
+from hfsdp.model import loading as models
+from hfsdp.run.setup import RunSetup
+from hfsdp.run.state import Options
+
+
+OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
+           "completions.jsonl")
+
+
+def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> storage.RunLock | None:
+    """Check and prepare ``train.output_dir`` (writable; not another live run's: the main process takes its
+    :class:`storage.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
+    blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
+                        "set train.output_dir to a folder (it is created if missing)")
+    check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
+    existing = [name for name in OUTPUTS if (output_dir / name).exists()]
+    if existing and not resuming and not opts.overwrite:
+        raise UserError(
+            f"train.output_dir {output_dir} already holds a run ({', '.join(existing)}). Pass --resume to continue "
+            "it, --overwrite to replace it, or set another train.output_dir"
+        )
+    _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
+    lock = storage.RunLock.take(output_dir) if is_main else None
+    if existing and opts.overwrite and is_main:  # only once the folder is this run's
+        for name in existing:
+            target = output_dir / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        for stale in output_dir.glob("startup_rank*.json"):
+            stale.unlink()
+    return lock
+
+
+def _check_writable(folder: Path, what: str, fix: str) -> None:
+    """``folder`` exists (created if missing) and this process can create a file in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hfsdp-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
+
+
+def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
+    """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
+    lock), the prepared output folder and its lock (main process), for a run whose checks
+    :func:`hfsdp.run.setup.decide` made. The cache folder and the output folder are checked writable first."""
+    config = setup.config
+    _check_writable(opts.cache_dir, "the hfsdp cache folder", "set HFSDP_CACHE_DIR to a folder you can write to")
+    output_dir = Path(config.train.output_dir)
+    lock = prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
+    try:
+        model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if config.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if setup.world.rank != 0:  # one "Loading weights" bar, beside rank 0's other bars (not one per rank)
+        hf_logging.disable_progress_bar()
+    return model_path, output_dir, lock

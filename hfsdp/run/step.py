@@ -1,0 +1,115 @@
+"""One optimizer step (:func:`train_step`, like torchtitan's ``train_step``), what a non-finite loss does, and how
+a step is logged."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfsdp.config.schema import HfsdpConfig
+from hfsdp.data import batches
+from hfsdp.errors import UserError
+from hfsdp.parallel.world import all_sum, clip_grad_norm
+from hfsdp.run import throughput
+from hfsdp.run.metrics import MetricsWriter
+from hfsdp.run.state import Run
+
+
+class NonFiniteLoss(UserError):
+    exit_code = 3
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's mean token loss
+    grad_norm: float
+    tokens: float  # in the global batch (rows' lengths), and the sum of their squares (attention FLOPs)
+    sq_lengths: float
+    stepped: bool  # False: a non-finite loss or gradient norm skipped the step (train.on_nonfinite: skip)
+
+
+def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> StepResult:
+    """One optimizer step on this rank's micro-batches of the global batch: forward and backward (the loss normalised
+    as the module docstring says), gradient clipping, then the optimizer step, or, on a non-finite loss or gradient
+    norm, ``train.on_nonfinite``; then the LR schedule and ``run.state`` advance. Collective: every rank calls it for
+    every step."""
+    accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
+    local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
+    global_labels, global_tokens, global_sq_lengths = all_sum(
+        accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
+    run.objective.start_step(accelerator, micro)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for batch in micro:  # no host sync in here: the loss is summed on the device
+        part = run.objective(model, batch)
+        loss = part * run.world.size / max(global_labels, 1)
+        accelerator.backward(scaler.scale(loss) if scaler else loss)
+        loss_sum += part.detach().double()
+    (total_loss,) = all_sum(accelerator, [float(loss_sum)])
+    step_loss = total_loss / max(global_labels, 1)
+    if scaler:
+        scaler.unscale_(optimizer)
+    # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
+    finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
+    if scaler and not math.isfinite(grad_norm):
+        finite = True  # fp16 overflow: the scaler skips the step and lowers its scale
+    if finite:
+        run.state.consecutive_skips = 0
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if not finite:
+        skip_nonfinite(run, f"non-finite loss/grad norm at step {run.state.step + 1} (loss {step_loss}, "
+                            f"grad norm {grad_norm})")
+    scheduler.step()
+    run.state.step += 1
+    run.state.tokens_seen += int(global_tokens)
+    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite)
+
+
+def compile_metrics(config: HfsdpConfig) -> dict[str, int]:
+    """With ``train.compile``: the graphs dynamo has compiled so far (``compile_graphs``; it stops growing once
+    every input variant has been seen: a count that keeps growing means recompiles) and the graph breaks."""
+    if config.train.compile is None:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"compile_graphs": int(counters["stats"]["unique_graphs"]),
+            "compile_graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def skip_nonfinite(run: Run, what: str) -> None:
+    """Count a skipped step, or stop the run as ``train.on_nonfinite`` / ``train.max_consecutive_skips`` say."""
+    state, cfg = run.state, run.config.train
+    state.skipped_steps += 1
+    state.consecutive_skips += 1
+    if cfg.on_nonfinite == "stop":
+        raise NonFiniteLoss(f"{what}; stopped without saving (train.on_nonfinite: stop). "
+                            "Lower the learning rate or check the data, then --resume")
+    if state.consecutive_skips > cfg.max_consecutive_skips:
+        raise NonFiniteLoss(f"{what}; {state.consecutive_skips} consecutive skipped steps "
+                            f"exceed train.max_consecutive_skips ({cfg.max_consecutive_skips})")
+    run.accelerator.print(f"warning: {what}; step skipped")
+
+
+def log_step(run: Run, step_metrics: dict[str, Any], metrics: MetricsWriter, progress, meter: throughput.StepMeter,
+             max_steps: int) -> None:
+    """The step's metrics to the progress bar, the metrics files (every ``train.log_every`` steps, the first and the
+    last) and ``hfsdp_on_step_end``."""
+    step = run.state.step
+    if progress is not None:
+        progress.update(1)
+        shown = run.objective.progress_metrics
+        progress.set_postfix(loss=f"{step_metrics['loss']:.4f}", lr=f"{step_metrics['lr']:.2e}",
+                             **{name.rsplit("/", 1)[-1]: f"{step_metrics[name]:.3f}" for name in shown},
+                             **meter.postfix(step_metrics))
+    if step % run.config.train.log_every == 0 or step == max_steps or step == 1:
+        metrics.write(step, step_metrics)
+    run.plugins.call("hfsdp_on_step_end", run=run, step=step, metrics=step_metrics)
