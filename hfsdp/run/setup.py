@@ -48,6 +48,12 @@ class RunSetup:
         return self.wrapper in FSDP_WRAPPERS
 
 
+def one_process(config: HfsdpConfig) -> RunSetup:
+    """A run of ``config`` on one process with nothing to resume: what ``hfsdp plan`` and the start-up space
+    estimate give the model hooks when they build the model on the meta device."""
+    return RunSetup(config=config, world=World(rank=0, size=1, local_size=1, on_cpu=False), resume=None)
+
+
 def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = "config") -> RunSetup:
     """The run ``config`` makes on ``world`` (what the launcher started), resuming from ``resume`` ("latest", a
     checkpoint folder, or None). The config is made effective here, each change said in ``notes``:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.model import quantized
-from hfsdp.model.loading import layer_classes, meta_model
-from hfsdp.parallel.world import World
+from hfsdp.model.loading import build_meta_model, layer_classes
 from hfsdp.rules import quantization
 from hfsdp.run import optimizers
+from hfsdp.run.setup import one_process
 
 
 @dataclass(frozen=True)
@@ -106,31 +106,8 @@ def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: i
     return owner, units
 
 
-def build_meta_model(model_config, config: HfsdpConfig, host, dtype: str):
-    """The architecture on the meta device in ``dtype``, changed by the enabled plugins as training changes it: their
-    ``hfsdp_modify_model`` (LoRA's adapters) gets the meta model, no tokenizer and a world of one process; what they
-    print meanwhile is not plan's output."""
-    import contextlib
-    import io
-    import warnings
-
-    import torch
-
-    from hfsdp.run.setup import RunSetup
-
-    world = World(rank=0, size=1, local_size=1, on_cpu=False)
-    with torch.device("meta"), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
-        # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
-        attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
-        model = meta_model(model_config, config.model.trust_remote_code, attn)
-        model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
-                           setup=RunSetup(config=config, world=world, resume=None))
-    return model.to(getattr(torch, dtype))
-
-
 def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
-    model = build_meta_model(model_config, config, host, config.model.dtype)
+    model = build_meta_model(model_config, one_process(config), host, config.model.dtype)
     classes = layer_classes(config.fsdp, model_config)
     tied = bool(getattr(model_config, "tie_word_embeddings", False))
     shared = model.get_input_embeddings().weight

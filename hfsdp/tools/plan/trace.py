@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.model.loading import layer_classes
+from hfsdp.model.loading import build_meta_model, layer_classes
+from hfsdp.run.setup import one_process
 from hfsdp.tools.plan.estimate import compute_dtype
-from hfsdp.tools.plan.facts import Activations, build_meta_model
+from hfsdp.tools.plan.facts import Activations
 
 
 def _fused_sdpa():
@@ -52,7 +53,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
     batch *= objective.sequences_per_row if objective is not None else 1
     chunked = config.train.chunked_loss and objective is None
-    model = build_meta_model(model_config, config, host, compute_dtype(config, precision))
+    model = build_meta_model(model_config, one_process(config), host, compute_dtype(config, precision))
     model.train()
     classes = set(layer_classes(config.fsdp, model_config))
     params = {id(p) for p in model.parameters()}
