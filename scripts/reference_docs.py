@@ -1,17 +1,41 @@
 """Write the generated references: docs/configuration.md (every config key, from the schemas: the core sections,
-then the sections of hfsdp's own plugins) and docs/hooks.md (every hook, from hfsdp/hooks/specs.py).
+then the sections of hfsdp's own plugins), docs/hooks.md (every hook, from hfsdp/hooks/specs.py) and
+docs/architecture.md (a paragraph per package, from the packages' own docstrings, with the modules in each).
 
-Run: python scripts/reference_docs.py           (rewrites both files)
-     python scripts/reference_docs.py --check   (exit 1 if either is out of date; tests/test_readme.py runs it)
+Run: python scripts/reference_docs.py           (rewrites the three files)
+     python scripts/reference_docs.py --check   (exit 1 if one is out of date; tests/test_readme.py runs it)
 `hfsdp config-reference` prints the configuration reference for the plugins installed where it runs."""
 
+import ast
+import re
 import sys
 from pathlib import Path
 
 from hfsdp.hooks.host import installed_sections
 from hfsdp.config.reference import core_reference, hook_reference, plugin_reference
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+# The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
+PACKAGES = ["config", "rules", "hooks", "data", "model", "parallel", "run", "checkpoint", "export", "tools",
+            "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo"]
+FLOW = """\
+# Architecture
+
+Generated from the packages' docstrings by `python scripts/reference_docs.py`; do not edit by hand.
+
+One way through a run: YAML → a validated config (`hfsdp.config`, torch-free) → one decided run
+(`hfsdp.run.setup.decide`: the world, what wraps the model, every check and the resume point, decided once,
+before any weight loads, with the torch-free rules of `hfsdp.rules`) → pure builders (`hfsdp.parallel`,
+`hfsdp.model`) → the `Accelerator` → the loop (`hfsdp.run.loop`, its step in `hfsdp.run.step`). Only `hfsdp/cli.py`
+reads argv and the environment; plugins, first-party ones included, reach the run through the hooks of
+`hfsdp.hooks` and get what they need as arguments.
+
+At the top of `hfsdp/`: `cli.py` (the commands, exit codes), `errors.py` (`UserError`, `ConfigError`: one screen,
+exit 2), `objective.py` (the objective protocol plugins implement: `Objective`, `PreferenceObjective`), `units.py`
+(byte units, dtype sizes), `compat.py` (the documented former module paths, still importable), and in `__init__.py`
+`hfsdp.hookimpl`.
+"""
 
 
 def configuration() -> str:
@@ -31,9 +55,36 @@ def hooks() -> str:
     return "\n".join(lines + hook_reference()).rstrip() + "\n"
 
 
+def _docstring(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    if not doc:
+        raise SystemExit(f"{path} has no docstring: architecture.md is made of them")
+    return doc
+
+
+def architecture() -> str:
+    root = REPO / "hfsdp"
+    found = sorted(str(p.parent.relative_to(root)) for p in root.rglob("__init__.py") if p.parent != root)
+    if sorted(PACKAGES) != found:
+        raise SystemExit(f"PACKAGES in {Path(__file__).name} must list hfsdp's packages: {', '.join(found)}")
+    lines = [FLOW]
+    for package in PACKAGES:
+        folder = root / package
+        modules = sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")
+        subpackages = sorted(p.parent.name for p in folder.glob("*/__init__.py"))
+        first = _docstring(folder / "__init__.py").split("\n\n")[0]  # its first paragraph, in Markdown
+        text = re.sub(r":(?:mod|class|func|meth):`~?([^`]+)`", r"`\1`", " ".join(first.split())).replace("``", "`")
+        lines += [f"## `hfsdp/{package}/`", "", text, ""]
+        parts = [f"`{m}.py`" for m in modules] + [f"`{p}/`" for p in subpackages]
+        if parts:
+            lines += [f"In it: {', '.join(parts)}.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def main(check: bool) -> int:
     stale = []
-    for name, text in (("configuration.md", configuration()), ("hooks.md", hooks())):
+    for name, text in (("configuration.md", configuration()), ("hooks.md", hooks()),
+                       ("architecture.md", architecture())):
         path = DOCS / name
         if check:
             if not path.is_file() or path.read_text() != text:
