@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hfsdp.checkpoint import store as checkpoint
-from hfsdp.checkpoint.resume import keep_global_batch, run_fingerprint
+from hfsdp.checkpoint.resume import Record, keep_global_batch, run_fingerprint
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.parallel.world import World
 from hfsdp.errors import ConfigError, UserError
@@ -99,6 +99,10 @@ def test_check_world(size, local, hybrid, problem):
     assert (problems[0][1] if problems else None) == problem or problem in problems[0][1]
 
 
+def _record(world_size: int, global_batch: int | None) -> Record:
+    return Record(step=1, world_size=world_size, config_hash="x", global_batch=global_batch)
+
+
 @pytest.mark.parametrize("saved_world, saved_batch, world, per_device, accumulation, expected", [
     (2, 8, 2, 2, 2, 2),  # same world: unchanged
     (2, 8, 4, 2, 2, 1),  # more ranks: less accumulation
@@ -108,7 +112,7 @@ def test_keep_global_batch_adapts_the_accumulation(tmp_path, saved_world, saved_
                                                    accumulation, expected):
     config = _config(tmp_path, train={"per_device_batch_size": per_device,
                                       "gradient_accumulation_steps": accumulation})
-    kept, note = keep_global_batch({"world_size": saved_world, "global_batch": saved_batch}, config, world, Path("c"))
+    kept, note = keep_global_batch(_record(saved_world, saved_batch), config, world, Path("c"))
     assert kept.train.gradient_accumulation_steps == expected
     assert (note is None) == (expected == accumulation)
     assert kept.train.per_device_batch_size * expected * world == saved_batch
@@ -117,11 +121,11 @@ def test_keep_global_batch_adapts_the_accumulation(tmp_path, saved_world, saved_
 def test_keep_global_batch_refuses_what_no_accumulation_keeps(tmp_path):
     with pytest.raises(UserError, match="set one of: per_device_batch_size 1 with gradient_accumulation_steps 3; "
                                         "per_device_batch_size 3 with gradient_accumulation_steps 1"):
-        keep_global_batch({"world_size": 3, "global_batch": 3}, _config(tmp_path), 1, Path("c"))
+        keep_global_batch(_record(3, 3), _config(tmp_path), 1, Path("c"))
     with pytest.raises(UserError, match="supported with fsdp.version 2 only"):
-        keep_global_batch({"world_size": 2, "global_batch": 4}, _config(tmp_path, fsdp={"version": 1}), 1, Path("c"))
+        keep_global_batch(_record(2, 4), _config(tmp_path, fsdp={"version": 1}), 1, Path("c"))
     with pytest.raises(UserError, match="does not record its global batch"):
-        keep_global_batch({"world_size": 2}, _config(tmp_path), 1, Path("c"))
+        keep_global_batch(_record(2, None), _config(tmp_path), 1, Path("c"))
 
 
 def test_plan_estimate_shards_params_grads_and_optimizer_state():

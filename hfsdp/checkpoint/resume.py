@@ -1,4 +1,15 @@
-"""Resuming on another number of processes: what must stay the same, and what hfsdp adapts.
+"""``--resume`` as one object, :class:`Resume`, through its three phases in run order, and the record a checkpoint
+keeps for it (:class:`Record`, ``hfsdp_checkpoint.json``, written by :meth:`Record.of_run` at every save):
+
+1. before anything loads (:meth:`Resume.decide`, asked by ``hfsdp.run.setup.decide``): the checkpoint found, the
+   config and the world checked against its record, the config made effective (FSDP kept to read an FSDP
+   checkpoint on one process; the accumulation that keeps its global batch on another world size);
+2. once the data is read, still before any weight loads (:meth:`Resume.check_data`): the schedule's length and the
+   training rows are the checkpoint's;
+3. once everything a checkpoint holds is built (:func:`restore`): incomplete saves removed, the checkpoint loaded,
+   and the optimizer state proved to be the one that was saved.
+
+Resuming on another number of processes: what must stay the same, and what hfsdp adapts.
 
 A step's data depends only on (seed, step, global batch) (``batches.BatchPlan``), and model and optimizer state are
 resharded on load (torch DCP for SHARDED_STATE_DICT, a broadcast of the full tensors for FULL_STATE_DICT). So a
@@ -10,6 +21,7 @@ loop come from (seed, step, rank) at the start of every step (:func:`seed_step`)
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +33,7 @@ from hfsdp.errors import UserError
 
 if TYPE_CHECKING:
     from hfsdp.hooks.host import PluginHost
+    from hfsdp.parallel.world import World
 
 # Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
 RESUMABLE_CHANGES = (
@@ -36,16 +49,120 @@ RESUMABLE_CHANGES = (
 BATCH_KEYS = ("train.per_device_batch_size", "train.gradient_accumulation_steps")
 
 
+@dataclass(frozen=True)
+class Record:
+    """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks and the
+    versions that wrote it. A record written by an older hfsdp lacks the later fields (None): a resume does not
+    check what it lacks."""
+
+    step: int
+    world_size: int
+    config_hash: str  # run_fingerprint: the config but for what may change on resume
+    global_batch: int | None = None  # per-device batch x accumulation x ranks
+    max_steps: int | None = None  # the schedule's length
+    train_rows: int | None = None  # the training data (data.batches.identity)
+    train_fingerprint: str | None = None
+    optimizer: list[dict[str, Any]] | None = None  # optimizer_digest
+    state_dict_type: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    plugins: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> "Record":
+        """The record of the complete checkpoint at ``path`` (a UserError for a folder whose save never completed
+        or a damaged record)."""
+        data = checkpoint.read_record(path)
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{key: value for key, value in data.items() if key in known})
+        except TypeError as err:
+            raise UserError(f"{path / checkpoint.RECORD} is damaged ({err}); resume from or export another "
+                            "checkpoint") from None
+
+    @classmethod
+    def of_run(cls, config: HfsdpConfig, step: int, world_size: int, plugins: "PluginHost",
+               identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> "Record":
+        """The record of this run's checkpoint of ``step``. ``identity``: the run's schedule length and training
+        data (``max_steps``, ``train_rows``, ``train_fingerprint``); ``optimizer``: :func:`optimizer_digest`."""
+        from importlib.metadata import version
+
+        import torch
+
+        return cls(step=step, world_size=world_size, config_hash=run_fingerprint(config),
+                   global_batch=global_batch(config, world_size), optimizer=optimizer,
+                   state_dict_type=config.fsdp.state_dict_type,
+                   versions={"hfsdp": __version__, "torch": torch.__version__, "accelerate": version("accelerate"),
+                             "transformers": version("transformers")},
+                   plugins={p.name: p.version for p in plugins.plugins}, **identity)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The complete checkpoint a ``--resume`` continues from, and its record."""
+
+    path: Path
+    record: Record
+
+    @staticmethod
+    def decide(config: HfsdpConfig, world: "World", resume: str) -> tuple["Resume | None", HfsdpConfig, list[str]]:
+        """Phase 1, before anything loads: the checkpoint ``resume`` names ("latest": the newest complete one in
+        ``train.output_dir``; None when there is none yet), checked against ``config`` on ``world``, and the config
+        made effective for it, with a note for each change:
+
+        * one process resuming a checkpoint that FSDP saved keeps FSDP (``fsdp.single_process: fsdp``): only FSDP
+          reads FSDP's checkpoint layouts;
+        * a checkpoint of another world size resumes with the accumulation that keeps its global batch.
+
+        A UserError for a checkpoint this run cannot continue."""
+        from hfsdp.rules.wrapping import FSDP_WRAPPERS, wrapper
+
+        path = find_resume_checkpoint(Path(config.train.output_dir), resume)
+        if path is None:
+            return None, config, []
+        by_fsdp = checkpoint.saved_by_fsdp(path)
+        if world.size == 1 and by_fsdp and config.fsdp.single_process == "auto":
+            config = config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
+        record = Record.read(path)
+        config, note = keep_global_batch(record, config, world.size, path)
+        if wrapper(config.fsdp, world.size) in FSDP_WRAPPERS and not by_fsdp:
+            raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or DDP) "
+                            "saved it; resume it on one process, or start runs that must resume on other world "
+                            "sizes with fsdp.single_process: fsdp")
+        check_resume_config(record, config, path)
+        return Resume(path, record), config, [note] if note else []
+
+    def check_data(self, identity: dict[str, Any], lr_scheduler: str) -> None:
+        """Phase 2, once the data is read (still before any weight loads): the checkpoint continues this run's
+        schedule on its data. ``identity``: this run's schedule length and training data, as :class:`Record` keeps
+        them (what an older record lacks is not checked)."""
+        record, problems = self.record, []
+        saved_steps = record.max_steps if record.max_steps is not None else identity["max_steps"]
+        if saved_steps != identity["max_steps"] and lr_scheduler != "constant":
+            problems.append(f"its {lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
+                            f"{identity['max_steps']} (train.max_steps/train.epochs changed), so the learning rate "
+                            "would jump: resume with the run's length, or use lr_scheduler: constant to extend a run")
+        if any(getattr(record, key) is not None and getattr(record, key) != identity[key]
+               for key in ("train_rows", "train_fingerprint")):
+            problems.append(f"it was trained on other data ({record.train_rows} rows, fingerprint "
+                            f"{record.train_fingerprint}; this run's data: {identity['train_rows']} rows, "
+                            f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
+        if problems:
+            raise UserError(f"cannot resume from {self.path}: " + "; ".join(problems))
+
+
 def global_batch(config: HfsdpConfig, world_size: int) -> int:
     return config.train.per_device_batch_size * config.train.gradient_accumulation_steps * world_size
 
 
-def keep_global_batch(record: dict[str, Any], config: HfsdpConfig, world_size: int,
+def keep_global_batch(record: Record, config: HfsdpConfig, world_size: int,
                       path: Path) -> tuple[HfsdpConfig, str | None]:
     """``config`` unchanged, or with the accumulation that keeps the checkpoint's global batch on ``world_size``
     ranks (and a note saying so); a UserError when no accumulation does."""
-    saved_world = record["world_size"]
-    saved = record.get("global_batch")
+    saved_world = record.world_size
+    saved = record.global_batch
     if saved is None:  # written before hfsdp recorded it
         if saved_world != world_size:
             raise UserError(f"cannot resume from {path}: it was saved on {saved_world} rank(s), this run has "
@@ -89,36 +206,19 @@ def run_fingerprint(config: HfsdpConfig) -> str:
     return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS)
 
 
-def check_resume_config(record: dict[str, Any], config: HfsdpConfig, path: Path) -> None:
+def check_resume_config(record: Record, config: HfsdpConfig, path: Path) -> None:
     """The checkpoint at ``path`` was saved by a run of this config, but for the keys that may change on resume."""
-    if record["config_hash"] != run_fingerprint(config):
+    if record.config_hash != run_fingerprint(config):
         raise UserError(f"cannot resume from {path}: the config changed in keys that change the run (model, data, "
                         f"optimizer, fsdp, batch); only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
 
 
-def check_resume_record(record: dict[str, Any], path: Path, identity: dict[str, Any], lr_scheduler: str) -> None:
-    """The checkpoint continues this run's schedule on its data, once the data is read (still before any weight
-    loads). ``identity``: this run's schedule length and training data (:func:`batches.identity`), as the record keeps
-    them (records written before they were recorded are not checked for them)."""
-    problems = []
-    saved_steps = record.get("max_steps", identity["max_steps"])
-    if saved_steps != identity["max_steps"] and lr_scheduler != "constant":
-        problems.append(f"its {lr_scheduler} LR schedule runs over {saved_steps} steps, this run's over "
-                        f"{identity['max_steps']} (train.max_steps/train.epochs changed), so the learning rate would "
-                        "jump: resume with the run's length, or use lr_scheduler: constant to extend a run")
-    if any(key in record and record[key] != identity[key] for key in ("train_rows", "train_fingerprint")):
-        problems.append(f"it was trained on other data ({record.get('train_rows')} rows, fingerprint "
-                        f"{record.get('train_fingerprint')}; this run's data: {identity['train_rows']} rows, "
-                        f"fingerprint {identity['train_fingerprint']}): resume with the data the run started on")
-    if problems:
-        raise UserError(f"cannot resume from {path}: " + "; ".join(problems))
-
-
-def restore(accelerator, optimizer, point, config: HfsdpConfig, checkpoints: Path, state, world) -> None:
-    """``--resume``, once everything a checkpoint holds is built and registered: remove the saves a stopped run left
-    incomplete, then load the checkpoint of ``point`` (a ``RunSetup.resume``, checked before anything loaded;
-    ``state.step`` tells where) and prove that the optimizer state it restored is the one that was saved
-    (:func:`check_optimizer_state`)."""
+def restore(accelerator, optimizer, point: Resume | None, config: HfsdpConfig, checkpoints: Path, state,
+            world) -> None:
+    """Phase 3 of ``--resume``, once everything a checkpoint holds is built and registered: remove the saves a
+    stopped run left incomplete, then load the checkpoint of ``point`` (``RunSetup.resume``, checked before anything
+    loaded; None: no complete checkpoint yet, the run starts from step 0; ``state.step`` tells where) and prove that
+    the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
     say = accelerator.print
     if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
         for stale in checkpoint.remove_incomplete(checkpoints):
@@ -175,12 +275,12 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
     return digest
 
 
-def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]], path: Path) -> None:
+def check_optimizer_state(record: Record, restored: list[dict[str, Any]], path: Path) -> None:
     """Refuse to train on an optimizer state that is not the one the checkpoint saved (records written before hfsdp
     recorded it are not checked): a silent divergence after resume is worse than a stop."""
     import math
 
-    saved = record.get("optimizer")
+    saved = record.optimizer
     if saved is None:
         return
     problems = []
@@ -200,30 +300,6 @@ def check_optimizer_state(record: dict[str, Any], restored: list[dict[str, Any]]
                         + "; ".join(problems[:4]) + (f"; {len(problems) - 4} more" if len(problems) > 4 else "")
                         + "): training from it would silently diverge, so hfsdp stops. Resume with the torch and "
                         "Accelerate versions that wrote it (hfsdp_checkpoint.json 'versions'), or report it")
-
-
-def checkpoint_record(config: HfsdpConfig, step: int, world_size: int, plugins: PluginHost,
-                      identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a checkpoint records of its run (``hfsdp_checkpoint.json``, written last): what a resume checks
-    (:func:`check_resume_config`, :func:`check_resume_record`, :func:`keep_global_batch`,
-    :func:`check_optimizer_state`) and the versions that wrote it. ``identity``: the run's schedule length and
-    training data; ``optimizer``: :func:`optimizer_digest`."""
-    from importlib.metadata import version
-
-    import torch
-
-    return {
-        "step": step,
-        "world_size": world_size,
-        "config_hash": run_fingerprint(config),
-        "global_batch": global_batch(config, world_size),
-        "versions": {"hfsdp": __version__, "torch": torch.__version__, "accelerate": version("accelerate"),
-                     "transformers": version("transformers")},
-        "plugins": {p.name: p.version for p in plugins.plugins},
-        "state_dict_type": config.fsdp.state_dict_type,
-        **identity,
-        "optimizer": optimizer,
-    }
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:

@@ -231,7 +231,7 @@ def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
         say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
     identity = {"max_steps": max_steps, **batches.identity(train_set)}
     if setup.resume:
-        resume.check_resume_record(setup.resume.record, setup.resume.path, identity, config.train.lr_scheduler)
+        setup.resume.check_data(identity, config.train.lr_scheduler)
     return plan, max_steps, identity
 
 
@@ -288,9 +288,9 @@ def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
     accelerator = run.accelerator
-    record = resume.checkpoint_record(run.config, run.state.step, accelerator.num_processes, run.plugins,
-                                      run.resume_identity,
-                                      resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world))
+    record = resume.Record.of_run(run.config, run.state.step, accelerator.num_processes, run.plugins,
+                                  run.resume_identity,
+                                  resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world)).to_json()
     with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous
         saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
                                       run.model_files, yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))

@@ -8,11 +8,10 @@ the checkpoint to resume show is found here and reported at once: nothing has be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
+from hfsdp.checkpoint.resume import Resume
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.errors import ConfigError, UserError
+from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
 from hfsdp.rules.attention import attention_problems
 from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, rehearsal_problems, wrapper
@@ -20,20 +19,10 @@ from hfsdp.run.optimizers import wrapper_problems
 
 
 @dataclass(frozen=True)
-class ResumePoint:
-    """The complete checkpoint a ``--resume`` continues from and its record (``hfsdp_checkpoint.json``), already
-    checked against the run's config (its data and schedule are checked once the data is read:
-    ``resume.check_resume_record``)."""
-
-    path: Path
-    record: dict[str, Any]
-
-
-@dataclass(frozen=True)
 class RunSetup:
     config: HfsdpConfig  # the effective config: what this run trains with (see decide)
     world: World
-    resume: ResumePoint | None  # None: from step 0 (no --resume, or no complete checkpoint yet)
+    resume: Resume | None  # None: from step 0 (no --resume, or no complete checkpoint yet)
     resume_asked: bool = False  # --resume was given
     notes: tuple[str, ...] = ()  # what decide changed in the config and why, for the console
 
@@ -56,17 +45,11 @@ def one_process(config: HfsdpConfig) -> RunSetup:
 
 def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = "config") -> RunSetup:
     """The run ``config`` makes on ``world`` (what the launcher started), resuming from ``resume`` ("latest", a
-    checkpoint folder, or None). The config is made effective here, each change said in ``notes``:
-
-    * one process resuming a checkpoint that FSDP saved keeps FSDP (``fsdp.single_process: fsdp``): only FSDP reads
-      FSDP's checkpoint layouts;
-    * a checkpoint of another world size resumes with the accumulation that keeps its global batch.
+    checkpoint folder, or None). The config is made effective here, each change said in ``notes``, by the resume's
+    first phase (:meth:`hfsdp.checkpoint.resume.Resume.decide`).
 
     Raises ConfigError with every config problem of this world at once, then UserError for a checkpoint that
     cannot resume here."""
-    from hfsdp.checkpoint import store as checkpoint
-    from hfsdp.checkpoint import resume as resuming
-
     problems = (check_world(config.fsdp, world.size, world.local_size) + attention_problems(config, world.on_cpu)
                 + wrapper_problems(config, wrapper(config.fsdp, world.size)))
     if world.on_cpu:
@@ -75,20 +58,7 @@ def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = 
         raise ConfigError(problems, source=source)
     point, notes = None, []
     if resume:
-        path = resuming.find_resume_checkpoint(Path(config.train.output_dir), resume)
-        if path is not None:
-            by_fsdp = checkpoint.saved_by_fsdp(path)
-            if world.size == 1 and by_fsdp and config.fsdp.single_process == "auto":
-                config = config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
-            record = checkpoint.read_record(path)
-            config, note = resuming.keep_global_batch(record, config, world.size, path)
-            notes += [note] if note else []
-            if wrapper(config.fsdp, world.size) in FSDP_WRAPPERS and not by_fsdp:
-                raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or DDP) "
-                                "saved it; resume it on one process, or start runs that must resume on other world "
-                                "sizes with fsdp.single_process: fsdp")
-            resuming.check_resume_config(record, config, path)
-            point = ResumePoint(path, record)
+        point, config, notes = Resume.decide(config, world, resume)
     setup = RunSetup(config=config, world=world, resume=point, resume_asked=bool(resume), notes=tuple(notes))
     if config.train.async_save and setup.wrapper == "none" and not config.fsdp.runs_as_ddp:
         raise ConfigError([("train.async_save", "one process runs the model without FSDP (fsdp.single_process: "
