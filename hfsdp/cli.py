@@ -244,7 +244,8 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
 @click.option("--merge-lora", is_flag=True,
-              help="LoRA runs: write merged full weights instead of the adapter (same as --set lora.merge=true).")
+              help="Runs that trained adapters (LoRA): write full weights with the adapters merged in instead of "
+                   "the adapters alone (same as --set lora.merge=true).")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export streams one tensor at a "
                    "time into the files, so its memory does not depend on this.")
@@ -260,9 +261,9 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
     from hfsdp.export.hf_folder import parse_size
     from hfsdp.export.pipeline import export_checkpoint
 
-    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides) + (["lora.merge=true"] if merge_lora else []),
+    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite, cache_dir=_cache_dir())
+                                overwrite=overwrite, cache_dir=_cache_dir(), merge_adapters=merge_lora)
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 

@@ -39,6 +39,21 @@ def test_the_config_and_rules_packages_import_no_torch():
     assert len(modules) > 6 and proc.stdout.strip() == "[]", (modules, proc.stdout)
 
 
+def test_bench_decides_its_runs_without_torch(tmp_path):
+    """``hfsdp bench`` launches each run in its own processes; deciding which runs to make (what one process runs
+    under each strategy, train's own rule) imports neither torch nor transformers in the launching process."""
+    script = ("import sys\nfrom pathlib import Path\nfrom hfsdp.tools import bench\n"
+              "opts = bench.BenchOptions(config='tiny', strategies=['FULL_SHARD', 'NO_SHARD'], nprocs=[1, 2], steps=2,"
+              " out=Path(sys.argv[1]), overrides=[])\nprint(bench._probe_plugin(), bench._runs(opts))\n"
+              "print([m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=base_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs, heavy = proc.stdout.splitlines()
+    assert runs == "bench_probe [(1, 'FULL_SHARD', True), (2, 'FULL_SHARD', False), (2, 'NO_SHARD', False)]"
+    assert heavy == "[]"
+
+
 def _module_of(path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 

@@ -120,6 +120,24 @@ def tokenize_chat(batch, tokenizer, data_config):
     return {"input_ids": ids, "labels": labels}
 
 
+def generation_prompt(row, data_config, tokenizer) -> tuple[str, str, str]:
+    """Generation eval of a conversation: the conversation before its last assistant turn (chat template, generation
+    prompt), the turn before that answer shown, and the answer."""
+    messages = conversation(row[messages_field(data_config, list(row))], data_config)
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers:
+        raise RowError("has no assistant turn to compare with; give every eval conversation an assistant answer, or "
+                       "remove the generation_eval section")
+    last = answers[-1]
+    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    return text, messages[last - 1]["content"] if last else "", messages[last]["content"]
+
+
 @hookimpl
 def hfsdp_dataset_formats():
     return {"chat": tokenize_chat}
+
+
+@hookimpl
+def hfsdp_generation_prompts():
+    return {"chat": generation_prompt}

@@ -17,6 +17,7 @@ from hfsdp.config.data_paths import DATA_SUFFIXES, data_path_problems, is_glob
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.config.validate import cross_section_problems, validate_config
 from hfsdp.errors import ConfigError, InvalidSectionRead
+from hfsdp.rules import quantization
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -182,13 +183,19 @@ def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
             problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
                                             "[dpo], [orpo] or [simpo]), or use data.format: chat or instruction for supervised "
                                             "fine-tuning"))
+        generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
+        if config.generation_eval is not None and generated not in host.generation_prompts():
+            splits = sorted(host.generation_prompts())
+            problems.append(("generation_eval", f"needs data.format {' or '.join(splits)} (rows with a prompt and a "
+                                                f"reference answer), not '{generated}': remove the section"))
         if any(name == "prompt" for _, name in named) and not host.implementers("hfsdp_objective"):
             problems.append(("data.format", "prompt rows (without answers) train an objective that generates the "
                                             "completions: enable one (plugins: [grpo]), or use data.format: chat or "
                                             "instruction for supervised fine-tuning"))
         return problems
 
-    checks = [format_problems, lambda: cross_section_problems(config)]
+    checks = [format_problems, lambda: cross_section_problems(config),
+              lambda: quantization.adapter_problems(config, host.trains_adapters(config))]
     if check_data:
         checks.append(lambda: data_path_problems(config.data, host.data_readers()))
     for check in checks:

@@ -438,8 +438,6 @@ class GenerationEvalConfig(Section):
     show: int = Field(2, ge=0, description="examples printed before/after.")
 
 
-# The formats whose rows generation_eval can split into a prompt and a reference answer.
-GENERATION_FORMATS = ("chat", "instruction")
 
 
 class HfsdpConfig(Section):

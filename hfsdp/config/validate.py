@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from hfsdp.config.schema import CORE_SECTIONS, GENERATION_FORMATS, HfsdpConfig, MixedPrecisionParts
+from hfsdp.config.schema import CORE_SECTIONS, HfsdpConfig, MixedPrecisionParts
 from hfsdp.errors import InvalidSectionRead
 from hfsdp.hooks import host as plugin_host
 from hfsdp.rules import quantization
@@ -166,8 +166,4 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "
                                              "train.async_save"))
     problems += quantization.problems(config) + optimizers.problems(config)
-    generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
-    if config.generation_eval is not None and generated not in GENERATION_FORMATS:
-        problems.append(("generation_eval", f"needs data.format {' or '.join(GENERATION_FORMATS)} (rows with a prompt "
-                                            f"and a reference answer), not '{generated}': remove the section"))
     return problems

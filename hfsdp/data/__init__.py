@@ -1,3 +1,3 @@
 """Data: raw rows to tokenized datasets through the format hooks (:mod:`~hfsdp.data.prepare`), the per-node
-preprocessing cache (:mod:`~hfsdp.data.cache`), mixtures, the batch plan and collation (:mod:`~hfsdp.data.batches`),
-and prompt rendering (:mod:`~hfsdp.data.prompts`)."""
+preprocessing cache (:mod:`~hfsdp.data.cache`), and mixtures, the batch plan and collation
+(:mod:`~hfsdp.data.batches`)."""

@@ -30,17 +30,24 @@ if TYPE_CHECKING:
 
 def write_export(host: PluginHost, out_dir: Path, weights: Mapping[str, Any], *, config: "HfsdpConfig",
                  model_config, tokenizer, generation_config, model_files: ModelFiles, overwrite: bool,
-                 source: Path | None = None, max_shard_bytes: int | None = None) -> None:
+                 source: Path | None = None, max_shard_bytes: int | None = None, merge_adapters: bool = False) -> None:
     """``weights`` into ``out_dir`` through the ``hfsdp_export`` hook, written into a temporary folder beside it and
     renamed into place when complete (:func:`hfsdp.export.staging.staged_export`)."""
     with staged_export(out_dir, overwrite=overwrite, source=source) as tmp:
         host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp,
                     destination=out_dir, generation_config=generation_config, config=config, model_files=model_files,
-                    max_shard_bytes=max_shard_bytes)
+                    max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters)
+
+
+def merges(config: "HfsdpConfig", merge_adapters: bool) -> bool:
+    """The export merges adapters into the base: asked for (``--merge-lora``), or by a plugin section's own
+    ``merge: true`` (the ``hfsdp_export`` convention)."""
+    return merge_adapters or any(getattr(section, "merge", False) is True for section in config.plugin_config.values())
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
-                      max_shard_bytes: int | None = None, overwrite: bool = False, cache_dir: Path | None = None) -> Path:
+                      max_shard_bytes: int | None = None, overwrite: bool = False, cache_dir: Path | None = None,
+                      merge_adapters: bool = False) -> Path:
     """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
     or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
@@ -49,8 +56,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
     quant = quantization.settings(config)
-    merge = getattr(config.section("lora"), "merge", False)
-    if quant is not None and merge:
+    if quant is not None and merges(config, merge_adapters):
         problem = quantized.base_not_in_cache(config.model.name_or_path)
         if problem:
             raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
@@ -75,7 +81,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
     write_export(host, out_dir, weights, config=config, model_config=model_config, tokenizer=tokenizer,
                  generation_config=generation_config, model_files=ModelFiles.in_folder(model_dir), overwrite=overwrite,
-                 source=checkpoint_dir, max_shard_bytes=max_shard_bytes)
+                 source=checkpoint_dir, max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters)
     return out_dir
 
 

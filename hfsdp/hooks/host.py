@@ -260,6 +260,22 @@ class PluginHost:
                 formats[name] = (plugin, fn)
         return formats
 
+    def trains_adapters(self, config: Any) -> bool:
+        """An enabled plugin trains adapters on a frozen base (hook ``hfsdp_trains_adapters``)."""
+        return any(result for _, result in self.call("hfsdp_trains_adapters", config=config))
+
+    def generation_prompts(self) -> dict[str, tuple[str, Callable[..., Any]]]:
+        """Format name -> (plugin, split) for generation eval (hook ``hfsdp_generation_prompts``)."""
+        splits: dict[str, tuple[str, Callable[..., Any]]] = {}
+        for plugin, registered in self.call("hfsdp_generation_prompts"):
+            for name, fn in registered.items():
+                if name in splits:
+                    raise ConfigError([("generation_eval", f"format '{name}' is split for generation eval by two "
+                                                           f"plugins: '{splits[name][0]}' and '{plugin}'; disable "
+                                                           "one of them")])
+                splits[name] = (plugin, fn)
+        return splits
+
     def tokenize_function(self, config: Any, name: str | None = None) -> tuple[str, Callable[..., Any]]:
         """(plugin, tokenize) of the format ``name`` (default ``data.format``), given its plugin's section if it
         takes ``section``."""

@@ -70,6 +70,20 @@ def hfsdp_dataset_formats():
 
 
 @hookspec
+def hfsdp_generation_prompts():
+    """Register how generation eval (the ``generation_eval`` section) splits a format's rows: return
+    ``{format_name: split}`` or None.
+
+    ``split(row, data_config, tokenizer) -> (prompt, shown, reference)`` receives one raw eval row and returns the
+    text the model continues (its chat template applied, with the generation prompt), a short prompt to print, and
+    the reference answer that greedy generation is compared with (exact match, whitespace normalised). Raise
+    :class:`hfsdp.errors.RowError` when a row has no answer to compare with; hfsdp adds the row's number. A format
+    without a split cannot be evaluated by generation (a config error names the formats that can). Called in every
+    process while the config is validated and before any weight loads.
+    """
+
+
+@hookspec
 def hfsdp_transform_dataset(dataset, config, tokenizer):
     """Chained: transform the tokenized ``datasets.DatasetDict`` (``train`` and maybe ``eval``).
 
@@ -80,6 +94,14 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
     preprocessing cache misses, on the first process of each node (the other ranks read its cached result), so it
     must depend on nothing but its arguments. With several ``data.datasets`` sources it runs once per source (that
     source's ``train`` rows, and its ``eval`` rows if it has some), so that every training row stays one source's.
+    """
+
+
+@hookspec
+def hfsdp_trains_adapters(config):
+    """Say whether this plugin, as ``config`` configures it, trains adapters on a frozen base model (LoRA does):
+    return True, or None. A 4-bit base (``model.quantization``) has no gradients of its own, so a config that
+    quantizes it is refused unless an enabled plugin says it trains adapters. Called while the config is validated.
     """
 
 
@@ -110,7 +132,8 @@ def hfsdp_modify_model(model, config, tokenizer, world, setup):
 
 
 @hookspec
-def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, model_files, max_shard_bytes):
+def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, model_files, max_shard_bytes,
+                 merge_adapters):
     """Write consolidated weights. The first plugin that returns a truthy value handles the export.
 
     ``state_dict`` maps names to full CPU tensors (as ``model.state_dict()`` of the unwrapped model would),
@@ -122,8 +145,10 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     architecture's tensor shapes; in ``hfsdp export`` it copies the checkpoint's files, and ``model_config``,
     ``tokenizer`` and ``generation_config`` are only loaded (with transformers) if an implementation asks for them.
     ``max_shard_bytes``: the most bytes one weights file may hold (``hfsdp export --max-shard-size``), or None for
-    the default; pass it to ``write_hf_folder``. Runs on the main process only. Add files to someone else's export
-    in ``hfsdp_on_export``. The built-in implementation writes a Hugging Face folder with
+    the default; pass it to ``write_hf_folder``. ``merge_adapters``: the user asked for full weights with any
+    adapters merged in (``hfsdp export --merge-lora``) instead of the adapters alone; a plugin section's own ``merge:
+    true`` asks the same (a QLoRA base is then loaded again to dequantize it). Runs on the main process only. Add
+    files to someone else's export in ``hfsdp_on_export``. The built-in implementation writes a Hugging Face folder with
     safetensors shards and runs last.
     """
 

@@ -73,10 +73,6 @@ def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
         return []
     out = []
     where = "model.quantization"
-    if "lora" not in config.plugins:
-        out.append((where, "a 4-bit base cannot be trained in full (its packed weights have no gradients): enable "
-                           "the lora plugin (`plugins: [lora]`) to train adapters on it (QLoRA), or remove "
-                           "model.quantization"))
     if not _installed("bitsandbytes"):
         out.append((where, f"needs bitsandbytes, which is not installed: pip install '{BITSANDBYTES}' "
                            "(or pip install 'hfsdp[qlora]')"))
@@ -95,6 +91,16 @@ def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                     "every rank quantizes the base as it loads it (host memory: the 4-bit model, not the full one); "
                     "rank 0's 4-bit weights cannot be broadcast into empty ones: remove cpu_ram_efficient_loading"))
     return out
+
+
+def adapter_problems(config: "HfsdpConfig", trains_adapters: bool) -> list[tuple[str, str]]:
+    """A 4-bit base trains only through adapters: ``trains_adapters`` says whether an enabled plugin trains them
+    (hook ``hfsdp_trains_adapters``)."""
+    if config.model.quantization is None or trains_adapters:
+        return []
+    return [("model.quantization", "a 4-bit base cannot be trained in full (its packed weights have no gradients): "
+                                   "enable a plugin that trains adapters on it, such as lora (`plugins: [lora]`: "
+                                   "QLoRA), or remove model.quantization")]
 
 
 def _installed(module: str) -> bool:

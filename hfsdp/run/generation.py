@@ -1,6 +1,7 @@
 """Generation eval: greedy answers to held-out prompts, exact-match accuracy against the references.
 
-Works for the chat format (prompt = the conversation before its last assistant turn) and the instruction format.
+The format's plugin splits each eval row into a prompt and its reference answer (hook ``hfsdp_generation_prompts``:
+the built-in chat and instruction formats register theirs).
 Every rank generates the same prompts: under FSDP each forward is a collective, so ranks must stay in lockstep,
 and identical inputs make identical stopping decisions.
 """
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfsdp.data.prompts import render_prompt
-from hfsdp.errors import UserError
+from hfsdp.errors import RowError, UserError
 
 
 @dataclass
@@ -22,25 +22,15 @@ class GenerationResult:
     examples: list[tuple[str, str, str]]  # (prompt shown, reference, generated)
 
 
-def prompts_and_references(raw_eval, data_config, tokenizer, limit: int) -> list[tuple[str, str, str]]:
-    """(model input text, short prompt for display, reference answer) for the first ``limit`` eval rows."""
+def prompts_and_references(raw_eval, data_config, tokenizer, limit: int, split) -> list[tuple[str, str, str]]:
+    """(model input text, short prompt for display, reference answer) for the first ``limit`` eval rows, each split
+    by ``split`` (the format plugin's, hook ``hfsdp_generation_prompts``)."""
     rows = []
     for index, row in enumerate(raw_eval.select(range(min(limit, len(raw_eval))))):
-        if data_config.format == "chat":
-            from hfsdp.builtin.chat import conversation, messages_field
-
-            messages = conversation(row[messages_field(data_config, list(row))], data_config)
-            answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            if not answers:
-                raise UserError(f"generation_eval: eval row {index} has no assistant turn to compare with; give every "
-                                "eval conversation an assistant answer, or remove the generation_eval section")
-            last = answers[-1]
-            text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
-            shown = messages[last - 1]["content"] if last else ""
-            rows.append((text, shown, messages[last]["content"]))
-        else:
-            text = render_prompt(row["instruction"], row.get("input"))
-            rows.append((text, row["instruction"] + (f"\n{row['input']}" if row.get("input") else ""), row["output"]))
+        try:
+            rows.append(tuple(split(row, data_config, tokenizer)))
+        except RowError as err:
+            raise UserError(f"generation_eval: eval row {index} {err}") from None
     return rows
 
 

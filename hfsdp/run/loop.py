@@ -250,8 +250,10 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
     accelerator.print(data.format_data_report(report))
     gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
     if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
-        gen_items = generation.prompts_and_references(raw_eval, config.data.sources()[0], tokenizer,
-                                                      config.generation_eval.num_samples)
+        source = config.data.sources()[0]
+        _, split = host.generation_prompts()[source.format]
+        gen_items = generation.prompts_and_references(raw_eval, source, tokenizer, config.generation_eval.num_samples,
+                                                      split)
     return train_set, eval_set, gen_items, report
 
 

@@ -4,7 +4,7 @@ per-rank memory and throughput.
 Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
 CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
 output folder. This module only launches runs and reads those files (it asks ``hfsdp.rules.wrapping.wrapper`` what one
-process runs; it never imports transformers).
+process runs); its own process imports neither torch nor transformers (tests/test_architecture.py).
 
 One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
 strategy: those strategies are run once at one process, as the row ``none (1 process)``, the baseline of the
@@ -263,14 +263,11 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
             writer.writerow(["" if row.get(k) is None else row.get(k) for k, _, _ in COLUMNS])
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """bench.png; PlotUnavailable without matplotlib."""
+    from hfsdp.tools.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    plt = pyplot(str(path))
     labels = [f"{r['strategy']}\n{r['world_size']} proc" for r in rows]
     mem_kind = "GPU max allocated" if rows and rows[0]["memory_kind"] == "cuda_allocated" else "peak RSS"
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 2), 4.5))
@@ -290,7 +287,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
 def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
@@ -337,10 +333,13 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
                                                       "steps": opts.steps, "warmup": opts.warmup}, indent=2,
                                                      default=str))
     written = ["bench.md", "bench.csv", "bench.json"]
-    if plot(rows, opts.out / "bench.png"):
+    from hfsdp.tools.plots import PlotUnavailable
+
+    try:
+        plot(rows, opts.out / "bench.png")
         written.append("bench.png")
-    else:
-        echo("bench: matplotlib is not installed (pip install 'hfsdp[bench]'): no bench.png")
+    except PlotUnavailable as missing:
+        echo(f"bench: {missing}")
     echo(text_table(rows, opts.wide))
     echo(f"bench: wrote {opts.out}/{', '.join(written)}")
     return rows

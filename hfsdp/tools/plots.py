@@ -18,6 +18,19 @@ class PlotUnavailable(UserError):
     """matplotlib cannot be imported."""
 
 
+def pyplot(what: str):
+    """``matplotlib.pyplot`` on the Agg backend (files only), or PlotUnavailable naming ``what`` was not written:
+    the one guard of every hfsdp plot (``hfsdp plot``, the run's loss.png, ``plan --png``, bench.png)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable(f"{MISSING}: {what} not written") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """(step, value) per panel key, in file order, finite values only."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -41,12 +54,7 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     """Write one PNG with a panel per metric and a line per run; raises PlotUnavailable without matplotlib."""
     runs = {_label(d, run_dirs): read_series(d) for d in run_dirs}
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable(f"{MISSING}: {out} not written") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(str(out))
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for ax, (key, title) in zip(axes, PANELS):

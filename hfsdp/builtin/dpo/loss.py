@@ -90,10 +90,10 @@ class DPO(PreferenceObjective):
         else:
             values = self._compute(model, accelerator, split, name)
             if accelerator.is_main_process:
+                from hfsdp.checkpoint.durable import write_atomic
+
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{id(values)}")
-                tmp.write_text(json.dumps(values))
-                tmp.replace(path)
+                write_atomic(path, json.dumps(values))
             accelerator.wait_for_everyone()
         for column, column_values in zip(REFERENCE_COLUMNS, values):
             split = split.add_column(column, column_values)

@@ -292,11 +292,17 @@ class MergedWeights(Mapping):
 
 
 @hookimpl
-def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, max_shard_bytes):
+def hfsdp_trains_adapters():
+    return True
+
+
+@hookimpl
+def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config, config, max_shard_bytes,
+                 merge_adapters):
     from hfsdp.export.hf_folder import write_hf_folder
 
     section: LoraSection = config.section("lora")
-    if section.merge:
+    if section.merge or merge_adapters:
         write_hf_folder(MergedWeights(state_dict, section), model_config, tokenizer, Path(out_dir),
                         generation_config=generation_config, max_shard_bytes=max_shard_bytes)
     else:

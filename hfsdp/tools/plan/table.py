@@ -6,7 +6,6 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.errors import UserError
 from hfsdp.rules import quantization
 from hfsdp.tools.plan.estimate import Estimate
 from hfsdp.tools.plan.facts import ModelFacts
@@ -102,13 +101,9 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
 
 
 def plot(rows: list[Estimate], budget: int, path, title: str) -> None:
-    try:
-        import matplotlib
+    from hfsdp.tools.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--png needs matplotlib: pip install 'hfsdp[bench]'") from None
+    plt = pyplot(str(path))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for strategy in dict.fromkeys(e.setup.strategy for e in rows):
         points = [(e.setup.world, e.device_peak / GIB) for e in rows if e.setup.strategy == strategy and not e.problem]
