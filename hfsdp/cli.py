@@ -226,15 +226,15 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 
     cfg, host = load_config(config, overrides)
     if not no_rows:
-        from hfsdp.data import prepare as data
-        from hfsdp.model import loading as models  # torch and transformers
+        from hfsdp.data import prepare
+        from hfsdp.model import loading  # torch and transformers
 
-        tokenizer = models.tokenizer_of(cfg.model, _cache_dir())
+        tokenizer = loading.tokenizer_of(cfg.model, _cache_dir())
         if tokenizer is None:
             click.echo(f"data: rows not checked: the tokenizer of {cfg.model.name_or_path} is not available "
                        "offline", err=True)
         else:
-            click.echo(data.check_rows(cfg, host, tokenizer), err=True)
+            click.echo(prepare.check_rows(cfg, host, tokenizer), err=True)
     click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
-from hfsdp.checkpoint import store as checkpoint
+from hfsdp.checkpoint import store
 from hfsdp.checkpoint.safe_load import verify_checkpoint
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.errors import UserError
@@ -71,12 +71,12 @@ class Record:
     def read(cls, path: Path) -> "Record":
         """The record of the complete checkpoint at ``path`` (a UserError for a folder whose save never completed
         or a damaged record)."""
-        data = checkpoint.read_record(path)
+        data = store.read_record(path)
         known = {f.name for f in fields(cls)}
         try:
             return cls(**{key: value for key, value in data.items() if key in known})
         except TypeError as err:
-            raise UserError(f"{path / checkpoint.RECORD} is damaged ({err}); resume from or export another "
+            raise UserError(f"{path / store.RECORD} is damaged ({err}); resume from or export another "
                             "checkpoint") from None
 
     @classmethod
@@ -122,7 +122,7 @@ class Resume:
         path = find_resume_checkpoint(Path(config.train.output_dir), resume)
         if path is None:
             return None, config, []
-        by_fsdp = checkpoint.saved_by_fsdp(path)
+        by_fsdp = store.saved_by_fsdp(path)
         if world.size == 1 and by_fsdp and config.fsdp.single_process == "auto":
             config = config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
         record = Record.read(path)
@@ -195,9 +195,9 @@ def keep_global_batch(record: Record, config: HfsdpConfig, world_size: int,
 def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
     if resume != "latest":
         path = Path(resume)
-        checkpoint.read_record(path)  # refuses incomplete folders
+        store.read_record(path)  # refuses incomplete folders
         return path
-    return checkpoint.latest(output_dir / "checkpoints")
+    return store.latest(output_dir / "checkpoints")
 
 
 def run_fingerprint(config: HfsdpConfig) -> str:
@@ -221,7 +221,7 @@ def restore(accelerator, optimizer, point: Resume | None, config: HfsdpConfig, c
     the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
     say = accelerator.print
     if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
-        for stale in checkpoint.remove_incomplete(checkpoints):
+        for stale in store.remove_incomplete(checkpoints):
             say(f"removed {stale.name}, an incomplete checkpoint a stopped run left behind")
     if point is None:
         say(f"--resume: no complete checkpoint in {checkpoints}; starting from step 0")

@@ -80,11 +80,11 @@ def hook_reference() -> list[str]:
     """Every hook of ``hfsdp.hooks.specs``, in the order it declares them: signature and specification."""
     import inspect
 
-    from hfsdp.hooks import specs as hookspecs
+    from hfsdp.hooks import specs
     from hfsdp.hooks.host import CHAINED
 
     lines = []
-    for name, spec in vars(hookspecs).items():
+    for name, spec in vars(specs).items():
         if not (name.startswith("hfsdp_") and callable(spec)):
             continue
         chained = " (chained)" if name in CHAINED else ""

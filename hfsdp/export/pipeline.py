@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, TYPE_CHECKING
 
-from hfsdp.checkpoint import store as checkpoint
+from hfsdp.checkpoint import store
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.export.hf_folder import ModelFiles, model_metadata
@@ -51,9 +51,9 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
     or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
-    checkpoint.read_record(checkpoint_dir)  # refuses a folder whose save never completed
+    store.read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
-    config, host = load_config(str(checkpoint_dir / checkpoint.CONFIG_NAME), overrides, check_data=False)
+    config, host = load_config(str(checkpoint_dir / store.CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
     quant = quantization.settings(config)
     if quant is not None and merges(config, merge_adapters):
@@ -62,12 +62,12 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
             raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
 
     def base_layers() -> dict:  # the 4-bit base loaded again, quantized as the run loaded it
-        from hfsdp.model import loading as models
+        from hfsdp.model import loading
 
-        path = models.resolve_model_path(config.model.name_or_path, cache_dir)
-        return dict(quantized.quantized_linears(models.load_model(path, config.model, quant=quant)))
+        path = loading.resolve_model_path(config.model.name_or_path, cache_dir)
+        return dict(quantized.quantized_linears(loading.load_model(path, config.model, quant=quant)))
 
-    weights = quantized.exported_weights(checkpoint.CheckpointWeights(checkpoint_dir), config, base_layers,
+    weights = quantized.exported_weights(store.CheckpointWeights(checkpoint_dir), config, base_layers,
                                             check_bytes=True)
 
     def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from hfsdp.hooks import specs as hookspecs
+from hfsdp.hooks import specs
 from hfsdp.errors import ConfigError, InvalidSectionRead, PluginError, UserError
 
 ENTRY_POINT_GROUP = "hfsdp"
@@ -48,7 +48,7 @@ def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
     return ep.dist is not None and ep.dist.name == "hfsdp"
 
 
-_HOOK_NAMES = {name for name in dir(hookspecs) if name.startswith("hfsdp_")}
+_HOOK_NAMES = {name for name in dir(specs) if name.startswith("hfsdp_")}
 
 
 def _check_hook_names(info: PluginInfo) -> None:
@@ -92,7 +92,7 @@ def _load_dotted(path: str) -> PluginInfo:
     return PluginInfo(path, module, "path", getattr(module, "__version__", "?"))
 
 
-# Hooks whose implementations hand their result to the next one (see hookspecs): called in pluggy's order.
+# Hooks whose implementations hand their result to the next one (see hfsdp.hooks.specs): called in pluggy's order.
 CHAINED = ("hfsdp_transform_dataset", "hfsdp_modify_model")
 _PASSED_THROUGH = (UserError, PluginError, InvalidSectionRead)  # the user's to fix (exit 2), or already named
 
@@ -102,7 +102,7 @@ class PluginHost:
 
     def __init__(self, enabled: list[str]):
         self.pm = pluggy.PluginManager("hfsdp")
-        self.pm.add_hookspecs(hookspecs)
+        self.pm.add_hookspecs(specs)
         self._recording: list[list[tuple[str, Any]]] = []  # (plugin, result) of the calls in progress
         self._sections: dict[str, tuple[str, type]] | None = None
         available = discover()

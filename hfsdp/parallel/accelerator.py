@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hfsdp.model import loading as models
+from hfsdp.model import loading
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.parallel.world import process_group_backend
 from hfsdp.errors import UserError
@@ -133,7 +133,7 @@ def compile_blocks(model, config: HfsdpConfig) -> int:
     all one class, so dynamo compiles one graph per input variant and every block reuses it. The rest of the model
     (embedding, final norm, the output head with its chunked loss) runs eagerly."""
     cfg = config.train.compile
-    classes = set(models.layer_classes(config.fsdp, model.config))
+    classes = set(loading.layer_classes(config.fsdp, model.config))
     blocks = [m for m in model.modules() if type(m).__name__ in classes]
     if not blocks:
         raise UserError(f"train.compile: the model has no {', '.join(sorted(classes)) or 'transformer block'} "

@@ -12,7 +12,7 @@ import torch
 from hfsdp.checkpoint import storage
 from hfsdp.errors import UserError
 from hfsdp.export.staging import check_export_target
-from hfsdp.model import loading as models
+from hfsdp.model import loading
 from hfsdp.run.setup import RunSetup
 from hfsdp.run.state import Options
 
@@ -57,7 +57,7 @@ def _check_writable(folder: Path, what: str, fix: str) -> None:
         raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
 
 
-def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
+def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
     """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
     lock), the prepared output folder and its lock (main process), for a run whose checks
     :func:`hfsdp.run.setup.decide` made. The cache folder and the output folder are checked writable first."""
@@ -66,7 +66,7 @@ def prepare(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock 
     output_dir = Path(config.train.output_dir)
     lock = prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
     try:
-        model_path = models.resolve_model_path(config.model.name_or_path, opts.cache_dir)
+        model_path = loading.resolve_model_path(config.model.name_or_path, opts.cache_dir)
     except BaseException:
         if lock is not None:
             lock.release()

@@ -19,20 +19,20 @@ from typing import Any
 
 import yaml
 
-from hfsdp.checkpoint import resume, storage, store as checkpoint
+from hfsdp.checkpoint import resume, storage, store
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.data import batches, cache as data_cache, prepare as data
+from hfsdp.data import batches, cache, prepare
 from hfsdp.export.hf_folder import ModelFiles, model_metadata
 from hfsdp.export.pipeline import export_model
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import loading as models, quantized
+from hfsdp.model import loading, quantized
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.parallel.accelerator import build_accelerator, grad_scaler, prepare_model_and_optimizer
 from hfsdp.parallel.world import any_rank, per_rank
 from hfsdp.rules import quantization
 from hfsdp.run import generation, loss as losses, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
-from hfsdp.run.folder import prepare
+from hfsdp.run.folder import prepare_run
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.setup import RunSetup, one_process
 from hfsdp.run.startup import report_optimizer_state, report_startup
@@ -80,17 +80,17 @@ class PreemptionFlag:
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     # ---- set up: the run was decided and checked before anything loads (hfsdp.run.setup.decide)
     config, world = setup.config, setup.world
-    model_path, output_dir, lock = prepare(setup, opts)
+    model_path, output_dir, lock = prepare_run(setup, opts)
     from accelerate.utils import set_seed
 
     accelerator = None
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
-        model_config = models.load_model_config(model_path, config.model)
+        model_config = loading.load_model_config(model_path, config.model)
         checkpoint_bytes, export_bytes = storage.estimate(  # before any weight loads
-            models.build_meta_model(model_config, one_process(config), host, config.model.dtype))
+            loading.build_meta_model(model_config, one_process(config), host, config.model.dtype))
         space_warning = storage.check_space(output_dir, checkpoint_bytes, export_bytes, config)
-        accelerator = build_accelerator(setup, models.fsdp_layer_classes(config.fsdp, model_config))
+        accelerator = build_accelerator(setup, loading.fsdp_layer_classes(config.fsdp, model_config))
         set_seed(config.train.seed)
         is_main = accelerator.is_main_process
         say = accelerator.print
@@ -98,7 +98,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             say(note)
 
         # ---- data
-        tokenizer = models.load_tokenizer(model_path, config.model)
+        tokenizer = loading.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer)  # a plugin's objective, or None
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
@@ -112,7 +112,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                                    is not None else {})}, opts.cache_dir, model_path)
         train_set, eval_set = splits["train"], splits.get("eval")
         unwrapped = accelerator.unwrap_model(model)
-        select_logits = models.accepts_logits_to_keep(unwrapped)
+        select_logits = loading.accepts_logits_to_keep(unwrapped)
         report = report_startup(setup, accelerator, model, output_dir)
 
         scheduler = optimizers.build_scheduler(optimizer, config.train, max_steps)
@@ -134,7 +134,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                   model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
                   objective=objective)
         run_eval = Evaluator(run, unwrapped, eval_set, gen_items, metrics, select_logits)
-        saver = checkpoint.Saver(accelerator, model, optimizer, config.train.async_save,
+        saver = store.Saver(accelerator, model, optimizer, config.train.async_save,
                                  config.train.collective_timeout_s, lambda done: checkpoint_complete(run, metrics, done),
                                  estimate=checkpoint_bytes, lock=lock, save_timeout_s=config.train.save_timeout_s)
         before = run_eval.before_training()
@@ -196,10 +196,10 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         summary = {"steps": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
                    "before": before, "after": after, "startup": report,
                    "resumed_from": str(setup.resume.path if setup.resume else ""),
-                   "data": {**data_report, "sources": data.with_realised_shares(data_report["sources"], plan,
+                   "data": {**data_report, "sources": prepare.with_realised_shares(data_report["sources"], plan,
                                                                                  state.step)},
                    "throughput": speed,
-                   "last_checkpoint": str(checkpoint.latest(output_dir / "checkpoints") or ""),
+                   "last_checkpoint": str(store.latest(output_dir / "checkpoints") or ""),
                    "saves": saver.summary(), "train_loop_s": loop_s,
                    **({"eval_reward": {"before": before.get("eval_reward"), "after": after["eval_reward"]}}
                       if "eval_reward" in after else {})}
@@ -228,7 +228,7 @@ def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
                                 batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
     if config.data.datasets:
-        say(data.format_sources(data.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
+        say(prepare.format_sources(prepare.with_realised_shares(data_report["sources"], plan, max_steps), max_steps))
     identity = {"max_steps": max_steps, **batches.identity(train_set)}
     if setup.resume:
         setup.resume.check_data(identity, config.train.lr_scheduler)
@@ -244,10 +244,10 @@ def load_data(accelerator, config: HfsdpConfig, host: PluginHost, tokenizer, cac
     run_id = uuid.uuid4().hex
     if accelerator.num_processes > 1:
         run_id = broadcast_object_list([run_id])[0]
-    who = data_cache.Preprocessing(builder=accelerator.is_local_main_process, run=run_id)
-    train_set, eval_set, raw_eval, report = data.prepare_datasets(config, host, tokenizer, cache_dir, who)
+    who = cache.Preprocessing(builder=accelerator.is_local_main_process, run=run_id)
+    train_set, eval_set, raw_eval, report = prepare.prepare_datasets(config, host, tokenizer, cache_dir, who)
     accelerator.wait_for_everyone()
-    accelerator.print(data.format_data_report(report))
+    accelerator.print(prepare.format_data_report(report))
     gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
     if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
         source = config.data.sources()[0]
@@ -266,7 +266,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
-    model = models.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
+    model = loading.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world,
                        setup=setup)
     probe = quantized.probe_before_sharding(model) if config.model.quantization else None
@@ -286,7 +286,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     return model, optimizer, flops, TokenCrossEntropy(loss_sum)
 
 
-def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
+def save_checkpoint(run: Run, saver: store.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
     accelerator = run.accelerator
@@ -294,14 +294,14 @@ def save_checkpoint(run: Run, saver: checkpoint.Saver) -> None:
                                   run.resume_identity,
                                   resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world)).to_json()
     with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous
-        saver.save(checkpoint.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
+        saver.save(store.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
                                       run.model_files, yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
 
 
-def checkpoint_complete(run: Run, metrics: MetricsWriter, done: checkpoint.Pending) -> None:
+def checkpoint_complete(run: Run, metrics: MetricsWriter, done: store.Pending) -> None:
     """A checkpoint is complete: prune older ones (``train.keep_last``), record its times, tell the plugins."""
     if run.accelerator.is_main_process:
-        checkpoint.prune(done.checkpoints, run.config.train.keep_last)
+        store.prune(done.checkpoints, run.config.train.keep_last)
     metrics.write(run.state.step, {"checkpoint_step": done.step, "save_stall_s": done.stall_s,
                                    "save_write_s": done.write_s})
     run.plugins.call("hfsdp_on_checkpoint", run=run, step=done.step, path=done.final)
