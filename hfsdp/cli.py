@@ -14,92 +14,10 @@ import click
 
 from hfsdp import __version__
 from hfsdp.errors import PluginError, UserError
-from hfsdp.parallel.launch import free_port
-
-# Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
-# Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks
-# and CPU affinity (read from accelerate's source: state.py, accelerator.py, utils/dataclasses.py, utils/launch.py,
-# big_modeling.py). The ones that change the math include ACCELERATE_GRADIENT_ACCUMULATION_STEPS (backward()
-# divides the loss by it), ACCELERATE_MIXED_PRECISION, ACCELERATE_DYNAMO_* (torch.compile), ACCELERATE_USE_CPU,
-# ACCELERATE_TORCH_DEVICE, ACCELERATE_USE_PARALLELISM_CONFIG with PARALLELISM_CONFIG_* (the device mesh),
-# ACCELERATE_INIT_INCLUDE_BUFFERS, ACCELERATE_FP8_*, ACCELERATE_DOWNCAST_BF16 and the DeepSpeed/Megatron switches.
-_LAUNCHER_PREFIXES = ("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")
-_HARMLESS_ACCELERATE = ("ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE", "ACCELERATE_CPU_AFFINITY",
-                        "ACCELERATE_ENABLE_RICH", "ACCELERATE_DEBUG_RDV_FILE")
-# Values launchers export when nothing was chosen (`accelerate launch` writes every dynamo key, "no" precision...).
-_NEUTRAL_VALUES = ("", "no", "false", "0", "default", "none")
-_NEUTRAL = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1",
-            "FSDP_CPU_RAM_EFFICIENT_LOADING": None}  # None: any value (Accelerate's plugin sets it itself)
-
+from hfsdp.parallel import launcher
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
-
-
-_RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-_LAUNCH_HINT = ("launch with torchrun or accelerate launch (they set all of WORLD_SIZE, RANK, LOCAL_RANK, "
-                "MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE, RANK and LOCAL_RANK to train on one process")
-
-
-def _check_launcher_variables() -> None:
-    """Rank variables left in the environment by hand or by another tool, refused before they reach torch."""
-    for key in _RANK_VARIABLES:
-        value = os.environ.get(key)
-        least = 1 if key.endswith("WORLD_SIZE") else 0
-        if value is not None and not (value.isdigit() and int(value) >= least):
-            raise UserError(f"environment variable {key}={value!r} is not a valid {key.lower().replace('_', ' ')}; "
-                            + _LAUNCH_HINT)
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
-        return
-    missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
-    if missing:
-        raise UserError(f"WORLD_SIZE={size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                        "not, so this process cannot join a job; " + _LAUNCH_HINT)
-    if int(os.environ["RANK"]) >= size:
-        raise UserError(f"RANK={os.environ['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
-
-
-def _launched_world():
-    """The process's place in the job, as the launcher set it (one process when no launcher did)."""
-    import torch
-
-    from hfsdp.parallel.world import World
-
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    return World(rank=int(os.environ.get("RANK", "0")), size=size,
-                 local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)), on_cpu=not torch.cuda.is_available())
-
-
-def _apply_wrapper_to_env(setup) -> None:
-    """One process that runs without a wrapper drops a launcher's rank variables (a one-process torchrun), so that
-    Accelerate builds no process group and wraps nothing; one that keeps FSDP (``cpu_offload``,
-    ``fsdp.single_process: fsdp``, resuming an FSDP checkpoint) becomes a one-rank job, so that it runs the same FSDP
-    code path as many."""
-    if setup.world.size == 1 and setup.wrapper == "none":
-        for key in _RANK_VARIABLES:
-            os.environ.pop(key, None)
-    elif "WORLD_SIZE" not in os.environ and "LOCAL_RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def _take_launcher_settings(config, on_cpu: bool) -> list[str]:
-    """Remove FSDP and Accelerate settings a launcher put in the environment, and say which hfsdp value wins."""
-    notes = []
-    # hfsdp runs on the CPU exactly when no GPU is visible: a launcher saying the same changes nothing.
-    agrees = {**_NEUTRAL, "ACCELERATE_USE_CPU": "true" if on_cpu else "false"}
-    for key in sorted(os.environ):
-        if key.startswith(_LAUNCHER_PREFIXES) and key not in _HARMLESS_ACCELERATE:
-            value = os.environ.pop(key)
-            neutral = agrees.get(key, "")
-            if value.lower() in _NEUTRAL_VALUES or neutral is None or value.lower() == neutral:
-                continue
-            notes.append(f"launcher setting {key}={value} ignored: the hfsdp config decides "
-                         f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
-                         f"mixed precision {config.fsdp.precision_name})")
-    return notes
 
 
 def _fail(err: BaseException) -> None:
@@ -180,14 +98,16 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.config.files import load_config, resolve_config_path
 
     cfg, host = load_config(config, overrides)
-    _check_launcher_variables()
+    launcher.check_rank_variables(os.environ)
+    import torch
+
     from hfsdp.run.setup import decide
 
     # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
-    setup = decide(cfg, _launched_world(), resume, source=str(resolve_config_path(config)))
-    _apply_wrapper_to_env(setup)
-    world = setup.world
-    notes = _take_launcher_settings(setup.config, world.on_cpu)
+    world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
+    setup = decide(cfg, world, resume, source=str(resolve_config_path(config)))
+    launcher.apply_wrapper(os.environ, setup)
+    notes = launcher.take_launcher_settings(os.environ, setup.config, world.on_cpu)
     from hfsdp.parallel.world import runtime_env
 
     for key, value in runtime_env(setup.config, world).items():

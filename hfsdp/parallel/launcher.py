@@ -1,0 +1,95 @@
+"""What a launcher (torchrun, ``accelerate launch``, a scheduler) put in the environment, and what hfsdp makes of it
+before anything loads: the rank variables checked, the process's place in the job, the variables a run without a
+wrapper drops (or a one-rank FSDP job sets), and the FSDP and Accelerate settings that the hfsdp config overrides.
+Each function takes the environment as an argument: only the CLI reads the process's own (``os.environ``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING
+
+from hfsdp.errors import UserError
+from hfsdp.parallel.launch import free_port
+
+if TYPE_CHECKING:
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.parallel.world import World
+    from hfsdp.run.setup import RunSetup
+
+# Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
+# Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks
+# and CPU affinity (read from accelerate's source: state.py, accelerator.py, utils/dataclasses.py, utils/launch.py,
+# big_modeling.py). The ones that change the math include ACCELERATE_GRADIENT_ACCUMULATION_STEPS (backward()
+# divides the loss by it), ACCELERATE_MIXED_PRECISION, ACCELERATE_DYNAMO_* (torch.compile), ACCELERATE_USE_CPU,
+# ACCELERATE_TORCH_DEVICE, ACCELERATE_USE_PARALLELISM_CONFIG with PARALLELISM_CONFIG_* (the device mesh),
+# ACCELERATE_INIT_INCLUDE_BUFFERS, ACCELERATE_FP8_*, ACCELERATE_DOWNCAST_BF16 and the DeepSpeed/Megatron switches.
+_LAUNCHER_PREFIXES = ("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")
+_HARMLESS_ACCELERATE = ("ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE", "ACCELERATE_CPU_AFFINITY",
+                        "ACCELERATE_ENABLE_RICH", "ACCELERATE_DEBUG_RDV_FILE")
+# Values launchers export when nothing was chosen (`accelerate launch` writes every dynamo key, "no" precision...).
+_NEUTRAL_VALUES = ("", "no", "false", "0", "default", "none")
+_NEUTRAL = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1",
+            "FSDP_CPU_RAM_EFFICIENT_LOADING": None}  # None: any value (Accelerate's plugin sets it itself)
+_RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_LAUNCH_HINT = ("launch with torchrun or accelerate launch (they set all of WORLD_SIZE, RANK, LOCAL_RANK, "
+                "MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE, RANK and LOCAL_RANK to train on one process")
+
+
+def check_rank_variables(env: Mapping[str, str]) -> None:
+    """Rank variables left in ``env`` by hand or by another tool, refused before they reach torch."""
+    for key in _RANK_VARIABLES:
+        value = env.get(key)
+        least = 1 if key.endswith("WORLD_SIZE") else 0
+        if value is not None and not (value.isdigit() and int(value) >= least):
+            raise UserError(f"environment variable {key}={value!r} is not a valid {key.lower().replace('_', ' ')}; "
+                            + _LAUNCH_HINT)
+    size = int(env.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return
+    missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(key)]
+    if missing:
+        raise UserError(f"WORLD_SIZE={size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                        "not, so this process cannot join a job; " + _LAUNCH_HINT)
+    if int(env["RANK"]) >= size:
+        raise UserError(f"RANK={env['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
+
+
+def launched_world(env: Mapping[str, str], on_cpu: bool) -> "World":
+    """The process's place in the job, as the launcher set it in ``env`` (one process when no launcher did)."""
+    from hfsdp.parallel.world import World  # torch: imported by training only
+
+    size = int(env.get("WORLD_SIZE", "1"))
+    return World(rank=int(env.get("RANK", "0")), size=size,
+                 local_size=int(env.get("LOCAL_WORLD_SIZE", size)), on_cpu=on_cpu)
+
+
+def apply_wrapper(env: MutableMapping[str, str], setup: "RunSetup") -> None:
+    """One process that runs without a wrapper drops a launcher's rank variables (a one-process torchrun), so that
+    Accelerate builds no process group and wraps nothing; one that keeps FSDP (``cpu_offload``,
+    ``fsdp.single_process: fsdp``, resuming an FSDP checkpoint) becomes a one-rank job, so that it runs the same FSDP
+    code path as many."""
+    if setup.world.size == 1 and setup.wrapper == "none":
+        for key in _RANK_VARIABLES:
+            env.pop(key, None)
+    elif "WORLD_SIZE" not in env and "LOCAL_RANK" not in env:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(free_port()))
+
+
+def take_launcher_settings(env: MutableMapping[str, str], config: "HfsdpConfig", on_cpu: bool) -> list[str]:
+    """Remove FSDP and Accelerate settings a launcher put in ``env``, and say which hfsdp value wins."""
+    notes = []
+    # hfsdp runs on the CPU exactly when no GPU is visible: a launcher saying the same changes nothing.
+    agrees = {**_NEUTRAL, "ACCELERATE_USE_CPU": "true" if on_cpu else "false"}
+    for key in sorted(env):
+        if key.startswith(_LAUNCHER_PREFIXES) and key not in _HARMLESS_ACCELERATE:
+            value = env.pop(key)
+            neutral = agrees.get(key, "")
+            if value.lower() in _NEUTRAL_VALUES or neutral is None or value.lower() == neutral:
+                continue
+            notes.append(f"launcher setting {key}={value} ignored: the hfsdp config decides "
+                         f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
+                         f"mixed precision {config.fsdp.precision_name})")
+    return notes
