@@ -1,15 +1,15 @@
 """Plugin ``reward_model``: a reward model (TRL 1.16's ``RewardTrainer``) trained on ``preference`` rows. Enable with
 ``plugins: [reward_model]`` and ``data.format: preference``. Config section ``reward_model:``:
-:class:`RewardModelSection` (``hfsdp config-reference reward_model``, docs/configuration.md).
+:class:`RewardModelSection` (``hfsdp config-reference reward_model``, docs/configuration.md). The head and the export:
+:mod:`hfsdp.builtin.reward_model.model`; the loss and its metrics: :mod:`hfsdp.builtin.reward_model.loss` (imported
+when a run trains or exports, so that ``hfsdp validate`` and ``hfsdp plugins`` need no torch).
 
 The causal LM becomes its architecture's ``*ForSequenceClassification`` model over the same base weights, with a
 one-output ``score`` head (``hfsdp_modify_model``); each sequence's reward is the head's output at its last token
 that is not padding (transformers' pooling, which the exported model uses too). The loss is the pairwise
 Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected [- margin])`` plus, with ``center_rewards_coefficient``, that
 times ``(r_chosen + r_rejected)^2``, averaged over the pairs. The export (``hfsdp_export``) is a Hugging Face folder
-that ``AutoModelForSequenceClassification.from_pretrained`` loads (``num_labels`` 1, ``pad_token_id`` set). The
-head, the loss and the export: :mod:`hfsdp.builtin.reward_model.model` and :mod:`hfsdp.builtin.reward_model.loss`
-(imported when a run trains or exports, so that ``hfsdp validate`` and ``hfsdp plugins`` need no torch).
+that ``AutoModelForSequenceClassification.from_pretrained`` loads (``num_labels`` 1, ``pad_token_id`` set).
 """
 
 from __future__ import annotations
