@@ -341,6 +341,15 @@ def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None
     assert final["eval_rewards/margins"] == pytest.approx(sum(c - r for c, r in rewards) / pairs, rel=1e-4, abs=1e-6)
     assert final["eval_rewards/min"] == pytest.approx(min(min(p) for p in rewards), rel=1e-4, abs=1e-6)
     assert final["eval_rewards/max"] == pytest.approx(max(max(p) for p in rewards), rel=1e-4, abs=1e-6)
+    # `hfsdp export` of the last checkpoint writes the same reward model (the checkpoint's model/ holds the causal
+    # LM's config: the plugin's export writes the sequence-classification one)
+    out = run.parent / "exported-step-4"
+    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(out), env=ENV)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    from safetensors.torch import load_file
+
+    got, want = load_file(out / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_smoke(runs, smoke_cell):
