@@ -1,18 +1,23 @@
 """hfsdp's reference-free preference objectives against TRL 1.16, step by step: ``orpo`` against
-``ORPOTrainer``, ``simpo`` against ``CPOTrainer(loss_type="simpo")`` (issue 36).
+``ORPOTrainer``, ``simpo`` against ``CPOTrainer(loss_type="simpo")``, and the reward model (``reward_model``)
+against ``RewardTrainer`` (issue 36).
 
 As benchmarks/trl_dpo.py: the same model folder, the same pairs in the same order per step (hfsdp's
 ``BatchPlan``, read sequentially by TRL), the same hyper-parameters (AdamW, LR schedule, clipping), fp32, one
 process, full fine-tuning. TRL's CPO and ORPO trainers tokenize by older conventions than its DPOTrainer (a BOS and
 an EOS appended, the prompt cut where the tokenizations first differ by one token), so TRL is given hfsdp's tokens of
 the same rows (its ``tokenize_row`` replaced): what is compared is the loss, its gradient and the optimizer step.
+``RewardTrainer`` is given hfsdp's token ids of each pair (its pre-tokenized ``chosen_ids``/``rejected_ids``, which
+its own tokenization gives too: prompt + completion, EOS appended) and the same sequence-classification model
+(hfsdp's ``sequence_classifier`` of the causal LM: the same seeded score head).
 Prints, per step, each side's loss and every logged metric both trainers share, their largest relative
 difference (target 1e-5), and the step-time ratio (median, first step left out).
 
     python benchmarks/trl_preference.py orpo [CONFIG] --steps 6 [--set KEY=VALUE ...]
     python benchmarks/trl_preference.py simpo --steps 6 --set simpo.nll_weight=1.0
+    python benchmarks/trl_preference.py reward_model --steps 6 [--set reward_model.center_rewards_coefficient=0.01]
 
-CONFIG defaults to the objective's preset (``orpo``, ``simpo``). Needs TRL: ``pip install -e '.[bench]'``.
+CONFIG defaults to the objective's preset (``orpo``, ``simpo``, ``rm``). Needs TRL: ``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ SHARED = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejec
           "rewards/margins": "rewards/margins", "rewards/accuracy": "rewards/accuracies",
           "logps/chosen": "logps/chosen", "logps/rejected": "logps/rejected", "nll_loss": "nll_loss"}
 OWN = {"orpo": {"log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen"}, "simpo": {}}
+# the reward model's metrics (hfsdp's -> RewardTrainer's)
+REWARD = {"rewards/accuracy": "accuracy", "rewards/margins": "margin", "rewards/mean": "mean_reward",
+          "rewards/min": "min_reward", "rewards/max": "max_reward"}
+PRESETS = {"orpo": "orpo", "simpo": "simpo", "reward_model": "rm"}
 
 
 def trl_trainer(objective: str, cfg):
@@ -42,6 +51,45 @@ def trl_trainer(objective: str, cfg):
     s = cfg.section("simpo")
     return CPOTrainer, CPOConfig, {"loss_type": "simpo", "beta": s.beta, "simpo_gamma": s.gamma,
                                    "cpo_alpha": s.nll_weight}
+
+
+def run_trl_reward(cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+    """TRL's ``RewardTrainer`` on hfsdp's token ids of the same pairs, in hfsdp's order, from the same model."""
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from trl import RewardConfig, RewardTrainer
+
+    from hfsdp.builtin.reward_model.model import sequence_classifier
+    from hfsdp.model import loading as models
+
+    t, section = cfg.train, cfg.section("reward_model")
+    path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
+    rows = [{"chosen_ids": train_set[i]["input_ids"], "rejected_ids": train_set[i]["rejected_input_ids"],
+             **({"margin": train_set[i]["margin"]} if section.margin else {})} for i in order]
+    losses: list[float] = []
+    metrics: list[dict] = []
+    times: list[float] = []
+
+    class InPlanOrder(RewardTrainer):
+        def _get_train_sampler(self, *unused, **unused_kw):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float((loss[0] if return_outputs else loss).detach()))
+            metrics.append({k: v[-1] for k, v in self._metrics["train"].items()})
+            return loss
+
+    torch.manual_seed(t.seed)
+    model = sequence_classifier(models.load_model(path, cfg.model), tokenizer.pad_token_id, seed=t.seed)
+    with tempfile.TemporaryDirectory() as out:
+        args = RewardConfig(**training_args(t, out, steps), max_length=cfg.data.max_seq_len,
+                            center_rewards_coefficient=section.center_rewards_coefficient)
+        trainer = InPlanOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=[step_times(times)])
+        trainer.train()
+    return losses, metrics, times
 
 
 def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
@@ -96,7 +144,7 @@ def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[di
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("objective", choices=sorted(OWN))
+    parser.add_argument("objective", choices=sorted(PRESETS))
     parser.add_argument("config", nargs="?", help="default: the objective's preset")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -104,7 +152,7 @@ def main() -> None:
 
     from hfsdp.config.files import load_config
 
-    config = args.config or args.objective
+    config = args.config or PRESETS[args.objective]
     overrides = [f"train.max_steps={args.steps}", "train.eval_every=null",
                  "train.eval_at_start=false", "train.log_every=1", "train.export_final=false", "data.eval_path=null",
                  *args.overrides]
@@ -114,12 +162,15 @@ def main() -> None:
                          "accumulation")
     with tempfile.TemporaryDirectory() as out:
         ours = run_hfsdp(config, overrides, Path(out) / "run")
-    trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps)
-
-    names = {**SHARED, **OWN[args.objective]}
-    if "nll_loss" not in ours[0]:
-        names.pop("nll_loss")
-    print(f"\n{args.objective} on {cfg.model.name_or_path} against TRL's {trl_trainer(args.objective, cfg)[0].__name__}"
+    if args.objective == "reward_model":
+        trl_losses, trl_metrics, trl_times = run_trl_reward(cfg, host, args.steps)
+        names, trainer = REWARD, "RewardTrainer"
+    else:
+        trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps)
+        names, trainer = {**SHARED, **OWN[args.objective]}, trl_trainer(args.objective, cfg)[0].__name__
+        if "nll_loss" not in ours[0]:
+            names.pop("nll_loss")
+    print(f"\n{args.objective} on {cfg.model.name_or_path} against TRL's {trainer}"
           f", {cfg.train.per_device_batch_size} pairs per step, {cfg.plugin_config.get(args.objective) or {}}, "
           f"lr {cfg.train.learning_rate}, fp32, one process")
     print(f"{'step':>4} {'metric':>16} {'hfsdp':>13} {'TRL':>13} {'rel diff':>9}")

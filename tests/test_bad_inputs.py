@@ -365,6 +365,19 @@ CASES: dict[str, Case] = {
                           "data.format: grpo generates completions of prompts: set data.format: prompt"),
     "orpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["orpo"])],
                           "data.format: orpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
+    "reward model on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["reward_model"])],
+                                  "data.format: reward_model trains on preference rows (prompt, chosen, rejected)"),
+    "reward model with lora": (lambda d, s: ["train", _pref(d, [], plugins=["reward_model", "lora"])],
+                               "plugins: reward_model trains the whole model and its score head"),
+    "reward model margin not a number": (
+        lambda d, s: ["train", _cfg(d, plugins=["reward_model"], reward_model={"margin": True},
+                                    data={"format": "preference", "eval_path": None, "path": _write(
+                                        d / "margins.jsonl", json.dumps({**PAIR, "margin": 1.5}) + "\n"
+                                        + json.dumps({**PAIR, "margin": "high"}) + "\n")})],
+        "row 1 (counting from 0): margin 'high' is not a number"),
+    "reward model margin column missing": (
+        lambda d, s: ["train", _pref(d, [], plugins=["reward_model"], reward_model={"margin": True})],
+        "reward_model.margin: true, but the training rows have no margin column"),
 }
 
 PROMPT = {"prompt": "Q: what is 2+2?", "answer": "4"}

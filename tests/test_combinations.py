@@ -106,6 +106,10 @@ OPTIONS = {
     "dpo": DPO,
     "orpo": {"plugins": ["orpo"], "data": PAIRS_DATA},
     "lora_simpo": {"plugins": ["lora", "simpo"], "data": PAIRS_DATA, "simpo": {"nll_weight": 1.0}},
+    # a reward model: the causal LM as its sequence-classification model (a new score head), the pairwise loss with
+    # the centring term, exported as a folder AutoModelForSequenceClassification loads
+    "reward_model": {"plugins": ["reward_model"], "data": PAIRS_DATA,
+                     "reward_model": {"center_rewards_coefficient": 0.01}},
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
@@ -230,10 +234,10 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
 # cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
-                          "lora_full_state_dict", "plain_loss", "lora_simpo", "mixture")
+                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "mixture")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
-FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo")
+FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model")
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
             and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)]
 
@@ -301,10 +305,51 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
     if "grpo" in options:  # completions sampled at the first step of each round (3 steps each)
         assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
+    if "reward_model" in options:
+        assert_scores_as_it_evaluated(run, sections, world)
     if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
+
+
+def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None:
+    """The reward model's export loads as a sequence-classification model (nothing missing, one output, the pad
+    token set) and scores the eval pairs as the run's final eval did: the same mean margin and extreme rewards."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hfsdp.builtin.preference import tokenize_pair
+    from hfsdp.config.schema import DataConfig
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(run / "final", output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    data = DataConfig(**{**sections["data"], "format": "preference"})
+    pairs = world * sections["train"]["per_device_batch_size"]  # the first eval batch of each rank (max_eval_batches 1)
+    assert sections["train"]["max_eval_batches"] == 1
+    rows = [json.loads(line) for line in Path(data.eval_path).read_text().splitlines()[:pairs]]
+    rewards = []
+    with torch.no_grad():
+        for row in rows:
+            ids = tokenize_pair(row["prompt"], row["chosen"], row["rejected"], tokenizer, data)
+            rewards.append([float(model(input_ids=torch.tensor([ids[k][:data.max_seq_len]])).logits)
+                            for k in ("input_ids", "rejected_input_ids")])
+    final = [m for m in read_metrics(run) if "eval_rewards/margins" in m][-1]
+    assert final["eval_rewards/margins"] == pytest.approx(sum(c - r for c, r in rewards) / pairs, rel=1e-4, abs=1e-6)
+    assert final["eval_rewards/min"] == pytest.approx(min(min(p) for p in rewards), rel=1e-4, abs=1e-6)
+    assert final["eval_rewards/max"] == pytest.approx(max(max(p) for p in rewards), rel=1e-4, abs=1e-6)
+    # `hfsdp export` of the last checkpoint writes the same reward model (the checkpoint's model/ holds the causal
+    # LM's config: the plugin's export writes the sequence-classification one)
+    out = run.parent / "exported-step-4"
+    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(out), env=ENV)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    from safetensors.torch import load_file
+
+    got, want = load_file(out / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_smoke(runs, smoke_cell):
@@ -345,10 +390,41 @@ def test_two_ranks_of_one_pair_each_compute_what_one_process_of_two_pairs_comput
     assert compared >= 4 * STEPS
 
 
+def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
+    """The reward model on 2 ranks of 2 pairs each gives the losses, metrics (the extreme rewards over both ranks)
+    and evals of one process of 4 pairs.
+
+    The loss is the same for every reward shifted by one constant, so nothing holds the rewards' common level but
+    the small centring term: Adam's per-element steps turn float32 noise in that direction's tiny gradient into a
+    shift of every reward of a step alike (measured: 8e-6 at step 3, 1.5e-5 at step 4, with lr 3e-3). The rewards
+    are compared as their distances from the step's mean reward (within 1e-6), their level within 1e-4; the loss,
+    margins and accuracy within 1e-5."""
+    two, _ = smoke_run(runs, 2, 2, "reward_model")
+    sections = _merge(smoke_sections(2, 1, "reward_model"), {"train": {"per_device_batch_size": 4}})
+    one, _ = runs.run("fsdp2-x1-reward_model-4pairs", 1, sections)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
+    levels = ("rewards/chosen", "rewards/rejected", "rewards/mean", "rewards/min", "rewards/max")
+    compared = 0
+    for x, y in zip(a, b):
+        for key in x:
+            if key.removeprefix("eval_") in levels:
+                mean = key.replace(key.removeprefix("eval_"), "rewards/mean")
+                assert y[key] - y[mean] == pytest.approx(x[key] - x[mean], abs=1e-6), (key, x, y)
+                assert y[key] == pytest.approx(x[key], abs=1e-4), (key, x, y)
+                compared += 1
+            elif key.startswith(("loss", "rewards/", "eval_loss", "eval_rewards/")):
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x, y)  # margins near 0
+                compared += 1
+        if "grad_norm" in x:  # float32 sums of other orders over the shards
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
+    assert compared >= 8 * STEPS
+
+
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16", "dpo", "orpo", "lora_simpo", "mixture", "grpo"):
+    for option in ("packing", "lora", "bf16", "dpo", "orpo", "lora_simpo", "reward_model", "mixture", "grpo"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -518,13 +594,15 @@ def assert_resumed_exactly(resumed: Path, uninterrupted: Path) -> None:
 RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
-                                      "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "mixture",
-                                      "grpo", "muon", "schedule_free")]
+                                      "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
+                                      "mixture", "grpo", "muon", "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
-# full-logits loss and ORPO resume as the base run and SimPO do.
+# full-logits loss and ORPO resume as the base run and SimPO do, the reward model (its head a parameter like the
+# others, rebuilt from the seed before the checkpoint loads) as the base run.
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
-             if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing")) and o not in ("plain_loss", "orpo")]
+             if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
+             and o not in ("plain_loss", "orpo", "reward_model")]
 
 
 def test_resume_is_exact(runs, resume_cell):

@@ -155,6 +155,19 @@ def test_dpo_is_planned_with_both_completions_and_full_logits(tmp_path):
     assert "micro-batch 1 x 96 tokens" in header and "loss DPO (2 sequences a row, full logits)" in header
 
 
+def test_the_reward_model_is_planned_with_its_head_and_without_vocabulary_logits(tmp_path):
+    """plugin reward_model: the sequence-classification model (the tied LM head gone, a 1 x hidden score head) on
+    both completions, one output per token instead of the vocabulary's logits."""
+    pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")}
+    (tmp_path / "rm").mkdir(), (tmp_path / "dpo").mkdir()
+    configs = [tiny_config(tmp_path / short, plugins=[name], data=pairs, train={"per_device_batch_size": 1})
+               for short, name in (("rm", "reward_model"), ("dpo", "dpo"))]
+    rm, dpo = (plan_json(str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD") for cfg in configs)
+    assert rm["parameters"] == dpo["parameters"] + 64  # smollm2-tiny: hidden 64, tied embeddings
+    a, b = row(rm, "FULL_SHARD", 2), row(dpo, "FULL_SHARD", 2)
+    assert 0 < a["loss_transient"] < b["loss_transient"] / 1000, (a, b)  # 1 output per token, not 49,152
+
+
 def test_one_process_is_planned_as_train_runs_it(tmp_path):
     """One process trains without a wrapper by default (fsdp.single_process: auto): plan predicts that run (whole
     state, no FSDP buffers), and FSDP only when single_process: fsdp asks for it. The unwrapped figures are the

@@ -17,10 +17,15 @@ prompt + completion first differ. Only completion tokens carry labels. A row bec
 + chosen) and ``rejected_input_ids``/``rejected_labels``; ``data.too_long`` applies to each (``truncate`` keeps the
 start, as TRL's ``keep_start``; ``drop`` drops the pair). Where TRL drops a pair whose prompt alone fills the maximum
 length, hfsdp refuses it (no completion token could be trained), naming the row.
+
+A ``margin`` column (TRL's reward-modelling datasets: how much the chosen completion is preferred), where the rows
+have one, is kept as a number per row (``reward_model.margin`` reads it); a row whose margin is not a finite number
+is refused, naming the row.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
@@ -57,7 +62,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config) -> dict[str, list[int]]:
+def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config) -> dict[str, Any]:
     """One row's token ids and labels (see the module docstring), or a RowError saying what is wrong with it."""
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if _is_empty(value):
@@ -94,6 +99,17 @@ def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_confi
             "rejected_input_ids": rejected_ids, "rejected_labels": [IGNORE_INDEX] * start + rejected_ids[start:]}
 
 
+MARGIN = "margin"
+
+
+def margin_of(value: Any) -> float:
+    """A row's ``margin`` as a float, or a RowError saying why it is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RowError(f"margin {value!r} is not a number: the margin column holds how much the chosen completion "
+                       "is preferred, a finite number (e.g. 0.5)")
+    return float(value)
+
+
 def tokenize_preference(batch, tokenizer, data_config):
     missing = [c for c in ("chosen", "rejected") if c not in batch]
     if missing:
@@ -101,9 +117,14 @@ def tokenize_preference(batch, tokenizer, data_config):
                         f"rejected share it); missing: {', '.join(missing)}; columns: {', '.join(batch)}")
     prompts = batch.get("prompt") or [None] * len(batch["chosen"])
     out: dict[str, list] = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": []}
+    margins = batch.get(MARGIN)
+    if margins is not None:
+        out[MARGIN] = []
     for position, (prompt, chosen, rejected) in enumerate(zip(prompts, batch["chosen"], batch["rejected"])):
         try:
             row = tokenize_pair(prompt, chosen, rejected, tokenizer, data_config)
+            if margins is not None:
+                row[MARGIN] = margin_of(margins[position])
         except RowError as err:
             err.position = position
             raise

@@ -94,6 +94,9 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
              if config.model.attn_implementation != "eager" else contextlib.nullcontext())
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    head = model.get_output_embeddings()
+    lm_head = head is not None  # else a sequence-classification model (plugin reward_model): one score per token
+    outputs = model_config.vocab_size if lm_head else getattr(model.config, "num_labels", 1)
     # What the plain loss saves after the model's forward (train.chunked_loss keeps none of it).
     hooks.append(model.register_forward_hook(lambda module, args, output: current.__setitem__(0, "loss")))
     try:
@@ -101,7 +104,10 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             # The plain loss itself, on a batch of rows without padding. use_cache left on: an empty cache holds only
             # the keys and values backward saves anyway (training turns it off); off, transformers looks for packed
             # rows with a .item() that meta tensors cannot answer.
-            loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids}, targets=ids))
+            if lm_head:
+                loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids}, targets=ids))
+            else:  # a head without a vocabulary (a reward model's score): its outputs summed
+                loss = model(input_ids=ids).logits.float().sum()
             del loss
     finally:
         for h in hooks:
@@ -118,6 +124,6 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     from hfsdp.run.loss import LOSS_CHUNK_ELEMENTS
 
     vocab = model_config.vocab_size
-    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked else 0
+    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked and lm_head else 0
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
-                       logits_bytes=batch * seq * vocab * 4, loss_saved=loss_saved, chunk_bytes=chunk)
+                       logits_bytes=batch * seq * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk)
