@@ -7,6 +7,9 @@ Run: python scripts/make_demo_data.py  (deterministic; rewrites hfsdp/config/pre
 The preference files (contacts_pref_<split>.jsonl, for ``data.format: preference``) pair the first rows' prompt with
 the right JSON (chosen) and the same JSON with one field wrong (rejected): TRL's conversational shape. The prompt
 files (contacts_prompts_<split>.jsonl, for ``data.format: prompt``) hold the prompts with the right JSON as ``answer``.
+The unpaired files (contacts_unpaired_<split>.jsonl, for ``data.format: unpaired`` and KTO) are the preference pairs
+unpaired as TRL's ``unpair_preference_dataset`` does (the chosen answer labelled true, the rejected one false), each
+pair's two rows side by side.
 """
 
 import json
@@ -89,10 +92,17 @@ def prompt_splits() -> dict[str, list[dict]]:
             for (split, rows), count in zip(splits().items(), (256, 64))}
 
 
+def unpaired_splits() -> dict[str, list[dict]]:
+    """The rows of each unpaired file (contacts_unpaired_<split>.jsonl): each preference pair as two rows."""
+    return {split: [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                    for p in pairs for side in ("chosen", "rejected")]
+            for split, pairs in preference_splits().items()}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
-                             ("contacts_prompts", prompt_splits())):
+                             ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

@@ -183,6 +183,9 @@ def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
             problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
                                             "[dpo], [orpo] or [simpo]), or use data.format: chat or instruction for supervised "
                                             "fine-tuning"))
+        if any(name == "unpaired" for _, name in named) and not host.implementers("hfsdp_objective"):
+            problems.append(("data.format", "unpaired rows (a completion labelled desirable or not) train an unpaired "
+                                            "preference objective: enable one (plugins: [kto])"))
         generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
         if config.generation_eval is not None and generated not in host.generation_prompts():
             splits = sorted(host.generation_prompts())

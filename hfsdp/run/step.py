@@ -106,7 +106,8 @@ def log_step(run: Run, step_metrics: dict[str, Any], metrics: MetricsWriter, pro
     step = run.state.step
     if progress is not None:
         progress.update(1)
-        shown = run.objective.progress_metrics
+        shown = [name for name in run.objective.progress_metrics if name in step_metrics]  # (KTO: a step's rows
+        # may all be desirable, without rewards/margins)
         progress.set_postfix(loss=f"{step_metrics['loss']:.4f}", lr=f"{step_metrics['lr']:.2e}",
                              **{name.rsplit("/", 1)[-1]: f"{step_metrics[name]:.3f}" for name in shown},
                              **meter.postfix(step_metrics))

@@ -30,19 +30,25 @@ def hfsdp_config_section():
     return "dpo", DpoSection
 
 
-def reference_route(config) -> str:
-    section: DpoSection = config.section("dpo")
-    return section.reference or ("adapter" if "lora" in config.plugins else "precomputed")
+def reference_route(config, plugin: str = "dpo") -> str:
+    """The reference route of ``plugin``'s section (its ``reference``; DPO's, KTO's): adapter with lora, else
+    precomputed, unless the section names one."""
+    return config.section(plugin).reference or ("adapter" if "lora" in config.plugins else "precomputed")
+
+
+def reference_problems(config, plugin: str = "dpo") -> list[tuple[str, str]]:
+    """The adapter route without lora (``plugin``'s section's ``reference``)."""
+    if config.section(plugin).reference == "adapter" and "lora" not in config.plugins:
+        return [(f"{plugin}.reference", "adapter: the reference is the base model with the LoRA adapters disabled, "
+                                        "but lora is not enabled; add lora to plugins, or use reference: precomputed "
+                                        "(full fine-tuning)")]
+    return []
 
 
 @hookimpl
 def hfsdp_validate_config(config):
     section: DpoSection = config.section("dpo")
-    problems = format_problems(config, "dpo")
-    if section.reference == "adapter" and "lora" not in config.plugins:
-        problems.append(("dpo.reference", "adapter: the reference is the base model with the LoRA adapters disabled, "
-                                          "but lora is not enabled; add lora to plugins, or use reference: precomputed "
-                                          "(full fine-tuning)"))
+    problems = format_problems(config, "dpo") + reference_problems(config)
     if section.label_smoothing and section.loss_type != "sigmoid":
         problems.append(("dpo.label_smoothing", f"applies to loss_type sigmoid only, not {section.loss_type}"))
     return problems

@@ -55,8 +55,16 @@ def weights_identity(model_path: str, config) -> str:
     return digest.hexdigest()
 
 
-class DPO(PreferenceObjective):
-    def __init__(self, section: DpoSection, reference: str, config, tokenizer):
+class ReferenceRoutes(PreferenceObjective):
+    """The reference routes of a preference objective against a reference model (DPO's; KTO's,
+    ``hfsdp.builtin.kto.loss``): ``adapter`` or ``precomputed``, whose two log-probs per row (those
+    :meth:`completion_logps` returns: the first and second half of the micro-batch) become the columns
+    :attr:`reference_columns`; :attr:`plugin` names the messages' plugin and config section."""
+
+    plugin = "dpo"
+    reference_columns = REFERENCE_COLUMNS
+
+    def __init__(self, section, reference: str, config, tokenizer):
         super().__init__()
         self.section, self.reference, self.config, self.tokenizer = section, reference, config, tokenizer
         self.unwrapped = None
@@ -68,7 +76,7 @@ class DPO(PreferenceObjective):
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped = accelerator.unwrap_model(model)
         if self.reference == "adapter" and not hasattr(self.unwrapped, "disable_adapter"):
-            raise UserError("dpo.reference: adapter needs a model with adapters (the lora plugin's)")
+            raise UserError(f"{self.plugin}.reference: adapter needs a model with adapters (the lora plugin's)")
         if self.reference != "precomputed":
             return splits
         identity = weights_identity(model_path, self.config)
@@ -81,12 +89,12 @@ class DPO(PreferenceObjective):
 
         key = hashlib.sha256(json.dumps([identity, rows_identity(split), self.config.model.model_dump(mode="json"),
                                          self.config.fsdp.mixed_precision, sorted(self.config.plugins),
-                                         self.config.plugin_config.get("lora")], sort_keys=True, default=str
+                                         self.config.plugin_config.get("lora"), self.plugin], sort_keys=True, default=str
                                         ).encode()).hexdigest()[:20]
         path = cache_dir / "reference" / f"{key}.json"
         if not any_rank(accelerator, not path.is_file()):
             values = json.loads(path.read_text())
-            accelerator.print(f"dpo: reference log-probs of the {name} split read from the cache ({path})")
+            accelerator.print(f"{self.plugin}: reference log-probs of the {name} split read from the cache ({path})")
         else:
             values = self._compute(model, accelerator, split, name)
             if accelerator.is_main_process:
@@ -95,13 +103,13 @@ class DPO(PreferenceObjective):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(values))
             accelerator.wait_for_everyone()
-        for column, column_values in zip(REFERENCE_COLUMNS, values):
+        for column, column_values in zip(self.reference_columns, values):
             split = split.add_column(column, column_values)
         return split
 
     @torch.no_grad()
     def _compute(self, model, accelerator, split, name: str) -> list[list[float]]:
-        """[chosen, rejected] reference log-probs of every row, each rank computing its share (collective)."""
+        """[first, second] reference log-probs of each row (DPO: chosen, rejected), each rank computing its share (collective)."""
         from hfsdp.data.batches import eval_batches, reshard
         from hfsdp.parallel.world import gather_objects
 
@@ -112,7 +120,7 @@ class DPO(PreferenceObjective):
         mine: dict[int, tuple[float, float]] = {}
         batches = eval_batches(len(split), cfg.per_device_batch_size, accelerator.num_processes,
                                accelerator.process_index)
-        accelerator.print(f"dpo: computing the reference log-probs of the {name} split ({len(split)} pairs)")
+        accelerator.print(f"{self.plugin}: computing the reference log-probs of the {name} split ({len(split)} rows)")
         was_training = model.training
         model.eval()
         try:
@@ -129,8 +137,11 @@ class DPO(PreferenceObjective):
         merged = {i: v for part in gather_objects(accelerator, mine) for i, v in part.items()}
         return [[merged[i][0] for i in range(len(split))], [merged[i][1] for i in range(len(split))]]
 
+
+class DPO(ReferenceRoutes):
+
     def loss(self, model, batch: PairBatch) -> torch.Tensor:
-        s = self.section
+        s: DpoSection = self.section
         if self.reference == "precomputed":
             ref_chosen, ref_rejected = (batch.values[c] for c in REFERENCE_COLUMNS)
         else:  # the base's log-probs of the same micro-batch, before the policy's forward
