@@ -44,6 +44,9 @@ PACKING = {"plugins": ["packing"], "data": {"max_seq_len": 256}}  # rows of ~80 
 PAIRS_DATA = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
               "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}
 DPO = {"plugins": ["dpo"], "data": PAIRS_DATA}
+# KTO (plugin kto) on the bundled pairs unpaired, full fine-tuning: reference log-probs (rows and KL rows) precomputed
+KTO = {"plugins": ["kto"], "data": {"format": "unpaired", "path": str(PRESET_DATA / "contacts_unpaired_train.jsonl"),
+                                    "eval_path": str(PRESET_DATA / "contacts_unpaired_eval.jsonl")}}
 
 # GRPO (plugin grpo) on the bundled prompts, full fine-tuning: a reward that differs within a group (module:function
 # on PYTHONPATH), 3 iterations a round, so that the step-2 checkpoint is inside a round (its completions restored)
@@ -110,6 +113,7 @@ OPTIONS = {
     # the centring term, exported as a folder AutoModelForSequenceClassification loads
     "reward_model": {"plugins": ["reward_model"], "data": PAIRS_DATA,
                      "reward_model": {"center_rewards_coefficient": 0.01}},
+    "kto": KTO,
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
@@ -234,10 +238,10 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
 # cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
-                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "mixture")
+                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
-FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model")
+FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto")
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
             and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)]
 
@@ -421,6 +425,27 @@ def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
     assert compared >= 8 * STEPS
 
 
+def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
+    """KTO on 2 ranks of 2 rows each gives the losses, metrics (the KL estimate a mean over both ranks' KL rows) and
+    evals of one process of 4 rows: the KL rows are the completions rotated within chunks of the global batch, the
+    same rows on both. The eval's KL rows too (chunks of the global batch in the eval split's order)."""
+    two, _ = smoke_run(runs, 2, 2, "kto")
+    sections = _merge(smoke_sections(2, 1, "kto"), {"train": {"per_device_batch_size": 4}})
+    one, _ = runs.run("fsdp2-x1-kto-4rows", 1, sections)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
+    compared = 0
+    for x, y in zip(a, b):
+        for key in x:
+            if key.removeprefix("eval_").startswith(("loss", "rewards/", "logps/", "kl")):
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x, y)
+                compared += 1
+        if "grad_norm" in x:  # float32 sums of other orders over the shards
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
+    assert compared >= 5 * STEPS
+    assert any(m.get("kl", 0) > 0 for m in a), a  # the estimate was not clamped to 0 throughout
+
+
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
@@ -595,14 +620,14 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
-                                      "mixture", "grpo", "muon", "schedule_free")]
+                                      "kto", "mixture", "grpo", "muon", "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
 # full-logits loss and ORPO resume as the base run and SimPO do, the reward model (its head a parameter like the
 # others, rebuilt from the seed before the checkpoint loads) as the base run.
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
-             and o not in ("plain_loss", "orpo", "reward_model")]
+             and o not in ("plain_loss", "orpo", "reward_model", "kto")]
 
 
 def test_resume_is_exact(runs, resume_cell):

@@ -141,3 +141,26 @@ def test_validate_names_the_first_bad_unpaired_row(tmp_path, row, says):
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr, proc.stderr
     assert f"line 3 of {data}" in proc.stderr, proc.stderr
+
+
+UNPAIRED = {"format": "unpaired", "eval_path": None}
+
+
+@pytest.mark.parametrize("plugins,sections,says", [
+    (["kto", "packing"], {}, "packing cannot pack unpaired rows"),
+    (["kto", "grpo"], {"grpo": {"rewards": [{"name": "json_fields"}]}},
+     "grpo generates completions of prompts: set data.format: prompt"),
+    (["kto", "dpo"], {}, "dpo trains on preference rows"),
+    (["kto"], {"data": {"format": "preference"}}, "kto trains on unpaired rows (prompt, completion, label)"),
+    (["kto"], {"kto": {"reference": "adapter"}}, "adapter: the reference is the base model with the LoRA adapters"),
+    (["kto"], {"train": {"per_device_batch_size": 1}}, "at least 2 rows per rank"),
+])
+def test_what_kto_cannot_combine_with_is_refused_before_any_weight_loads(tmp_path, plugins, sections, says):
+    from conftest import PRESET_DATA, run_cli, tiny_config
+
+    data = {**UNPAIRED, "path": str(PRESET_DATA / "contacts_unpaired_train.jsonl"), **sections.pop("data", {})}
+    config = tiny_config(tmp_path, plugins=plugins, data=data, **sections)
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert says in proc.stderr, proc.stderr[-3000:]
+    assert "Loading weights" not in proc.stderr
