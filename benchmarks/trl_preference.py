@@ -1,6 +1,6 @@
 """hfsdp's reference-free preference objectives against TRL 1.16, step by step: ``orpo`` against
 ``ORPOTrainer``, ``simpo`` against ``CPOTrainer(loss_type="simpo")``, and the reward model (``reward_model``)
-against ``RewardTrainer`` (issue 36).
+against ``RewardTrainer``, and ``kto`` against ``KTOTrainer`` (issue 36).
 
 As benchmarks/trl_dpo.py: the same model folder, the same pairs in the same order per step (hfsdp's
 ``BatchPlan``, read sequentially by TRL), the same hyper-parameters (AdamW, LR schedule, clipping), fp32, one
@@ -9,13 +9,19 @@ an EOS appended, the prompt cut where the tokenizations first differ by one toke
 the same rows (its ``tokenize_row`` replaced): what is compared is the loss, its gradient and the optimizer step.
 ``RewardTrainer`` is given hfsdp's token ids of each pair (its pre-tokenized ``chosen_ids``/``rejected_ids``, which
 its own tokenization gives too: prompt + completion, EOS appended) and the same sequence-classification model
-(hfsdp's ``sequence_classifier`` of the causal LM: the same seeded score head).
+(hfsdp's ``sequence_classifier`` of the causal LM: the same seeded score head). ``KTOTrainer`` tokenizes the same
+rows itself (TRL's own tokenization, which hfsdp's ``unpaired`` format follows) and runs its reference model (a
+second copy of the model) where hfsdp precomputes the reference log-probs; its KL rows are replaced by hfsdp's (each
+row's prompt with the completion of the row before it in file-order chunks of the batch: TRL rotates within its
+step's batch, which is hfsdp's only where the plan does not shuffle), so that the same loss is compared.
 Prints, per step, each side's loss and every logged metric both trainers share, their largest relative
-difference (target 1e-5), and the step-time ratio (median, first step left out).
+difference (target 1e-5; KTO's rewards and KL relative to the log-probs they are differences of: :func:`scale`), and
+the step-time ratio (median, first step left out).
 
     python benchmarks/trl_preference.py orpo [CONFIG] --steps 6 [--set KEY=VALUE ...]
     python benchmarks/trl_preference.py simpo --steps 6 --set simpo.nll_weight=1.0
     python benchmarks/trl_preference.py reward_model --steps 6 [--set reward_model.center_rewards_coefficient=0.01]
+    python benchmarks/trl_preference.py kto --steps 6 [--set kto.undesirable_weight=1.33]
 
 CONFIG defaults to the objective's preset (``orpo``, ``simpo``, ``rm``). Needs TRL: ``pip install -e '.[bench]'``.
 """
@@ -37,7 +43,10 @@ OWN = {"orpo": {"log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds
 # the reward model's metrics (hfsdp's -> RewardTrainer's)
 REWARD = {"rewards/accuracy": "accuracy", "rewards/margins": "margin", "rewards/mean": "mean_reward",
           "rewards/min": "min_reward", "rewards/max": "max_reward"}
-PRESETS = {"orpo": "orpo", "simpo": "simpo", "reward_model": "rm"}
+PRESETS = {"orpo": "orpo", "simpo": "simpo", "reward_model": "rm", "kto": "kto"}
+# KTO's metrics (the same names on both sides)
+KTO = {name: name for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                               "logps/rejected", "kl")}
 
 
 def trl_trainer(objective: str, cfg):
@@ -87,6 +96,60 @@ def run_trl_reward(cfg, host, steps: int) -> tuple[list[float], list[dict], list
         args = RewardConfig(**training_args(t, out, steps), max_length=cfg.data.max_seq_len,
                             center_rewards_coefficient=section.center_rewards_coefficient)
         trainer = InPlanOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=[step_times(times)])
+        trainer.train()
+    return losses, metrics, times
+
+
+def run_trl_kto(cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+    """TRL's ``KTOTrainer`` on the same rows in hfsdp's order, from the same model, with hfsdp's KL rows."""
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from trl import KTOConfig, KTOTrainer
+
+    from hfsdp import IGNORE_INDEX
+    from hfsdp.model import loading as models
+
+    t, section = cfg.train, cfg.section("kto")
+    path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
+    chunk = t.per_device_batch_size  # hfsdp's KL chunks: the global batch (one process, no accumulation)
+
+    def completion(i: int) -> list[int]:
+        row = train_set[i]
+        return row["input_ids"][next(k for k, label in enumerate(row["labels"]) if label != IGNORE_INDEX):]
+
+    def partner(i: int) -> int:  # hfsdp.builtin.kto.loss.with_kl_rows: the row before, within file-order chunks
+        first = i - i % chunk
+        return i - 1 if i > first else min(first + chunk, len(train_set)) - 1
+
+    ordered = datasets.Dataset.from_list([{**raw[i], "hfsdp_row": i} for i in order])
+    losses: list[float] = []
+    metrics: list[dict] = []
+    times: list[float] = []
+
+    class InPlanOrder(KTOTrainer):
+        def _prepare_dataset(self, dataset, *rest, **kw):
+            dataset = super()._prepare_dataset(dataset, *rest, **kw)
+            return dataset.map(lambda row: {"KL_completion_ids": completion(partner(row["hfsdp_row"]))})
+
+        def _get_train_sampler(self, *unused, **unused_kw):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            before = {k: len(v) for k, v in self._metrics["train"].items()}
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float((loss[0] if return_outputs else loss).detach()))
+            metrics.append({k: v[-1] for k, v in self._metrics["train"].items() if len(v) > before.get(k, 0)})
+            return loss
+
+    torch.manual_seed(t.seed)
+    model, ref_model = models.load_model(path, cfg.model), models.load_model(path, cfg.model)
+    with tempfile.TemporaryDirectory() as out:
+        args = KTOConfig(**training_args(t, out, steps), max_length=cfg.data.max_seq_len, beta=section.beta,
+                         desirable_weight=section.desirable_weight, undesirable_weight=section.undesirable_weight,
+                         train_sampling_strategy="sequential", remove_unused_columns=False)
+        trainer = InPlanOrder(model=model, ref_model=ref_model, args=args, train_dataset=ordered,
                               processing_class=tokenizer, callbacks=[step_times(times)])
         trainer.train()
     return losses, metrics, times
@@ -142,6 +205,16 @@ def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[di
     return losses, metrics, times
 
 
+def scale(objective: str, cfg, name: str, logged: dict) -> float:
+    """What a difference is relative to, at least: KTO's rewards and KL are differences of log-probs of hundreds
+    (float32 sums of other orders differ by about 1e-7 of those), so they are compared relative to the log-probs
+    they are differences of (times beta for rewards), not to their own value near 0; else nothing."""
+    if objective != "kto" or not name.startswith(("rewards/", "kl")):
+        return 0.0
+    logps = max((abs(v) for k, v in logged.items() if k.startswith("logps/")), default=0.0)
+    return logps * (cfg.section("kto").beta if name.startswith("rewards/") else 1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("objective", choices=sorted(PRESETS))
@@ -165,6 +238,9 @@ def main() -> None:
     if args.objective == "reward_model":
         trl_losses, trl_metrics, trl_times = run_trl_reward(cfg, host, args.steps)
         names, trainer = REWARD, "RewardTrainer"
+    elif args.objective == "kto":
+        trl_losses, trl_metrics, trl_times = run_trl_kto(cfg, host, args.steps)
+        names, trainer = KTO, "KTOTrainer"
     else:
         trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps)
         names, trainer = {**SHARED, **OWN[args.objective]}, trl_trainer(args.objective, cfg)[0].__name__
@@ -176,8 +252,10 @@ def main() -> None:
     print(f"{'step':>4} {'metric':>16} {'hfsdp':>13} {'TRL':>13} {'rel diff':>9}")
     worst = 0.0
     for step, (m, loss, logged) in enumerate(zip(ours, trl_losses, trl_metrics), start=1):
-        for name, a, b in [("loss", m["loss"], loss)] + [(n, m[n], logged[t]) for n, t in names.items()]:
-            rel = abs(a - b) / max(abs(b), 1e-12) if a != b else 0.0
+        # (KTO: a step without desirable, or undesirable, rows logs no chosen, or rejected, metrics on either side)
+        shared = [(n, m[n], logged[t]) for n, t in names.items() if n in m or t in logged]
+        for name, a, b in [("loss", m["loss"], loss)] + shared:
+            rel = abs(a - b) / max(abs(b), scale(args.objective, cfg, name, logged), 1e-12) if a != b else 0.0
             worst = max(worst, rel)
             print(f"{step:>4} {name:>16} {a:>13.7f} {b:>13.7f} {rel:>9.2e}")
     steps = min(len(ours), len(trl_losses))

@@ -44,9 +44,11 @@ PACKING = {"plugins": ["packing"], "data": {"max_seq_len": 256}}  # rows of ~80 
 PAIRS_DATA = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"),
               "eval_path": str(PRESET_DATA / "contacts_pref_eval.jsonl")}
 DPO = {"plugins": ["dpo"], "data": PAIRS_DATA}
-# KTO (plugin kto) on the bundled pairs unpaired, full fine-tuning: reference log-probs (rows and KL rows) precomputed
+# KTO (plugin kto) on the bundled pairs unpaired, full fine-tuning: reference log-probs (rows and KL rows) precomputed;
+# seed 42: rows whose KL estimate is above 0 from step 2 (with the tiny preset's seed 7 it stays clamped at 0)
 KTO = {"plugins": ["kto"], "data": {"format": "unpaired", "path": str(PRESET_DATA / "contacts_unpaired_train.jsonl"),
-                                    "eval_path": str(PRESET_DATA / "contacts_unpaired_eval.jsonl")}}
+                                    "eval_path": str(PRESET_DATA / "contacts_unpaired_eval.jsonl")},
+       "train": {"seed": 42}}
 
 # GRPO (plugin grpo) on the bundled prompts, full fine-tuning: a reward that differs within a group (module:function
 # on PYTHONPATH), 3 iterations a round, so that the step-2 checkpoint is inside a round (its completions restored)
@@ -443,7 +445,7 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
         if "grad_norm" in x:  # float32 sums of other orders over the shards
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
     assert compared >= 5 * STEPS
-    assert any(m.get("kl", 0) > 0 for m in a), a  # the estimate was not clamped to 0 throughout
+    assert all(m["kl"] > 0 for m in a if "kl" in m and m["step"] > 1), a  # compared above 0, not clamped
 
 
 def test_options_act(runs):
