@@ -106,6 +106,44 @@ def test_kto_loss_and_metrics_equal_trls_kto_trainer(models_and_rows, beta, weig
         assert got[name] == pytest.approx(want[name], rel=1e-5, abs=2e-5 if name == "kl" else 1e-6), name
 
 
+def test_the_adapter_route_is_the_base_with_the_adapters_disabled(models_and_rows):
+    """With LoRA (adapters away from their zero start), the adapter route's loss and metrics are those of the
+    precomputed route given the base model's log-probs of the rows and KL rows (the adapters disabled)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hfsdp.builtin.kto import KtoSection
+    from hfsdp.builtin.kto.loss import KTO
+    from hfsdp.config.schema import DataConfig
+
+    model, _, rows, pad_id = models_and_rows
+    torch.manual_seed(2)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    config = SimpleNamespace(data=DataConfig(format="unpaired", path="unused", max_seq_len=64))
+    section = KtoSection(beta=2.0, undesirable_weight=1.33)
+
+    def run(reference: str, rows_given) -> tuple[float, dict]:
+        objective = KTO(section, reference, config, None)
+        objective.accelerator, objective.unwrapped = SimpleNamespace(num_processes=1), peft
+        batch = objective.micro_batch(rows_given, pad_id, "cpu", select_logits=True)
+        with torch.no_grad():
+            loss = float(objective.loss(peft, batch) / batch.num_targets)
+        return loss, objective.take_metrics(SimpleNamespace(num_processes=1))
+
+    try:
+        base = KTO(section, "precomputed", config, None)
+        base.unwrapped = peft
+        with torch.no_grad(), peft.disable_adapter():
+            ref, ref_kl = base.completion_logps(peft, base.micro_batch(rows, pad_id, "cpu", select_logits=True))
+        adapter = run("adapter", rows)
+        precomputed = run("precomputed", [r | {"ref_logps": float(a), "ref_KL_logps": float(b)}
+                                          for r, a, b in zip(rows, ref, ref_kl)])
+    finally:
+        peft.unload()  # the module fixture's model without adapters again
+    assert adapter[0] == pytest.approx(precomputed[0], rel=1e-6)
+    assert adapter[1] == pytest.approx(precomputed[1], rel=1e-6, abs=1e-7)
+    assert abs(adapter[1]["rewards/chosen"]) > 1e-3  # the adapters moved the policy away from the base
+
+
 def test_kl_rows_rotate_completions_within_chunks(models_and_rows):
     """Row i's KL row is its prompt with row i-1's completion, the first row taking its chunk's last (chunks of 2)."""
     from datasets import Dataset
