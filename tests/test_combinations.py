@@ -438,9 +438,14 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     compared = 0
     for x, y in zip(a, b):
+        # rewards and KL are differences of float32 log-probs of hundreds (the reference's computed in batches of
+        # other padding on 2 ranks): within 1e-7 of those log-probs (times beta, 0.1, for rewards)
+        logps = max((abs(v) for k, v in x.items() if "logps/" in k), default=0.0)
         for key in x:
-            if key.removeprefix("eval_").startswith(("loss", "rewards/", "logps/", "kl")):
-                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x, y)
+            name = key.removeprefix("eval_")
+            if name.startswith(("loss", "rewards/", "logps/", "kl")):
+                near = 1e-7 * logps * (0.1 if name.startswith("rewards/") else 1.0)
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=max(near, 1e-6)), (key, x, y)
                 compared += 1
         if "grad_norm" in x:  # float32 sums of other orders over the shards
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
