@@ -63,6 +63,7 @@ class ReferenceRoutes(PreferenceObjective):
 
     plugin = "dpo"
     reference_columns = REFERENCE_COLUMNS
+    units = "pairs"  # what a row is, in the messages
 
     def __init__(self, section, reference: str, config, tokenizer):
         super().__init__()
@@ -120,7 +121,7 @@ class ReferenceRoutes(PreferenceObjective):
         mine: dict[int, tuple[float, float]] = {}
         batches = eval_batches(len(split), cfg.per_device_batch_size, accelerator.num_processes,
                                accelerator.process_index)
-        accelerator.print(f"{self.plugin}: computing the reference log-probs of the {name} split ({len(split)} rows)")
+        accelerator.print(f"{self.plugin}: computing the reference log-probs of the {name} split ({len(split)} {self.units})")
         was_training = model.training
         model.eval()
         try:

@@ -75,6 +75,7 @@ def with_kl_rows(split, chunk: int, max_len: int):
 class KTO(ReferenceRoutes):
     plugin = "kto"
     reference_columns = REFERENCE_COLUMNS
+    units = "rows"
     progress_metrics = ("rewards/margins", "kl")
 
     def __init__(self, section: KtoSection, reference: str, config, tokenizer):
