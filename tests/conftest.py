@@ -135,6 +135,23 @@ def tiny_untied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A second shrunk SmolLM2 (the same config and tokenizer, other random weights: seed 1): a teacher for the
+    ``distill`` plugin whose logits differ from the student's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("smollm2-tiny-teacher")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tiny_model_dir))).save_pretrained(
+        folder, safe_serialization=True)
+    for f in tiny_model_dir.iterdir():
+        if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 SHAREGPT_ROWS = REPO / "tests" / "data" / "sharegpt_dummy_conversation.json.gz"  # see tests/data/README.md
 
 
