@@ -4,6 +4,9 @@ tests/test_combinations.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -73,16 +76,46 @@ def test_two_ranks_compute_what_one_process_computes(tmp_path, tiny_teacher_dir)
                                              rel=1e-5)
 
 
-def test_a_teacher_with_another_vocabulary_is_refused_before_any_weight_loads(tmp_path, tiny_teacher_dir):
-    import json
-    import shutil
-
-    teacher = tmp_path / "other_vocab"
-    shutil.copytree(tiny_teacher_dir, teacher)
+def other_vocabulary(teacher, folder):
+    """The teacher with 64 more vocabulary entries in its config."""
     config = json.loads((teacher / "config.json").read_text())
     config["vocab_size"] += 64
-    (teacher / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def other_tokens(teacher, folder):
+    """The teacher's tokenizer with the ids of two tokens swapped: the same tokens, other ids."""
+    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (other_vocabulary, "distill.teacher: its vocabulary has 49216 entries, the student's 49152"),
+    (other_tokens, "distill.teacher: its tokenizer differs from the student's"),
+])
+def test_a_teacher_without_the_students_tokenizer_is_refused_before_any_weight_loads(tmp_path, tiny_teacher_dir,
+                                                                                   change, reason):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher_dir, teacher)
+    change(tiny_teacher_dir, teacher)
     proc = run_cli("train", str(distill_config(tmp_path, teacher)), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "distill.teacher: its vocabulary has 49216 entries, the student's 49152" in proc.stderr
+    assert reason in proc.stderr, proc.stderr[-3000:]
     assert "Loading weights" not in proc.stderr
+
+
+@pytest.mark.parametrize("sections, reason", [
+    ({"plugins": ["distill", "lora"]}, "distill is not combined with lora yet"),
+    ({"distill": {"loss": "forward_kl", "beta": 0.3}}, "distill.beta: applies to loss jsd only, not forward_kl"),
+    ({"data": {"format": "preference"}}, "distill trains on labelled tokens: use one of text, instruction, chat"),
+])
+def test_what_distill_cannot_combine_is_refused_by_validate(tmp_path, tiny_teacher_dir, sections, reason):
+    base = {"teacher": str(tiny_teacher_dir), "loss": "jsd"}
+    config = tiny_config(tmp_path, plugins=sections.get("plugins", ["distill"]),
+                         distill={**base, **sections.get("distill", {})}, **{k: v for k, v in sections.items()
+                                                                           if k not in ("plugins", "distill")})
+    proc = run_cli("validate", str(config), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert reason in proc.stderr, proc.stderr[-3000:]

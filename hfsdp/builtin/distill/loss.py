@@ -53,11 +53,14 @@ def check_teacher(teacher_path: str, student_config, tokenizer, model_cfg) -> No
     """A UserError, before any weight loads, if the teacher cannot teach this student token by token."""
     from hfsdp.model.loading import load_model_config, load_tokenizer
 
-    teacher_config = load_model_config(teacher_path, model_cfg)
+    try:
+        teacher_config = load_model_config(teacher_path, model_cfg)
+        theirs = load_tokenizer(teacher_path, model_cfg)
+    except UserError as err:  # said of model.name_or_path: here it is the teacher's
+        raise UserError(f"distill.teacher: {str(err).split(': ', 1)[1]}") from None
     if teacher_config.vocab_size != student_config.vocab_size:
         raise UserError(f"distill.teacher: its vocabulary has {teacher_config.vocab_size} entries, the student's "
                         f"{student_config.vocab_size}: the teacher must use the student's tokenizer")
-    theirs = load_tokenizer(teacher_path, model_cfg)
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise UserError("distill.teacher: its tokenizer differs from the student's (other tokens or ids): the "
                         "teacher must use the student's tokenizer")
