@@ -33,15 +33,16 @@ def main() -> None:
 
     from hfsdp.data import batches
     from hfsdp.model import loading as models
-    from hfsdp.cli import _apply_wrapper_to_env, _cache_dir, _launched_world
+    from hfsdp.cli import _cache_dir
+    from hfsdp.parallel import launcher
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
     from hfsdp.run.setup import decide
     from hfsdp.parallel.accelerator import build_accelerator
 
     cfg, host = load_config(args.config, args.overrides)
-    setup = decide(cfg, _launched_world(), resume=None)
-    _apply_wrapper_to_env(setup)  # as hfsdp train: one process without a wrapper joins no process group
+    setup = decide(cfg, launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available()), resume=None)
+    launcher.apply_wrapper(os.environ, setup)  # as hfsdp train: one process without a wrapper joins no process group
     cfg, world = setup.config, setup.world
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
     layers = models.fsdp_layer_classes(cfg.fsdp, models.load_model_config(path, cfg.model))

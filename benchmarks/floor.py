@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -127,11 +128,12 @@ def main() -> None:
     from hfsdp import IGNORE_INDEX
     from hfsdp.data import batches
     from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir, _launched_world
+    from hfsdp.cli import _cache_dir
+    from hfsdp.parallel import launcher
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
 
-    world = _launched_world()
+    world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
     if world.size > 1:
         raise SystemExit("floor.py: one process only (the floor of N ranks would add their collectives)")
     cfg, host = load_config(args.config, args.overrides)

@@ -108,9 +108,9 @@ def adapters_disabled(unwrapped):
     return disable() if disable is not None else contextlib.nullcontext()
 
 
-def objective_of(host, config, tokenizer) -> Objective | None:
+def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
     """The objective an enabled plugin returns from ``hfsdp_objective``, or None (next-token cross entropy)."""
-    returned = host.call("hfsdp_objective", config=config, tokenizer=tokenizer)
+    returned = host.call("hfsdp_objective", config=config, tokenizer=tokenizer, cache_dir=cache_dir)
     if len(returned) > 1:
         raise ConfigError([("plugins", "two plugins replace the training objective: "
                                        f"{', '.join(name for name, _ in returned)}; enable one of them")])

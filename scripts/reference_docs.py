@@ -19,7 +19,7 @@ DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
 PACKAGES = ["config", "rules", "hooks", "data", "model", "parallel", "run", "checkpoint", "export", "tools",
             "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
-            "builtin/reward_model", "builtin/kto"]
+            "builtin/reward_model", "builtin/kto", "builtin/distill"]
 FLOW = """\
 # Architecture
 

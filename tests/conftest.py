@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,36 @@ def tiny_untied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
         if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
             shutil.copy(f, folder / f.name)
     return folder
+
+
+def tiny_teacher_folder() -> Path:
+    """A second shrunk SmolLM2 (the same config and tokenizer, other random weights: seed 1), built once into the
+    test cache: a teacher for the ``distill`` plugin whose logits differ from the student's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfsdp.model.loading import resolve_model_path
+
+    folder = CACHE_DIR / "smollm2-tiny-teacher-seed1"
+    if not (folder / "model.safetensors").is_file():
+        student = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
+        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
+        torch.manual_seed(1)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(student))).save_pretrained(
+            tmp, safe_serialization=True)
+        for f in student.iterdir():
+            if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
+                shutil.copy(f, tmp / f.name)
+        try:
+            tmp.rename(folder)
+        except OSError:  # built meanwhile by another process
+            shutil.rmtree(tmp)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir() -> Path:
+    return tiny_teacher_folder()
 
 
 SHAREGPT_ROWS = REPO / "tests" / "data" / "sharegpt_dummy_conversation.json.gz"  # see tests/data/README.md

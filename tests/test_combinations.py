@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config, tiny_teacher_folder
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +116,10 @@ OPTIONS = {
     "reward_model": {"plugins": ["reward_model"], "data": PAIRS_DATA,
                      "reward_model": {"center_rewards_coefficient": 0.01}},
     "kto": KTO,
+    # distillation from a frozen teacher (another seed of the tiny model, sharded over the ranks), the JSD mixed
+    # with the token loss
+    "distill": lambda sections: _merge(sections, {"plugins": ["distill"], "distill": {
+        "teacher": str(tiny_teacher_folder()), "loss": "jsd", "alpha": 0.5, "temperature": 2.0}}),
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
@@ -240,10 +244,11 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
 # cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
-                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture")
+                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture",
+                          "distill")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
-FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto")
+FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill")
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
             and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)]
 
@@ -277,7 +282,8 @@ def assert_mixture_shares(sources: list[dict], train: dict, world: int) -> None:
 
 def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], version: int, world: int) -> None:
     """A smoke run trained every step, checkpointed, exported, and each of ``options`` acted."""
-    assert proc.stderr.count("Loading weights:   0%") == 1, proc.stderr[-3000:]  # rank 0's bar alone
+    bars = 2 if "distill" in options else 1  # distill: the teacher's too
+    assert proc.stderr.count("Loading weights:   0%") == bars, proc.stderr[-3000:]  # rank 0's bar alone
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
@@ -313,6 +319,10 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
     if "reward_model" in options:
         assert_scores_as_it_evaluated(run, sections, world)
+    if "distill" in options:  # the teacher's logits reached the loss; FSDP2 on 2 ranks shards the teacher too
+        assert all(m["distill/divergence"] > 1e-4 for m in read_metrics(run) if "loss" in m)
+        sharded = "loaded frozen, sharded over 2 ranks (FSDP2)" in proc.stdout + proc.stderr
+        assert sharded == (world == 2 and version == 2), (proc.stdout + proc.stderr)[-3000:]
     if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
@@ -456,7 +466,8 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
-    for option in ("packing", "lora", "bf16", "dpo", "orpo", "lora_simpo", "reward_model", "mixture", "grpo"):
+    for option in ("packing", "lora", "bf16", "dpo", "orpo", "lora_simpo", "reward_model", "mixture", "grpo",
+                   "distill"):
         changed = losses(smoke_run(runs, 2, 2, option)[0])
         assert changed[2][0] != base[2][0], option
     # accumulation and checkpointing compute the same steps: same losses, other micro-batches / recomputation
@@ -627,7 +638,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
-                                      "kto", "mixture", "grpo", "muon", "schedule_free")]
+                                      "kto", "mixture", "grpo", "muon", "schedule_free", "distill")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
 # full-logits loss and ORPO resume as the base run and SimPO do, the reward model (its head a parameter like the

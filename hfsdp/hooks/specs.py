@@ -166,7 +166,7 @@ def hfsdp_on_export(out_dir, destination, config, written_by, model_config, toke
 
 
 @hookspec
-def hfsdp_objective(config, tokenizer):
+def hfsdp_objective(config, tokenizer, cache_dir):
     """Replace the training objective (the summed next-token cross entropy of labelled tokens) with another one:
     return an :class:`hfsdp.objective.Objective` or None. At most one enabled plugin may return one.
 
@@ -177,7 +177,9 @@ def hfsdp_objective(config, tokenizer):
     sharded (``prepare``, e.g. reference log-probs) and reports its metrics (``take_metrics``) for each step and eval.
     Preference losses (DPO, IPO, ORPO, SimPO...) read rows of the built-in ``preference`` format. ``hfsdp plan``
     calls it too, with ``tokenizer`` None, to learn what a micro-batch forwards (``Objective.sequences_per_row``):
-    keep the construction light and read the tokenizer when the objective runs.
+    keep the construction light and read the tokenizer when the objective runs. ``cache_dir``: hfsdp's cache folder
+    (where built-in models are built; e.g. to find a second model's files before any weight loads), None from
+    ``hfsdp plan``.
     """
 
 

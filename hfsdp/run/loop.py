@@ -100,7 +100,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         # ---- data
         tokenizer = loading.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
-        replaced = objective_of(host, config, tokenizer)  # a plugin's objective, or None
+        replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard
