@@ -52,7 +52,9 @@ class Choice:
 
     @property
     def installed(self) -> bool:
-        return importlib.util.find_spec(self.path.split(".")[0].split(":")[0]) is not None
+        # the package pip installs (hfsdp's own subclasses live in hfsdp, their base in it)
+        module = self.pip.split("==")[0] if self.pip else self.path.split(".")[0].split(":")[0]
+        return importlib.util.find_spec(module) is not None
 
 
 BITSANDBYTES = "bitsandbytes==0.50.2"  # the version hfsdp is tested with (pyproject's optimizers and qlora extras)
@@ -62,12 +64,8 @@ CHOICES: dict[str, Choice] = {
     # fused: one kernel per step instead of a loop of per-parameter ops (CPU's default); 3x faster on 2 CPU cores.
     "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True}),
     "adamw_8bit": Choice(
-        "bitsandbytes.optim:AdamW8bit", BITSANDBYTES, adam=True,
-        whole="its moments are quantized in blocks of each parameter",
-        unsharded="bitsandbytes quantizes each moment in blocks of 256 elements of the tensor it is given, and keeps "
-                  "tensors under 4096 elements in 32 bits: a shard gets other blocks than the whole parameter (and "
-                  "its kernels take plain tensors, not FSDP2's DTensors), so the update would differ from one "
-                  "process's"),
+        "hfsdp.optimizers:ShardedAdamW8bit", BITSANDBYTES, adam=True,
+        whole="its moments are quantized in blocks of each parameter"),
     "adafactor": Choice(
         "torch.optim:Adafactor", None, adam=False,
         whole="it factors each matrix's second moment into its rows and columns",
@@ -344,9 +342,90 @@ def _whole_matrix_muon() -> type:
     return WholeMatrixMuon
 
 
+def blocks_follow_shards(shape: "tuple[int, ...] | torch.Size", shards: int, block: int = BNB_BLOCK) -> bool:
+    """Whether bitsandbytes' quantization blocks of a parameter of ``shape`` (``block`` elements of the flattened
+    tensor each) fall whole into the ``shards`` pieces FSDP2 cuts it into along dim 0 (``torch.chunk``'s: each
+    ``ceil(rows / shards)`` rows, the last ones fewer or none), and the blocks' scales chunked the same way give each
+    rank the scales of its own blocks: then a rank's shard is quantized in one process's blocks. True for the
+    matrices of common models (576 x 576 in 2: 288 rows x 576 = 648 blocks), not for every shape (37 x 24 in 2)."""
+    numel = math.prod(shape)
+    if shards == 1 or numel == 0:
+        return True
+    rows = shape[0]
+    per_shard = -(-rows // shards) * (numel // rows)
+    blocks = -(-numel // block)
+    return per_shard % block == 0 and -(-blocks // shards) * block == per_shard
+
+
+def _sharded_adamw_8bit() -> type:
+    import torch
+    from bitsandbytes.optim import AdamW8bit
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from hfsdp.distributed import local_tensor
+
+    class ShardedAdamW8bit(AdamW8bit):
+        """bitsandbytes' ``AdamW8bit``, its own state layout and kernels, on FSDP2's sharded parameters (DTensors)
+        with one process's update. Whether a parameter's moments are 8-bit is decided by the whole parameter's size
+        (bitsandbytes' ``min_8bit_size``), as on one process. Moments in 32 bits are elementwise: each rank updates
+        its shard. 8-bit moments are quantized in blocks of 256 elements of the flattened parameter; FSDP2 shards on
+        dim 0, so a rank's shard is a contiguous range of it: where that range starts and ends on block boundaries
+        (:func:`blocks_follow_shards`), the rank quantizes its own blocks (its moments and their block scales are
+        sharded as the parameter is). Elsewhere every rank runs the kernels on the gathered parameter and gradient,
+        with the whole (replicated) moments, and keeps its own rows of the result, as :class:`WholeMatrixMuon`
+        does. On plain tensors (one process, DDP) it is ``AdamW8bit`` itself."""
+
+        def init_state(self, group, p, gindex, pindex):
+            super().init_state(group, p, gindex, pindex)  # the 8-bit choice by p.numel(): a DTensor's is the whole's
+            state = self.state[p]
+            if not isinstance(p, DTensor) or state["state1"].dtype != torch.uint8:
+                return  # 32-bit moments: zeros_like(p), sharded as p is
+            mesh, placements = p.device_mesh, p.placements
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+            if all(pl.is_replicate() or pl.is_shard(0) for pl in placements) and blocks_follow_shards(p.shape, shards):
+                local = local_tensor(p).numel()
+                for key in ("absmax1", "absmax2"):
+                    state[key] = DTensor.from_local(
+                        torch.zeros(-(-local // BNB_BLOCK), dtype=torch.float32, device=p.device), mesh, placements,
+                        run_check=False, shape=state[key].shape, stride=(1,))
+            else:
+                whole = [Replicate()] * mesh.ndim
+                for key in ("state1", "state2", "absmax1", "absmax2"):
+                    shape = p.shape if key.startswith("state") else state[key].shape
+                    dtype = state[key].dtype
+                    state[key] = DTensor.from_local(torch.zeros(shape, dtype=dtype, device=p.device), mesh, whole,
+                                                    run_check=False)
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            if not isinstance(p, DTensor):
+                return super().update_step(group, p, gindex, pindex)
+            state = self.state[p]
+            gathered = (state["state1"].placements != p.placements
+                        and all(pl.is_replicate() for pl in state["state1"].placements))
+            shard = p.to_local()
+            # bitsandbytes' own update_step on plain tensors: this rank's shard, or the gathered parameter
+            param = (p.full_tensor() if gathered else shard).detach()
+            param.grad = (p.grad.full_tensor() if gathered else p.grad.to_local())
+            self.state[param] = {key: local_tensor(v) if torch.is_tensor(v) else v for key, v in state.items()}
+            try:
+                super().update_step(group, param, gindex, pindex)
+            finally:
+                state["step"] = self.state.pop(param)["step"]
+            if gathered:
+                # every rank holds the same whole result: each keeps its own part, without communication
+                param = distribute_tensor(param, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            if param.data_ptr() != shard.data_ptr():
+                shard.copy_(param)
+
+    return ShardedAdamW8bit
+
+
 def __getattr__(name: str):
-    """``WholeMatrixMuon`` is made on first use (it subclasses torch's Muon, which torch before 2.9 lacks)."""
-    if name == "WholeMatrixMuon":
-        globals()[name] = _whole_matrix_muon()
+    """``WholeMatrixMuon`` and ``ShardedAdamW8bit`` are made on first use (they subclass torch's Muon, which torch
+    before 2.9 lacks, and bitsandbytes' AdamW8bit, an optional package)."""
+    makers = {"WholeMatrixMuon": _whole_matrix_muon, "ShardedAdamW8bit": _sharded_adamw_8bit}
+    if name in makers:
+        globals()[name] = makers[name]()
         return globals()[name]
     raise AttributeError(name)

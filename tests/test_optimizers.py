@@ -19,7 +19,7 @@ STEPS = 4
 # (schedule-free needs it); weight decay on, so that which parameters decay is compared too.
 TRAIN = {"max_steps": STEPS, "lr_scheduler": "constant", "weight_decay": 0.1, "eval_at_start": False,
          "max_eval_batches": 1, "per_device_batch_size": 2, "save_every": 2, "collective_timeout_s": 120}
-SHARDED = ("muon", "schedule_free_adamw", "sgd")  # run on FSDP2's shards (8-bit AdamW and Adafactor are refused)
+SHARDED = ("adamw_8bit", "muon", "schedule_free_adamw", "sgd")  # run on FSDP2's shards (Adafactor is refused)
 ARGS = {"sgd": {"momentum": 0.9}}  # a state to shard (SGD without momentum has none)
 REL = 1e-5
 
