@@ -111,14 +111,16 @@ OPTIONS = {
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
-    # weights evaluated, checkpointed and exported); 8-bit AdamW and Adafactor do not run on FSDP's parameters
-    # (refused in tests/test_bad_inputs.py; trained and resumed without FSDP in tests/test_optimizers.py)
+    # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
+    # FSDP2's shards); Adafactor does not run on FSDP's parameters (refused in tests/test_bad_inputs.py; trained and
+    # resumed without FSDP in tests/test_optimizers.py)
     "muon": {"train": {"optimizer": "muon"}},
     "schedule_free": {"train": {"optimizer": "schedule_free_adamw"}},
+    "adamw_8bit": {"train": {"optimizer": "adamw_8bit"}},
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
-# muon, which FSDP1 cannot run (its refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon")
+# muon and adamw_8bit, which FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -228,9 +230,9 @@ SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or
 FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # FSDP2 on one process (a one-rank FSDP) leaves out, in CI, the options that take no path of their own there: they
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
-# cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option).
+# cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option, 8-bit AdamW on one shard: the whole).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
-                          "lora_full_state_dict", "plain_loss", "lora_simpo", "mixture")
+                          "lora_full_state_dict", "plain_loss", "lora_simpo", "mixture", "adamw_8bit")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo")
@@ -356,7 +358,7 @@ def test_options_act(runs):
         same = losses(smoke_run(runs, 2, 2, option)[0])
         assert same[STEPS][0] == pytest.approx(base[STEPS][0], rel=1e-4), option
     # schedule-free's first step is AdamW's (Adam's first normalised step, no average yet): compared at the last
-    for option in ("muon", "schedule_free"):
+    for option in ("muon", "schedule_free", "adamw_8bit"):
         assert losses(smoke_run(runs, 2, 2, option)[0])[STEPS][0] != base[STEPS][0], option
 
 
@@ -519,7 +521,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "mixture",
-                                      "grpo", "muon", "schedule_free")]
+                                      "grpo", "muon", "schedule_free", "adamw_8bit")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
 # full-logits loss and ORPO resume as the base run and SimPO do.
