@@ -138,10 +138,6 @@ def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str
     if wrapper == "fsdp1" and choice.whole:
         return [("train.optimizer", f"{name} cannot run under FSDP1: {choice.whole}, and FSDP1 gives the optimizer "
                                     "flat slices of several parameters concatenated: use fsdp.version: 2")]
-    if wrapper == "fsdp1" and name == "schedule_free_adamw":
-        return [("train.optimizer", "schedule_free_adamw cannot run under FSDP1 yet: a run resumed from its FSDP1 "
-                                    "checkpoint does not continue the steps it stopped at (its averaged and its "
-                                    "training weights are not both restored): use fsdp.version: 2")]
     if wrapper == "fsdp2" and choice.unsharded:
         return [("train.optimizer", f"{name} cannot run on FSDP2's sharded parameters: {choice.unsharded}. Run it "
                                     "without FSDP2's shards: on one process without FSDP (fsdp.single_process: "

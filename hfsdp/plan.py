@@ -453,10 +453,12 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     bench counts them), as each ``train.optimizer`` allocates it for the trainable parameters: AdamW and
     schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
     Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
-    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW
-    (unsharded only) two bytes per element plus two float32 block scales per 256 elements and the two 256-entry
-    quantization maps all parameters share, with parameters under ``min_8bit_size`` elements in float32."""
-    from hfsdp.optimizers import BNB_BLOCK, BNB_MIN_8BIT
+    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW two
+    bytes per element plus two float32 block scales per 256 elements and the two 256-entry quantization maps all
+    parameters share, with parameters under ``min_8bit_size`` elements (whole) in float32: under FSDP2 those of the
+    rank's shard, and whole on every rank for a parameter whose shards do not fall on the 256-element blocks
+    (:func:`hfsdp.optimizers.blocks_follow_shards`: it runs on the gathered tensor)."""
+    from hfsdp.optimizers import BNB_BLOCK, BNB_MIN_8BIT, blocks_follow_shards
 
     args = dict(setup.optimizer_args)
     trainable = [p for p in facts.params if p.trainable]
@@ -471,8 +473,19 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "adamw_8bit":
         small = args.get("min_8bit_size", BNB_MIN_8BIT)
         quantized = [p for p in trainable if p.numel >= small]
-        return (sum(2 * p.numel + 2 * 4 * -(-p.numel // BNB_BLOCK) for p in quantized) + (2 * 256 * 4 if quantized
-                else 0) + sum(2 * 4 * p.numel for p in trainable if p.numel < small))
+        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+
+        def per_rank(p: Param, rank: int) -> int:
+            if p.numel < small:
+                return 2 * 4 * (_chunk(p.rows, group, rank) * (p.numel // max(p.rows, 1)) if group > 1 else p.numel)
+            if group > 1 and blocks_follow_shards(p.shape or (p.rows, p.numel // max(p.rows, 1)), group):
+                numel = _chunk(p.rows, group, rank) * (p.numel // max(p.rows, 1))
+            else:
+                numel = p.numel
+            return 2 * numel + 2 * 4 * -(-numel // BNB_BLOCK)
+
+        return (max(sum(per_rank(p, rank) for p in trainable) for rank in range(group))
+                + (2 * 256 * 4 if quantized else 0))
     return 2 * sharded_bytes(facts, setup, lambda p: p.trainable)  # adamw, schedule_free_adamw
 
 
@@ -655,8 +668,9 @@ class Planner:
             FSDPConfig.model_validate(setup.fsdp.model_dump())
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        train = self.config.train.model_copy(update={"optimizer": setup.optimizer})
         problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node) + optimizers.wrapper_problems(
-            self.config, setup.wrapper)  # e.g. 8-bit AdamW where FSDP2 shards the parameters
+            self.config.model_copy(update={"train": train}), setup.wrapper)  # e.g. Adafactor where FSDP2 shards
         if problems:
             return problems[0][1]
         config, host = self.variant(setup.plugins)
@@ -674,8 +688,9 @@ class Planner:
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
         takes and checked by the same estimate. The changes, cheapest first: those that keep the hardware and the
-        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), more ranks per node (fewer
-        first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the costliest
+        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), AdamW's moments in 8 bits
+        (``train.optimizer=adamw_8bit``: 2 bytes a parameter instead of 8, plus its block scales), more ranks per
+        node (fewer first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the costliest
         change a set needs, then how many changes it makes, so a change that fits alone is never printed with
         others it does not need."""
         changes: list[Change] = []
@@ -685,6 +700,8 @@ class Planner:
             changes.append(Change("fsdp.activation_checkpointing=true", fsdp={"activation_checkpointing": True}))
         if setup.precision == "no":
             changes.append(Change("fsdp.mixed_precision=bf16", fsdp={"mixed_precision": "bf16"}))
+        if setup.optimizer == "adamw" and not setup.optimizer_args:  # its arguments are AdamW's, not AdamW8bit's
+            changes.append(Change("train.optimizer=adamw_8bit", job={"optimizer": "adamw_8bit"}))
         for n in sorted(set(more_ranks)):
             if n > setup.nproc_per_node:
                 changes.append(Change(f"--nproc {n} ({n * setup.nodes} ranks)", job={"nproc_per_node": n},

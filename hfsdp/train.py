@@ -35,7 +35,7 @@ from hfsdp.errors import UserError
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.plugins import PluginHost
 from hfsdp.run_setup import RunSetup
-from hfsdp.wrapping import build_accelerator, grad_scaler, prepare_model_and_optimizer
+from hfsdp.wrapping import build_accelerator, fsdp1_drop_stale_gathers, grad_scaler, prepare_model_and_optimizer
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
            "completions.jsonl")
@@ -252,6 +252,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         optimizers.set_training(optimizer)  # schedule-free steps in train mode (resume's state-making step too)
         if setup.resume_asked:
             resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world)
+            if setup.wrapper == "fsdp1":
+                fsdp1_drop_stale_gathers(model)  # before set_training changes the weights the load gathered
             optimizers.set_training(optimizer)  # a checkpoint holds schedule-free's evaluation weights
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
