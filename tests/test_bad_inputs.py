@@ -292,9 +292,9 @@ CASES: dict[str, Case] = {
     "8-bit adamw under fsdp1": (
         lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"}, fsdp={"version": 1, "single_process": "fsdp"})],
         "train.optimizer: adamw_8bit cannot run under FSDP1: its moments are quantized in blocks of each parameter"),
-    "adafactor on fsdp2 shards": (
-        lambda d, s: ["train", _cfg(d, train={"optimizer": "adafactor"}, fsdp={"single_process": "fsdp"})],
-        "train.optimizer: adafactor cannot run on FSDP2's sharded parameters: it factors each matrix's second moment"),
+    "adafactor under fsdp1": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "adafactor"}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.optimizer: adafactor cannot run under FSDP1: it factors each matrix's second moment into its rows"),
     "8-bit adamw without bitsandbytes installed": (
         lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"})],
         "train.optimizer: adamw_8bit needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2' "

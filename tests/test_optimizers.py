@@ -1,8 +1,8 @@
 """train.optimizer (issue 39): the optimizers people choose give one process's update on 2 gloo ranks under FSDP2,
-schedule-free evaluates and exports its averaged weights, 8-bit AdamW resumes bit for bit on 2 ranks and Adafactor
-(which runs only unsharded) on one process. The math of hfsdp's Muon and 8-bit AdamW against torch's and
-bitsandbytes' own is checked on DTensor shards; the rest through the real CLI on the tiny model, one run per
-optimizer and world shared by the assertions (:func:`runs`)."""
+schedule-free evaluates and exports its averaged weights, 8-bit AdamW and Adafactor resume bit for bit on 2 ranks.
+The math of hfsdp's Muon, 8-bit AdamW and Adafactor against torch's and bitsandbytes' own is checked on DTensor
+shards; the rest through the real CLI on the tiny model, one run per optimizer and world shared by the assertions
+(:func:`runs`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ STEPS = 4
 # (schedule-free needs it); weight decay on, so that which parameters decay is compared too.
 TRAIN = {"max_steps": STEPS, "lr_scheduler": "constant", "weight_decay": 0.1, "eval_at_start": False,
          "max_eval_batches": 1, "per_device_batch_size": 2, "save_every": 2, "collective_timeout_s": 120}
-SHARDED = ("adamw_8bit", "muon", "schedule_free_adamw", "sgd")  # run on FSDP2's shards (Adafactor is refused)
+SHARDED = ("adamw_8bit", "adafactor", "muon", "schedule_free_adamw", "sgd")  # every one but adamw: on FSDP2's shards
 ARGS = {"sgd": {"momentum": 0.9}}  # a state to shard (SGD without momentum has none)
 # 8-bit AdamW's 2-rank run checkpoints a FULL state dict (its resume below); SHARDED in test_combinations' matrix
 FSDP = {"adamw_8bit": {"state_dict_type": "FULL_STATE_DICT"}}
@@ -196,6 +196,72 @@ def test_8bit_adamw_on_fsdp2_shards_is_bitsandbytes_on_the_whole_tensors_bit_for
                               "('torch.float32', '(Shard(dim=0),)')]"), lines
 
 
+SHARDED_ADAFACTOR = textwrap.dedent("""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from hfsdp.optimizers import ShardedAdafactor
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+# a matrix of 37 rows (uneven shards: 19 and 18) and a vector
+shapes = [(37, 24), (37,)]
+weights = [torch.randn(s) for s in shapes]
+grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+whole = [w.clone().requires_grad_() for w in weights]
+theirs = torch.optim.Adafactor(whole, lr=1e-2, weight_decay=0.1)
+shards = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
+ours = ShardedAdafactor(shards, lr=1e-2, weight_decay=0.1)
+for gs in grads:
+    for w, s, g in zip(whole, shards, gs):
+        w.grad = g.clone()
+        s.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+    theirs.step(), ours.step()
+diffs = [float((s.full_tensor() - w.detach()).abs().max()) for s, w in zip(shards, whole)]
+states = []
+for s, w in zip(shards, whole):
+    for k, v in ours.state[s].items():
+        if k != "step":
+            states.append((k, str(v.placements), float((v.full_tensor() - theirs.state[w][k]).abs().max())))
+naive = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
+try:
+    for n, g in zip(naive, grads[0]):
+        n.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+    torch.optim.Adafactor(naive, lr=1e-2).step()
+    refused = "ran"
+except Exception as err:
+    refused = type(err).__name__
+if dist.get_rank() == 0:
+    print("ours", *diffs)
+    print("states", states)
+    print("torch", refused)
+dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_adafactor_on_fsdp2_shards_is_torchs_adafactor_on_the_whole_tensors_bit_for_bit(tmp_path):
+    """The same gradients in, the same weights and state out, on 2 gloo ranks (a matrix in uneven shards and a
+    vector): hfsdp's Adafactor updates the gathered tensors; torch's own refuses FSDP2's DTensors."""
+    import subprocess
+    import sys
+
+    from conftest import base_env, free_port
+
+    script = tmp_path / "sharded_adafactor.py"
+    script.write_text(SHARDED_ADAFACTOR)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)],
+                          env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("ours", "states", "torch")))
+    assert [float(d) for d in lines["ours"].split()] == [0.0, 0.0], lines
+    assert lines["states"] == ("[('row_var', '(Shard(dim=0),)', 0.0), ('col_var', '(Replicate(),)', 0.0), "
+                               "('variance', '(Shard(dim=0),)', 0.0)]"), lines
+    assert lines["torch"] == "RuntimeError", lines
+
+
 class Runs:
     def __init__(self, root: Path):
         self.root, self.done = root, {}
@@ -296,9 +362,9 @@ def _named_parameters_in_order(run: Path) -> list[str]:
     return [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
 
 
-# (optimizer, world): 8-bit AdamW on 2 FSDP2 ranks (a FULL state dict: its moments and block scales gathered
-# whole and sharded again at load), Adafactor on one process without FSDP (refused on FSDP shards)
-RESUMED = (("adamw_8bit", 2), ("adafactor", 1))
+# (optimizer, world): on 2 FSDP2 ranks, 8-bit AdamW from a FULL state dict (its moments and block scales gathered
+# whole and sharded again at load), Adafactor from a SHARDED one (its row factors sharded, its column factors whole)
+RESUMED = (("adamw_8bit", 2), ("adafactor", 2))
 
 
 @pytest.mark.slow
