@@ -10,10 +10,13 @@ against the optimizer's signature and tried on a small tensor before any weight 
 The same update on N ranks as on one process: elementwise optimizers (AdamW, SGD, schedule-free AdamW) update a
 shard as they update the whole tensor. Muon orthogonalises whole matrices: under FSDP2 :class:`WholeMatrixMuon`
 runs Newton-Schulz on the gathered momentum and keeps this rank's rows of the result, which is torch's Muon on one
-process. Optimizers that need each parameter whole are refused where FSDP1 wraps the model (its flat parameters
-are slices of several parameters concatenated), and 8-bit AdamW (its quantization blocks) and Adafactor (its row
-and column factors, which torch's implementation cannot compute on DTensors) where FSDP2 wraps it: one process,
-or DDP (``fsdp.sharding_strategy: NO_SHARD``), runs them (:func:`wrapper_problems`).
+process. 8-bit AdamW quantizes its moments in blocks of the flattened parameter: :class:`ShardedAdamW8bit` runs
+bitsandbytes' kernels on a rank's shard where FSDP2's dim-0 shards fall on the blocks, on the gathered tensor
+elsewhere. Adafactor factors each matrix's second moment into rows and columns and scales by whole-tensor norms:
+:class:`ShardedAdafactor` runs torch's update on the gathered tensors. The three need each parameter whole and are
+refused where FSDP1 wraps the model (its flat parameters are slices of several parameters concatenated;
+:func:`wrapper_problems`). The gradients they get are the same on N ranks as on one process because the clipping
+norm is (:func:`hfsdp.distributed.clip_grad_norm`).
 """
 
 from __future__ import annotations

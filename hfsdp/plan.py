@@ -453,7 +453,8 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     bench counts them), as each ``train.optimizer`` allocates it for the trainable parameters: AdamW and
     schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
     Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
-    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW two
+    a row and a column factor per matrix and a full second moment per vector, under FSDP2 the rows' share of the
+    row factors and moments and the whole column factors (:class:`hfsdp.optimizers.ShardedAdafactor`); 8-bit AdamW two
     bytes per element plus two float32 block scales per 256 elements and the two 256-entry quantization maps all
     parameters share, with parameters under ``min_8bit_size`` elements (whole) in float32: under FSDP2 those of the
     rank's shard, and whole on every rank for a parameter whose shards do not fall on the 256-element blocks
@@ -468,8 +469,15 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "sgd":
         return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
     if setup.optimizer == "adafactor":
-        return sum((p.numel // p.shape[-1] + p.numel // p.shape[-2] if len(p.shape) >= 2 else p.numel) * 4
-                   for p in trainable)
+        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+
+        def factors(p: Param, rank: int) -> int:  # row factors and vector moments sharded as the rows, columns whole
+            rows = _chunk(p.rows, group, rank) if group > 1 else p.rows
+            if len(p.shape) >= 2:
+                return 4 * (rows * (p.numel // p.shape[-1]) // max(p.rows, 1) + p.numel // p.shape[-2])
+            return 4 * rows * (p.numel // max(p.rows, 1))
+
+        return max(sum(factors(p, rank) for p in trainable) for rank in range(group))
     if setup.optimizer == "adamw_8bit":
         small = args.get("min_8bit_size", BNB_MIN_8BIT)
         quantized = [p for p in trainable if p.numel >= small]
