@@ -117,10 +117,13 @@ OPTIONS = {
     "schedule_free": {"train": {"optimizer": "schedule_free_adamw"}},
     "adamw_8bit": {"train": {"optimizer": "adamw_8bit"}},
     "adafactor": {"train": {"optimizer": "adafactor"}},
+    # 8-bit AdamW over QLoRA's adapters (their matrices are under bitsandbytes' 4096 elements: 32-bit moments, on
+    # each rank's shard, as one process keeps them)
+    "qlora_adamw_8bit": {**LORA, "model": {"quantization": {"bits": 4}}, "train": {"optimizer": "adamw_8bit"}},
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor")
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -236,7 +239,7 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpo
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo")
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
-CI_ELSEWHERE = ("adamw_8bit", "adafactor")
+CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
             and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)
             and o not in CI_ELSEWHERE]
@@ -522,7 +525,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "mixture",
-                                      "grpo", "muon", "schedule_free", "adamw_8bit", "adafactor")]
+                                      "grpo", "muon", "schedule_free", "adamw_8bit", "adafactor",
+                                      "qlora_adamw_8bit")]
           + [(1, 2, "schedule_free")]  # FSDP1's load left a stale gathered root (hfsdp.wrapping.fsdp1_drop_stale_gathers)
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
