@@ -1,9 +1,9 @@
 """train.optimizer side by side on the tiny preset (issue 39): for each optimizer, one process (2 micro-batches of 2
-rows) and 2 gloo ranks (2 rows each; FSDP2, or DDP via NO_SHARD where FSDP2's shards are refused) train the same
-global batches; printed: the largest relative difference of the losses and of the final weights (per tensor,
-||a - b|| / ||b||), the optimizer state bytes of rank 0 (live tensors of the 2-rank run, as `hfsdp bench` counts
-them, and `hfsdp plan`'s figure for the same setup), and the median step time of the one-process run over
-AdamW's.
+rows) and 2 gloo ranks (2 rows each; FSDP2, or DDP via NO_SHARD for an optimizer refused on FSDP2's shards: none
+is now) train the same global batches; printed: the largest relative difference of the losses and of the final
+weights (per tensor, ||a - b|| / ||b||), the optimizer state bytes of rank 0 (live tensors of the 2-rank run, as
+`hfsdp bench` counts them, and `hfsdp plan`'s figure for the same setup), and the median step time of the
+one-process run over AdamW's.
 
 Run: python benchmarks/optimizers.py --steps 8 [--optimizers adamw,muon] [--out DIR]
      python benchmarks/optimizers.py --dry    (the configs only; CI runs this)

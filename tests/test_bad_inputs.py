@@ -289,10 +289,12 @@ CASES: dict[str, Case] = {
     "muon under fsdp1": (
         lambda d, s: ["train", _cfg(d, train={"optimizer": "muon"}, fsdp={"version": 1, "single_process": "fsdp"})],
         "train.optimizer: muon cannot run under FSDP1: it orthogonalises each whole matrix"),
-    "8-bit adamw on fsdp2 shards": (
-        lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"}, fsdp={"single_process": "fsdp"})],
-        "train.optimizer: adamw_8bit cannot run on FSDP2's sharded parameters: bitsandbytes quantizes each moment "
-        "in blocks"),
+    "8-bit adamw under fsdp1": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.optimizer: adamw_8bit cannot run under FSDP1: its moments are quantized in blocks of each parameter"),
+    "adafactor under fsdp1": (
+        lambda d, s: ["train", _cfg(d, train={"optimizer": "adafactor"}, fsdp={"version": 1, "single_process": "fsdp"})],
+        "train.optimizer: adafactor cannot run under FSDP1: it factors each matrix's second moment into its rows"),
     "8-bit adamw without bitsandbytes installed": (
         lambda d, s: ["train", _cfg(d, train={"optimizer": "adamw_8bit"})],
         "train.optimizer: adamw_8bit needs bitsandbytes, which is not installed: pip install 'bitsandbytes==0.50.2' "

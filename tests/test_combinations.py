@@ -125,14 +125,19 @@ OPTIONS = {
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
-    # weights evaluated, checkpointed and exported); 8-bit AdamW and Adafactor do not run on FSDP's parameters
-    # (refused in tests/test_bad_inputs.py; trained and resumed without FSDP in tests/test_optimizers.py)
+    # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
+    # FSDP2's shards), Adafactor (the gathered matrices' rows and columns factored)
     "muon": {"train": {"optimizer": "muon"}},
     "schedule_free": {"train": {"optimizer": "schedule_free_adamw"}},
+    "adamw_8bit": {"train": {"optimizer": "adamw_8bit"}},
+    "adafactor": {"train": {"optimizer": "adafactor"}},
+    # 8-bit AdamW over QLoRA's adapters (their matrices are under bitsandbytes' 4096 elements: 32-bit moments, on
+    # each rank's shard, as one process keeps them)
+    "qlora_adamw_8bit": {**LORA, "model": {"quantization": {"bits": 4}}, "train": {"optimizer": "adamw_8bit"}},
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
-# muon, which FSDP1 cannot run (its refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon")
+# the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -150,9 +155,6 @@ REFUSED.update({(1, world, "async_save"): "train.async_save: FSDP1's sharded sta
 # QLoRA runs under FSDP2 only: refused in validation (hfsdp.model.quantized).
 REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1, 2) for name in OPTIONS
                 if name.startswith("qlora")})
-# schedule-free's FSDP1 checkpoints do not resume exactly (test_pair_resumes_exactly[fsdp1+schedule_free] found it):
-# refused before any weight loads (hfsdp.run.optimizers.wrapper_problems).
-REFUSED.update({(1, world, "schedule_free"): "schedule_free_adamw cannot run under FSDP1 yet" for world in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -242,15 +244,19 @@ SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or
 FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # FSDP2 on one process (a one-rank FSDP) leaves out, in CI, the options that take no path of their own there: they
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
-# cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option).
+# cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option, 8-bit AdamW on one shard: the whole).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
                           "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture",
-                          "distill")
+                          "distill", "adamw_8bit", "adafactor")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill")
+# Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
+# their resumes (tests/test_optimizers.py)
+CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
-            and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)]
+            and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)
+            and o not in CI_ELSEWHERE]
 
 
 def assert_refused(proc, run: Path, world: int, reason: str) -> None:
@@ -512,7 +518,6 @@ REFUSED_PAIRS = {
     frozenset(("packing", "grpo")): "packing cannot pack grpo's rows",
     frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
     frozenset(("muon", "fsdp1")): "muon cannot run under FSDP1",
-    frozenset(("schedule_free", "fsdp1")): "schedule_free_adamw cannot run under FSDP1 yet",
 }
 
 
@@ -638,14 +643,19 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
            for o in ("base", "full_state_dict", "lora", "lora_full_state_dict") if (v, w, o) not in REFUSED]
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
-                                      "kto", "mixture", "grpo", "muon", "schedule_free", "distill")]
+                                      "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
+                                      "adafactor", "qlora_adamw_8bit")]
+          # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
+          + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
 # CI's tier: one process resumes the base run and LoRA (FSDP1: the base run), a full state dict on 2 ranks; the
 # full-logits loss and ORPO resume as the base run and SimPO do, the reward model (its head a parameter like the
-# others, rebuilt from the seed before the checkpoint loads) as the base run.
+# others, rebuilt from the seed before the checkpoint loads) as the base run; FSDP1's schedule-free run resumes in
+# CI as the pair schedule_free+fsdp1 (test_pair_resumes_exactly), 8-bit AdamW in tests/test_optimizers.py.
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
-             and o not in ("plain_loss", "orpo", "reward_model", "kto")]
+             and o not in ("plain_loss", "orpo", "reward_model", "kto") and o not in CI_ELSEWHERE
+             and (v, o) != (1, "schedule_free")]
 
 
 def test_resume_is_exact(runs, resume_cell):

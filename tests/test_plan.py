@@ -251,3 +251,26 @@ def test_the_chunked_loss_is_planned_without_the_full_logits(tmp_path):
     # the saved log-softmax (of the 2047 positions that predict a token)
     assert rows[False]["activations"] - rows[True]["activations"] == pytest.approx(logits, rel=1e-3)
     assert rows[False]["device_peak"] - rows[True]["device_peak"] >= logits
+
+
+# Mistral-7B-v0.1: embeddings and lm_head 2 x 32000 x 4096, 32 layers of (2 x 4096 x 4096 + 2 x 1024 x 4096
+# + 3 x 14336 x 4096 + 2 x 4096), final norm 4096: every tensor a multiple of 256 elements, every dim 0 even.
+MISTRAL_7B_PARAMS = 2 * 32000 * 4096 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096) + 4096
+
+
+def test_8bit_adamw_is_planned_per_shard_and_is_the_cheapest_change_where_it_fits(tmp_path):
+    """8-bit AdamW keeps 2 bytes per element of each moment plus a float32 scale per 256 elements of each, and the
+    two shared 256-entry maps: 65/32 bytes a parameter instead of AdamW's 8, of the rank's shard under FSDP2 (every
+    shard of Mistral-7B falls on the 256-element blocks). On one 110 GB device in bf16 AdamW does not fit, and the
+    cheapest change that does is the 8-bit optimizer, checked by the same estimate."""
+    cfg = str(hub_config(tmp_path, "mistralai/Mistral-7B-v0.1"))
+    eight = plan_json(cfg, "--nproc", "1,2", "--strategies", "FULL_SHARD", "--set", "train.optimizer=adamw_8bit",
+                      "--device-memory", "110GB")
+    assert MISTRAL_7B_PARAMS == 7_241_732_096 == eight["parameters"]
+    assert row(eight, "FULL_SHARD", 1)["optimizer"] == MISTRAL_7B_PARAMS * 65 // 32 + 2 * 256 * 4
+    assert row(eight, "FULL_SHARD", 2)["optimizer"] == MISTRAL_7B_PARAMS // 2 * 65 // 32 + 2 * 256 * 4
+    plain = row(plan_json(cfg, "--nproc", "1", "--strategies", "FULL_SHARD", "--device-memory", "110GB"),
+                "FULL_SHARD", 1)
+    assert plain["fits"] is False and plain["optimizer"] == 8 * MISTRAL_7B_PARAMS
+    fitted = row(eight, "FULL_SHARD", 1)
+    assert fitted["fits"] and plain["suggestion"] == f"train.optimizer=adamw_8bit -> {fitted['device_peak'] / 2**30:.1f} GiB"

@@ -260,11 +260,13 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
     replicas = copies(config.fsdp, world.size, world.local_size)
     digest = []
     for group in torch_optimizer.param_groups:
-        states = [torch_optimizer.state[p] for p in group["params"] if torch_optimizer.state.get(p)]
+        held = [(p, torch_optimizer.state[p]) for p in group["params"] if torch_optimizer.state.get(p)]
+        states = [st for _, st in held]
         # a rank whose shard holds no element of a group's parameters has no state for them: agree on the names
         here = {name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
         names = sorted(set().union(*gather_objects(accelerator, here)))
-        sums = all_sum(accelerator, [sum(float(local_tensor(st[name]).double().abs().sum()) for st in states if name in st)
+        sums = all_sum(accelerator, [sum(float(local_tensor(st[name]).double().abs().sum())
+                                         / _extra_copies(st[name], p, world.size) for p, st in held if name in st)
                                      for name in names])
         steps = [float(st["step"]) for st in states if "step" in st]
         lows = per_rank(accelerator, min(steps) if steps else math.inf)
@@ -273,6 +275,23 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
                        "step": [min(lows), max(highs)] if any(math.isfinite(v) for v in lows) else None,
                        "abs_sums": {name: value / replicas for name, value in zip(names, sums)}})
     return digest
+
+
+def _extra_copies(value, param, world_size: int) -> int:
+    """How many more ranks hold each element of an optimizer state ``value`` than hold each element of its
+    parameter: 1 for states sharded as their parameter (Adam's moments); for a sharded (DTensor) parameter, every
+    rank for a plain tensor (bitsandbytes' quantization maps) and the replicas of a replicated DTensor (8-bit
+    moments kept whole: :class:`hfsdp.run.optimizers.ShardedAdamW8bit`)."""
+    import math
+
+    from torch.distributed.tensor import DTensor
+
+    def holders(t) -> int:  # ranks holding each element of a DTensor
+        return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if not pl.is_shard())
+
+    if not isinstance(param, DTensor):
+        return 1
+    return (holders(value) if isinstance(value, DTensor) else world_size) // holders(param)
 
 
 def check_optimizer_state(record: Record, restored: list[dict[str, Any]], path: Path) -> None:

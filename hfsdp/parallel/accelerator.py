@@ -8,7 +8,7 @@ state that branch would have set — distributed type FSDP, the plugin, and a pl
 prepared. Two more pieces, both in :func:`build_accelerator` and only in rehearsal mode: HYBRID_SHARD's
 (replicate, shard) mesh is attached once the type is FSDP (Accelerate refuses a mesh for MULTI_CPU), and FSDP1's
 full-state-dict gathers skip their CPU offload, which on a CPU device frees the tensors it returns
-(:func:`_fsdp1_keep_cpu_gathers`). ``components.startup`` then proves at start-up that the model really ended up
+(:func:`_fsdp1_keep_cpu_gathers`). ``hfsdp.run.startup`` then proves at start-up that the model really ended up
 sharded.
 """
 
@@ -125,6 +125,26 @@ def _fsdp1_copy_cpu_optimizer_gathers(plugin) -> None:
     means nothing else."""
     if getattr(plugin.optim_state_dict_config, "offload_to_cpu", False):
         plugin.optim_state_dict_config = replace(plugin.optim_state_dict_config, offload_to_cpu=False)
+
+
+def fsdp1_drop_stale_gathers(model) -> int:
+    """Free the gathered (unsharded) flat parameters that FSDP1 keeps allocated after loading a checkpoint while its
+    parameters point at their shards again; returns how many. FSDP1 all-gathers a unit only when its gathered buffer
+    is not allocated (``FlatParamHandle.needs_unshard``): after ``load_state`` the root unit's buffer stayed allocated,
+    holding the weights as loaded, so the next forward used those, not the shards. A change to the weights after the
+    load (schedule-free's ``train()``, which turns the saved averaged weights into the training sequence) was then
+    not seen by the first resumed step (its loss 10.2277 instead of 10.2180 on the tiny model), though every shard,
+    optimizer state and input was the uninterrupted run's. Freed, the next forward gathers the shards."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    freed = 0
+    for module in FSDP.fsdp_modules(model):
+        handle = module._handle
+        if (handle is not None and handle.uses_sharded_strategy and handle.is_sharded(handle.flat_param)
+                and not handle.needs_unshard()):
+            handle.reshard(True)
+            freed += 1
+    return freed
 
 
 def compile_blocks(model, config: HfsdpConfig) -> int:

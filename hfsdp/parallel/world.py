@@ -50,28 +50,37 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
                    world: World) -> torch.Tensor:
-    """The total gradient norm over all ranks, after clipping the gradients to ``max_norm`` when it is set.
+    """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set.
 
-    Without clipping only the norm is computed (for the metrics and the non-finite check): torch's clip with an
-    infinite bound would still multiply every gradient by 1. Under FSDP2 Accelerate's clip, which also reduces the
-    sharded norms across ranks, does both. FSDP1's own clip (``FullyShardedDataParallel.clip_grad_norm_``, which
-    Accelerate calls) misses part of the gradients when frozen and trainable parameters share a unit (LoRA: 0.713
-    instead of 0.731 on the tiny model), so there the norm is summed here from each rank's gradient shards.
-    """
-    from accelerate.utils import DistributedType
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if accelerator.distributed_type == DistributedType.FSDP and config.fsdp.version == 1:
-        local = torch.nn.utils.get_total_norm(grads).double() if grads else torch.zeros((), dtype=torch.float64)
-        squares = local.square().to(accelerator.device)
+    The same norm, bit for bit, whatever the ranks and their shards: each tensor's sum of squares is taken in
+    float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), summed over the
+    ranks in float64 where FSDP shards the gradients (divided by the replicas, :func:`hfsdp.fsdp.copies`), and
+    rounded to float32 once. Other orders of a float64 sum differ by about 1e-16 relative, far below float32's
+    2**-24: one process and N ranks round to the same float32 norm (short of a tie, about one step in 1e8), so the
+    clipping factor, and with it every clipped gradient, is the same. A float32 norm differed by 4e-6 relative
+    between 1 process and 2 FSDP2 ranks of the tiny model (2.528125 and 2.528135), which an 8-bit optimizer state
+    rounds into other codes (a weight 3.4e-4 off after 4 steps). Torch's own clip (and Accelerate's, which calls it)
+    sums in float32 in the order of the shards. FSDP1's own clip also misses part of the gradients when frozen and
+    trainable parameters share a unit (LoRA: 0.713 instead of 0.731 on the tiny model). Without ``max_norm`` only
+    the norm is computed (for the metrics and the non-finite check)."""
+    wrapped = wrapper(config.fsdp, world.size)
+    if wrapped != "fsdp1" and (max_norm is not None or wrapped == "fsdp2"):
+        accelerator.unscale_gradients()  # what Accelerate's clip did first (its own fp16 scaler under DDP, if any)
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for g in grads:
+        if g.numel():
+            squares += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    if wrapped in FSDP_WRAPPERS and world.size > 1:
         torch.distributed.all_reduce(squares)
-        total = (squares / copies(config.fsdp, world.size, world.local_size)).sqrt().float()
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-        return total
-    if max_norm is not None or accelerator.distributed_type == DistributedType.FSDP:
-        return accelerator.clip_grad_norm_(parameters, max_norm or float("inf"))
-    return torch.nn.utils.get_total_norm(grads)
+        squares /= copies(config.fsdp, world.size, world.local_size)
+    total = squares.sqrt().float()
+    if max_norm is not None:
+        # torch.nn.utils.clip_grads_with_norm_'s factor, applied to what each rank holds
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor)
+    return total
 
 
 def any_rank(accelerator, flag: bool) -> bool:

@@ -27,7 +27,8 @@ from hfsdp.export.pipeline import export_model
 from hfsdp.hooks.host import PluginHost
 from hfsdp.model import loading, quantized
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
-from hfsdp.parallel.accelerator import build_accelerator, grad_scaler, prepare_model_and_optimizer
+from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
+                                        prepare_model_and_optimizer)
 from hfsdp.parallel.world import any_rank, per_rank
 from hfsdp.rules import quantization
 from hfsdp.run import generation, loss as losses, optimizers, throughput
@@ -122,6 +123,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         optimizers.set_training(optimizer)  # schedule-free steps in train mode (resume's state-making step too)
         if setup.resume_asked:
             resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world)
+            if setup.wrapper == "fsdp1":
+                fsdp1_drop_stale_gathers(model)  # before set_training changes the weights the load gathered
             optimizers.set_training(optimizer)  # a checkpoint holds schedule-free's evaluation weights
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))

@@ -10,10 +10,13 @@ against the optimizer's signature and tried on a small tensor before any weight 
 The same update on N ranks as on one process: elementwise optimizers (AdamW, SGD, schedule-free AdamW) update a
 shard as they update the whole tensor. Muon orthogonalises whole matrices: under FSDP2 :class:`WholeMatrixMuon`
 runs Newton-Schulz on the gathered momentum and keeps this rank's rows of the result, which is torch's Muon on one
-process. Optimizers that need each parameter whole are refused where FSDP1 wraps the model (its flat parameters
-are slices of several parameters concatenated), and 8-bit AdamW (its quantization blocks) and Adafactor (its row
-and column factors, which torch's implementation cannot compute on DTensors) where FSDP2 wraps it: one process,
-or DDP (``fsdp.sharding_strategy: NO_SHARD``), runs them (:func:`wrapper_problems`).
+process. 8-bit AdamW quantizes its moments in blocks of the flattened parameter: :class:`ShardedAdamW8bit` runs
+bitsandbytes' kernels on a rank's shard where FSDP2's dim-0 shards fall on the blocks, on the gathered tensor
+elsewhere. Adafactor factors each matrix's second moment into rows and columns and scales by whole-tensor norms:
+:class:`ShardedAdafactor` runs torch's update on the gathered tensors. The three need each parameter whole and are
+refused where FSDP1 wraps the model (its flat parameters are slices of several parameters concatenated;
+:func:`wrapper_problems`). The gradients they get are the same on N ranks as on one process because the clipping
+norm is (:func:`hfsdp.parallel.world.clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class Choice:
 
     @property
     def installed(self) -> bool:
-        return importlib.util.find_spec(self.path.split(".")[0].split(":")[0]) is not None
+        # the package pip installs (hfsdp's own subclasses live in hfsdp, their base in it)
+        module = self.pip.split("==")[0] if self.pip else self.path.split(".")[0].split(":")[0]
+        return importlib.util.find_spec(module) is not None
 
 
 BITSANDBYTES = "bitsandbytes==0.50.2"  # the version hfsdp is tested with (pyproject's optimizers and qlora extras)
@@ -63,18 +68,11 @@ CHOICES: dict[str, Choice] = {
     # fused: one kernel per step instead of a loop of per-parameter ops (CPU's default); 3x faster on 2 CPU cores.
     "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True}),
     "adamw_8bit": Choice(
-        "bitsandbytes.optim:AdamW8bit", BITSANDBYTES, adam=True,
-        whole="its moments are quantized in blocks of each parameter",
-        unsharded="bitsandbytes quantizes each moment in blocks of 256 elements of the tensor it is given, and keeps "
-                  "tensors under 4096 elements in 32 bits: a shard gets other blocks than the whole parameter (and "
-                  "its kernels take plain tensors, not FSDP2's DTensors), so the update would differ from one "
-                  "process's"),
+        "hfsdp.run.optimizers:ShardedAdamW8bit", BITSANDBYTES, adam=True,
+        whole="its moments are quantized in blocks of each parameter"),
     "adafactor": Choice(
-        "torch.optim:Adafactor", None, adam=False,
-        whole="it factors each matrix's second moment into its rows and columns",
-        unsharded="it factors each matrix's second moment into its rows and columns and scales each step by the "
-                  "whole parameter's norm, and torch's Adafactor cannot run on FSDP2's DTensors (its in-place "
-                  "row and column norms fail there)"),
+        "hfsdp.run.optimizers:ShardedAdafactor", None, adam=False,
+        whole="it factors each matrix's second moment into its rows and columns"),
     "muon": Choice("hfsdp.run.optimizers:WholeMatrixMuon", None, adam=True,
                    whole="it orthogonalises each whole matrix"),
     "schedule_free_adamw": Choice("schedulefree:AdamWScheduleFree", SCHEDULEFREE, adam=True),
@@ -141,10 +139,6 @@ def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str
     if wrapper == "fsdp1" and choice.whole:
         return [("train.optimizer", f"{name} cannot run under FSDP1: {choice.whole}, and FSDP1 gives the optimizer "
                                     "flat slices of several parameters concatenated: use fsdp.version: 2")]
-    if wrapper == "fsdp1" and name == "schedule_free_adamw":
-        return [("train.optimizer", "schedule_free_adamw cannot run under FSDP1 yet: a run resumed from its FSDP1 "
-                                    "checkpoint does not continue the steps it stopped at (its averaged and its "
-                                    "training weights are not both restored): use fsdp.version: 2")]
     if wrapper == "fsdp2" and choice.unsharded:
         return [("train.optimizer", f"{name} cannot run on FSDP2's sharded parameters: {choice.unsharded}. Run it "
                                     "without FSDP2's shards: on one process without FSDP (fsdp.single_process: "
@@ -345,9 +339,168 @@ def _whole_matrix_muon() -> type:
     return WholeMatrixMuon
 
 
+def blocks_follow_shards(shape: "tuple[int, ...] | torch.Size", shards: int, block: int = BNB_BLOCK) -> bool:
+    """Whether bitsandbytes' quantization blocks of a parameter of ``shape`` (``block`` elements of the flattened
+    tensor each) fall whole into the ``shards`` pieces FSDP2 cuts it into along dim 0 (``torch.chunk``'s: each
+    ``ceil(rows / shards)`` rows, the last ones fewer or none), and the blocks' scales chunked the same way give each
+    rank the scales of its own blocks: then a rank's shard is quantized in one process's blocks. True for the
+    matrices of common models (576 x 576 in 2: 288 rows x 576 = 648 blocks), not for every shape (37 x 24 in 2)."""
+    numel = math.prod(shape)
+    if shards == 1 or numel == 0:
+        return True
+    rows = shape[0]
+    per_shard = -(-rows // shards) * (numel // rows)
+    blocks = -(-numel // block)
+    return per_shard % block == 0 and -(-blocks // shards) * block == per_shard
+
+
+def _sharded_adamw_8bit() -> type:
+    import torch
+    from bitsandbytes.optim import AdamW8bit
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from hfsdp.parallel.world import local_tensor
+
+    class ShardedAdamW8bit(AdamW8bit):
+        """bitsandbytes' ``AdamW8bit``, its own state layout and kernels, on FSDP2's sharded parameters (DTensors)
+        with one process's update. Whether a parameter's moments are 8-bit is decided by the whole parameter's size
+        (bitsandbytes' ``min_8bit_size``), as on one process. Moments in 32 bits are elementwise: each rank updates
+        its shard. 8-bit moments are quantized in blocks of 256 elements of the flattened parameter; FSDP2 shards on
+        dim 0, so a rank's shard is a contiguous range of it: where that range starts and ends on block boundaries
+        (:func:`blocks_follow_shards`), the rank quantizes its own blocks (its moments and their block scales are
+        sharded as the parameter is). Elsewhere every rank runs the kernels on the gathered parameter and gradient,
+        with the whole (replicated) moments, and keeps its own rows of the result, as :class:`WholeMatrixMuon`
+        does. On plain tensors (one process, DDP) it is ``AdamW8bit`` itself."""
+
+        def init_state(self, group, p, gindex, pindex):
+            super().init_state(group, p, gindex, pindex)  # the 8-bit choice by p.numel(): a DTensor's is the whole's
+            state = self.state[p]
+            if not isinstance(p, DTensor) or state["state1"].dtype != torch.uint8:
+                return  # 32-bit moments: zeros_like(p), sharded as p is
+            mesh, placements = p.device_mesh, p.placements
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+            if all(pl.is_replicate() or pl.is_shard(0) for pl in placements) and blocks_follow_shards(p.shape, shards):
+                local = local_tensor(p).numel()
+                for key in ("absmax1", "absmax2"):
+                    state[key] = DTensor.from_local(
+                        torch.zeros(-(-local // BNB_BLOCK), dtype=torch.float32, device=p.device), mesh, placements,
+                        run_check=False, shape=state[key].shape, stride=(1,))
+            else:
+                whole = [Replicate()] * mesh.ndim
+                for key in ("state1", "state2", "absmax1", "absmax2"):
+                    shape = p.shape if key.startswith("state") else state[key].shape
+                    dtype = state[key].dtype
+                    state[key] = DTensor.from_local(torch.zeros(shape, dtype=dtype, device=p.device), mesh, whole,
+                                                    run_check=False)
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            if not isinstance(p, DTensor):
+                return super().update_step(group, p, gindex, pindex)
+            state = self.state[p]
+            gathered = (state["state1"].placements != p.placements
+                        and all(pl.is_replicate() for pl in state["state1"].placements))
+            shard = p.to_local()
+            # bitsandbytes' own update_step on plain tensors: this rank's shard, or the gathered parameter
+            param = (p.full_tensor() if gathered else shard).detach()
+            param.grad = (p.grad.full_tensor() if gathered else p.grad.to_local())
+            self.state[param] = {key: local_tensor(v) if torch.is_tensor(v) else v for key, v in state.items()}
+            try:
+                super().update_step(group, param, gindex, pindex)
+            finally:
+                state["step"] = self.state.pop(param)["step"]
+            if gathered:
+                # every rank holds the same whole result: each keeps its own part, without communication
+                param = distribute_tensor(param, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            if param.data_ptr() != shard.data_ptr():
+                shard.copy_(param)
+
+    return ShardedAdamW8bit
+
+
+def _sharded_adafactor() -> type:
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.optim._adafactor import adafactor
+
+    class ShardedAdafactor(torch.optim.Adafactor):
+        """torch's Adafactor; on FSDP2's sharded parameters (DTensors) it runs on the gathered parameter and gradient
+        (its update needs each matrix's column means and the whole parameter's and update's norms), so the update
+        is one process's, and each rank keeps its own rows of the result, as :class:`WholeMatrixMuon` does. The
+        state stays sharded where it follows the parameter's rows: a matrix's row factor (rows x 1) and a vector's
+        second moment are sharded as the parameter is and gathered for the step (a rows-sized all-gather); the
+        column factor (1 x columns), the same on every rank, is kept whole on each."""
+
+        def _init_group(self, group, *lists):
+            for p in group["params"]:
+                if p.grad is not None and isinstance(p, DTensor) and not self.state.get(p):
+                    self.state[p] = self._sharded_state(p)
+            return super()._init_group(group, *lists)
+
+        @staticmethod
+        def _sharded_state(p) -> dict:
+            """torch's initial state of ``p`` (zeros; step 0) as DTensors."""
+            from torch.optim.optimizer import _get_scalar_dtype
+
+            state = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
+            local = p.to_local()
+            if p.dim() > 1:
+                rows = [*p.shape[:-1], 1]
+                state["row_var"] = DTensor.from_local(local.new_zeros([*local.shape[:-1], 1]), p.device_mesh,
+                                                      p.placements, run_check=False, shape=torch.Size(rows),
+                                                      stride=torch.empty(rows, device="meta").stride())
+                state["col_var"] = DTensor.from_local(local.new_zeros([*p.shape[:-2], 1, p.shape[-1]]),
+                                                      p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                                      run_check=False)
+            else:
+                state["variance"] = torch.zeros_like(p)
+            return state
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            """torch's Adafactor.step, the sharded tensors gathered before torch's update and their own part kept
+            after it."""
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                params, grads, row_vars, col_vars, variances, steps = [], [], [], [], [], []
+                has_complex = self._init_group(group, params, grads, row_vars, col_vars, variances, steps)
+                back = []  # (sharded tensor, its gathered copy that the update changes)
+                for i, p in enumerate(params):
+                    if not isinstance(p, DTensor):
+                        continue
+                    params[i], grads[i] = p.full_tensor(), grads[i].full_tensor()
+                    back.append((p, params[i]))
+                    for tensors in (row_vars, variances):
+                        if tensors[i] is not None:
+                            back.append((tensors[i], tensors[i].full_tensor()))
+                            tensors[i] = back[-1][1]
+                    if col_vars[i] is not None:
+                        col_vars[i] = col_vars[i].to_local()  # whole on every rank
+                eps1, eps2 = group["eps"]
+                adafactor(params, grads, row_vars, col_vars, variances, steps, d=group["d"], lr=group["lr"],
+                          beta2_decay=group["beta2_decay"], weight_decay=group["weight_decay"], eps1=eps1,
+                          eps2=eps2, foreach=group["foreach"], maximize=group["maximize"],
+                          grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                          has_complex=has_complex)
+                for sharded, whole in back:
+                    # every rank holds the same whole result: each keeps its own part, without communication
+                    sharded.to_local().copy_(distribute_tensor(whole, sharded.device_mesh, sharded.placements,
+                                                               src_data_rank=None).to_local())
+            return loss
+
+    return ShardedAdafactor
+
+
 def __getattr__(name: str):
-    """``WholeMatrixMuon`` is made on first use (it subclasses torch's Muon, which torch before 2.9 lacks)."""
-    if name == "WholeMatrixMuon":
-        globals()[name] = _whole_matrix_muon()
+    """``WholeMatrixMuon``, ``ShardedAdamW8bit`` and ``ShardedAdafactor`` are made on first use (they subclass
+    torch's Muon, which torch before 2.9 lacks, bitsandbytes' AdamW8bit, an optional package, and torch's
+    Adafactor)."""
+    makers = {"WholeMatrixMuon": _whole_matrix_muon, "ShardedAdamW8bit": _sharded_adamw_8bit,
+              "ShardedAdafactor": _sharded_adafactor}
+    if name in makers:
+        globals()[name] = makers[name]()
         return globals()[name]
     raise AttributeError(name)

@@ -168,10 +168,13 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     bench counts them), as each ``train.optimizer`` allocates it for the trainable parameters: AdamW and
     schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
     Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
-    (unsharded only) a row and a column factor per matrix and a full second moment per vector; 8-bit AdamW
-    (unsharded only) two bytes per element plus two float32 block scales per 256 elements and the two 256-entry
-    quantization maps all parameters share, with parameters under ``min_8bit_size`` elements in float32."""
-    from hfsdp.run.optimizers import BNB_BLOCK, BNB_MIN_8BIT
+    a row and a column factor per matrix and a full second moment per vector, under FSDP2 the rows' share of the
+    row factors and moments and the whole column factors (:class:`hfsdp.run.optimizers.ShardedAdafactor`); 8-bit
+    AdamW two bytes per element plus two float32 block scales per 256 elements and the two 256-entry quantization
+    maps all parameters share, with parameters under ``min_8bit_size`` elements (whole) in float32: under FSDP2
+    those of the rank's shard, and whole on every rank for a parameter whose shards do not fall on the 256-element
+    blocks (:func:`hfsdp.run.optimizers.blocks_follow_shards`: it runs on the gathered tensor)."""
+    from hfsdp.run.optimizers import BNB_BLOCK, BNB_MIN_8BIT, blocks_follow_shards
 
     args = dict(setup.optimizer_args)
     trainable = [p for p in facts.params if p.trainable]
@@ -181,13 +184,31 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "sgd":
         return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
     if setup.optimizer == "adafactor":
-        return sum((p.numel // p.shape[-1] + p.numel // p.shape[-2] if len(p.shape) >= 2 else p.numel) * 4
-                   for p in trainable)
+        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+
+        def factors(p: Param, rank: int) -> int:  # row factors and vector moments sharded as the rows, columns whole
+            rows = _chunk(p.rows, group, rank) if group > 1 else p.rows
+            if len(p.shape) >= 2:
+                return 4 * (rows * (p.numel // p.shape[-1]) // max(p.rows, 1) + p.numel // p.shape[-2])
+            return 4 * rows * (p.numel // max(p.rows, 1))
+
+        return max(sum(factors(p, rank) for p in trainable) for rank in range(group))
     if setup.optimizer == "adamw_8bit":
         small = args.get("min_8bit_size", BNB_MIN_8BIT)
         quantized = [p for p in trainable if p.numel >= small]
-        return (sum(2 * p.numel + 2 * 4 * -(-p.numel // BNB_BLOCK) for p in quantized) + (2 * 256 * 4 if quantized
-                else 0) + sum(2 * 4 * p.numel for p in trainable if p.numel < small))
+        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+
+        def per_rank(p: Param, rank: int) -> int:
+            if p.numel < small:
+                return 2 * 4 * (_chunk(p.rows, group, rank) * (p.numel // max(p.rows, 1)) if group > 1 else p.numel)
+            if group > 1 and blocks_follow_shards(p.shape or (p.rows, p.numel // max(p.rows, 1)), group):
+                numel = _chunk(p.rows, group, rank) * (p.numel // max(p.rows, 1))
+            else:
+                numel = p.numel
+            return 2 * numel + 2 * 4 * -(-numel // BNB_BLOCK)
+
+        return (max(sum(per_rank(p, rank) for p in trainable) for rank in range(group))
+                + (2 * 256 * 4 if quantized else 0))
     return 2 * sharded_bytes(facts, setup, lambda p: p.trainable)  # adamw, schedule_free_adamw
 
 

@@ -112,8 +112,9 @@ class Planner:
             FSDPConfig.model_validate(setup.fsdp.model_dump())
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        train = self.config.train.model_copy(update={"optimizer": setup.optimizer})
         problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node) + optimizers.wrapper_problems(
-            self.config, setup.wrapper)  # e.g. 8-bit AdamW where FSDP2 shards the parameters
+            self.config.model_copy(update={"train": train}), setup.wrapper)  # e.g. Adafactor where FSDP2 shards
         if problems:
             return problems[0][1]
         config, host = self.variant(setup.plugins)
@@ -131,10 +132,11 @@ class Planner:
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
         takes and checked by the same estimate. The changes, cheapest first: those that keep the hardware and the
-        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), more ranks per node (fewer
-        first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the costliest
-        change a set needs, then how many changes it makes, so a change that fits alone is never printed with
-        others it does not need."""
+        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), AdamW's moments in 8 bits
+        (``train.optimizer=adamw_8bit``: 2 bytes a parameter instead of 8, plus its block scales), more ranks per
+        node (fewer first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the
+        costliest change a set needs, then how many changes it makes, so a change that fits alone is never printed
+        with others it does not need."""
         changes: list[Change] = []
         if setup.strategy != "FULL_SHARD":
             changes.append(Change("fsdp.sharding_strategy=FULL_SHARD", fsdp={"sharding_strategy": "FULL_SHARD"}))
@@ -142,6 +144,8 @@ class Planner:
             changes.append(Change("fsdp.activation_checkpointing=true", fsdp={"activation_checkpointing": True}))
         if setup.precision == "no":
             changes.append(Change("fsdp.mixed_precision=bf16", fsdp={"mixed_precision": "bf16"}))
+        if setup.optimizer == "adamw" and not setup.optimizer_args:  # its arguments are AdamW's, not AdamW8bit's
+            changes.append(Change("train.optimizer=adamw_8bit", job={"optimizer": "adamw_8bit"}))
         for n in sorted(set(more_ranks)):
             if n > setup.nproc_per_node:
                 changes.append(Change(f"--nproc {n} ({n * setup.nodes} ranks)", job={"nproc_per_node": n},
