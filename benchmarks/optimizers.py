@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import base_env, free_port, read_metrics, tiny_config  # noqa: E402
 
-from hfsdp.run.optimizers import CHOICES, OPTIMIZER_NAMES  # noqa: E402
+from hfsdp.rules.optimizers import CHOICES, OPTIMIZER_NAMES  # noqa: E402
 
 ARGS = {"sgd": {"momentum": 0.9}}
 

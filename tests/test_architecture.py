@@ -21,7 +21,7 @@ def test_validate_no_rows_of_every_example_and_preset_config_imports_no_torch():
               "    heavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
               "    print('HEAVY', config, heavy, file=sys.stderr)\n")
     proc = subprocess.run([sys.executable, "-c", script, *configs], env=base_env(), capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY")]
     assert len(lines) == len(configs) and any("qlora" in line for line in lines), proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hfsdp.run.optimizers import OPTIMIZER_NAMES
+from hfsdp.rules.optimizers import OPTIMIZER_NAMES
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}

@@ -15,7 +15,7 @@ from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
 from hfsdp.rules.attention import attention_problems
 from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, rehearsal_problems, wrapper
-from hfsdp.run.optimizers import wrapper_problems
+from hfsdp.rules.optimizers import wrapper_problems
 
 
 @dataclass(frozen=True)

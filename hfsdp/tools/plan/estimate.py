@@ -174,7 +174,8 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     maps all parameters share, with parameters under ``min_8bit_size`` elements (whole) in float32: under FSDP2
     those of the rank's shard, and whole on every rank for a parameter whose shards do not fall on the 256-element
     blocks (:func:`hfsdp.run.optimizers.blocks_follow_shards`: it runs on the gathered tensor)."""
-    from hfsdp.run.optimizers import BNB_BLOCK, BNB_MIN_8BIT, blocks_follow_shards
+    from hfsdp.rules.optimizers import BNB_BLOCK, BNB_MIN_8BIT
+    from hfsdp.run.optimizers import blocks_follow_shards
 
     args = dict(setup.optimizer_args)
     trainable = [p for p in facts.params if p.trainable]

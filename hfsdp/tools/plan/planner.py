@@ -28,7 +28,7 @@ from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
 from hfsdp.rules.wrapping import check_world
-from hfsdp.run import optimizers
+from hfsdp.rules import optimizers
 from hfsdp.tools.plan.estimate import Estimate, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import ModelFacts, model_facts
 from hfsdp.tools.plan.trace import trace_activations
