@@ -9,6 +9,7 @@
 # Time limit: GPU_CHECK_TIMEOUT seconds (default 600) for the whole pytest run.
 # Issue 21 (chunked loss, compiled blocks, attention kernels incl. flash_attention_2): scripts/gpu_check.sh -k chunked_loss_compile
 # Issue 22 (QLoRA: 4-bit bf16-stored weights gathered by FSDP2 on CUDA, the start-up probe): scripts/gpu_check.sh -k qlora
+# Issue 37 (tensor parallelism: tp 2 on 2 GPUs over NCCL against one GPU, export): scripts/gpu_check.sh -k tensor_parallel
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2

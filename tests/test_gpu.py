@@ -173,3 +173,29 @@ def test_qlora_bf16_storage_survives_sharding_on_gpu(tmp_path):
     assert runs["uint8"], "uint8 storage must always train"
     if runs["bfloat16"] is not None:
         assert runs["bfloat16"] == pytest.approx(runs["uint8"], rel=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_on_two_gpus_trains_the_steps_of_one(tmp_path):
+    """Issue 37 on GPUs: tp 2 on 2 GPUs (NCCL, bf16) trains the losses of one GPU on the same rows (bf16 sums of
+    other orders apart) and exports the final weights its checkpoint holds."""
+    from conftest import run_torchrun
+    from safetensors.torch import load_file
+
+    losses = {}
+    for tp in (1, 2):
+        folder = tmp_path / f"tp{tp}"
+        folder.mkdir()
+        config = tiny_config(folder, fsdp={"mixed_precision": "bf16", "single_process": "fsdp"},
+                             parallel={"tp_size": tp}, train={"max_steps": 4, "save_every": 4})
+        proc = run_torchrun(2, "train", str(config)) if tp == 2 else run_cli("train", str(config))
+        losses[tp] = [json.loads(line)["loss"] for line in (folder / "run" / "metrics.jsonl").read_text()
+                      .splitlines() if '"loss"' in line]
+    report = json.loads((tmp_path / "tp2" / "run" / "startup_rank0.json").read_text())
+    assert report["tp_size"] == 2 and report["process_group_backend"] == "nccl", (report, proc.stdout)
+    assert losses[2] == pytest.approx(losses[1], rel=2e-3)
+    run = tmp_path / "tp2" / "run"
+    run_cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / "exported"))
+    final, exported = load_file(str(run / "final" / "model.safetensors")), load_file(
+        str(tmp_path / "exported" / "model.safetensors"))
+    assert final.keys() == exported.keys() and all(torch.equal(exported[k], final[k]) for k in final)

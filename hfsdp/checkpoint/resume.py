@@ -47,6 +47,9 @@ RESUMABLE_CHANGES = (
 )
 # The batch keys may change on resume as long as the global batch they make stays the same.
 BATCH_KEYS = ("train.per_device_batch_size", "train.gradient_accumulation_steps")
+# The layout: tp_size is checked on its own (Record.tp_size, with its own message), dp_shard_size only checks the world
+# size, which may change; out of the fingerprint, checkpoints written before the section existed still resume.
+LAYOUT_KEYS = ("parallel",)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Record:
     train_rows: int | None = None  # the training data (data.batches.identity)
     train_fingerprint: str | None = None
     optimizer: list[dict[str, Any]] | None = None  # optimizer_digest
+    tp_size: int | None = None  # parallel.tp_size (None: written before hfsdp had tensor parallelism, i.e. 1)
     state_dict_type: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     plugins: dict[str, Any] = field(default_factory=dict)
@@ -90,7 +94,7 @@ class Record:
 
         return cls(step=step, world_size=world_size, config_hash=run_fingerprint(config),
                    global_batch=global_batch(config, world_size), optimizer=optimizer,
-                   state_dict_type=config.fsdp.state_dict_type,
+                   state_dict_type=config.fsdp.state_dict_type, tp_size=config.parallel.tp_size,
                    versions={"hfsdp": __version__, "torch": torch.__version__, "accelerate": version("accelerate"),
                              "transformers": version("transformers")},
                    plugins={p.name: p.version for p in plugins.plugins}, **identity)
@@ -126,6 +130,12 @@ class Resume:
         if world.size == 1 and by_fsdp and config.fsdp.single_process == "auto":
             config = config.model_copy(update={"fsdp": config.fsdp.model_copy(update={"single_process": "fsdp"})})
         record = Record.read(path)
+        saved_tp = record.tp_size or 1
+        if saved_tp != config.parallel.tp_size:
+            raise UserError(f"cannot resume from {path}: it was saved with parallel.tp_size {saved_tp}, this run has "
+                            f"{config.parallel.tp_size}; a checkpoint resumes on its own tensor-parallel size (the "
+                            "data-parallel ranks may change): resume with parallel.tp_size "
+                            f"{saved_tp}, or export it (`hfsdp export`) and start a new run from the folder")
         config, note = keep_global_batch(record, config, world.size, path)
         if wrapper(config.fsdp, world.size) in FSDP_WRAPPERS and not by_fsdp:
             raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or DDP) "
@@ -154,7 +164,10 @@ class Resume:
 
 
 def global_batch(config: HfsdpConfig, world_size: int) -> int:
-    return config.train.per_device_batch_size * config.train.gradient_accumulation_steps * world_size
+    """Rows a step trains on: per device x accumulation x the data-parallel ranks (a tensor-parallel group's ranks
+    share their rows)."""
+    return (config.train.per_device_batch_size * config.train.gradient_accumulation_steps
+            * (world_size // config.parallel.tp_size))
 
 
 def keep_global_batch(record: Record, config: HfsdpConfig, world_size: int,
@@ -173,23 +186,24 @@ def keep_global_batch(record: Record, config: HfsdpConfig, world_size: int,
         raise UserError(f"cannot resume from {path} on {world_size} rank(s): it was saved on {saved_world}, and "
                         "resuming on another world size is supported with fsdp.version 2 only; resume with "
                         f"{saved_world} processes")
+    ranks = world_size // config.parallel.tp_size  # the data-parallel ranks
     per_device, accumulation = config.train.per_device_batch_size, config.train.gradient_accumulation_steps
-    if per_device * accumulation * world_size == saved:
+    if per_device * accumulation * ranks == saved:
         return config, None
-    if saved % (per_device * world_size) == 0:
-        fitted = saved // (per_device * world_size)
+    if saved % (per_device * ranks) == 0:
+        fitted = saved // (per_device * ranks)
         train = config.train.model_copy(update={"gradient_accumulation_steps": fitted})
         return config.model_copy(update={"train": train}), (
             f"resuming a run of {saved_world} rank(s) on {world_size}: train.gradient_accumulation_steps "
             f"{accumulation} -> {fitted} keeps its global batch of {saved} "
-            f"({per_device} per device x {fitted} x {world_size} ranks)")
-    choices = [f"per_device_batch_size {p} with gradient_accumulation_steps {saved // world_size // p}"
-               for p in range(1, saved // world_size + 1) if saved % world_size == 0 and (saved // world_size) % p == 0]
+            f"({per_device} per device x {fitted} x {ranks} ranks)")
+    choices = [f"per_device_batch_size {p} with gradient_accumulation_steps {saved // ranks // p}"
+               for p in range(1, saved // ranks + 1) if saved % ranks == 0 and (saved // ranks) % p == 0]
     fix = (f"set one of: {'; '.join(choices)}" if choices else
-           f"{saved} is not a multiple of {world_size}: resume on a number of ranks that divides it")
+           f"{saved} is not a multiple of {ranks}: resume on a number of ranks that divides it")
     raise UserError(f"cannot resume from {path}: its global batch is {saved} samples per step and "
-                    f"{per_device} per device x {accumulation} accumulation x {world_size} ranks makes "
-                    f"{per_device * accumulation * world_size}; {fix}")
+                    f"{per_device} per device x {accumulation} accumulation x {ranks} ranks makes "
+                    f"{per_device * accumulation * ranks}; {fix}")
 
 
 def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
@@ -203,7 +217,7 @@ def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
 def run_fingerprint(config: HfsdpConfig) -> str:
     """What a checkpoint records of its config: the keys that change the run (the batch keys are checked through
     the global batch, :func:`keep_global_batch`)."""
-    return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS)
+    return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS + LAYOUT_KEYS)
 
 
 def check_resume_config(record: Record, config: HfsdpConfig, path: Path) -> None:
@@ -266,32 +280,30 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
         here = {name for st in states for name, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
         names = sorted(set().union(*gather_objects(accelerator, here)))
         sums = all_sum(accelerator, [sum(float(local_tensor(st[name]).double().abs().sum())
-                                         / _extra_copies(st[name], p, world.size) for p, st in held if name in st)
+                                         / _holders(st[name], p, world.size, replicas) for p, st in held if name in st)
                                      for name in names])
         steps = [float(st["step"]) for st in states if "step" in st]
         lows = per_rank(accelerator, min(steps) if steps else math.inf)
         highs = per_rank(accelerator, max(steps) if steps else -math.inf)
         digest.append({"lr": float(group["lr"]),
                        "step": [min(lows), max(highs)] if any(math.isfinite(v) for v in lows) else None,
-                       "abs_sums": {name: value / replicas for name, value in zip(names, sums)}})
+                       "abs_sums": dict(zip(names, sums))})
     return digest
 
 
-def _extra_copies(value, param, world_size: int) -> int:
-    """How many more ranks hold each element of an optimizer state ``value`` than hold each element of its
-    parameter: 1 for states sharded as their parameter (Adam's moments); for a sharded (DTensor) parameter, every
-    rank for a plain tensor (bitsandbytes' quantization maps) and the replicas of a replicated DTensor (8-bit
-    moments kept whole: :class:`hfsdp.run.optimizers.ShardedAdamW8bit`)."""
-    import math
-
+def _holders(value, param, world_size: int, replicas: int) -> int:
+    """How many ranks hold each element of an optimizer state ``value``: a DTensor's
+    (:func:`hfsdp.parallel.world.element_holders`: sharded as its parameter, or 8-bit moments kept whole,
+    :class:`hfsdp.run.optimizers.ShardedAdamW8bit`); every rank for a plain tensor beside a sharded (DTensor)
+    parameter (bitsandbytes' quantization maps); else the replicas of the parameter (FSDP1's flat shards, DDP, one
+    process)."""
     from torch.distributed.tensor import DTensor
 
-    def holders(t) -> int:  # ranks holding each element of a DTensor
-        return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if not pl.is_shard())
+    from hfsdp.parallel.world import element_holders
 
-    if not isinstance(param, DTensor):
-        return 1
-    return (holders(value) if isinstance(value, DTensor) else world_size) // holders(param)
+    if isinstance(value, DTensor):
+        return element_holders(value, world_size)
+    return world_size if isinstance(param, DTensor) else replicas
 
 
 def check_optimizer_state(record: Record, restored: list[dict[str, Any]], path: Path) -> None:

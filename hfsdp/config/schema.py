@@ -440,11 +440,27 @@ class GenerationEvalConfig(Section):
 
 
 
+class ParallelConfig(Section):
+    """Tensor parallelism inside groups of ranks, FSDP2 across the groups (a 2-D mesh: dp_shard x tp)."""
+
+    tp_size: int = Field(1, gt=0, description="ranks that split each layer's matrices (tensor parallel, the "
+                                              "architecture's tp_plan: attention heads and MLP columns/rows); "
+                                              "consecutive ranks, inside a node. 1: FSDP alone.")
+    dp_shard_size: int | None = Field(None, gt=0, description="ranks FSDP2 shards over (the data-parallel ranks); "
+                                                              "default and only valid value: world size / tp_size "
+                                                              "(given, it is checked at launch).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1
+
+
 class HfsdpConfig(Section):
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
     fsdp: FSDPConfig = FSDPConfig()
+    parallel: ParallelConfig = ParallelConfig()
     generation_eval: GenerationEvalConfig | None = Field(
         None, description="off unless the section is given; chat and instruction formats.")
     plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")

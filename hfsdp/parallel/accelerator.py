@@ -79,6 +79,8 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
             state.parallelism_config = parallelism
             state.device_mesh = parallelism.get_device_mesh("cpu")
             parallelism._validate_accelerator(accelerator)
+    if world.tp > 1:
+        _attach_tensor_parallel_mesh(AcceleratorState(), world)
     if plugin is not None:
         expected = DistributedType.FSDP
     elif world.size == 1:  # the model runs as it is: no process group, no wrapper
@@ -92,6 +94,22 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
             "`accelerate launch -m hfsdp train`, `torchrun -m hfsdp train`, or plain `hfsdp train`"
         )
     return accelerator
+
+
+def _attach_tensor_parallel_mesh(state, world) -> None:
+    """``parallel.tp_size``: the (data-parallel, tensor-parallel) mesh (:func:`hfsdp.parallel.tensor.device_mesh`)
+    given to Accelerate as a data-parallel-only ParallelismConfig, so that its FSDP2 preparation shards over the
+    data-parallel dimension (``fsdp_dim_names``) and leaves the tensor-parallel split to hfsdp
+    (:mod:`hfsdp.parallel.tensor` says why Accelerate's own TP path is not used)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hfsdp.parallel.tensor import device_mesh
+
+    mesh = device_mesh(world, state.device.type)
+    config = ParallelismConfig(dp_shard_size=world.dp_size)
+    config.device_mesh = mesh
+    state.parallelism_config = config
+    state.device_mesh = mesh
 
 
 def _fsdp1_keep_cpu_gathers() -> None:
@@ -166,12 +184,17 @@ def compile_blocks(model, config: HfsdpConfig) -> int:
 
 def prepare_model_and_optimizer(accelerator, setup: "RunSetup", model, build_optimizer):
     """``model`` and ``build_optimizer(model)`` prepared by Accelerate (wrapped, sharded), in the order the wrapper
-    needs; activation checkpointing through transformers when no FSDP wrapper applies it; with ``train.compile`` the
-    transformer blocks compiled in place first (:func:`compile_blocks`), so that FSDP2 shards compiled blocks and
-    activation checkpointing recomputes them."""
+    needs; with ``parallel.tp_size`` its decoder layers split over the tensor-parallel ranks first; activation
+    checkpointing through transformers when no FSDP wrapper applies it; with ``train.compile`` the transformer blocks
+    compiled in place first (:func:`compile_blocks`), so that FSDP2 shards compiled blocks and activation
+    checkpointing recomputes them."""
     config = setup.config
     if config.fsdp.activation_checkpointing and not setup.fsdp:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if setup.world.tp > 1:  # before compile (which traces the split layers) and FSDP2 (which shards the slices)
+        from hfsdp.parallel.tensor import parallelize
+
+        parallelize(model, accelerator.torch_device_mesh)
     if config.train.compile is not None:
         compile_blocks(model, config)
     if setup.wrapper == "fsdp1":

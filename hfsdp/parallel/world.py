@@ -14,12 +14,23 @@ from hfsdp.rules.wrapping import FSDP_WRAPPERS, copies, wrapper
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class World:
     rank: int
     size: int
     local_size: int
     on_cpu: bool
+    tp: int = 1  # ranks of a tensor-parallel group (consecutive ranks: parallel.tp_size), set by RunSetup
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: the ranks of a tensor-parallel group train on the same rows."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks (what the global batch is split over)."""
+        return self.size // self.tp
 
 
 def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
@@ -48,16 +59,31 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def element_holders(tensor, world_size: int) -> int:
+    """How many of the ``world_size`` ranks hold each element of the DTensor ``tensor``: the ranks outside its mesh
+    (a data-parallel mesh of a tensor-parallel run leaves out the tp ranks, which hold the same) times its
+    replicated mesh dimensions (HYBRID_SHARD's replicas)."""
+    import math
+
+    mesh = tensor.device_mesh
+    # is_replicate, not "not is_shard": FSDP2 over a tensor-parallel column split is a _StridedShard, which is no
+    # Shard (counting it as a replica made a tp2 x dp2 grad norm 5 % small)
+    replicated = math.prod(mesh.size(i) for i, placement in enumerate(tensor.placements) if placement.is_replicate())
+    return world_size // mesh.size() * replicated
+
+
 def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
                    world: World) -> torch.Tensor:
     """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set.
 
     The same norm, bit for bit, whatever the ranks and their shards: each tensor's sum of squares is taken in
     float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), summed over the
-    ranks in float64 where FSDP shards the gradients (divided by the replicas, :func:`hfsdp.fsdp.copies`), and
-    rounded to float32 once. Other orders of a float64 sum differ by about 1e-16 relative, far below float32's
-    2**-24: one process and N ranks round to the same float32 norm (short of a tie, about one step in 1e8), so the
-    clipping factor, and with it every clipped gradient, is the same. A float32 norm differed by 4e-6 relative
+    ranks in float64 where FSDP shards the gradients (divided by how many ranks hold each element: a DTensor's
+    :func:`element_holders`, which counts a tensor-parallel group's copies of what it does not split, else the
+    replicas, :func:`hfsdp.rules.wrapping.copies`), and rounded to float32 once. Other orders of a float64 sum
+    differ by about 1e-16 relative, far below float32's 2**-24: one process and N ranks round to the same float32
+    norm (short of a tie, about one step in 1e8), so the clipping factor, and with it every clipped gradient, is
+    the same. A float32 norm differed by 4e-6 relative
     between 1 process and 2 FSDP2 ranks of the tiny model (2.528125 and 2.528135), which an 8-bit optimizer state
     rounds into other codes (a weight 3.4e-4 off after 4 steps). Torch's own clip (and Accelerate's, which calls it)
     sums in float32 in the order of the shards. FSDP1's own clip also misses part of the gradients when frozen and
@@ -66,15 +92,28 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
     wrapped = wrapper(config.fsdp, world.size)
     if wrapped != "fsdp1" and (max_norm is not None or wrapped == "fsdp2"):
         accelerator.unscale_gradients()  # what Accelerate's clip did first (its own fp16 scaler under DDP, if any)
-    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for g in grads:
+    from torch.distributed.tensor import DTensor
+
+    sharded = wrapped in FSDP_WRAPPERS and world.size > 1
+    replicas = copies(config.fsdp, world.size, world.local_size)
+    grads, squares = [], {}  # sums of squares by how many ranks hold each of their elements
+    for p in parameters:
+        if p.grad is None:
+            continue
+        holders = element_holders(p.grad, world.size) if isinstance(p.grad, DTensor) and sharded else replicas
+        g = local_tensor(p.grad)
+        grads.append(g)
+        # every rank makes the same keys (the same parameters, the same meshes), also for an empty shard
+        squares.setdefault(holders, torch.zeros((), dtype=torch.float64, device=accelerator.device))
         if g.numel():
-            squares += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-    if wrapped in FSDP_WRAPPERS and world.size > 1:
-        torch.distributed.all_reduce(squares)
-        squares /= copies(config.fsdp, world.size, world.local_size)
-    total = squares.sqrt().float()
+            squares[holders] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    if sharded:
+        counts = sorted(squares)
+        summed = torch.stack([squares[h] for h in counts])
+        torch.distributed.all_reduce(summed)
+        total = sum(summed[i] / h for i, h in enumerate(counts)).sqrt().float()
+    else:
+        total = sum(squares.values(), torch.zeros((), dtype=torch.float64, device=accelerator.device)).sqrt().float()
     if max_norm is not None:
         # torch.nn.utils.clip_grads_with_norm_'s factor, applied to what each rank holds
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -10,18 +10,20 @@ import torch
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches
 from hfsdp.objective import Objective
-from hfsdp.parallel.world import all_sum
+from hfsdp.parallel.world import World, all_sum
 from hfsdp.run import generation, optimizers
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
 
 
 @torch.no_grad()
-def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, select_logits: bool,
+def evaluate(model, dataset, config: HfsdpConfig, accelerator, world: World, pad_id: int, select_logits: bool,
              objective: Objective) -> dict[str, float]:
+    """The eval loss over ``dataset``, split over the data-parallel ranks (a tensor-parallel group's ranks evaluate
+    the same rows: the sums over all ranks count them ``world.tp`` times)."""
     model.eval()
-    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size,
-                                        accelerator.num_processes, accelerator.process_index)
+    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size, world.dp_size,
+                                        world.dp_rank)
     if config.train.max_eval_batches:
         rank_batches = rank_batches[: config.train.max_eval_batches]
     loss_sum, tokens = 0.0, 0
@@ -33,7 +35,7 @@ def evaluate(model, dataset, config: HfsdpConfig, accelerator, pad_id: int, sele
         loss_sum += float(objective(model, batch))
         tokens += batch.num_targets
     model.train()
-    loss_sum, tokens = all_sum(accelerator, [loss_sum, tokens])
+    loss_sum, tokens = (total / world.tp for total in all_sum(accelerator, [loss_sum, tokens]))
     return {**objective.eval_metrics(loss_sum / max(tokens, 1), tokens),
             **objective.take_metrics(accelerator, prefix="eval_")}
 
@@ -63,7 +65,7 @@ class Evaluator:
         if self.eval_set is not None:
             results.update(run.objective.evaluate(run.model, self.eval_set, run.accelerator, run.tokenizer.pad_token_id,
                                                   self.select_logits)
-                           or evaluate(run.model, self.eval_set, run.config, run.accelerator,
+                           or evaluate(run.model, self.eval_set, run.config, run.accelerator, run.world,
                                        run.tokenizer.pad_token_id, self.select_logits, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,

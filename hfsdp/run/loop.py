@@ -1,9 +1,10 @@
 """The training loop. Reads top to bottom: set up, load, shard, loop, export.
 
 Loss normalisation: every micro-batch's summed token loss is divided by the number of labelled tokens in the whole
-global batch (all micro-batches on all ranks), and multiplied by the world size because FSDP/DDP average gradients
-over ranks. A step on N ranks therefore computes exactly the gradient of a single-process step on the same global
-batch, whatever the padding or the split. A plugin's objective (``hfsdp_objective``, :mod:`hfsdp.objective`) is
+global batch (all micro-batches on all ranks), and multiplied by the data-parallel ranks (the world size, unless
+``parallel.tp_size`` groups ranks that share their rows) because FSDP/DDP average gradients over them. A step on N
+ranks therefore computes exactly the gradient of a single-process step on the same global batch, whatever the
+padding or the split. A plugin's objective (``hfsdp_objective``, :mod:`hfsdp.objective`) is
 normalised the same way, by its own units (``MicroBatch.num_targets``: e.g. the preference pairs of DPO).
 """
 
@@ -30,7 +31,8 @@ from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import any_rank, per_rank
-from hfsdp.rules import quantization
+from hfsdp.errors import ConfigError
+from hfsdp.rules import parallel, quantization
 from hfsdp.run import generation, loss as losses, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
 from hfsdp.run.folder import prepare_run
@@ -88,6 +90,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
         model_config = loading.load_model_config(model_path, config.model)
+        if problems := parallel.model_problems(config, model_config):
+            raise ConfigError(problems, source=f"the config, for {model_path}")
         checkpoint_bytes, export_bytes = storage.estimate(  # before any weight loads
             loading.build_meta_model(model_config, one_process(config), host, config.model.dtype))
         space_warning = storage.check_space(output_dir, checkpoint_bytes, export_bytes, config)
@@ -102,6 +106,10 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = loading.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
+        if replaced is not None and world.tp > 1:
+            raise ConfigError([("parallel.tp_size", f"{type(replaced).__name__} (a plugin's objective) is not "
+                                                    "composed with tensor parallelism yet: next-token training only; "
+                                                    "set parallel.tp_size: 1")])
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard
@@ -154,8 +162,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
-                resume.seed_step(config.train.seed, state.step, accelerator.process_index)
-                micro = objective.step_batches(model, train_set, plan, state.step, accelerator.process_index,
+                resume.seed_step(config.train.seed, state.step, world.dp_rank)  # a tp group: the same dropout
+                micro = objective.step_batches(model, train_set, plan, state.step, world.dp_rank,
                                                tokenizer.pad_token_id, accelerator.device, select_logits)
                 result = train_step(run, micro, scaler, scheduler)
                 if result.stepped:
@@ -227,7 +235,7 @@ def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
     plan), the run's length, and what a checkpoint must resume on (its schedule length and data); a resume's
     checkpoint is checked against them here, before any weight loads."""
     config = setup.config
-    plan = objective.batch_plan(train_set, config.train, setup.world.size,
+    plan = objective.batch_plan(train_set, config.train, setup.world.dp_size,
                                 batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
     if config.data.datasets:
@@ -293,7 +301,7 @@ def save_checkpoint(run: Run, saver: store.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
     accelerator = run.accelerator
-    record = resume.Record.of_run(run.config, run.state.step, accelerator.num_processes, run.plugins,
+    record = resume.Record.of_run(run.config, run.state.step, run.world.size, run.plugins,
                                   run.resume_identity,
                                   resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world)).to_json()
     with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous

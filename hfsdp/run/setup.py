@@ -7,12 +7,13 @@ the checkpoint to resume show is found here and reported at once: nothing has be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hfsdp.checkpoint.resume import Resume
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
+from hfsdp.rules import parallel
 from hfsdp.rules.attention import attention_problems
 from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, rehearsal_problems, wrapper
 from hfsdp.rules.optimizers import wrapper_problems
@@ -51,11 +52,13 @@ def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = 
     Raises ConfigError with every config problem of this world at once, then UserError for a checkpoint that
     cannot resume here."""
     problems = (check_world(config.fsdp, world.size, world.local_size) + attention_problems(config, world.on_cpu)
-                + wrapper_problems(config, wrapper(config.fsdp, world.size)))
+                + wrapper_problems(config, wrapper(config.fsdp, world.size))
+                + parallel.world_problems(config, world.size, world.local_size))
     if world.on_cpu:
         problems += rehearsal_problems(config)
     if problems:
         raise ConfigError(problems, source=source)
+    world = replace(world, tp=config.parallel.tp_size)
     point, notes = None, []
     if resume:
         point, config, notes = Resume.decide(config, world, resume)

@@ -44,7 +44,9 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
                   else str(accelerator.device),
         "fsdp_version": fsdp.version,
         "strategy": fsdp.sharding_strategy + _WRAPPER_NOTES.get(setup.wrapper, "")
-                    + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else ""),
+                    + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else "")
+                    + (f" over dp_shard {world.dp_size} x tensor parallel {world.tp}" if world.tp > 1 else ""),
+        "tp_size": world.tp,
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
         "wrapped_unit_names": wrapped_unit_names(model),
@@ -60,7 +62,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         report["quantized_base"] = quantized.base_report(model, quant)
         report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
-    group = mesh[1] if mesh else world.size
+    group = mesh[1] if mesh else world.dp_size  # the ranks FSDP shards over
     if sharded and group > 1 and local > 0.75 * full:
         raise UserError(
             f"the model did not end up sharded: this rank holds {local} of {full} parameter bytes under "

@@ -67,6 +67,10 @@ def hfsdp_validate_config(config):
                          "frozen base weights and trainable adapters is only allowed with original parameters"))
     if section.target_modules is not None and not section.target_modules:
         problems.append(("lora.target_modules", "empty list: leave it out to adapt every Linear of the decoder blocks"))
+    if config.parallel.tp_size > 1:
+        problems.append(("parallel.tp_size", "LoRA's adapters are not split by the tensor-parallel plan (peft wraps "
+                                             "the Linears the plan splits): remove the lora plugin, or set "
+                                             "parallel.tp_size: 1"))
     return problems
 
 

@@ -1,0 +1,108 @@
+"""Tensor parallelism's rules from the config, the world and the model's config alone (torch-free): the 2-D mesh
+(``dp_shard`` x ``tp``: FSDP2 over the data-parallel ranks, the architecture's tensor-parallel plan inside each group
+of ``tp`` consecutive ranks), what the config cannot combine with it, what the world and the model must allow, and
+the plan that is applied (:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``).
+
+The embedding, the output head and the norms stay whole on the ranks of a tensor-parallel group (FSDP2 still shards
+them over the data-parallel ranks), so that the chunked loss, the tied embeddings and the export see the model's own
+tensors: the tensor-parallel plan splits the decoder layers' attention and MLP projections only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hfsdp.config.schema import HfsdpConfig
+
+
+# transformers' plan styles that torch's parallelize_module expresses as they are (the name: the torch style).
+TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+
+
+def mesh_shape(config: "HfsdpConfig", world_size: int) -> tuple[int, int] | None:
+    """(dp_shard, tp) of a tensor-parallel run on ``world_size`` ranks; None without tensor parallelism."""
+    tp = config.parallel.tp_size
+    return (world_size // tp, tp) if tp > 1 else None
+
+
+def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What ``parallel.tp_size > 1`` cannot combine with, from the config alone (``hfsdp validate`` reports them)."""
+    if not config.parallel.enabled:
+        if config.parallel.dp_shard_size is not None:
+            return [("parallel.dp_shard_size", "only applies with parallel.tp_size > 1 (FSDP alone shards over every "
+                                               "rank): remove it, or set parallel.tp_size")]
+        return []
+    fsdp, tp = config.fsdp, f"parallel.tp_size {config.parallel.tp_size}"
+    problems = []
+    if fsdp.version != 2:
+        problems.append(("fsdp.version", f"{tp} composes with FSDP2 only (DTensor parameters on a 2-D mesh): set "
+                                         "fsdp.version: 2"))
+    if fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        problems.append(("fsdp.sharding_strategy", f"{fsdp.sharding_strategy} with {tp}: FSDP2 shards over the "
+                                                   "data-parallel ranks with FULL_SHARD or SHARD_GRAD_OP; HYBRID_SHARD "
+                                                   "and NO_SHARD are not composed with tensor parallelism yet"))
+    refused = {
+        "fsdp.cpu_offload": (fsdp.cpu_offload, "offloads FSDP's shards, not tensor-parallel ones"),
+        "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading,
+                                           "every rank reads the weights it splits (ranks > 0 would split empty ones)"),
+        "model.quantization": (config.model.quantization is not None,
+                               "bitsandbytes' 4-bit Linears cannot be split by torch's tensor-parallel styles"),
+        "fsdp.wrap_policy": (fsdp.wrap_policy == "size", "the size policy is not composed with tensor parallelism: "
+                                                         "use wrap_policy transformer"),
+        # measured: torch 2.13 traced a compiled split block into a RecursionError (proxy_tensor) at the first backward
+        "train.compile": (config.train.compile is not None, "torch 2.13 cannot yet trace the split blocks (a "
+                                                            "RecursionError at the first backward)"),
+    }
+    problems += [(key, f"{why}: remove it, or set parallel.tp_size: 1") for key, (given, why) in refused.items()
+                 if given]
+    return problems
+
+
+def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int) -> list[tuple[str, str]]:
+    """What the launched world must allow: ``tp_size`` divides it and the processes per node (a tensor-parallel group
+    all-reduces in every layer: it stays inside a node), and ``dp_shard_size``, if given, is the rest."""
+    cfg = config.parallel
+    if not cfg.enabled:
+        return []
+    tp = cfg.tp_size
+    if world_size % tp:
+        return [("parallel.tp_size", f"{tp} does not divide the world size {world_size}: launch a multiple of {tp} "
+                                     "processes, or change parallel.tp_size")]
+    if local_world_size % tp:
+        return [("parallel.tp_size", f"{tp} does not divide the {local_world_size} processes per node: a "
+                                     "tensor-parallel group must stay inside one node (it all-reduces in every layer)")]
+    if cfg.dp_shard_size is not None and cfg.dp_shard_size * tp != world_size:
+        return [("parallel.dp_shard_size", f"{cfg.dp_shard_size} x tp_size {tp} is {cfg.dp_shard_size * tp}, not the "
+                                           f"world size {world_size}: set it to {world_size // tp}, or remove it")]
+    return []
+
+
+def tp_plan(model_config: Any) -> dict[str, str]:
+    """The architecture's tensor-parallel plan (transformers' ``base_model_tp_plan``: module paths of the base model,
+    ``*`` for the layer index, to a style name); empty when the architecture has none."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return dict(getattr(text, "base_model_tp_plan", None) or {})
+
+
+def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
+    """What the architecture must allow (checked once its config is read, before any weight loads): a plan whose
+    styles hfsdp applies, and head counts and widths that ``tp_size`` divides."""
+    tp = config.parallel.tp_size
+    if tp == 1:
+        return []
+    plan = tp_plan(model_config)
+    arch = getattr(model_config, "model_type", "this model")
+    if not plan:
+        return [("parallel.tp_size", f"{arch} declares no tensor-parallel plan (base_model_tp_plan): set "
+                                     "parallel.tp_size: 1")]
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        return [("parallel.tp_size", f"{arch}'s tensor-parallel plan uses {', '.join(unknown)}, which hfsdp does not "
+                                     f"apply yet (it applies {', '.join(TP_STYLES)}): set parallel.tp_size: 1")]
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
+             "num_key_value_heads": getattr(text, "num_key_value_heads", None),
+             "intermediate_size": getattr(text, "intermediate_size", None)}
+    return [("parallel.tp_size", f"{tp} does not divide the model's {name} ({value}): choose a tp_size that does")
+            for name, value in sizes.items() if isinstance(value, int) and value % tp]
