@@ -286,11 +286,13 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
               help="Memory budget per device, e.g. 80GiB, 24GB.")
 @click.option("--strategies", default=None, metavar="LIST",
               help="Comma-separated sharding strategies (default: all four with --nodes > 1, else all but HYBRID_SHARD).")
+@click.option("--tp", "tps", default=None, metavar="LIST",
+              help="Comma-separated tensor-parallel sizes to plan (parallel.tp_size), e.g. 1,8 [default: the config's].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
 @click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
 def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
-         overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
+         tps: str | None, overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
     """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
 
     The model is built on the meta device from its config (a built-in model, a local folder, or a hub id whose
@@ -318,12 +320,18 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
         sizes = []
     if not sizes or min(sizes) < 1:
         raise UserError(f"--nproc '{nprocs}': give positive process counts per node, e.g. 1,2,8")
+    try:
+        tp_sizes = parse_list(tps, int) if tps else None
+    except ValueError:
+        tp_sizes = []
+    if tp_sizes is not None and (not tp_sizes or min(tp_sizes) < 1):
+        raise UserError(f"--tp '{tps}': give positive tensor-parallel sizes, e.g. 1,8")
     budget = parse_size(device_memory)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget)
-    rows = run_plan(planner, names, sizes, nodes)
+    rows = run_plan(planner, names, sizes, nodes, tp_sizes)
     facts = planner.facts(tuple(cfg.plugins))
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget), indent=2))

@@ -104,6 +104,16 @@ def test_tp2_x_dp2_resumes_exactly(runs):
 
 
 @pytest.mark.slow
+def test_tp2_full_state_dict_checkpoints_resume_exactly(runs):
+    """FULL_STATE_DICT checkpoints of a tensor-parallel run: the split weights gathered whole into model.safetensors
+    (and the optimizer state into optimizer.bin), then split again on resume, bit for bit."""
+    sections = _merge(smoke_sections(2, 2, "tp2"), {"fsdp": {"state_dict_type": "FULL_STATE_DICT"}})
+    run, _ = runs.run("fsdp2-x2-tp2-full_state_dict", 2, sections)
+    assert (run / "checkpoints" / "step-2" / "pytorch_model_fsdp.bin").is_file()  # Accelerate's full weights file
+    assert_resumed_exactly(resume(runs, "fsdp2-x2-tp2-full_state_dict", run, 2), run)
+
+
+@pytest.mark.slow
 def test_a_2d_checkpoint_resumes_on_other_data_parallel_ranks(runs):
     """tp 2 x dp 2's step-2 checkpoint resumed on 2 ranks (tp 2 x dp 1): accumulation 2 keeps the global batch of 2
     rows, and steps 3 and 4 are the 4-rank run's (float32 sums of other orders apart)."""
@@ -201,3 +211,56 @@ def test_the_models_plan_and_head_counts_are_checked_before_weights_load():
                                         "that does"], problems
     gpt2 = GPT2Config()  # transformers 5.24 gives GPT-2 no plan
     assert "gpt2 declares no tensor-parallel plan" in parallel.model_problems(_config(), gpt2)[0][1]
+
+
+# ---- hfsdp plan: a 2-D layout's bytes per rank and its collectives per step
+
+@pytest.mark.slow
+def test_plan_predicts_the_parameter_bytes_every_rank_holds(runs):
+    """plan's params per rank (the largest rank's) equal the bytes the tp 2 x dp 2 run's ranks and the tp 2 run's
+    ranks hold (their start-up reports, counted from the live DTensor shards); gradients and AdamW's moments are
+    the same shards."""
+    for run, world in ((four_ranks(runs)[0], 4), (smoke_run(runs, 2, 2, "tp2")[0], 2)):
+        live = [json.loads((run / f"startup_rank{r}.json").read_text())["param_bytes_this_rank"] for r in range(world)]
+        proc = run_cli("plan", str(run / "config.yaml"), "--nproc", str(world), "--strategies", "FULL_SHARD", "--json",
+                       env=ENV)
+        (row,) = json.loads(proc.stdout)["rows"]
+        assert row["tp_size"] == 2 and row["shard_group"] == world // 2, row
+        assert row["params"] == max(live) and row["grads"] == row["params"] and row["optimizer"] == 2 * row["params"]
+
+
+def test_plan_of_llama_70b_on_64_gpus_shards_tensor_parallel_slices_and_moves_fewer_bytes_across_nodes():
+    """The 70B example (tp 8 inside each of 8 nodes): every split dimension divides by 8 and by 8 again, so a rank
+    holds exactly 1/64 of each decoder matrix and 1/8 of the embedding, head and norms (kept whole by tensor
+    parallelism, sharded by FSDP2); FSDP alone on the same 64 GPUs moves about 8x the bytes across nodes."""
+    from conftest import REPO, base_env
+
+    example = REPO / "examples" / "llama-3.1-70b-full-tp8.yaml"
+    proc = run_cli("plan", str(example), "--nproc", "8", "--nodes", "8", "--tp", "1,8", "--strategies", "FULL_SHARD",
+                   "--json", env=base_env(HF_HUB_OFFLINE="1"))
+    alone, split = json.loads(proc.stdout)["rows"]
+    assert (alone["tp_size"], split["tp_size"], split["shard_group"]) == (1, 8, 8)
+    hidden, vocab, layers = 8192, 128256, 80
+    matrices = 2 * hidden * hidden + 2 * 1024 * hidden + 3 * 28672 * hidden  # q, o; k, v; gate, up, down
+    whole = 2 * vocab * hidden + layers * 2 * hidden + hidden  # embedding, head, norms
+    assert split["params"] == 2 * (layers * matrices // 64 + whole // 8)  # bfloat16
+    assert split["problem"] is None and split["fits"] and alone["fits"]
+    assert alone["tp_comm"] == 0 and split["tp_comm"] > 0
+    assert 7 < alone["fsdp_comm"] / split["fsdp_comm"] < 9, (alone["fsdp_comm"], split["fsdp_comm"])
+    table = run_cli("plan", str(example), "--nproc", "8", "--nodes", "8", "--tp", "1,8", "--strategies", "FULL_SHARD",
+                    env=base_env(HF_HUB_OFFLINE="1")).stdout
+    assert "64 (8x8) tp8" in table and "comm GiB/step fsdp+tp" in table, table
+
+
+def test_plan_rows_of_a_tensor_parallel_size_that_cannot_run_say_why():
+    from conftest import REPO, base_env
+
+    example = REPO / "examples" / "llama-3.1-70b-full-tp8.yaml"
+    proc = run_cli("plan", str(example), "--nproc", "6", "--tp", "4,3", "--strategies", "FULL_SHARD", "--json",
+                   env=base_env(HF_HUB_OFFLINE="1"))
+    four, three = json.loads(proc.stdout)["rows"]
+    assert four["problem"].startswith("parallel.tp_size: 4 does not divide the world size 6"), four
+    assert three["problem"] == ("parallel.tp_size: 3 does not divide the model's num_attention_heads (64): choose a "
+                                "tp_size that does"), three
+    bad = run_cli("plan", str(example), "--tp", "two", check=False)
+    assert bad.returncode == 2 and "--tp 'two'" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, hybrid_mesh_shape, precision_parts, wrapper
-from hfsdp.tools.plan.facts import Activations, ModelFacts, Param, _gathered_itemsize
+from hfsdp.tools.plan.facts import Activations, ModelFacts, Param, _chunk, _gathered_itemsize
 from hfsdp.units import DTYPE_BYTES, PRECISION_DTYPES
 
 
@@ -33,6 +33,7 @@ class Setup:
     async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
     optimizer: str = "adamw"  # train.optimizer, and its train.optimizer_args
     optimizer_args: tuple[tuple[str, Any], ...] = ()
+    tp: int = 1  # parallel.tp_size: ranks of a tensor-parallel group (FSDP2 shards over world / tp)
 
     def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
         """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
@@ -71,14 +72,19 @@ class Setup:
     def shard_group(self) -> int:
         if self.strategy == "NO_SHARD":
             return 1
+        if self.tp > 1:
+            return self.world // self.tp  # the data-parallel ranks
         mesh = hybrid_mesh_shape(self.fsdp, self.world, self.nproc_per_node)
         return mesh[1] if mesh else self.world
 
 
-def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int) -> Setup:
+def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
+                      tp: int | None = None) -> Setup:
+    """A row's setup: ``tp`` (default: the config's ``parallel.tp_size``) the tensor-parallel group size."""
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
-                 optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()))
+                 optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()),
+                 tp=tp or config.parallel.tp_size)
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
@@ -99,6 +105,8 @@ class Estimate:
     device_peak: int
     host_per_rank: int  # CPU offload: parameters, gradients and optimizer state; async saves: their staging copy
     host_load_per_node: int  # host RAM when the model is loaded, before sharding
+    fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
+    tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
     problem: str | None = None
     fits: bool | None = None
     suggestion: str | None = None
@@ -110,12 +118,6 @@ class Estimate:
 
 def compute_dtype(config: HfsdpConfig, precision: str) -> str:
     return PRECISION_DTYPES.get(precision, config.model.dtype)
-
-
-def _chunk(n: int, parts: int, rank: int) -> int:
-    """Elements of ``n`` that ``torch.chunk`` gives to ``rank`` of ``parts`` (FSDP2's dim-0 sharding)."""
-    size = -(-n // parts)
-    return max(0, min(size, n - rank * size))
 
 
 def _fsdp2_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool]) -> int:
@@ -248,6 +250,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
       cpu_ram_efficient_loading (FSDP only).
     """
+    full_load = sum(p.numel * p.itemsize for p in facts.params)  # every loading rank reads the whole model
+    facts = facts.tp_local(setup.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
     everything = lambda p: True  # noqa: E731
     trainable = lambda p: p.trainable  # noqa: E731
     params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
@@ -316,9 +320,44 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
-    full_load = sum(p.numel * p.itemsize for p in facts.params)
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
+    fsdp_comm, tp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
-                    host_load_per_node=loaders * full_load)
+                    host_load_per_node=loaders * full_load, fsdp_comm=fsdp_comm, tp_comm=tp_comm)
+
+
+def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,
+                     reduce_size: int | None) -> tuple[int, int]:
+    """Bytes one rank moves per optimizer step (every micro-batch of it), on paper, as ring collectives move them:
+    a rank receives ``(g - 1) / g`` of what an all-gather over ``g`` ranks gathers, sends as much in a
+    reduce-scatter, and twice that in an all-reduce.
+
+    * FSDP (``facts``: a tensor-parallel rank's slices): FULL_SHARD and HYBRID_SHARD gather each layer unit in
+      forward and again in backward, the root unit once; SHARD_GRAD_OP each unit once; then the trainable
+      gradients are reduce-scattered (reduce dtype), and HYBRID_SHARD all-reduces its shard across the replicas.
+      DDP all-reduces every trainable gradient; one process moves nothing.
+    * Tensor parallelism: each decoder layer all-reduces its input-sized activations after the attention's and the
+      MLP's row-split projections in forward, and the input gradients of its column-split ones in backward (4 per
+      layer; activation checkpointing recomputes the 2 forward ones)."""
+    g = setup.shard_group()
+    accumulation = setup.accumulation
+    grads = [sum(p.numel * (reduce_size or p.itemsize) for p in facts.params if p.unit == u and p.trainable)
+             for u in range(len(facts.units))]
+    if setup.wrapper == "none" or g == 1 and setup.wrapper != "ddp":
+        fsdp = 0
+    elif setup.wrapper == "ddp":
+        fsdp = 2 * sum(grads) * (setup.world - 1) // setup.world
+    else:
+        units = [facts.unit_bytes(u, compute) for u in range(len(facts.units))]
+        twice = setup.strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        gathered = units[0] + sum(units[1:]) * (2 if twice else 1)
+        fsdp = (gathered + sum(grads)) * (g - 1) // g
+        replicas = setup.world // g if setup.strategy == "HYBRID_SHARD" and setup.tp == 1 else 1
+        if replicas > 1:
+            fsdp += 2 * (sum(grads) // g) * (replicas - 1) // replicas
+    t = setup.tp
+    per_layer = 4 + (2 if setup.fsdp.activation_checkpointing else 0)
+    tp = per_layer * sum(acts.layer_inputs) * 2 * (t - 1) // t if t > 1 else 0
+    return fsdp * accumulation, tp * accumulation

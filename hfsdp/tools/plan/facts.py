@@ -5,12 +5,13 @@ parameter's shape, dtype, trainability and FSDP unit (the wrap policy, emulated)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+from dataclasses import dataclass, replace
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.model import quantized
 from hfsdp.model.loading import build_meta_model, layer_classes
-from hfsdp.rules import quantization
+from hfsdp.rules import parallel, quantization
 from hfsdp.run import optimizers
 from hfsdp.run.setup import one_process
 
@@ -27,6 +28,22 @@ class Param:
     weights: int | None = None  # packed 4-bit data: the weights it holds (two a byte)
     shape: tuple[int, ...] = ()  # the whole parameter's (Adafactor's row and column factors)
     hidden: bool = False  # a 2-D matrix of the hidden layers (Muon's; hfsdp.run.optimizers.hidden_matrices)
+    tp_style: str | None = None  # parallel.tp_size: how the architecture's plan splits it (colwise, rowwise)
+
+    def tp_local(self, tp: int) -> "Param":
+        """The largest tensor-parallel rank's slice (``torch.chunk``'s first): colwise splits dim 0 (a bias too),
+        rowwise the last dim of a matrix (its bias stays whole); FSDP2 then shards the slice's dim 0."""
+        if tp == 1 or self.tp_style is None or not self.shape:
+            return self
+        dim = 0 if self.tp_style == "colwise" else len(self.shape) - 1
+        if self.tp_style == "rowwise" and len(self.shape) < 2:
+            return self
+        shape = list(self.shape)
+        shape[dim] = _chunk(shape[dim], tp, 0)
+        numel = 1
+        for n in shape:
+            numel *= n
+        return replace(self, numel=numel, rows=shape[0], shape=tuple(shape))
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,10 @@ class ModelFacts:
     tied_embeddings: bool
     tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
     quant_state_bytes: int = 0  # QLoRA: the 4-bit layers' quant state, on the modules, whole on every rank
+
+    def tp_local(self, tp: int) -> "ModelFacts":
+        """What one rank of a tensor-parallel group of ``tp`` keeps before FSDP2 shards it (the largest slices)."""
+        return self if tp == 1 else replace(self, params=tuple(p.tp_local(tp) for p in self.params))
 
     @property
     def total_params(self) -> int:
@@ -117,11 +138,13 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
     packed = {id(m.weight): m.weight.numel() for m in quantized.linears_to_quantize(model)} if quant else {}
     params = []
     hidden = optimizers.hidden_matrices(model)
+    styles = tp_styles(model, parallel.tp_plan(model_config))
     for name, p in model.named_parameters():  # tied parameters appear once
         unit = owner.get(id(p), 0)
         if id(p) not in packed:
             params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
-                                trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden))
+                                trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden,
+                                tp_style=styles.get(name)))
             continue
         # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
         # stays on the module, whole on every rank
@@ -135,6 +158,26 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
                       tied_embeddings=tied, tied_trainable_numel=tied_numel,
                       quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0)
+
+
+def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:
+    """Parameter name -> the plan's style for its module (the plan's paths start at the base model, ``*`` a layer
+    index), as :func:`hfsdp.parallel.tensor.parallelize` applies it."""
+    prefix = getattr(model, "base_model_prefix", "")
+    styles = {}
+    for name, _ in model.named_parameters():
+        module = name.rsplit(".", 1)[0].removeprefix(f"{prefix}.")
+        style = next((s for path, s in plan.items() if fnmatch.fnmatchcase(module, path)), None)
+        if style is not None:
+            styles[name] = style
+    return styles
+
+
+def _chunk(n: int, parts: int, rank: int) -> int:
+    """Elements of ``n`` that ``torch.chunk`` gives to ``rank`` of ``parts`` (FSDP2's and tensor parallelism's
+    dim splits)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - rank * size))
 
 
 def _gathered_itemsize(p: Param, compute: int | None) -> int:

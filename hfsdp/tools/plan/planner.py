@@ -28,7 +28,7 @@ from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
 from hfsdp.rules.wrapping import check_world
-from hfsdp.rules import optimizers
+from hfsdp.rules import optimizers, parallel
 from hfsdp.tools.plan.estimate import Estimate, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import ModelFacts, model_facts
 from hfsdp.tools.plan.trace import trace_activations
@@ -113,12 +113,17 @@ class Planner:
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         train = self.config.train.model_copy(update={"optimizer": setup.optimizer})
-        problems = check_world(setup.fsdp, setup.world, setup.nproc_per_node) + optimizers.wrapper_problems(
-            self.config.model_copy(update={"train": train}), setup.wrapper)  # e.g. Adafactor where FSDP2 shards
+        layout = self.config.parallel.model_copy(update={"tp_size": setup.tp, "dp_shard_size": None})
+        planned = self.config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
+        problems = ((parallel.config_problems(planned) + parallel.world_problems(planned, setup.world,
+                                                                                 setup.nproc_per_node)
+                     + parallel.model_problems(planned, self.model_config)) if setup.tp > 1 else
+                    check_world(setup.fsdp, setup.world, setup.nproc_per_node))
+        problems += optimizers.wrapper_problems(planned, setup.wrapper)  # e.g. Adafactor where FSDP2 shards
         if problems:
-            return problems[0][1]
+            return f"{problems[0][0]}: {problems[0][1]}" if setup.tp > 1 else problems[0][1]
         config, host = self.variant(setup.plugins)
-        config = config.model_copy(update={"fsdp": setup.fsdp})
+        config = config.model_copy(update={"fsdp": setup.fsdp, "parallel": layout})
         problems = host.validation_problems(config)
         if not problems:
             world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False)
@@ -198,18 +203,20 @@ def change_sets(changes: list[Change]):
     return ([changes[i] for i in combo] for combo in sets)
 
 
-def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int) -> list[Estimate]:
-    """One estimate per world size x strategy; rows that do not fit carry the cheapest change that would."""
+def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int,
+         tps: list[int] | None = None) -> list[Estimate]:
+    """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x strategy; rows that do
+    not fit carry the cheapest change that would."""
     rows = []
-    for nproc in nprocs:
-        for strategy in strategies:
-            setup = setup_from_config(planner.config, strategy, nproc, nodes)
-            est = planner.estimate(setup)
-            if est.fits is False:
-                # More ranks: the larger listed sizes, then twice and four times the largest.
-                est.suggestion = planner.suggest(setup, [n for n in nprocs if n > nproc] + [2 * max(nprocs),
-                                                                                           4 * max(nprocs)])
-            rows.append(est)
+    for nproc, tp, strategy in ((n, t, s) for n in nprocs for t in tps or [planner.config.parallel.tp_size]
+                                for s in strategies):
+        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp)
+        est = planner.estimate(setup)
+        if est.fits is False:
+            # More ranks: the larger listed sizes, then twice and four times the largest.
+            est.suggestion = planner.suggest(setup, [n for n in nprocs if n > nproc] + [2 * max(nprocs),
+                                                                                       4 * max(nprocs)])
+        rows.append(est)
     return rows
 
 

@@ -29,7 +29,8 @@ def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
 
     return [
         ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
-                                                    if e.setup.nodes > 1 else "")),
+                                                    if e.setup.nodes > 1 else "")
+                            + (f" tp{e.setup.tp}" if e.setup.tp > 1 else "")),
         ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
         ("params", lambda e: size(e.params)),
         ("grads", lambda e: size(e.grads)),
@@ -39,6 +40,7 @@ def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
         ("peak/rank", lambda e: size(e.device_peak)),
         ("host/rank", lambda e: size(e.host_per_rank)),
         ("load RAM/node", lambda e: size(e.host_load_per_node)),
+        ("comm GiB/step fsdp+tp", lambda e: f"{e.fsdp_comm / GIB:.1f}+{e.tp_comm / GIB:.1f}"),
         ("fits", lambda e: "-" if e.problem else ("yes" if e.fits else "NO")),
         ("cheapest change that fits", lambda e: e.problem or e.suggestion or ("-" if e.fits else "none of the listed")),
     ]
@@ -93,6 +95,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
                  world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.fsdp.runs_as_ddp,
+                 tp_size=e.setup.tp,
                  runs_as=e.setup.runs_as,
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
