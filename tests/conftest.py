@@ -184,7 +184,7 @@ def pytest_addoption(parser):
 
 # Modules whose runs are shared through the disk (test_combinations.Runs), not a module-scoped fixture: under
 # pytest-xdist their tests are spread over the workers one by one.
-SHARED_RUNS = ("tests/test_combinations.py",)
+SHARED_RUNS = ("tests/test_combinations.py", "tests/test_tensor_parallel.py")
 
 
 @pytest.hookimpl(optionalhook=True)

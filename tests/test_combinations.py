@@ -253,8 +253,9 @@ SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or
 FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # FSDP2 on one process (a one-rank FSDP) leaves out, in CI, the options that take no path of their own there: they
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
-# cannot tell from FULL_SHARD, the loss, the rows, LoRA with another option, 8-bit AdamW on one shard: the whole).
-FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "lora_checkpointing", "lora_packing",
+# cannot tell from FULL_SHARD, blocks compiled before the same fully_shard, the loss, the rows, LoRA with another
+# option, 8-bit AdamW on one shard: the whole).
+FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "lora_checkpointing", "lora_packing",
                           "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture",
                           "distill", "adamw_8bit", "adafactor")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
@@ -431,8 +432,9 @@ def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
     The loss is the same for every reward shifted by one constant, so nothing holds the rewards' common level but
     the small centring term: Adam's per-element steps turn float32 noise in that direction's tiny gradient into a
     shift of every reward of a step alike (measured: 8e-6 at step 3, 1.5e-5 at step 4, with lr 3e-3). The rewards
-    are compared as their distances from the step's mean reward (within 1e-6), their level within 1e-4; the loss,
-    margins and accuracy within 1e-5."""
+    are compared as their distances from the step's mean reward (within 1e-5: a CI rehearsal measured 3.5e-6 for
+    rewards/min at step 2, where an earlier machine gave under 1e-6), their level within 1e-4; the loss, margins and
+    accuracy within 1e-5."""
     two, _ = smoke_run(runs, 2, 2, "reward_model")
     sections = _merge(smoke_sections(2, 1, "reward_model"), {"train": {"per_device_batch_size": 4}})
     one, _ = runs.run("fsdp2-x1-reward_model-4pairs", 1, sections)
@@ -444,7 +446,7 @@ def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
         for key in x:
             if key.removeprefix("eval_") in levels:
                 mean = key.replace(key.removeprefix("eval_"), "rewards/mean")
-                assert y[key] - y[mean] == pytest.approx(x[key] - x[mean], abs=1e-6), (key, x, y)
+                assert y[key] - y[mean] == pytest.approx(x[key] - x[mean], abs=1e-5), (key, x, y)
                 assert y[key] == pytest.approx(x[key], abs=1e-4), (key, x, y)
                 compared += 1
             elif key.startswith(("loss", "rewards/", "eval_loss", "eval_rewards/")):
@@ -554,7 +556,11 @@ def _pairs() -> list[tuple[str, str]]:
 
 
 ALL_PAIRS = _pairs()
-CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b]]
+# compile's pairs but the one with checkpointing cost 1.5 to 2.3 minutes each of dynamo's tracing on CI's 2 cores
+# (the CI rehearsal of 2026-12-03): they run with --full-matrix; compile itself runs in the smoke and resume cells
+# and in tests/test_compile.py.
+FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("qlora", "size_wrap", "packing", "grpo")}
+CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 
 # Features that compute the steps of the run without them (recomputed, compiled, other units, saved otherwise).
@@ -571,8 +577,11 @@ def pytest_generate_tests(metafunc):
     and the resume of every pair with a feature that changes a resumed part (CI's: pairs that meet in one)."""
     full = metafunc.config.getoption("full_matrix")
     pairs = ALL_PAIRS if full else CI_PAIRS
+    # CI resumes tensor parallelism in its smoke cell and in tests/test_tensor_parallel.py (4 ranks, FULL_STATE_DICT,
+    # other dp ranks); its pairs' resumes run with --full-matrix
     resumed = [(a, b) for a, b in pairs if frozenset((a, b)) not in REFUSED_PAIRS
-               and RESUMED_PARTS & ((FEATURES[a] | FEATURES[b]) if full else (FEATURES[a] & FEATURES[b]))]
+               and RESUMED_PARTS & ((FEATURES[a] | FEATURES[b]) if full else (FEATURES[a] & FEATURES[b]))
+               and (full or "tp2" not in (a, b))]
     smoke = SMOKE if full else CI_SMOKE
     cells = {"smoke_cell": smoke,
              "version_cell": [(v, w, o) for v, w, o in smoke if v == 1 and (1, w, o) not in REFUSED],
