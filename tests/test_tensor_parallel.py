@@ -196,7 +196,6 @@ def test_the_world_must_hold_whole_tensor_parallel_groups(world, local, dp_shard
     problems = parallel.world_problems(config, world, local)
     assert len(problems) == 1 and says in problems[0][1], problems
     assert parallel.world_problems(_config(parallel={"tp_size": 2, "dp_shard_size": 4}), 8, 8) == []
-    assert parallel.mesh_shape(config, 8) == (4, 2)
 
 
 def test_the_models_plan_and_head_counts_are_checked_before_weights_load():

@@ -32,10 +32,9 @@ def device_mesh(world: "World", device_type: str) -> "DeviceMesh":
     return init_device_mesh(device_type, (world.dp_size, world.tp), mesh_dim_names=(DP_DIM, TP_DIM))
 
 
-def parallelize(model, mesh: "DeviceMesh") -> int:
-    """Split the decoder layers of ``model`` (a causal LM) over ``mesh[tp]`` by its architecture's plan, in place;
-    returns how many modules were split. The plan's styles are checked before any weight loads
-    (:func:`hfsdp.rules.parallel.model_problems`)."""
+def parallelize(model, mesh: "DeviceMesh") -> None:
+    """Split the decoder layers of ``model`` (a causal LM) over ``mesh[tp]`` by its architecture's plan, in place.
+    The plan's styles are checked before any weight loads (:func:`hfsdp.rules.parallel.model_problems`)."""
     import logging
 
     from torch.distributed.tensor import parallel as torch_tp
@@ -48,6 +47,3 @@ def parallelize(model, mesh: "DeviceMesh") -> int:
     base = getattr(base, "base_model", base)  # the plan's paths start at the base model (LlamaModel)
     plan = {path: getattr(torch_tp, TP_STYLES[style])() for path, style in tp_plan(model.config).items()}
     torch_tp.parallelize_module(base, mesh[TP_DIM], plan, src_data_rank=None)
-    from torch.distributed.tensor import DTensor
-
-    return sum(any(isinstance(p, DTensor) for p in m.parameters(recurse=False)) for m in base.modules())

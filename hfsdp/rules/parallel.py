@@ -1,4 +1,4 @@
-"""Tensor parallelism's rules from the config, the world and the model's config alone (torch-free): the 2-D mesh
+"""Tensor parallelism's rules from the config, the world and the model's config alone (torch-free), for the 2-D layout
 (``dp_shard`` x ``tp``: FSDP2 over the data-parallel ranks, the architecture's tensor-parallel plan inside each group
 of ``tp`` consecutive ranks), what the config cannot combine with it, what the world and the model must allow, and
 the plan that is applied (:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``).
@@ -18,12 +18,6 @@ if TYPE_CHECKING:
 
 # transformers' plan styles that torch's parallelize_module expresses as they are (the name: the torch style).
 TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
-
-
-def mesh_shape(config: "HfsdpConfig", world_size: int) -> tuple[int, int] | None:
-    """(dp_shard, tp) of a tensor-parallel run on ``world_size`` ranks; None without tensor parallelism."""
-    tp = config.parallel.tp_size
-    return (world_size // tp, tp) if tp > 1 else None
 
 
 def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
@@ -81,8 +75,12 @@ def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int
 def tp_plan(model_config: Any) -> dict[str, str]:
     """The architecture's tensor-parallel plan (transformers' ``base_model_tp_plan``: module paths of the base model,
     ``*`` for the layer index, to a style name); empty when the architecture has none."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return dict(getattr(text, "base_model_tp_plan", None) or {})
+    return dict(getattr(_text_config(model_config), "base_model_tp_plan", None) or {})
+
+
+def _text_config(model_config: Any) -> Any:
+    """The language model's part of ``model_config`` (a multimodal config's text config; else itself)."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
@@ -100,7 +98,7 @@ def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, 
     if unknown:
         return [("parallel.tp_size", f"{arch}'s tensor-parallel plan uses {', '.join(unknown)}, which hfsdp does not "
                                      f"apply yet (it applies {', '.join(TP_STYLES)}): set parallel.tp_size: 1")]
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = _text_config(model_config)
     sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
              "num_key_value_heads": getattr(text, "num_key_value_heads", None),
              "intermediate_size": getattr(text, "intermediate_size", None)}

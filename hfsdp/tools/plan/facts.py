@@ -6,6 +6,7 @@ parameter's shape, dtype, trainability and FSDP unit (the wrap policy, emulated)
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, replace
 
 from hfsdp.config.schema import HfsdpConfig
@@ -40,10 +41,7 @@ class Param:
             return self
         shape = list(self.shape)
         shape[dim] = _chunk(shape[dim], tp, 0)
-        numel = 1
-        for n in shape:
-            numel *= n
-        return replace(self, numel=numel, rows=shape[0], shape=tuple(shape))
+        return replace(self, numel=math.prod(shape), rows=shape[0], shape=tuple(shape))
 
 
 @dataclass(frozen=True)
