@@ -126,7 +126,7 @@ class Planner:
         config = config.model_copy(update={"fsdp": setup.fsdp, "parallel": layout})
         problems = host.validation_problems(config)
         if not problems:
-            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False)
+            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False, tp=setup.tp)
             try:
                 host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
                           setup=RunSetup(config=config, world=world, resume=None))
