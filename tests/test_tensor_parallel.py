@@ -41,7 +41,8 @@ def four_ranks(runs):
 
 def assert_computes_what_one_process_computes(run, one) -> None:
     """Losses, gradient norms and eval losses of ``run`` within float32 sums of other orders of ``one``'s (tp 2 on
-    the tiny model: 1e-7 apart), and its exported weights within what 4 Adam steps make of such differences."""
+    the tiny model: 1e-7 apart), and its exported weights within what 4 Adam steps make of such differences (1e-4,
+    a thirtieth of one step)."""
     import torch
 
     a, b = read_metrics(run), read_metrics(one)
@@ -56,7 +57,10 @@ def assert_computes_what_one_process_computes(run, one) -> None:
     got, want = exported(run)["model.safetensors"], exported(one)["model.safetensors"]
     assert got.keys() == want.keys()
     for name, tensor in want.items():
-        assert torch.allclose(got[name], tensor, rtol=1e-4, atol=1e-5), (name, (got[name] - tensor).abs().max())
+        # Adam normalises each element's step: where a gradient is near 0, float32 noise in it moves the weight by
+        # up to a step (lr 3e-3). A CI rehearsal measured 1.5e-5 (up_proj); a weight the split got wrong would be
+        # a step or more apart.
+        assert torch.allclose(got[name], tensor, rtol=1e-4, atol=1e-4), (name, (got[name] - tensor).abs().max())
 
 
 @pytest.mark.slow
