@@ -330,13 +330,15 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget)
+    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget,
+                      _cache_dir())
     rows = run_plan(planner, names, sizes, nodes, tp_sizes)
     facts = planner.facts(tuple(cfg.plugins))
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget), indent=2))
     else:
-        click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins))))
+        click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins)),
+                          planner.frozen(tuple(cfg.plugins))))
         click.echo(text_table(rows))
     if png is not None:
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")

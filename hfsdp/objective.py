@@ -32,6 +32,21 @@ from hfsdp.run.loss import token_loss_sum
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
 
 
+@dataclass(frozen=True)
+class FrozenModel:
+    """A model an objective runs beside the trained one, frozen (no gradients, no optimizer state), as ``hfsdp plan``
+    counts it (:meth:`Objective.frozen_models`): its name (as the config gives it), its transformers config and the
+    dtype it is loaded in, whether
+    FSDP2 shards it over the ranks of a run that has several (else each rank holds it whole), and whether its logits
+    over the micro-batch stay alive through the trained model's forward and backward."""
+
+    name: str
+    model_config: Any
+    dtype: str
+    sharded_by_fsdp2: bool = True
+    keeps_logits: bool = True
+
+
 class Objective:
     """A training objective. Subclasses implement :meth:`loss`; the other methods have working defaults."""
 
@@ -40,6 +55,11 @@ class Objective:
     #: sequences :meth:`micro_batch` forwards per dataset row (``hfsdp plan`` traces a micro-batch that many times
     #: larger; a loss other than :class:`TokenCrossEntropy` is planned with the full logits, as it computes them).
     sequences_per_row: int = 1
+
+    def frozen_models(self) -> list[FrozenModel]:
+        """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
+        load): ``hfsdp plan`` adds their bytes on each rank to every row's peak."""
+        return []
 
     def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
         """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""

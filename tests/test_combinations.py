@@ -253,11 +253,13 @@ SMOKE = [(v, w, o) for o in OPTIONS for v in (1, 2) for w in (1, 2) if v == 2 or
 FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # FSDP2 on one process (a one-rank FSDP) leaves out, in CI, the options that take no path of their own there: they
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
-# cannot tell from FULL_SHARD, blocks compiled before the same fully_shard, the loss, the rows, LoRA with another
-# option, 8-bit AdamW on one shard: the whole).
-FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "lora_checkpointing", "lora_packing",
-                          "lora_full_state_dict", "plain_loss", "lora_simpo", "reward_model", "kto", "mixture",
-                          "distill", "adamw_8bit", "adafactor")
+# cannot tell from FULL_SHARD, blocks compiled or checkpointed before the same fully_shard, units of another policy,
+# the loss, the rows, a preference objective's reference pass, LoRA with another option, an optimizer's step on one
+# shard: the whole).
+FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "checkpointing", "size_wrap",
+                          "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
+                          "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
+                          "adamw_8bit", "adafactor")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill")
@@ -505,6 +507,25 @@ def test_options_act(runs):
         assert losses(smoke_run(runs, 2, 2, option)[0])[STEPS][0] != base[STEPS][0], option
 
 
+def test_plan_counts_the_teacher_each_rank_holds(runs):
+    """``hfsdp plan`` of a distillation run adds the frozen teacher to each row (its ``frozen`` bytes): on 2 FSDP2
+    ranks the teacher's parameters rank 0 holds (as many as the run said it held), on one process all of them, and
+    in both its logits over the micro-batch; every rank loads the teacher whole (host RAM at load)."""
+    run, proc = smoke_run(runs, 2, 2, "distill")
+    said = re.search(r"sharded over 2 ranks \(FSDP2\): ([\d,]+) of its ([\d,]+) parameters on rank 0",
+                     proc.stdout + proc.stderr)
+    assert said, (proc.stdout + proc.stderr)[-3000:]
+    mine, whole = (int(n.replace(",", "")) for n in said.groups())
+    plan = json.loads(run_cli("plan", str(run.parent / "config.yaml"), "--nproc", "1,2", "--strategies",
+                              "FULL_SHARD", "--json", env=ENV).stdout)
+    rows = {r["world"]: r for r in plan["rows"]}
+    config = yaml.safe_load((run.parent / "config.yaml").read_text())
+    vocab = json.loads((tiny_teacher_folder() / "config.json").read_text())["vocab_size"]
+    logits = config["train"]["per_device_batch_size"] * config["data"]["max_seq_len"] * vocab * 4  # float32
+    assert rows[2]["frozen"] == 4 * mine + logits and rows[1]["frozen"] == 4 * whole + logits, rows
+    assert rows[2]["host_load_per_node"] == 2 * 4 * (plan["parameters"] + whole), rows  # float32 student + teacher
+
+
 # Pairs (issue 34): each feature here meets each other one, the pairs generated from this table, on 2 ranks (FSDP2;
 # FSDP1 when fsdp1 is one of the pair). A feature names the parts of hfsdp it changes: pairs whose features share a
 # part run in CI, and those that meet in a resumed part are resumed; the others, which share no code, run with
@@ -561,10 +582,11 @@ def _pairs() -> list[tuple[str, str]]:
 
 
 ALL_PAIRS = _pairs()
-# compile's pairs but the one with checkpointing cost 1.5 to 2.3 minutes each of dynamo's tracing on CI's 2 cores
-# (the CI rehearsal of 2026-12-03): they run with --full-matrix; compile itself runs in the smoke and resume cells
-# and in tests/test_compile.py.
-FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("qlora", "size_wrap", "packing", "grpo")}
+# compile's pairs cost 1 to 2.3 minutes each of dynamo's tracing on CI's 2 cores (the CI rehearsals of
+# 2026-12-03): they run with --full-matrix; compile itself runs in the smoke and resume cells on 2 ranks, and with
+# activation checkpointing and packing in tests/test_compile.py.
+FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("checkpointing", "qlora", "size_wrap", "packing",
+                                                                  "grpo")}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective
+from hfsdp.objective import FrozenModel, Objective
 
 BETA_OF = {"forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's beta of each named divergence; jsd: the section's beta
 
@@ -80,6 +80,13 @@ class Distill(Objective):
     def teacher_model_cfg(self):
         return self.config.model.model_copy(update={"name_or_path": self.section.teacher, "revision": None,
                                                     "quantization": None})
+
+    def frozen_models(self):
+        from hfsdp.model.loading import architecture_config
+
+        cfg = self.teacher_model_cfg()
+        teacher = self.section.teacher
+        return [FrozenModel(teacher, architecture_config(teacher, cfg, Path(self.cache_dir)), cfg.dtype)]
 
     def batch_plan(self, dataset, train_config, world_size, mixture):
         from hfsdp.model.loading import load_model_config, resolve_model_path

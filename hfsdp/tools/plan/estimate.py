@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, hybrid_mesh_shape, precision_parts, wrapper
-from hfsdp.tools.plan.facts import Activations, ModelFacts, Param, _chunk, _gathered_itemsize
+from hfsdp.tools.plan.facts import Activations, FrozenFacts, ModelFacts, Param, _chunk, _gathered_itemsize
 from hfsdp.units import DTYPE_BYTES, PRECISION_DTYPES
 
 
@@ -107,6 +107,7 @@ class Estimate:
     host_load_per_node: int  # host RAM when the model is loaded, before sharding
     fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
     tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
+    frozen: int = 0  # frozen models an objective runs beside the trained one (a teacher): parameters and logits
     problem: str | None = None
     fits: bool | None = None
     suggestion: str | None = None
@@ -215,7 +216,21 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     return 2 * sharded_bytes(facts, setup, lambda p: p.trainable)  # adamw, schedule_free_adamw
 
 
-def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
+def frozen_bytes(frozen: tuple[FrozenFacts, ...], acts: Activations, setup: Setup) -> int:
+    """The largest rank's bytes of the frozen models an objective runs beside the trained one: their parameters
+    (FSDP2 splits each on dim 0 over the world when the run has several ranks and shards with FSDP2; else each
+    rank holds them whole) and, for those that keep them, their logits over the micro-batch (the size of the
+    trained model's, in their dtype), alive through the trained model's forward and backward."""
+    total = 0
+    for model in frozen:
+        g = setup.world if model.sharded_by_fsdp2 and setup.world > 1 and setup.fsdp.version == 2 else 1
+        total += model.itemsize * sum(_chunk(rows, g, 0) * (numel // max(rows, 1)) for numel, rows in model.params)
+        if model.keeps_logits:
+            total += acts.logits_bytes // 4 * model.itemsize
+    return total
+
+
+def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[FrozenFacts, ...] = ()) -> Estimate:
     """Per-rank memory of one strategy and world size.
 
     * one process runs without a wrapper unless ``fsdp.single_process: fsdp`` or an option needs FSDP (as train
@@ -249,6 +264,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
       is written (one save in flight at a time): added to ``host_per_rank`` where FSDP wraps the model.
     * host RAM at load, per node: every rank reads the full model in ``model.dtype``, or only rank 0 with
       cpu_ram_efficient_loading (FSDP only).
+    * ``frozen``: models a plugin's objective runs beside the trained one (a distillation teacher), added to the
+      peak as :func:`frozen_bytes` counts them; every rank loads them whole (host RAM at load).
     """
     full_load = sum(p.numel * p.itemsize for p in facts.params)  # every loading rank reads the whole model
     facts = facts.tp_local(setup.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
@@ -319,13 +336,15 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup) -> Estimate:
     backward = gathered + during + activations + acts.loss_backward + earlier_grads
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
-    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step)
+    held = frozen_bytes(frozen, acts, setup)
+    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step) + held
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
     fsdp_comm, tp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
-                    host_load_per_node=loaders * full_load, fsdp_comm=fsdp_comm, tp_comm=tp_comm)
+                    host_load_per_node=loaders * full_load + setup.nproc_per_node * sum(m.whole_bytes for m in frozen),
+                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, frozen=held)
 
 
 def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,

@@ -15,6 +15,7 @@ from hfsdp.model.loading import build_meta_model, layer_classes
 from hfsdp.rules import parallel, quantization
 from hfsdp.run import optimizers
 from hfsdp.run.setup import one_process
+from hfsdp.units import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,39 @@ def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:
         if style is not None:
             styles[name] = style
     return styles
+
+
+@dataclass(frozen=True)
+class FrozenFacts:
+    """A frozen model an objective runs beside the trained one (:class:`hfsdp.objective.FrozenModel`): its
+    parameters' (elements, rows) and the bytes of an element; each rank loads it whole before any sharding."""
+
+    name: str
+    params: tuple[tuple[int, int], ...]
+    itemsize: int
+    sharded_by_fsdp2: bool
+    keeps_logits: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(n for n, _ in self.params)
+
+    @property
+    def whole_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def frozen_facts(frozen) -> FrozenFacts:
+    """The parameters of a :class:`hfsdp.objective.FrozenModel`, built on the meta device from its config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(frozen.model_config)
+    return FrozenFacts(name=frozen.name,
+                       params=tuple((p.numel(), p.shape[0] if p.dim() else 1) for p in model.parameters()),
+                       itemsize=DTYPE_BYTES[frozen.dtype], sharded_by_fsdp2=frozen.sharded_by_fsdp2,
+                       keeps_logits=frozen.keeps_logits)
 
 
 def _chunk(n: int, parts: int, rank: int) -> int:

@@ -30,7 +30,7 @@ from hfsdp.parallel.world import World
 from hfsdp.rules.wrapping import check_world
 from hfsdp.rules import optimizers, parallel
 from hfsdp.tools.plan.estimate import Estimate, Setup, compute_dtype, estimate, setup_from_config
-from hfsdp.tools.plan.facts import ModelFacts, model_facts
+from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
 from hfsdp.tools.plan.trace import trace_activations
 from hfsdp.units import GIB
 
@@ -54,6 +54,7 @@ class Planner:
     model_config: Any
     config: HfsdpConfig
     budget: int
+    cache_dir: Any = None  # where built-in models are (a frozen model an objective names may be one)
     _variants: dict = field(default_factory=dict)
     _objectives: dict = field(default_factory=dict)
     _facts: dict = field(default_factory=dict)
@@ -81,8 +82,16 @@ class Planner:
 
         if plugins not in self._objectives:
             config, host = self.variant(plugins)
-            self._objectives[plugins] = objective_of(host, config, None)
+            self._objectives[plugins] = objective_of(host, config, None, self.cache_dir)
         return self._objectives[plugins]
+
+    def frozen(self, plugins: tuple[str, ...]) -> tuple[FrozenFacts, ...]:
+        """The frozen models these plugins' objective runs beside the trained one (a distillation teacher)."""
+        key = ("frozen", plugins)
+        if key not in self._facts:
+            objective = self.objective(plugins)
+            self._facts[key] = tuple(frozen_facts(m) for m in (objective.frozen_models() if objective else []))
+        return self._facts[key]
 
     def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
         if plugins not in self._facts:
@@ -96,7 +105,7 @@ class Planner:
             self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
                                                   self.objective(setup.plugins))
         acts = self._traces[key]
-        est = estimate(facts, acts, setup)
+        est = estimate(facts, acts, setup, self.frozen(setup.plugins))
         est.problem = self.problem(setup)
         if est.problem is None:
             est.fits = est.device_peak <= self.budget

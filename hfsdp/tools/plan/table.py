@@ -8,7 +8,7 @@ from typing import Any, Callable
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import quantization
 from hfsdp.tools.plan.estimate import Estimate
-from hfsdp.tools.plan.facts import ModelFacts
+from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts
 from hfsdp.units import GIB, MIB
 
 
@@ -23,7 +23,8 @@ def table_unit(rows: list[Estimate]) -> tuple[str, int]:
     return ("GiB", GIB) if max((e.device_peak for e in rows), default=0) >= GIB else ("MiB", MIB)
 
 
-def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
+def _columns(unit: int, frozen: bool = False) -> list[tuple[str, Callable[[Estimate], str]]]:
+    """The table's columns; ``frozen``: a column for the frozen models an objective runs (a teacher)."""
     def size(n: int) -> str:
         return f"{n / unit:.2f}"
 
@@ -37,6 +38,7 @@ def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
         ("optim", lambda e: size(e.optimizer)),
         ("gathered", lambda e: size(e.gathered)),
         ("activ.", lambda e: size(e.activations + e.loss_transient)),
+        *([("frozen", lambda e: size(e.frozen))] if frozen else []),
         ("peak/rank", lambda e: size(e.device_peak)),
         ("host/rank", lambda e: size(e.host_per_rank)),
         ("load RAM/node", lambda e: size(e.host_load_per_node)),
@@ -47,7 +49,7 @@ def _columns(unit: int) -> list[tuple[str, Callable[[Estimate], str]]]:
 
 
 def text_table(rows: list[Estimate]) -> str:
-    columns = _columns(table_unit(rows)[1])
+    columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows))
     cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     left = (1, len(columns) - 1)
@@ -55,7 +57,8 @@ def text_table(rows: list[Estimate]) -> str:
                                for i in range(len(columns))).rstrip() for c in cells)
 
 
-def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None) -> str:
+def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None,
+           frozen: tuple[FrozenFacts, ...] = ()) -> str:
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
     if objective is not None:
@@ -70,7 +73,12 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
             f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
             f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
-            f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config))
+            f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config)
+            + "".join(f"\nfrozen beside it: {m.name} ({_count(m.numel)} parameters, {m.itemsize} bytes each"
+                      + (", sharded by FSDP2 over the ranks of a run that has several, else whole on each"
+                         if m.sharded_by_fsdp2 else ", whole on each rank")
+                      + (", and its logits over the micro-batch" if m.keeps_logits else "") + "; column frozen)"
+                      for m in frozen))
 
 
 def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
