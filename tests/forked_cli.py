@@ -4,7 +4,8 @@
 accelerate, datasets and peft, then reads one JSON request a line on stdin: ``{"argv": [...], "cwd": ...,
 "env": {...}, "stdout": path, "stderr": path}``. For each it forks: the child changes to ``cwd``, takes ``env`` as
 its whole environment, writes its stdout and stderr to the two files and runs ``hfsdp.cli.main()`` with ``argv``
-and the working directory first on ``sys.path``, as ``python -m hfsdp ARGV`` would; the parent answers ``{"returncode": N}`` on stdout once the child has exited.
+and the working directory first on ``sys.path``, as ``python -m hfsdp ARGV`` would; the parent answers
+``{"returncode": N}`` on stdout once the child has exited.
 What differs from a fresh ``python -m hfsdp``: only the imports are already done (about 6 s a call saved on 2 cores),
 so a call whose environment changes what Python or a library reads at start-up (``PYTHONPATH``, a library's
 import-time settings) must run as a fresh process instead (:class:`ForkedCli` users decide which).
