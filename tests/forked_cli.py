@@ -70,9 +70,8 @@ class ForkedCli:
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
         import select
-        import tempfile
 
-        out, err = (Path(tempfile.mkstemp(dir=self.scratch, suffix=suffix)[1]) for suffix in (".out", ".err"))
+        out, err = (self._scratch_file(suffix) for suffix in (".out", ".err"))
         argv = [str(a) for a in argv]  # paths too, as subprocess takes them
         self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out),
                                           "stderr": str(err)}) + "\n")
@@ -88,6 +87,13 @@ class ForkedCli:
         out.unlink()
         err.unlink()
         return done
+
+    def _scratch_file(self, suffix: str) -> Path:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(dir=self.scratch, suffix=suffix)
+        os.close(fd)  # the child opens it by name
+        return Path(path)
 
     def close(self) -> None:
         self.proc.stdin.close()
