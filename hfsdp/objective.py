@@ -35,10 +35,10 @@ REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
 @dataclass(frozen=True)
 class FrozenModel:
     """A model an objective runs beside the trained one, frozen (no gradients, no optimizer state), as ``hfsdp plan``
-    counts it (:meth:`Objective.frozen_models`): its name (as the config gives it), its transformers config and the
-    dtype it is loaded in, whether
-    FSDP2 shards it over the ranks of a run that has several (else each rank holds it whole), and whether its logits
-    over the micro-batch stay alive through the trained model's forward and backward."""
+    counts it (:meth:`Objective.frozen_models`): its name (as the config gives it), its transformers config, the
+    dtype it is loaded in, whether FSDP2 shards it over the ranks of a run that has several (else each rank holds it
+    whole), and whether its logits over the micro-batch stay alive through the trained model's forward and
+    backward."""
 
     name: str
     model_config: Any

@@ -57,6 +57,7 @@ class Planner:
     cache_dir: Any = None  # where built-in models are (a frozen model an objective names may be one)
     _variants: dict = field(default_factory=dict)
     _objectives: dict = field(default_factory=dict)
+    _frozen: dict = field(default_factory=dict)
     _facts: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
 
@@ -87,11 +88,10 @@ class Planner:
 
     def frozen(self, plugins: tuple[str, ...]) -> tuple[FrozenFacts, ...]:
         """The frozen models these plugins' objective runs beside the trained one (a distillation teacher)."""
-        key = ("frozen", plugins)
-        if key not in self._facts:
+        if plugins not in self._frozen:
             objective = self.objective(plugins)
-            self._facts[key] = tuple(frozen_facts(m) for m in (objective.frozen_models() if objective else []))
-        return self._facts[key]
+            self._frozen[plugins] = tuple(frozen_facts(m) for m in (objective.frozen_models() if objective else []))
+        return self._frozen[plugins]
 
     def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
         if plugins not in self._facts:
