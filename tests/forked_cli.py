@@ -38,6 +38,7 @@ def serve() -> None:
                 os.chdir(request["cwd"])
                 os.environ.clear()
                 os.environ.update(request["env"])
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the requests' pipe
                 for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
                     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
                 sys.path[0] = os.getcwd()  # as python -m puts it first (here: this file's folder)
