@@ -121,10 +121,10 @@ def compute_dtype(config: HfsdpConfig, precision: str) -> str:
     return PRECISION_DTYPES.get(precision, config.model.dtype)
 
 
-def _fsdp2_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool]) -> int:
+def _fsdp2_bytes(params: tuple[Param, ...], group: int, select: Callable[[Param], bool]) -> int:
     """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks."""
     return max(sum((p.numel if p.replicated else _chunk(p.rows, group, r) * (p.numel // max(p.rows, 1))) * p.itemsize
-                   for p in facts.params if select(p)) for r in range(group))
+                   for p in params if select(p)) for r in range(group))
 
 
 def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool], align: bool,
@@ -163,7 +163,7 @@ def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], boo
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
     if setup.fsdp.version == 1:
         return _fsdp1_bytes(facts, group, select, setup.fsdp.use_orig_params is not False, whole_flat)
-    return _fsdp2_bytes(facts, group, select)
+    return _fsdp2_bytes(facts.params, group, select)
 
 
 def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
@@ -224,7 +224,7 @@ def frozen_bytes(frozen: tuple[FrozenFacts, ...], acts: Activations, setup: Setu
     total = 0
     for model in frozen:
         g = setup.world if model.sharded_by_fsdp2 and setup.world > 1 and setup.fsdp.version == 2 else 1
-        total += model.itemsize * sum(_chunk(rows, g, 0) * (numel // max(rows, 1)) for numel, rows in model.params)
+        total += _fsdp2_bytes(model.params, g, lambda p: True)
         if model.keeps_logits:
             total += acts.logits_bytes // 4 * model.itemsize
     return total

@@ -175,17 +175,20 @@ def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:
 @dataclass(frozen=True)
 class FrozenFacts:
     """A frozen model an objective runs beside the trained one (:class:`hfsdp.objective.FrozenModel`): its
-    parameters' (elements, rows) and the bytes of an element; each rank loads it whole before any sharding."""
+    parameters (none trainable, all in one unit); each rank loads it whole before any sharding."""
 
     name: str
-    params: tuple[tuple[int, int], ...]
-    itemsize: int
+    params: tuple[Param, ...]
     sharded_by_fsdp2: bool
     keeps_logits: bool
 
     @property
     def numel(self) -> int:
-        return sum(n for n, _ in self.params)
+        return sum(p.numel for p in self.params)
+
+    @property
+    def itemsize(self) -> int:
+        return self.params[0].itemsize
 
     @property
     def whole_bytes(self) -> int:
@@ -199,9 +202,10 @@ def frozen_facts(frozen) -> FrozenFacts:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(frozen.model_config)
-    return FrozenFacts(name=frozen.name,
-                       params=tuple((p.numel(), p.shape[0] if p.dim() else 1) for p in model.parameters()),
-                       itemsize=DTYPE_BYTES[frozen.dtype], sharded_by_fsdp2=frozen.sharded_by_fsdp2,
+    itemsize = DTYPE_BYTES[frozen.dtype]
+    params = tuple(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=itemsize, trainable=False,
+                         unit=0, shape=tuple(p.shape)) for p in model.parameters())
+    return FrozenFacts(name=frozen.name, params=params, sharded_by_fsdp2=frozen.sharded_by_fsdp2,
                        keeps_logits=frozen.keeps_logits)
 
 
