@@ -46,8 +46,10 @@ def serve() -> None:
                 try:
                     hfsdp.cli.main()
                     code = 0
-                except SystemExit as done:
-                    code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+                except SystemExit as done:  # as the interpreter ends: a message is printed, exit 1
+                    code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+                    if not isinstance(done.code, int) and done.code is not None:
+                        print(done.code, file=sys.stderr)
                 except BaseException:  # what python -m hfsdp would print: the traceback, exit 1
                     import traceback
 
