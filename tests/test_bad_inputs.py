@@ -150,6 +150,12 @@ CASES: dict[str, Case] = {
     "empty shard": (lambda d, s: ["train", _mixture(d, {"path": str(_shards(d, ["{}\n", ""]) / "*.jsonl")})],
                     "data.datasets[0].path: the shard {d}/shards/part-1.jsonl is empty (no rows)"),
     # --- model, world, output folder, resume, export
+    "distill teacher does not exist": (
+        lambda d, s: ["train", _cfg(d, plugins=["distill"], distill={"teacher": str(d / "no-teacher")})],
+        "distill.teacher: {d}/no-teacher does not exist"),
+    "distill teacher does not exist, plan": (
+        lambda d, s: ["plan", _cfg(d, plugins=["distill"], distill={"teacher": str(d / "no-teacher")}), "--nproc", "2"],
+        "distill.teacher: '{d}/no-teacher' is neither a built-in model, a local folder, nor a hub id"),
     "model path does not exist": (lambda d, s: ["train", _cfg(d, model={"name_or_path": str(d / "no-model")})],
                                   "model.name_or_path: " + "{d}/no-model does not exist"),
     "model folder without config.json": (

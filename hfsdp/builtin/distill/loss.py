@@ -18,6 +18,7 @@ and ``distill/divergence``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -49,15 +50,22 @@ def divergence_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, t
     return per_vocab[targets != IGNORE_INDEX].sum()
 
 
+@contextlib.contextmanager
+def as_teacher():
+    """The model loaders' errors, said of ``model.name_or_path``, said of ``distill.teacher``: here it is the teacher."""
+    try:
+        yield
+    except UserError as err:
+        raise UserError(f"distill.teacher: {str(err).split(': ', 1)[1]}") from None
+
+
 def check_teacher(teacher_path: str, student_config, tokenizer, model_cfg) -> None:
     """A UserError, before any weight loads, if the teacher cannot teach this student token by token."""
     from hfsdp.model.loading import load_model_config, load_tokenizer
 
-    try:
+    with as_teacher():
         teacher_config = load_model_config(teacher_path, model_cfg)
         theirs = load_tokenizer(teacher_path, model_cfg)
-    except UserError as err:  # said of model.name_or_path: here it is the teacher's
-        raise UserError(f"distill.teacher: {str(err).split(': ', 1)[1]}") from None
     if teacher_config.vocab_size != student_config.vocab_size:
         raise UserError(f"distill.teacher: its vocabulary has {teacher_config.vocab_size} entries, the student's "
                         f"{student_config.vocab_size}: the teacher must use the student's tokenizer")
@@ -86,13 +94,16 @@ class Distill(Objective):
 
         cfg = self.teacher_model_cfg()
         teacher = self.section.teacher
-        return [FrozenModel(teacher, architecture_config(teacher, cfg, Path(self.cache_dir)), cfg.dtype)]
+        with as_teacher():
+            model_config = architecture_config(teacher, cfg, Path(self.cache_dir))
+        return [FrozenModel(teacher, model_config, cfg.dtype)]
 
     def batch_plan(self, dataset, train_config, world_size, mixture):
         from hfsdp.model.loading import load_model_config, resolve_model_path
 
         cfg = self.teacher_model_cfg()
-        self.teacher_path = resolve_model_path(self.section.teacher, Path(self.cache_dir))
+        with as_teacher():
+            self.teacher_path = resolve_model_path(self.section.teacher, Path(self.cache_dir))
         student = load_model_config(resolve_model_path(self.config.model.name_or_path, Path(self.cache_dir)),
                                     self.config.model)
         check_teacher(self.teacher_path, student, self.tokenizer, cfg)  # before any weight loads
