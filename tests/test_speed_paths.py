@@ -140,3 +140,25 @@ def test_one_process_runs_unwrapped_and_matches_fsdp_on_one_rank(tmp_path):
     for step in a:
         assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-5)
         assert a[step]["grad_norm"] == pytest.approx(b[step]["grad_norm"], rel=1e-4) and a[step]["grad_norm"] > 0
+
+
+def test_the_gradient_norm_is_the_same_from_any_row_shards_and_near_a_float64_sum():
+    """``sum_of_squares`` (issue 36: the clip at torch's float32 speed): a matrix's rows are summed in float32 and
+    their squares in float64, so FSDP2's row shards give the same terms as the whole matrix (bit for bit), and the
+    norm is within 1e-9 of an all-float64 sum where torch's float32 norm of a 28M-element tensor is not."""
+    from hfsdp.parallel.world import sum_of_squares
+
+    torch.manual_seed(0)
+    g = torch.randn(49152, 576) * 1e-3  # SmolLM2-135M's embedding (and tied head) gradient's shape
+    whole = sum_of_squares(g)
+    assert whole.dtype == torch.float64
+    for cut in (1, 7, 24576, 24577):  # the rows' terms are the same; only the float64 sum's order differs
+        parts = sum_of_squares(g[:cut]) + sum_of_squares(g[cut:])
+        assert float(parts.sqrt().float()) == float(whole.sqrt().float()), cut
+        assert abs(float(parts) / float(whole) - 1) < 1e-14, cut
+    exact = torch.linalg.vector_norm(g, dtype=torch.float64)
+    assert abs(float(whole.sqrt()) / float(exact) - 1) < 1e-9
+    flat = g.view(-1)[:1000]
+    assert torch.equal(sum_of_squares(flat), torch.linalg.vector_norm(flat, dtype=torch.float64).square())
+    half = g[:64].bfloat16()  # other dtypes: their rows' norms in float32
+    assert abs(float(sum_of_squares(half)) / float(half.double().square().sum()) - 1) < 1e-6

