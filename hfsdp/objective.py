@@ -47,6 +47,18 @@ class FrozenModel:
     keeps_logits: bool = True
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What an objective that samples its own completions generates in a step, as ``hfsdp plan`` counts it
+    (:meth:`Objective.sampling`): completions of at most ``new_tokens`` tokens after prompts of at most
+    ``data.max_seq_len`` tokens, all at once with the KV cache, then trained on as rows of both lengths;
+    ``whole_global_batch``: every rank generates every completion of the global batch (in lock-step, as FSDP's
+    forwards need), else only those of its own micro-batches."""
+
+    new_tokens: int
+    whole_global_batch: bool = True
+
+
 class Objective:
     """A training objective. Subclasses implement :meth:`loss`; the other methods have working defaults."""
 
@@ -60,6 +72,12 @@ class Objective:
         """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
         load): ``hfsdp plan`` adds their bytes on each rank to every row's peak."""
         return []
+
+    def sampling(self) -> Sampling | None:
+        """What it generates each step (an online objective, e.g. GRPO), for ``hfsdp plan``: the KV cache of that
+        generation joins every row's peak, and the micro-batch is traced with the completions' length added; the
+        default is none."""
+        return None
 
     def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
         """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""

@@ -274,3 +274,35 @@ def test_8bit_adamw_is_planned_per_shard_and_is_the_cheapest_change_where_it_fit
     assert plain["fits"] is False and plain["optimizer"] == 8 * MISTRAL_7B_PARAMS
     fitted = row(eight, "FULL_SHARD", 1)
     assert fitted["fits"] and plain["suggestion"] == f"train.optimizer=adamw_8bit -> {fitted['device_peak'] / 2**30:.1f} GiB"
+
+
+def test_grpo_is_planned_with_its_completions_and_their_kv_cache(tmp_path, tiny_model_dir):
+    """plugin grpo (issue 35): the micro-batch is traced as prompts plus completions, and the sampling at each
+    step's start is a moment of the peak: every rank generates the global batch's completions, so its KV cache
+    grows with the data-parallel ranks, while FSDP shards the rest. The cache the plan counts per token is the one
+    transformers' generate holds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfsdp.tools.plan.facts import kv_elements_per_token
+
+    prompts = {"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"), "max_seq_len": 96}
+    cfg = tiny_config(tmp_path, plugins=["grpo"], data=prompts,
+                      grpo={"num_generations": 4, "max_new_tokens": 32, "rewards": [{"name": "json_fields"}]},
+                      train={"per_device_batch_size": 8})
+    data = plan_json(str(cfg), "--nproc", "1,2,4", "--strategies", "FULL_SHARD")
+    two, four = row(data, "FULL_SHARD", 2), row(data, "FULL_SHARD", 4)
+    assert 0 < two["generation"] < four["generation"], (two, four)  # the global batch doubles with the ranks
+    assert four["params"] < two["params"]  # while the parameters shard
+    for r in (two, four):
+        assert r["device_peak"] >= r["params"] + r["optimizer"] + r["generation"]
+    header = run_cli("plan", str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD").stdout
+    assert "micro-batch 8 x 128 tokens" in header and "sampling at each step's start" in header, header
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = torch.randint(0, 1000, (3, 11))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, min_new_tokens=5,
+                         do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    held = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    assert held == kv_elements_per_token(config) * 3 * (11 + 5 - 1) * 4  # the last token's keys are never made

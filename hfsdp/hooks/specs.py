@@ -176,9 +176,10 @@ def hfsdp_objective(config, tokenizer, cache_dir):
     batch's ``num_targets``, so N ranks compute the gradient of one process), may prepare the splits once the model is
     sharded (``prepare``, e.g. reference log-probs) and reports its metrics (``take_metrics``) for each step and eval.
     Preference losses (DPO, IPO, ORPO, SimPO...) read rows of the built-in ``preference`` format. ``hfsdp plan``
-    calls it too, with ``tokenizer`` None, to learn what a micro-batch forwards (``Objective.sequences_per_row``) and
+    calls it too, with ``tokenizer`` None, to learn what a micro-batch forwards (``Objective.sequences_per_row``),
     which frozen models run beside the trained one (``Objective.frozen_models()``, e.g. a teacher: their bytes join
-    each row's peak): keep the construction light and read the tokenizer when the objective runs. ``cache_dir``:
+    each row's peak) and what it generates each step (``Objective.sampling()``, e.g. GRPO's completions: their KV
+    cache joins each row's peak): keep the construction light and read the tokenizer when the objective runs. ``cache_dir``:
     hfsdp's cache folder (where built-in models are built; e.g. to find a second model's files before any weight
     loads).
     """

@@ -75,10 +75,10 @@ def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int
 def tp_plan(model_config: Any) -> dict[str, str]:
     """The architecture's tensor-parallel plan (transformers' ``base_model_tp_plan``: module paths of the base model,
     ``*`` for the layer index, to a style name); empty when the architecture has none."""
-    return dict(getattr(_text_config(model_config), "base_model_tp_plan", None) or {})
+    return dict(getattr(text_config(model_config), "base_model_tp_plan", None) or {})
 
 
-def _text_config(model_config: Any) -> Any:
+def text_config(model_config: Any) -> Any:
     """The language model's part of ``model_config`` (a multimodal config's text config; else itself)."""
     return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
@@ -98,7 +98,7 @@ def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, 
     if unknown:
         return [("parallel.tp_size", f"{arch}'s tensor-parallel plan uses {', '.join(unknown)}, which hfsdp does not "
                                      f"apply yet (it applies {', '.join(TP_STYLES)}): set parallel.tp_size: 1")]
-    text = _text_config(model_config)
+    text = text_config(model_config)
     sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
              "num_key_value_heads": getattr(text, "num_key_value_heads", None),
              "intermediate_size": getattr(text, "intermediate_size", None)}

@@ -89,6 +89,19 @@ def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, n
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
 
+@dataclass(frozen=True)
+class Generation:
+    """An objective's sampling at the start of a step (:class:`hfsdp.objective.Sampling`), in the plan's terms:
+    ``rows`` completions per micro-batch (``train.per_device_batch_size``) after prompts of at most
+    ``prompt_tokens`` (``data.max_seq_len``), each at most ``new_tokens`` long; ``whole_global_batch``: every rank
+    generates the global batch's."""
+
+    rows: int
+    prompt_tokens: int
+    new_tokens: int
+    whole_global_batch: bool = True
+
+
 @dataclass
 class Estimate:
     """Bytes per rank (the largest rank's) for one setup."""
@@ -108,6 +121,7 @@ class Estimate:
     fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
     tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
     frozen: int = 0  # frozen models an objective runs beside the trained one (a teacher): parameters and logits
+    generation: int = 0  # an objective's sampling: gathered parameters, KV cache and transients (not parameters)
     problem: str | None = None
     fits: bool | None = None
     suggestion: str | None = None
@@ -230,7 +244,27 @@ def frozen_bytes(frozen: tuple[FrozenFacts, ...], acts: Activations, setup: Setu
     return total
 
 
-def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[FrozenFacts, ...] = ()) -> Estimate:
+def generation_bytes(facts: ModelFacts, acts: Activations, setup: Setup, gen: Generation, compute: int | None,
+                     gathered: int) -> int:
+    """Bytes beside the parameters and optimizer state while an objective samples its completions (no gradients
+    then): the parameters ``generate`` needs gathered (FSDP1 summons the whole model in its own dtype; FSDP2
+    gathers unit by unit, as a forward does: ``gathered``), the KV cache of every sequence generated at once at its
+    full length, in the compute dtype, with one layer's grown copy beside it (``DynamicCache`` concatenates), one
+    layer's prefill activations (the traced layer's saved tensors scaled to the prefill's tokens: an upper bound,
+    as the prefill keeps nothing for backward) and the last positions' float32 logits with the sampler's two
+    copies."""
+    sequences = gen.rows * setup.accumulation * (setup.world // setup.tp if gen.whole_global_batch else 1)
+    itemsize = compute or facts.params[0].itemsize
+    if setup.wrapper == "fsdp1" and setup.shard_group() > 1:
+        gathered = sum(p.numel * p.itemsize for p in facts.params)  # summon_full_params, beside the shards
+        itemsize = facts.params[0].itemsize
+    kv = facts.kv_per_token * sequences * (gen.prompt_tokens + gen.new_tokens) * itemsize
+    prefill = max(acts.per_layer, default=0) * sequences * gen.prompt_tokens // max(acts.tokens, 1)
+    return gathered + kv + kv // max(facts.num_layers, 1) + prefill + 3 * sequences * facts.vocab_size * 4
+
+
+def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[FrozenFacts, ...] = (),
+             generation: Generation | None = None) -> Estimate:
     """Per-rank memory of one strategy and world size.
 
     * one process runs without a wrapper unless ``fsdp.single_process: fsdp`` or an option needs FSDP (as train
@@ -266,6 +300,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       cpu_ram_efficient_loading (FSDP only).
     * ``frozen``: models a plugin's objective runs beside the trained one (a distillation teacher), added to the
       peak as :func:`frozen_bytes` counts them; every rank loads them whole (host RAM at load).
+    * ``generation``: an objective that samples its completions (GRPO) adds a fifth moment, the sampling at the
+      step's start (:func:`generation_bytes`); the traced micro-batch already has the completions' length.
     """
     full_load = sum(p.numel * p.itemsize for p in facts.params)  # every loading rank reads the whole model
     facts = facts.tp_local(setup.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
@@ -337,14 +373,15 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
     held = frozen_bytes(frozen, acts, setup)
-    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step) + held
+    sampling = generation_bytes(facts, acts, setup, generation, compute, gathered) if generation else 0
+    peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step, sampling) + held
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
     fsdp_comm, tp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
                     host_load_per_node=loaders * full_load + setup.nproc_per_node * sum(m.whole_bytes for m in frozen),
-                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, frozen=held)
+                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, frozen=held, generation=sampling)
 
 
 def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,

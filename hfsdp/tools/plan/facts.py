@@ -56,10 +56,12 @@ class ModelFacts:
     tied_embeddings: bool
     tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
     quant_state_bytes: int = 0  # QLoRA: the 4-bit layers' quant state, on the modules, whole on every rank
+    kv_per_token: int = 0  # elements the KV cache holds per token: keys and values of every layer's KV heads
 
     def tp_local(self, tp: int) -> "ModelFacts":
         """What one rank of a tensor-parallel group of ``tp`` keeps before FSDP2 shards it (the largest slices)."""
-        return self if tp == 1 else replace(self, params=tuple(p.tp_local(tp) for p in self.params))
+        return self if tp == 1 else replace(self, params=tuple(p.tp_local(tp) for p in self.params),
+                                            kv_per_token=-(-self.kv_per_token // tp))
 
     @property
     def total_params(self) -> int:
@@ -83,6 +85,7 @@ class Activations:
     logits_bytes: int  # one fp32 copy of the micro-batch's logits (the loss transients are counted in these)
     loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
     chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.run.loss.LOSS_CHUNK_ELEMENTS), else 0
+    tokens: int = 0  # the traced micro-batch's (sequences x tokens)
 
     def saved(self, checkpointing: bool) -> int:
         # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.
@@ -156,7 +159,17 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
                       tied_embeddings=tied, tied_trainable_numel=tied_numel,
-                      quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0)
+                      quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0,
+                      kv_per_token=kv_elements_per_token(model_config))
+
+
+def kv_elements_per_token(model_config) -> int:
+    """Elements of the KV cache per token: a key and a value of ``head_dim`` for each KV head of each layer (as
+    transformers' ``DynamicCache`` holds them)."""
+    text = parallel.text_config(model_config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim
 
 
 def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:

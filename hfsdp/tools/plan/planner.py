@@ -29,7 +29,7 @@ from hfsdp.errors import ConfigError
 from hfsdp.parallel.world import World
 from hfsdp.rules.wrapping import check_world
 from hfsdp.rules import optimizers, parallel
-from hfsdp.tools.plan.estimate import Estimate, Setup, compute_dtype, estimate, setup_from_config
+from hfsdp.tools.plan.estimate import Estimate, Generation, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
 from hfsdp.tools.plan.trace import trace_activations
 from hfsdp.units import GIB
@@ -93,6 +93,16 @@ class Planner:
             self._frozen[plugins] = tuple(frozen_facts(m) for m in (objective.frozen_models() if objective else []))
         return self._frozen[plugins]
 
+    def generation(self, plugins: tuple[str, ...]) -> Generation | None:
+        """What these plugins' objective samples each step (GRPO's completions), or None."""
+        objective = self.objective(plugins)
+        sampling = objective.sampling() if objective is not None else None
+        if sampling is None:
+            return None
+        config, _ = self.variant(plugins)
+        return Generation(config.train.per_device_batch_size, config.data.max_seq_len, sampling.new_tokens,
+                          sampling.whole_global_batch)
+
     def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
         if plugins not in self._facts:
             self._facts[plugins] = model_facts(self.model_config, *self.variant(plugins))
@@ -105,7 +115,7 @@ class Planner:
             self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
                                                   self.objective(setup.plugins))
         acts = self._traces[key]
-        est = estimate(facts, acts, setup, self.frozen(setup.plugins))
+        est = estimate(facts, acts, setup, self.frozen(setup.plugins), self.generation(setup.plugins))
         est.problem = self.problem(setup)
         if est.problem is None:
             est.fits = est.device_peak <= self.budget

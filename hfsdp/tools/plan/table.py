@@ -23,8 +23,9 @@ def table_unit(rows: list[Estimate]) -> tuple[str, int]:
     return ("GiB", GIB) if max((e.device_peak for e in rows), default=0) >= GIB else ("MiB", MIB)
 
 
-def _columns(unit: int, frozen: bool = False) -> list[tuple[str, Callable[[Estimate], str]]]:
-    """The table's columns; ``frozen``: a column for the frozen models an objective runs (a teacher)."""
+def _columns(unit: int, frozen: bool = False, generation: bool = False) -> list[tuple[str, Callable[[Estimate], str]]]:
+    """The table's columns; ``frozen``: a column for the frozen models an objective runs (a teacher);
+    ``generation``: one for what an objective's sampling holds (GRPO)."""
     def size(n: int) -> str:
         return f"{n / unit:.2f}"
 
@@ -39,6 +40,7 @@ def _columns(unit: int, frozen: bool = False) -> list[tuple[str, Callable[[Estim
         ("gathered", lambda e: size(e.gathered)),
         ("activ.", lambda e: size(e.activations + e.loss_transient)),
         *([("frozen", lambda e: size(e.frozen))] if frozen else []),
+        *([("sampling", lambda e: size(e.generation))] if generation else []),
         ("peak/rank", lambda e: size(e.device_peak)),
         ("host/rank", lambda e: size(e.host_per_rank)),
         ("load RAM/node", lambda e: size(e.host_load_per_node)),
@@ -49,7 +51,7 @@ def _columns(unit: int, frozen: bool = False) -> list[tuple[str, Callable[[Estim
 
 
 def text_table(rows: list[Estimate]) -> str:
-    columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows))
+    columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows), any(e.generation for e in rows))
     cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     left = (1, len(columns) - 1)
@@ -61,24 +63,31 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
            frozen: tuple[FrozenFacts, ...] = ()) -> str:
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
+    sampling = objective.sampling() if objective is not None else None
     if objective is not None:
         n = objective.sequences_per_row
         loss = f"{type(objective).__name__} ({n} sequence{'s' if n != 1 else ''} a row, full logits)"
     else:
         loss = "chunked" if config.train.chunked_loss else "plain (full logits)"
+    tokens = config.data.max_seq_len + (sampling.new_tokens if sampling else 0)
     return (f"{facts.name}: {_count(facts.total_params)} parameters"
             + (f" ({_count(facts.trainable_params)} trainable)" if adapted else "")
             + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
-            f"micro-batch {config.train.per_device_batch_size} x {config.data.max_seq_len} tokens, "
+            f"micro-batch {config.train.per_device_batch_size} x {tokens} tokens, "
             f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
             f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config)
             + "".join(f"\nfrozen beside it: {m.name} ({_count(m.numel)} parameters, {m.itemsize} bytes each"
                       + (", sharded by FSDP2 over the ranks of a run that has several, else whole on each"
                          if m.sharded_by_fsdp2 else ", whole on each rank")
                       + (", and its logits over the micro-batch" if m.keeps_logits else "") + "; column frozen)"
-                      for m in frozen))
+                      for m in frozen)
+            + (f"\nsampling at each step's start: completions of up to {sampling.new_tokens} tokens after prompts of "
+               f"up to {config.data.max_seq_len}, "
+               + ("every rank the global batch's" if sampling.whole_global_batch else "each rank its own")
+               + ", with the KV cache (column sampling: gathered parameters, cache and transients)"
+               if sampling else ""))
 
 
 def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:

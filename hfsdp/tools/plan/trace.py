@@ -38,8 +38,9 @@ def _fused_sdpa():
 
 def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
     """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens,
-    times a plugin ``objective``'s sequences per row) in the compute dtype of ``precision``. Only the default
-    objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full logits."""
+    times a plugin ``objective``'s sequences per row; an objective that samples completions: its rows that much
+    longer) in the compute dtype of ``precision``. Only the default objective runs the chunked loss
+    (``train.chunked_loss``); a plugin's computes the full logits."""
     import contextlib
     from unittest import mock
 
@@ -52,6 +53,8 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
     batch *= objective.sequences_per_row if objective is not None else 1
+    sampling = objective.sampling() if objective is not None else None
+    seq += sampling.new_tokens if sampling is not None else 0
     chunked = config.train.chunked_loss and objective is None
     model = build_meta_model(model_config, one_process(config), host, compute_dtype(config, precision))
     model.train()
@@ -126,4 +129,5 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     vocab = model_config.vocab_size
     chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked and lm_head else 0
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
-                       logits_bytes=batch * seq * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk)
+                       logits_bytes=batch * seq * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk,
+                       tokens=batch * seq)
