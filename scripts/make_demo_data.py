@@ -85,10 +85,18 @@ def preference_splits() -> dict[str, list[dict]]:
             for (split, rows), count in zip(splits().items(), (256, 32))}
 
 
+# What a GRPO prompt adds to the chat task's user turn: the keys the answer needs. Online RL learns only from
+# completions whose rewards differ: without the keys the pretrained model's samples almost never hold one right field
+# (a mean json_fields of 0.016 at temperature 1), with them 0.2 (0.66 greedy), which GRPO then raises.
+PROMPT_KEYS = ' Answer with one line of JSON with the keys "name", "age" (a number), "city" and "job".'
+
+
 def prompt_splits() -> dict[str, list[dict]]:
     """The rows of each prompt file (contacts_prompts_<split>.jsonl, for ``data.format: prompt`` and GRPO): the
-    first rows' user turn as the prompt and the right JSON as the ``answer`` column the json_fields reward reads."""
-    return {split: [{"prompt": row["messages"][:-1], "answer": row["messages"][-1]["content"]} for row in rows[:count]]
+    first rows' user turn with the keys asked for (``PROMPT_KEYS``) as the prompt and the right JSON as the
+    ``answer`` column the json_fields reward reads."""
+    return {split: [{"prompt": [{"role": "user", "content": row["messages"][0]["content"] + PROMPT_KEYS}],
+                     "answer": row["messages"][-1]["content"]} for row in rows[:count]]
             for (split, rows), count in zip(splits().items(), (256, 64))}
 
 

@@ -82,11 +82,13 @@ def test_the_metrics_completions_and_progress_bar_show_the_run(runs):
     assert metrics[1]["kl"] == 0  # the LoRA adapters start as the identity: the policy is the reference
     assert metrics[2]["kl"] > 0
     assert metrics[1]["clip_ratio"] == 0  # the first step of a round is on its own samples (ratio 1)
+    assert metrics[1]["generation_s"] > 0 and metrics[3]["generation_s"] > 0  # each round's first step samples,
+    assert metrics[2]["generation_s"] == 0  # its second reuses the completions
     first = completions(run)[0]
     assert set(first) == {"step", "row", "prompt", "completion", "completion_ids", "advantage", "rewards"}
     assert first["prompt"][0]["role"] == "user" and set(first["rewards"]) == {"letters", "json_fields"}
     assert "reward=" in console
-    evals = [m for m in read_metrics(run) if "eval_reward" in m]  # greedy completions of the 4 eval prompts
+    evals = [m for m in read_metrics(run) if "eval_reward" in m]  # 2 sampled completions of each of 4 eval prompts
     assert [m["step"] for m in evals] == [0, STEPS] and {"eval_rewards/letters/mean"} <= evals[0].keys()
     reward = summary(run)["eval_reward"]
     assert reward == {"before": evals[0]["eval_reward"], "after": evals[1]["eval_reward"]}

@@ -44,6 +44,9 @@ class GrpoSection(Section):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's reward std, the whole batch's, or not at all")
     log_completions: int = Field(4, ge=0, description="completions written to completions.jsonl per generation")
+    num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
+                                                                      "name; default num_generations): eval_reward "
+                                                                      "is their mean reward")
 
     @model_validator(mode="after")
     def _has_rewards(self):
@@ -166,7 +169,7 @@ def hfsdp_validate_config(config):
         problems.append(("grpo.beta", "the KL reference is the base model with the LoRA adapters disabled: add lora "
                                       "to plugins, or set beta: 0 (a frozen copy for full fine-tuning is not built yet)"))
     if config.generation_eval:
-        problems.append(("generation_eval", "grpo's eval is the mean reward of a greedy completion of each eval "
+        problems.append(("generation_eval", "grpo's eval is the mean reward of completions sampled for each eval "
                                             "prompt (eval_reward): remove the generation_eval section"))
     if config.train.group_by_length:
         problems.append(("train.group_by_length", "grpo's batches are prompts with their groups: remove it"))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,13 +40,15 @@ from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, reshard
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective, adapters_disabled
+from hfsdp.objective import Objective, Sampling, adapters_disabled
 
 if TYPE_CHECKING:
     from hfsdp.builtin.grpo import GrpoSection
 
 # TRL adds this to the standard deviation it divides the advantages by.
 STD_EPSILON = 1e-4
+# The round number in the eval's sampling seeds (training rounds count from 0).
+EVAL_ROUND = -1
 
 
 class GroupPlan(BatchPlan):
@@ -198,8 +201,9 @@ def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Ten
     logprobs = logits.log_softmax(-1)
     mask = batch.targets != IGNORE_INDEX
     picked = logprobs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked * mask, entropy.detach() * mask
+    with torch.no_grad():  # a metric: no graph through two more logits-sized tensors
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return picked * mask, entropy * mask
 
 
 def _spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
@@ -221,8 +225,12 @@ class GRPO(Objective):
         self.buffer = RoundBuffer()
         self.unwrapped = None
         self._sums: dict[str, torch.Tensor] = {}
+        self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
 
     # ---- the plan and the rounds
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.section.max_new_tokens)  # every rank generates the whole global batch
 
     def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
         return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
@@ -237,7 +245,9 @@ class GRPO(Objective):
     def step_batches(self, model, dataset, plan, step, rank, pad_id, device, select_logits) -> list[GroupBatch]:
         round_ = step // self.section.num_iterations
         if self.buffer.round != round_:
+            started = time.perf_counter()
             self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits)
+            self._generation_s = time.perf_counter() - started
         world = self.accelerator.num_processes
         return [self._batch(self.buffer.entries[m * world + rank], pad_id, device, select_logits)
                 for m in range(plan.accumulation)]
@@ -306,9 +316,9 @@ class GRPO(Objective):
         self._log_completions(step, dataset, entries)
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], seeds: list[int] | None, pad_id: int) -> list[list[int]]:
-        """Completions (token ids up to and including the first EOS) of left-padded prompts, one generator each
-        (``seeds`` None: greedy)."""
+    def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int) -> list[list[int]]:
+        """Completions (token ids up to and including the first EOS) of left-padded prompts, one seeded generator
+        each."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         s, model = self.section, self.unwrapped
@@ -321,10 +331,10 @@ class GRPO(Objective):
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
         config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                                   eos_token_id=eos_ids, use_cache=True)
-        sampler = [] if seeds is None else [seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds],
-                                                           s.temperature, s.top_k, s.top_p)]
+        sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], s.temperature, s.top_k,
+                                 s.top_p)
         out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                             logits_processor=LogitsProcessorList(sampler))
+                             logits_processor=LogitsProcessorList([sampler]))
         generated = out[:, width:]
         mask = completion_mask(generated, eos_ids)
         return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
@@ -378,17 +388,24 @@ class GRPO(Objective):
         return {k: v for part in everyone for k, v in part.items()}
 
     def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
-        """The weighted reward of a greedy completion of every eval prompt (``eval_reward``) and each function's
-        mean. Every rank generates them all (FSDP's collectives); each scores its share."""
+        """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
+        ``num_generations_eval`` completions of every eval prompt, sampled as training samples them, each by a
+        generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
+        weights gives the same completions. Every rank generates them all (FSDP's collectives); each scores its
+        share."""
         from hfsdp.run.generation import generating
 
         world, rank = accelerator.num_processes, accelerator.process_index
+        group = self.section.num_generations_eval or self.section.num_generations
         prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        seeds = [sample_seed(self.config.train.seed, EVAL_ROUND, p, j) for p in range(len(prompts))
+                 for j in range(group)]
         with generating(model):
-            completions = self._sample(prompts, None, pad_id)
-        mine = {i: {"rows": [i], "completion_ids": [completions[i]]} for i in range(rank, len(dataset), world)}
-        scores = self._gathered_scores(dataset, mine, 1)
-        rewards = torch.tensor([scores[i][0] for i in range(len(dataset))], dtype=torch.float32)
+            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
+        mine = {i: {"rows": [i], "completion_ids": completions[i * group:(i + 1) * group]}
+                for i in range(rank, len(dataset), world)}
+        scores = self._gathered_scores(dataset, mine, group)
+        rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
         stats = self._reward_stats(rewards)
         return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
 
@@ -452,5 +469,6 @@ class GRPO(Objective):
         sums = all_sum(accelerator, [float(self._sums.get("tokens", 0))] + [float(self._sums[k]) for k in names])
         self._sums = {}
         tokens = sums[0]
-        return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()},
+        generation_s, self._generation_s = self._generation_s, 0.0
+        return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
                 **{f"{prefix}{name}": total / tokens if tokens else math.nan for name, total in zip(names, sums[1:])}}
