@@ -1,6 +1,6 @@
 """How accurate is `hfsdp plan`? One run measures it against real jobs and writes DIR/plan_accuracy.md and .json.
 
-    python benchmarks/plan_accuracy.py [--out DIR] [--parts state,peak]
+    python benchmarks/plan_accuracy.py [--out DIR] [--parts state,peak,grpo]
 
 1. state: parameter + gradient + optimizer bytes per rank that plan predicts, against the bytes `hfsdp bench`'s
    bench_probe counts from live tensors, for FULL_SHARD / SHARD_GRAD_OP / NO_SHARD / HYBRID_SHARD x 1, 2, 4 ranks x
@@ -15,7 +15,10 @@
    CPU optimizer (AdamW loops over parameters on CPU instead of its multi-tensor path).
    On a GPU host, `--parts gpu` runs the same grid on one GPU (SmolLM2-135M-Instruct, bf16 mixed precision,
    max_seq_len {1024, 2048}) against `torch.cuda.max_memory_allocated`.
-3. side by side, on the peak grid's configs and the LoRA ones: `accelerate estimate-memory`'s arithmetic (its own
+3. grpo: the peak of GRPO steps (plugin grpo: sampling the global batch's completions with the KV cache, then
+   training on prompts plus completions) on 2 ranks of `smollm2-bench`, completions of {32, 128} tokens x {4, 8}
+   completions per micro-batch x FULL_SHARD / NO_SHARD, in the peak table. Target: within 10 %, as SFT.
+4. side by side, on the peak grid's configs and the LoRA ones: `accelerate estimate-memory`'s arithmetic (its own
    functions: calculate_maximum_sizes + estimate_training_usage, the "Training using Adam" column) and DeepSpeed's
    ZeRO-3 formula (estimate_zero3_model_states_mem_needs: 4 x largest layer + 18 x parameters / GPUs), against the
    measured figures.
@@ -167,35 +170,57 @@ def peak_grid(out: Path, env: dict[str, str], on_cpu: bool = True) -> list[dict]
         "fsdp": {"version": 2, "mixed_precision": "no" if on_cpu else "bf16"},
     })
     nproc, seqs = (2, (128, 256)) if on_cpu else (1, (1024, 2048))
+    combos = [(f"{strategy} seq {seq} mb {batch} AC {'on' if ac else 'off'}", strategy,
+               [f"data.max_seq_len={seq}", f"train.per_device_batch_size={batch}",
+                f"fsdp.activation_checkpointing={str(ac).lower()}"], {"seq": seq, "batch": batch, "ac": ac})
+              for seq in seqs for batch in (1, 2) for ac in (False, True) for strategy in ("FULL_SHARD", "NO_SHARD")]
+    return peak_rows(config, combos, out, env, on_cpu, nproc)
+
+
+def grpo_grid(out: Path, env: dict[str, str]) -> list[dict]:
+    """GRPO (plugin grpo) on 2 ranks of smollm2-bench in fp32: completions of {32, 128} tokens (the random model
+    never stops early) x {4, 8} completions per micro-batch x FULL_SHARD / NO_SHARD; every rank generates the global
+    batch's completions with the KV cache, then trains on its micro-batch of prompts plus completions."""
+    config = write_yaml(out / "grpo.yaml", {
+        "model": {"name_or_path": "smollm2-bench"},
+        "plugins": ["grpo"],
+        "data": {"format": "prompt", "path": str(DATA / "contacts_prompts_train.jsonl"), "max_seq_len": 96},
+        "grpo": {"num_generations": 4, "rewards": [{"name": "json_fields"}]},
+        "train": {"output_dir": str(out / "unused"), "max_steps": 3, "log_every": 1},
+        "fsdp": {"version": 2, "mixed_precision": "no"},
+    })
+    combos = [(f"GRPO {strategy} new {new} mb {batch}", strategy,
+               [f"grpo.max_new_tokens={new}", f"train.per_device_batch_size={batch}"],
+               {"seq": 96 + new, "batch": batch, "ac": False})
+              for new in (32, 128) for batch in (4, 8) for strategy in ("FULL_SHARD", "NO_SHARD")]
+    return peak_rows(config, combos, out, env, True, 2)
+
+
+def peak_rows(config: Path, combos: list[tuple[str, str, list[str], dict]], out: Path, env: dict[str, str],
+              on_cpu: bool, nproc: int) -> list[dict]:
+    """Plan's peak and bench's measured peak of each (label, strategy, overrides, fields) combination."""
     rows = []
-    for seq in seqs:
-        for batch in (1, 2):
-            for ac in (False, True):
-                for strategy in ("FULL_SHARD", "NO_SHARD"):
-                    sets = [f"data.max_seq_len={seq}", f"train.per_device_batch_size={batch}",
-                            f"fsdp.activation_checkpointing={str(ac).lower()}"]
-                    label = f"{strategy} seq {seq} mb {batch} AC {'on' if ac else 'off'}"
-                    est, planner = predict(config, [*sets, f"fsdp.sharding_strategy={strategy}"], strategy, nproc,
-                                           on_cpu)
-                    t0 = time.perf_counter()
-                    measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 3)
-                    row = {"label": label, "device": "cpu" if on_cpu else "gpu", "strategy": strategy, "seq": seq,
-                           "batch": batch, "ac": ac,
-                           "plan_peak": est.device_peak, "plan_state": est.state,
-                           "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered}
-                    if measured is None:
-                        rows.append({**row, "skipped": _why_not(out / "runs" / label.replace(" ", "_"))})
-                        continue
-                    # CPU: peak RSS above the pre-load RSS; GPU: max_memory_allocated (bench's same column).
-                    row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
-                               measured_peak_abs=measured["mem_peak_mib"] * MIB,
-                               measured_state=measured["state_bytes"])
-                    row["ratio"] = row["plan_peak"] / row["measured_peak"]
-                    row.update(others(planner, est))
-                    rows.append(row)
-                    print(f"peak: {label}: plan {est.device_peak / MIB:.0f} MiB, measured "
-                          f"{row['measured_peak'] / MIB:.0f} MiB above base, ratio {row['ratio']:.3f} "
-                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for label, strategy, sets, fields in combos:
+        est, planner = predict(config, [*sets, f"fsdp.sharding_strategy={strategy}"], strategy, nproc, on_cpu)
+        t0 = time.perf_counter()
+        measured = bench(config, strategy, nproc, out / "runs" / label.replace(" ", "_"), sets, env, 3)
+        row = {"label": label, "device": "cpu" if on_cpu else "gpu", "strategy": strategy, **fields,
+               "plan_peak": est.device_peak, "plan_state": est.state,
+               "plan_activations": est.activations + est.loss_transient, "plan_gathered": est.gathered,
+               "plan_sampling": est.generation}
+        if measured is None:
+            rows.append({**row, "skipped": _why_not(out / "runs" / label.replace(" ", "_"))})
+            continue
+        # CPU: peak RSS above the pre-load RSS; GPU: max_memory_allocated (bench's same column).
+        row.update(measured_peak=measured["mem_peak_above_base_mib"] * MIB,
+                   measured_peak_abs=measured["mem_peak_mib"] * MIB,
+                   measured_state=measured["state_bytes"])
+        row["ratio"] = row["plan_peak"] / row["measured_peak"]
+        row.update(others(planner, est))
+        rows.append(row)
+        print(f"peak: {label}: plan {est.device_peak / MIB:.0f} MiB, measured "
+              f"{row['measured_peak'] / MIB:.0f} MiB above base, ratio {row['ratio']:.3f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return rows
 
 
@@ -265,6 +290,7 @@ def report(state: list[dict], peak: list[dict]) -> str:
                   "| plan ÷ measured |", "|---|---|---|---|---|"]
         for r in peak:
             parts = f"{_mib(r['plan_state'])} / {_mib(r['plan_activations'])} / {_mib(r['plan_gathered'])}"
+            parts += f" (sampling {_mib(r['plan_sampling'])})" if r.get("plan_sampling") else ""
             if "ratio" in r:
                 lines.append(f"| {r['label']} | {parts} | {_mib(r['plan_peak'])} | {_mib(r['measured_peak'])} "
                              f"| {r['ratio']:.3f} |")
@@ -285,7 +311,7 @@ def report(state: list[dict], peak: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("plan_accuracy"))
-    parser.add_argument("--parts", default="state,peak", help="state, peak (CPU), gpu (one CUDA GPU)")
+    parser.add_argument("--parts", default="state,peak", help="state, peak (CPU), grpo (CPU), gpu (one CUDA GPU)")
     parser.add_argument("--reuse", action="store_true",
                         help="run nothing: read back the measurements an earlier run left in --out and recompute "
                              "the predictions and the report")
@@ -297,6 +323,8 @@ def main() -> None:
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     parts = args.parts.split(",")
     peak = peak_grid(args.out / "peak", env) if "peak" in parts else []
+    if "grpo" in parts:
+        peak += grpo_grid(args.out / "grpo", env)
     if "gpu" in parts:
         peak += peak_grid(args.out / "gpu", env, on_cpu=False)
     state = state_grid(args.out / "state", env) if "state" in parts else []

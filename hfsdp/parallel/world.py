@@ -74,9 +74,10 @@ def element_holders(tensor, world_size: int) -> int:
 
 def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
     """A tensor's sum of squares in float64: of a matrix (2 or more dimensions), the float64 sum of its rows' float32
-    norms squared (a row's norm is the same whichever rows a shard holds; 2.2e-10 relative from an all-float64 sum
-    over SmolLM2-135M's gradients, 17 times faster on a CPU than casting them to float64, and 3.3e-4 closer than
-    torch's float32 norm of the whole tensor); of a flat tensor (FSDP1's flat shards, norms, biases), in float64."""
+    norms squared (a row's norm is the same whichever rows a shard holds); of a flat tensor (FSDP1's flat shards,
+    norms, biases), in float64. Over SmolLM2-135M's gradients on a 2-core CPU: 37 ms against 231 ms for casting
+    every gradient to float64 and 41 ms for torch's ``clip_grad_norm_``, and 3e-9 relative from the all-float64 norm
+    where torch's float32 one is 3.4e-5 off."""
     if g.dim() < 2:
         return torch.linalg.vector_norm(g, dtype=torch.float64).square()
     rows = torch.linalg.vector_norm(g, dim=-1, dtype=None if g.dtype == torch.float32 else torch.float32)
