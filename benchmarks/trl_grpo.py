@@ -4,14 +4,16 @@ hfsdp trains first and writes every completion it sampled (``completions.jsonl``
 large). TRL then trains the same model folder on the same prompts in the same order (hfsdp's plan, read
 sequentially by TRL), with its generation step replaced by one that returns hfsdp's completions of that round (the
 prompt tokens TRL made are checked equal to hfsdp's), the same reward functions, loss type, clipping,
-``num_iterations``, reward scaling, temperature, AdamW hyper-parameters, LR schedule and gradient clipping: fp32, one
-process, full fine-tuning, ``beta: 0`` (hfsdp's KL reference is LoRA's base; TRL's loss with beta > 0 is compared on
-fixed tensors in tests/test_grpo_loss.py), no gradient accumulation (TRL shuffles a generation batch before it
-splits it into micro-batches). Prints both columns of per-step loss and gradient norm and their largest relative
-differences (target 1e-5), and both median step times.
+``num_iterations``, reward scaling, temperature, AdamW hyper-parameters, LR schedule and gradient clipping (by the
+float64 norm of its gradients, as hfsdp's: torch's float32 norm, which TRL clips by, is about 3e-5 off on the real
+model; TRL's logged norm is printed beside it): fp32, one process, full fine-tuning, ``beta: 0`` (hfsdp's KL
+reference is LoRA's base; TRL's loss with beta > 0 is compared on fixed tensors in tests/test_grpo_loss.py), no
+gradient accumulation (TRL shuffles a generation batch before it splits it into micro-batches). Prints both
+columns of per-step loss and gradient norm and their largest relative differences (target 1e-5), and both median
+step times.
 
-``--speed``: each side generates its own completions (TRL's ``transformers.generate`` path, ``use_vllm=False``; hfsdp's
-seeded sampling), on the same model, prompts in the same order, group size and completion length, ``--rounds``
+``--speed``: each side generates its own completions (TRL's ``transformers.generate`` path, ``use_vllm=False``;
+hfsdp's seeded sampling), on the same model, prompts in the same order, group size and completion length, ``--rounds``
 times interleaved; prints each side's mean step time over steps 2.., split into generation (sampling and scoring)
 and training, with the mean completion length (the two sample different completions of the same distribution, so
 their lengths differ by chance), and hfsdp's speed as a ratio of TRL's (per step and per completion token).
@@ -53,7 +55,9 @@ def run_hfsdp(config: str, overrides: list[str], out: Path) -> tuple[list[dict],
 
 
 def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) -> dict[str, list[float]]:
-    """TRL's per-step ``losses``, ``grad_norms`` and ``step_times``, and per round its ``generation_s`` and mean
+    """TRL's per-step ``losses``, ``grad_norms`` (what it logs), with hfsdp's completions ``float64_norms`` (of its
+    gradients, summed as hfsdp sums its norm; TRL clips by them) and ``torch_norms`` (torch's float32 norm of the
+    same gradients, which stock TRL clips by), ``step_times``, and per round its ``generation_s`` and mean
     completion ``lengths``; ``rounds``: hfsdp's completions, returned by TRL's generation step instead of its own
     (None: TRL generates)."""
     import time
@@ -69,7 +73,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     from hfsdp.builtin.grpo.loss import GRPO
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import _cache_dir
-    from trl_sft import step_times, training_args  # benchmarks/, next to this file
+    from trl_sft import float64_norms, step_times, training_args  # benchmarks/, next to this file
 
     t, s = cfg.train, cfg.section("grpo")
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
@@ -84,8 +88,9 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     expected_prompts = [prompt_ids(raw[i]["prompt"], tokenizer, cfg.data) for i in order]
     given = iter([rounds[step] for step in sorted(rounds)]) if rounds is not None else None
     per_round = t.per_device_batch_size // s.num_generations
-    out: dict[str, list[float]] = {k: [] for k in ("losses", "grad_norms", "step_times", "generation_s", "lengths")}
-    losses, grad_norms, times = out["losses"], out["grad_norms"], out["step_times"]
+    logged: dict[str, list[float]] = {k: [] for k in ("losses", "grad_norms", "float64_norms", "torch_norms",
+                                                       "step_times", "generation_s", "lengths")}
+    losses, grad_norms, times = logged["losses"], logged["grad_norms"], logged["step_times"]
 
     class InPlanOrder(GRPOTrainer):  # shuffle_dataset=False: TRL's sampler reads the prompts in hfsdp's order
         rounds = 0
@@ -100,15 +105,15 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
             started = time.perf_counter()
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                      num_generations, **kwargs)
-            out["generation_s"].append(time.perf_counter() - started)
-            out["lengths"].append(statistics.mean(len(c) for c in completion_ids))
+            logged["generation_s"].append(time.perf_counter() - started)
+            logged["lengths"].append(statistics.mean(len(c) for c in completion_ids))
             return completion_ids, logprobs
 
         def _calculate_rewards(self, *args, **kwargs):  # scoring is part of hfsdp's generation_s too
             started = time.perf_counter()
             rewards = super()._calculate_rewards(*args, **kwargs)
             if given is None:
-                out["generation_s"][-1] += time.perf_counter() - started
+                logged["generation_s"][-1] += time.perf_counter() - started
             return rewards
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -134,8 +139,10 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
         trainer = InPlanOrder(model=model, reward_funcs=[fn for _, _, fn, _ in rewards], args=args,
                                   train_dataset=ordered, processing_class=tokenizer,
                                   callbacks=[step_times(times), GradNorms()])
+        if given is not None:  # the exactness run: TRL clips by the float64 norm too (the speed run: stock TRL)
+            float64_norms(trainer, logged["float64_norms"], logged["torch_norms"], clip_by_them=True)
         trainer.train()
-    return out
+    return logged
 
 
 def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: int) -> None:
@@ -144,10 +151,14 @@ def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: 
           f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), loss_type {s.loss_type}, "
           f"num_iterations {s.num_iterations}, scale_rewards {s.scale_rewards}, lr {cfg.train.learning_rate}, fp32, "
           "one process, the same completions")
+    print("grad norms: hfsdp's (float64 sums), TRL's gradients' in float64 (which TRL clips by here), and the float32 "
+          "one TRL logs (torch's clip_grad_norm_); the difference is taken against the float64 one")
     print(f"{'step':>4} {'hfsdp loss':>13} {'TRL loss':>13} {'abs diff':>9} {'rel diff':>9} {'hfsdp grad':>11} "
-          f"{'TRL grad':>11} {'rel diff':>9}")
+          f"{'TRL f64':>11} {'rel diff':>9} {'TRL logged':>11}")
     worst_loss = worst_norm = 0.0
-    for step, (m, loss, norm) in enumerate(zip(ours, trl["losses"], trl["grad_norms"]), start=1):
+    exact = trl["float64_norms"] or trl["grad_norms"]  # (no clip: TRL logs torch's norm only)
+    for step, (m, loss, norm, logged) in enumerate(zip(ours, trl["losses"], exact, trl["torch_norms"] or
+                                                       trl["grad_norms"]), start=1):
         diff = abs(m["loss"] - loss)
         rel = diff / max(abs(loss), 1e-12)
         rel_norm = abs(m["grad_norm"] - norm) / max(abs(norm), 1e-12)
@@ -155,8 +166,8 @@ def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: 
         # each group, a cancellation whose float32 noise (1e-7 of the terms) is large relative to the result.
         worst_loss, worst_norm = max(worst_loss, rel if diff > ABS_FLOOR else 0.0), max(worst_norm, rel_norm)
         print(f"{step:>4} {m['loss']:>13.8f} {loss:>13.8f} {diff:>9.1e} {rel:>9.2e} {m['grad_norm']:>11.6f} "
-              f"{norm:>11.6f} {rel_norm:>9.2e}")
-    steps = min(len(ours), len(trl["losses"]), len(trl["grad_norms"]))
+              f"{norm:>11.6f} {rel_norm:>9.2e} {logged:>11.6f}")
+    steps = min(len(ours), len(trl["losses"]), len(exact))
     met = worst_loss <= 1e-5 and worst_norm <= 1e-5 and steps == steps_asked
     print(f"largest differences over {steps} steps: loss {worst_loss:.2e} relative (where over {ABS_FLOOR:.0e} "
           f"absolute), grad norm {worst_norm:.2e} relative (target 1e-5): {'MET' if met else 'NOT MET'}")

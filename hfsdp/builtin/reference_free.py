@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.objective import PairBatch, PreferenceObjective
+from hfsdp.objective import PairBatch, PreferenceObjective, target_logps
 
 
 @dataclass
@@ -93,9 +93,7 @@ class ReferenceFree(PreferenceObjective):
 
     def loss(self, model, batch: NllPairBatch) -> torch.Tensor:
         logits = model(**batch.inputs).logits.float()
-        token_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch.targets.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="none").view(batch.targets.shape)
-        average = -token_loss.sum(1) / batch.completion_tokens.clamp(min=1)
+        average = target_logps(logits, batch.targets).sum(1) / batch.completion_tokens.clamp(min=1)
         chosen, rejected = average[:batch.pairs], average[batch.pairs:]
         per_pair, own = self.pair_losses(chosen, rejected)
         beta = self.section.beta

@@ -131,8 +131,11 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
     if max_norm is not None:
         # torch.nn.utils.clip_grads_with_norm_'s factor, applied to what each rank holds
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
-            g.mul_(factor)
+            by_device.setdefault(g.device, []).append(g)
+        for device, group in by_device.items():  # one multi-tensor kernel per device, as torch's clip
+            torch._foreach_mul_(group, factor.to(device))
     return total
 
 

@@ -40,7 +40,7 @@ from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, reshard
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective, Sampling, adapters_disabled
+from hfsdp.objective import Objective, Sampling, adapters_disabled, target_logps
 
 if TYPE_CHECKING:
     from hfsdp.builtin.grpo import GrpoSection
@@ -198,12 +198,11 @@ class RoundBuffer:
 def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere."""
     logits = model(**batch.inputs).logits.float() / temperature
-    logprobs = logits.log_softmax(-1)
-    mask = batch.targets != IGNORE_INDEX
-    picked = logprobs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():  # a metric: no graph through two more logits-sized tensors
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked * mask, entropy * mask
+    with torch.no_grad():  # a metric: no graph through more logits-sized tensors
+        probs = logits.softmax(-1)
+        entropy = torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+        del probs
+    return target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
 
 
 def _spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
