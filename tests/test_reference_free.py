@@ -69,8 +69,11 @@ def assert_same(got: tuple[float, dict], want_loss: torch.Tensor, want_metrics: 
     loss, metrics = got
     assert loss == pytest.approx(float(want_loss), rel=1e-6, abs=1e-7)
     assert set(metrics) == set(names)
+    # A margin is a difference of two rewards: within a float32 rounding (2**-22 relative, two ulps) of them.
+    operands = max(abs(float(want_metrics[k])) for k in ("rewards/chosen", "rewards/rejected"))
     for ours_name, trl_name in names.items():
-        assert metrics[ours_name] == pytest.approx(float(want_metrics[trl_name]), rel=1e-5, abs=1e-6), ours_name
+        slack = max(1e-6, 2 ** -22 * operands) if ours_name == "rewards/margins" else 1e-6
+        assert metrics[ours_name] == pytest.approx(float(want_metrics[trl_name]), rel=1e-5, abs=slack), ours_name
 
 
 SHARED = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, reshard
+from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.errors import UserError
 from hfsdp.objective import Objective, Sampling, adapters_disabled, target_logps
@@ -205,6 +205,34 @@ def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Ten
     return target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
 
 
+def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
+                            select_logits: bool) -> MicroBatch:
+    """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
+    right-padded, so every completion starts at the same position and the model computes logits at the longest
+    completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
+    targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
+    prompt), the attention mask hides the padding."""
+    width, longest = max(map(len, prompts)), max(map(len, completions))
+    rows = len(prompts)
+    input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, width - len(p):width + len(c)] = torch.tensor(p + c)
+        attention[i, width - len(p):width + len(c)] = 1
+        targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)  # position t predicts t + 1
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
+    if select_logits:
+        keep = torch.arange(width - 1, width - 1 + longest)
+        inputs["logits_to_keep"], targets = keep, targets[:, keep]
+    labelled = targets != IGNORE_INDEX
+    return MicroBatch(inputs={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                      targets=targets.to(device), lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
+                      num_targets=int(labelled.sum()),
+                      label_positions=labelled.reshape(-1).nonzero().flatten().to(device))
+
+
 def _spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
     """Per-completion token lists placed at the mask's positions (row-major: each row's tokens in order)."""
     out = torch.zeros(mask.shape, dtype=torch.float32)
@@ -252,11 +280,9 @@ class GRPO(Objective):
                 for m in range(plan.accumulation)]
 
     def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
-        rows = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c}
-                for p, c in zip(entry["prompt_ids"], entry["completion_ids"])]
-        batch = micro_batch(rows, pad_id, device, select_logits)
+        batch = prompt_completion_batch(entry["prompt_ids"], entry["completion_ids"], pad_id, device, select_logits)
         mask = batch.targets != IGNORE_INDEX
-        units = batch.num_targets if self.section.loss_type == "dapo" else len(rows)
+        units = batch.num_targets if self.section.loss_type == "dapo" else len(entry["completion_ids"])
         return GroupBatch(**vars(batch) | {"num_targets": units},
                           advantages=torch.tensor(entry["advantages"], dtype=torch.float32, device=device),
                           old_logps=_spread(entry["old_logps"], mask) if entry.get("old_logps") else None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.model.loading import build_meta_model, layer_classes
+from hfsdp.model.loading import accepts_logits_to_keep, build_meta_model, layer_classes
 from hfsdp.run.setup import one_process
 from hfsdp.tools.plan.estimate import compute_dtype
 from hfsdp.tools.plan.facts import Activations
@@ -39,8 +39,8 @@ def _fused_sdpa():
 def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
     """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens,
     times a plugin ``objective``'s sequences per row; an objective that samples completions: its rows that much
-    longer) in the compute dtype of ``precision``. Only the default objective runs the chunked loss
-    (``train.chunked_loss``); a plugin's computes the full logits."""
+    longer, with logits at the completions' positions) in the compute dtype of ``precision``. Only the default
+    objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full logits."""
     import contextlib
     from unittest import mock
 
@@ -55,9 +55,13 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     batch *= objective.sequences_per_row if objective is not None else 1
     sampling = objective.sampling() if objective is not None else None
     seq += sampling.new_tokens if sampling is not None else 0
+    # logits at every position, or (an objective that samples) at the completions' only, where its rows align them
+    positions = sampling.new_tokens if sampling is not None else seq
     chunked = config.train.chunked_loss and objective is None
     model = build_meta_model(model_config, one_process(config), host, compute_dtype(config, precision))
     model.train()
+    if not accepts_logits_to_keep(model):
+        positions = seq
     classes = set(layer_classes(config.fsdp, model_config))
     params = {id(p) for p in model.parameters()}
     current: list[int | None] = [None]
@@ -108,7 +112,9 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             # the keys and values backward saves anyway (training turns it off); off, transformers looks for packed
             # rows with a .item() that meta tensors cannot answer.
             if lm_head:
-                loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids}, targets=ids))
+                kept = {"logits_to_keep": positions} if positions < seq else {}
+                loss = token_loss_sum(model, SimpleNamespace(inputs={"input_ids": ids, **kept},
+                                                             targets=ids[:, seq - positions:]))
             else:  # a head without a vocabulary (a reward model's score): its outputs summed
                 loss = model(input_ids=ids).logits.float().sum()
             del loss
@@ -129,5 +135,5 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     vocab = model_config.vocab_size
     chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked and lm_head else 0
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
-                       logits_bytes=batch * seq * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk,
+                       logits_bytes=batch * positions * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk,
                        tokens=batch * seq)
