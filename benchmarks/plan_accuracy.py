@@ -285,7 +285,10 @@ def report(state: list[dict], peak: list[dict]) -> str:
                   "and 256): 2 ranks of smollm2-bench (75M), FSDP2 fp32, peak RSS during the steps above the RSS "
                   "before the model is loaded, glibc returning freed memory."
                   + (" GPU rows (seq 1024 and 2048): 1 rank of SmolLM2-135M-Instruct, bf16 mixed precision, "
-                     "torch.cuda.max_memory_allocated." if any(r.get("device") == "gpu" for r in peak) else ""), "",
+                     "torch.cuda.max_memory_allocated." if any(r.get("device") == "gpu" for r in peak) else "")
+                  + (" GRPO rows: the same, prompts of up to 96 tokens and completions of 32 or 128 (every rank "
+                     "samples the global batch's), `sampling` the planned moment of generation."
+                     if any(r["label"].startswith("GRPO") for r in peak) else ""), "",
                   "| combination | plan state / activations+loss / gathered MiB | plan peak MiB | measured peak MiB "
                   "| plan ÷ measured |", "|---|---|---|---|---|"]
         for r in peak:
