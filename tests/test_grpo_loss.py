@@ -110,3 +110,31 @@ def test_json_fields_is_the_share_of_expected_fields_right():
                    [{"role": "assistant", "content": 'Sure: {"name": "Olga Khan", "age": "30", "city": "Nairobi"}'}],
                    "not JSON at all", '{"name": "Olga Khan", "age": 30, "city": "Lima", "job": "chef"} and more']
     assert json_fields(completions, answer=[answer] * 4) == [1.0, 0.5, 0.0, 0.75]
+
+
+@pytest.mark.parametrize("select_logits", [True, False])
+def test_a_completions_log_probs_do_not_depend_on_the_rows_beside_it(tiny_model_dir, select_logits):
+    """``prompt_completion_batch`` (TRL's layout: prompts left-padded, completions right-padded, positions counted from
+    each row's first token): a row's per-token log-probs in a micro-batch of prompts and completions of other lengths
+    are its log-probs alone, within float32 rounding; with ``select_logits`` only the longest completion's positions
+    get logits."""
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp import IGNORE_INDEX
+    from hfsdp.builtin.grpo.loss import prompt_completion_batch, token_logps
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
+    completions = [[40, 41], [50, 51, 52, 53, 54], [60]]
+    with torch.no_grad():
+        batch = prompt_completion_batch(prompts, completions, 0, "cpu", select_logits)
+        together = token_logps(model, batch, 0.7)[0]
+        mask = batch.targets != IGNORE_INDEX
+        assert batch.targets.shape[1] == (5 if select_logits else 7 + 5)
+        assert batch.num_targets == 8 and mask.sum(1).tolist() == [2, 5, 1]
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            single = prompt_completion_batch([p], [c], 0, "cpu", select_logits)
+            alone = token_logps(model, single, 0.7)[0]
+            got, want = together[i][mask[i]], alone[0][single.targets[0] != IGNORE_INDEX]
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (i, got, want)
