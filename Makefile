@@ -1,5 +1,5 @@
 # Two commands for a fresh clone on a machine with only Python and pip:
-#   make demo   fine-tune the real SmolLM2-135M-Instruct on the bundled task (2 CPU cores: under 3 minutes after set-up)
+#   make demo   fine-tune the real SmolLM2-135M-Instruct on the bundled task (2 CPU cores: 2.5 to 5 minutes after set-up)
 #   make test   the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
