@@ -9,7 +9,8 @@ same model on the same rows in the same order (hfsdp's tokenized cache and ``Bat
 AdamW, LR schedule and gradient clipping, fp32. ``--nproc 2``: ``hfsdp train`` and the bare loop as 2-rank torchrun
 jobs under the config's FSDP strategy (TRL is left out: it has no CPU FSDP path). ``--tools hfsdp-compiled,...``
 adds hfsdp with ``train.compile: true`` (its first step, the compile, is printed apart and not timed with
-``--warmup`` >= 1). ``floor`` (one process) is this machine's floor for the same steps (``benchmarks/floor.py``: the
+``--warmup`` >= 1). ``hfsdp-lora`` and ``trl-lora`` train LoRA adapters instead (hfsdp's ``lora`` plugin; TRL with
+peft, the same ``LoraConfig``). ``floor`` (one process) is this machine's floor for the same steps (``benchmarks/floor.py``: the
 step's GEMMs, attention and AdamW step, each timed alone), so ``hfsdp ÷ floor`` is how close hfsdp runs to it.
 
 Each round runs every tool once, in a rotated order (so that a slow spell of a shared machine does not always hit the
@@ -34,10 +35,14 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 # hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor); both log every
 # step's loss, so that their losses can be compared
-# (and hfsdp-plain-loss: with the plain, unchunked loss, train.chunked_loss: false)
+# (and hfsdp-plain-loss: with the plain, unchunked loss, train.chunked_loss: false; hfsdp-lora: LoRA adapters)
 HFSDP_TOOLS = {"hfsdp": ["--set", "train.log_every=1"],
                "hfsdp-compiled": ["--set", "train.log_every=1", "--set", "train.compile=true"],
-               "hfsdp-plain-loss": ["--set", "train.log_every=1", "--set", "train.chunked_loss=false"]}
+               "hfsdp-plain-loss": ["--set", "train.log_every=1", "--set", "train.chunked_loss=false"],
+               "hfsdp-lora": ["--set", "train.log_every=1"]}
+SCRIPTS = {"bare": "bare_accelerate_loop.py", "trl": "trl_sft.py", "trl-lora": "trl_sft.py", "floor": "floor.py"}
+# The tools that train LoRA adapters (the lora plugin's defaults, or the config's lora: section) instead of the model
+LORA_TOOLS = ("hfsdp-lora", "trl-lora")
 
 
 def _env() -> dict[str, str]:
@@ -60,15 +65,17 @@ def _launcher(nproc: int) -> list[str]:
 def _command(tool: str, a: argparse.Namespace, work: Path) -> tuple[list[str], Path]:
     sets = [x for s in a.overrides for x in ("--set", s)]
     record = work / f"{tool}.json"
+    lora = ["lora"] if tool in LORA_TOOLS else []
     if tool in HFSDP_TOOLS:
         from hfsdp.tools.bench import _probe_plugin
 
         run = work / "hfsdp-run"
         sets += ["--set", f"train.output_dir={run}", "--set", f"train.max_steps={a.steps}",
-                 "--set", f"plugins=[{_probe_plugin()}]", *HFSDP_TOOLS[tool]]
+                 "--set", f"plugins=[{', '.join([_probe_plugin(), *lora])}]", *HFSDP_TOOLS[tool]]
         return [*_launcher(a.nproc), "-m", "hfsdp", "train", a.config, "--overwrite", *sets], run
-    script = {"bare": "bare_accelerate_loop.py", "trl": "trl_sft.py", "floor": "floor.py"}[tool]
-    return [*_launcher(a.nproc), str(REPO / "benchmarks" / script), a.config, "--steps", str(a.steps),
+    if lora:
+        sets += ["--set", "plugins=[lora]"]
+    return [*_launcher(a.nproc), str(REPO / "benchmarks" / SCRIPTS[tool]), a.config, "--steps", str(a.steps),
             "--json", str(record), *sets], record
 
 
@@ -113,7 +120,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tools", default=None, help="default: hfsdp,bare,trl on 1 process; hfsdp,bare on several; "
                                                  "hfsdp-compiled is hfsdp with train.compile: true, "
-                                                 "hfsdp-plain-loss with train.chunked_loss: false, floor the "
+                                                 "hfsdp-plain-loss with train.chunked_loss: false, hfsdp-lora "
+                                                 "and trl-lora train LoRA adapters (TRL + peft), floor the "
                                                  "machine's floor (benchmarks/floor.py)")
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
     p.add_argument("--timeout", type=float, default=1800)
@@ -122,9 +130,13 @@ def main() -> None:
     a = p.parse_args()
     a.out = a.out.resolve()
     tools = (a.tools or ("hfsdp,bare,trl" if a.nproc == 1 else "hfsdp,bare")).split(",")
-    if a.nproc > 1 and ("trl" in tools or "floor" in tools):
-        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop only (drop trl and floor from --tools)")
-    if "trl" in tools:
+    unknown = [t for t in tools if t not in HFSDP_TOOLS and t not in SCRIPTS]
+    if unknown:
+        raise SystemExit(f"unknown --tools {','.join(unknown)}: choose from {','.join([*HFSDP_TOOLS, *SCRIPTS])}")
+    if a.nproc > 1 and {"trl", "trl-lora", "floor"} & set(tools):
+        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop only (drop trl, trl-lora and floor from "
+                         "--tools)")
+    if {"trl", "trl-lora"} & set(tools):
         try:
             import trl  # noqa: F401
         except ImportError:
@@ -151,7 +163,7 @@ def main() -> None:
         f"{med[t]['tokens_per_s']:.1f} ({med[t]['step_s']:.3f})" for t in tools) + " |")
     lines.append("| first step s (median; with compile: the compile time) | " + " | ".join(
         f"{statistics.median(x[t]['first_step_s'] for x in rounds):.1f}" for t in tools) + " |")
-    for variant in [t for t in tools if t in HFSDP_TOOLS and t != "hfsdp"]:
+    for variant in [t for t in tools if t in HFSDP_TOOLS and t not in ("hfsdp", *LORA_TOOLS)]:  # the same training
         if "hfsdp" in tools:
             diff = max(abs(a - b) for x in rounds for a, b in zip(x["hfsdp"]["losses"], x[variant]["losses"]))
             lines.append(f"{variant} vs hfsdp: largest step-loss difference {diff:.2e} over "

@@ -4,7 +4,10 @@ The same model folder (hfsdp's cache of the built-in model), the same tokenized 
 preprocessing, passed as a pre-tokenized dataset with a ``labels`` column, which TRL uses as is), the same rows in
 the same order per step (hfsdp's ``BatchPlan``, read sequentially), the same AdamW hyper-parameters, LR schedule and
 gradient clipping, fp32 without gradient checkpointing, no eval, no checkpoints. TRL keeps its own defaults
-otherwise (its fused AdamW, its chunked LM head, its per-step entropy and token-accuracy metrics).
+otherwise (its fused AdamW, its chunked LM head, its per-step entropy and token-accuracy metrics). With ``lora`` in
+the config's plugins (``peers.py --tools trl-lora``), TRL + peft trains the adapters hfsdp's ``lora`` plugin would:
+the same ``LoraConfig`` (``hfsdp.builtin.lora.peft_config``: rank, alpha, dropout, the same target modules), passed
+as ``SFTTrainer(peft_config=...)``.
 
     python benchmarks/trl_sft.py CONFIG --steps 10 --json out.json [--set KEY=VALUE ...]
 
@@ -117,15 +120,22 @@ def main() -> None:
     times: list[float] = []
     torch.manual_seed(t.seed)
     model = models.load_model(path, cfg.model)
+    peft = None
+    if "lora" in cfg.plugins:
+        from hfsdp.builtin import lora
+
+        section = cfg.section("lora")
+        peft = lora.peft_config(section, section.target_modules or lora.default_target_modules(model, cfg.fsdp))
     with tempfile.TemporaryDirectory() as out:
         sft = SFTConfig(**training_args(t, out, args.steps) | {"logging_steps": t.log_every}, max_length=None,
                         packing=False)
         trainer = InPlanOrder(model=model, args=sft, train_dataset=ordered, processing_class=tokenizer,
-                              callbacks=[step_times(times)])
+                              callbacks=[step_times(times)], peft_config=peft)
         trainer.train()
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"step_times_s": times, "tokens": step_tokens[:len(times)], "world_size": 1,
-                                     "pid": os.getpid()}))
+                                     "trainable_parameters": trainable, "pid": os.getpid()}))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def tiny_config(tmp_path: Path, **sections: Any) -> Path:
         "data": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl"),
                  "eval_path": str(PRESET_DATA / "contacts_eval.jsonl"), "max_seq_len": 96, "max_eval_samples": 16},
         "train": {"output_dir": str(tmp_path / "run"), "max_steps": 6, "per_device_batch_size": 2,
-                  "learning_rate": 3e-3, "log_every": 1, "seed": 7, "report_to": "none"},
+                  "learning_rate": 3e-3, "log_every": 1, "seed": 7, "report_to": "none",
+                  "loss_plot": False},
         "fsdp": {"version": 2, "sharding_strategy": "FULL_SHARD"},
     }
     for name, values in sections.items():

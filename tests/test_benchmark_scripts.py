@@ -30,7 +30,7 @@ def test_every_benchmark_answers_help(script):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl,floor"), (2, "hfsdp,bare")], ids=["x1", "x2"])
+@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl,floor,hfsdp-lora,trl-lora"), (2, "hfsdp,bare")], ids=["x1", "x2"])
 def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_dir, nproc, tools):
     out = tmp_path / "peers"
     proc = subprocess.run(
@@ -50,3 +50,8 @@ def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_di
         parts = json.loads((out / "round1" / "floor" / "floor.json").read_text())["parts_s"]
         assert sorted(parts) == ["attention", "head_gemms", "layer_gemms", "optimizer"] and min(parts.values()) > 0
         assert "hfsdp ÷ floor: tokens/s" in table
+    if "trl-lora" in tools:  # TRL + peft trained the adapters only, and hfsdp's LoRA is compared with it
+        trainable = {t: json.loads((out / "round1" / t / f"{t}.json").read_text())["trainable_parameters"]
+                     for t in ("trl", "trl-lora")}
+        assert 0 < trainable["trl-lora"] < trainable["trl"] / 10, trainable
+        assert "hfsdp-lora ÷ trl-lora: tokens/s" in table

@@ -221,3 +221,5 @@ def test_sharegpt_rows_train(tmp_path):
                                          "eval_fraction": 0.1, "max_seq_len": 256}, train={"max_steps": 2})
     proc = run_cli("train", str(config))
     assert "done: 2 steps" in proc.stdout
+    # train.loss_plot: false (tests/conftest.py's default): no picture, and no line that claims one
+    assert not (tmp_path / "run" / "loss.png").exists() and "loss.png" not in proc.stdout

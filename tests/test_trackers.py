@@ -18,7 +18,7 @@ from hfsdp.config.schema import TRACKERS
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory) -> tuple[Path, str, str]:
     tmp = tmp_path_factory.mktemp("tracked")
-    config = tiny_config(tmp, train={"max_steps": 3, "report_to": ["tensorboard", "mlflow"]})
+    config = tiny_config(tmp, train={"max_steps": 3, "report_to": ["tensorboard", "mlflow"], "loss_plot": True})
     store = f"file://{tmp / 'mlruns'}"
     # MLflow 3 refuses its file store unless asked; the file store is what runs offline without a database.
     proc = run_cli("train", str(config), env=base_env(MLFLOW_TRACKING_URI=store, MLFLOW_ALLOW_FILE_STORE="true"))

@@ -355,6 +355,9 @@ class TrainConfig(Section):
         False, description="write SHARDED checkpoints in the background while training continues (staged to a "
                            "host-memory copy first; FSDP-wrapped models); a checkpoint counts only once complete.")
     export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
+    loss_plot: bool = Field(
+        True, description="draw <output_dir>/loss.png from metrics.jsonl at the end of the run (main process; "
+                          "needs matplotlib; `hfsdp plot` draws it later from the same file).")
     report_to: list[Tracker] = Field(
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
         "replaces train.tensorboard (false: none).")

@@ -22,7 +22,7 @@ def finish(run: Run, summary: dict[str, Any], metrics: MetricsWriter,
     run.plugins.call("hfsdp_on_train_end", run=run, metrics=summary["after"])
     metrics.close()
     run.accelerator.print(format_summary(summary, generations, run.config))
-    if run.is_main_process:
+    if run.is_main_process and run.config.train.loss_plot:
         run.accelerator.print(plots.run_plot(run.output_dir))
 
 

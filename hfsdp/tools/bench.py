@@ -136,7 +136,7 @@ def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], e
         f"fsdp.sharding_strategy={strategy}",
         f"plugins=[{', '.join(plugins)}]",
         "train.export_final=false", "train.save_every=null", "train.eval_at_start=false", "train.eval_every=null",
-        "train.report_to=none", "generation_eval=null",
+        "train.report_to=none", "train.loss_plot=false", "generation_eval=null",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "-m", "hfsdp", "train", *( [opts.config] if opts.config else [] ),
