@@ -258,8 +258,11 @@ def plugins(enable: tuple[str, ...]) -> None:
               help="Folder for bench.md/.csv/.json/.png and the runs.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--wide", is_flag=True, help="Print and write every column (bench.csv/json always have them all).")
+@click.option("--profile", is_flag=True,
+              help="Also split each rank's step (torch.profiler; CPU): forward, backward, FSDP hooks, clipping, "
+                   "optimizer, the rest, and collectives in flight; the profiled steps run slower.")
 def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: int, out_dir: Path,
-          overrides: tuple[str, ...], wide: bool) -> None:
+          overrides: tuple[str, ...], wide: bool, profile: bool) -> None:
     """Compare sharding strategies and process counts on CONFIG (default: the `bench` preset).
 
     Each combination is a real `torchrun -m hfsdp train` job (gloo on CPU, NCCL on GPUs). Writes a table of
@@ -273,7 +276,7 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
     try:
         run_bench(BenchOptions(config=config or "bench", strategies=parse_list(strategies),
                                nprocs=parse_list(nprocs, int), steps=steps, warmup=warmup, out=out_dir,
-                               overrides=list(overrides), wide=wide), echo=click.echo)
+                               overrides=list(overrides), wide=wide, profile=profile), echo=click.echo)
     except (ValueError, RuntimeError) as err:
         raise UserError(str(err)) from None
 

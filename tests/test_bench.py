@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_tiny_full_shard_halves_state_bytes(tmp_path, tiny_model_dir):
     out = tmp_path / "bench"
-    proc = run_cli("bench", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1,2", "--steps", "2",
+    proc = run_cli("bench", "--strategies", "FULL_SHARD,NO_SHARD", "--nproc", "1,2", "--steps", "2", "--profile",
                    "--out", str(out), "--set", "model.name_or_path=smollm2-tiny", "--set", "data.max_seq_len=64",
                    timeout=900)
     assert "p+g+o ÷ NO_SHARD" in proc.stdout
@@ -48,6 +48,17 @@ def test_bench_tiny_full_shard_halves_state_bytes(tmp_path, tiny_model_dir):
     assert full["state_vs_1proc"] == full["state_bytes"] / one["state_bytes"]
     assert full["optim_bytes"] == 2 * full["param_bytes"]  # Adam: two moments per local parameter
     assert all(r["tokens_per_s"] > 0 and r["mem_peak_mib"] > 0 for r in data)
+    # --profile: every rank's step split; FSDP's hooks only under FSDP, collectives only on 2 ranks (DDP's
+    # all-reduces too); the phases fit inside the iteration they were measured in (other: what is left of it)
+    assert [len(r["profile_s"]) for r in data] == [1, 2, 2]
+    for row in data:
+        for parts in row["profile_s"]:
+            assert all(parts[p] > 0 for p in ("forward", "backward", "clip", "optimizer")), parts
+            assert parts["other"] > -0.01 * row["step_time_s"], parts
+            assert (parts["fsdp_hooks"] > 0) == (row["runs_as"] == "FSDP"), (row["strategy"], parts)
+            assert (parts["collectives"] > 0) == (row["world_size"] == 2), (row["strategy"], parts)
+    assert "## Where a step goes (--profile)" in report and all(f"| FULL_SHARD | 2 | {r} | " in report for r in (0, 1))
+    assert "where each rank's step went" in proc.stdout
 
 
 def test_bench_one_process_runs_each_strategy_as_fsdp_when_asked(tmp_path, tiny_model_dir):
@@ -59,6 +70,41 @@ def test_bench_one_process_runs_each_strategy_as_fsdp_when_asked(tmp_path, tiny_
             "--set", "fsdp.single_process=fsdp", timeout=900)
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [(r["strategy"], r["runs_as"]) for r in rows] == [("FULL_SHARD", "FSDP"), ("none (1 process)", "NO")]
+
+
+def test_profile_split_subtracts_fsdp_hooks_from_their_phase_and_unites_collectives_in_flight():
+    """bench_probe.split on a trace of two iterations: a hook nested in another counts once, inside the phase
+    that holds it; overlapping collectives on two threads count their union; events outside the iterations none."""
+    from types import SimpleNamespace
+
+    from hfsdp.builtin.bench_probe import STEP_MARK, split
+
+    def event(name, start, end, parent=None):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span, cpu_parent=parent)
+
+    forward = event("hfsdp.forward", 100, 600_100)
+    hook = event("FSDP::pre_forward (0)", 200, 100_200, forward)
+    events = [event(STEP_MARK, 0, 0), forward, hook, event("FSDP::all_gather (0)", 300, 50_300, hook),
+              event("hfsdp.backward", 600_200, 900_200), event("gloo:all_gather", 250, 80_250),
+              event("gloo:all_reduce", 50_000, 100_000), event("hfsdp.optimizer", 900_300, 950_300),
+              event(STEP_MARK, 1_000_000, 1_000_000), event("hfsdp.forward", 1_000_100, 1_500_100),
+              event(STEP_MARK, 2_000_000, 2_000_000), event("hfsdp.forward", 2_100_000, 2_200_000)]
+    parts = split(events, [1.0, 1.0])
+    assert parts["forward"] == [0.5, 0.5] and parts["fsdp_hooks"] == [0.1, 0.0]
+    assert parts["backward"] == [0.3, 0.0] and parts["optimizer"] == [0.05, 0.0] and parts["clip"] == [0.0, 0.0]
+    assert parts["collectives"] == [0.09975, 0.0]  # 250..100,000 us
+    assert parts["other"] == pytest.approx([0.05, 0.5])
+
+
+def test_bench_profile_is_refused_on_gpus_before_any_run(tmp_path, monkeypatch):
+    from hfsdp.tools import bench
+
+    monkeypatch.setattr(bench, "_cuda_devices", lambda: 1)
+    with pytest.raises(ValueError, match="--profile splits CPU steps"):
+        bench.bench(bench.BenchOptions(config="tiny", strategies=["FULL_SHARD"], nprocs=[1], steps=2,
+                                       out=tmp_path, overrides=[], profile=True))
+    assert not (tmp_path / "runs").exists()
 
 
 def test_bench_table_is_narrow_unless_wide():

@@ -12,7 +12,13 @@ Enabled by ``hfsdp bench`` (``plugins: [bench_probe]``); harmless but pointless 
   steps (the kernel's high-water mark, reset when training starts; a sampling thread where that reset is not
   allowed);
 * the wall time of every loop iteration (one step-end hook to the next, so all of hfsdp's per-step work counts)
-  and the tokens of each step.
+  and the tokens of each step;
+* with ``bench_probe.profile: true`` (``hfsdp bench --profile``; CPU runs), where each iteration's time went, from a
+  torch.profiler trace of the steps (:func:`split`): forward, backward, gradient clipping and the optimizer step
+  (``hfsdp.run.step.phase`` labels them), FSDP's own hooks inside them (the all-gathers and reduce-scatters waited
+  for, their copies in and out), the rest of the iteration, and apart from that sum the time a collective was in
+  flight on the communication threads (concurrent with the phases where FSDP overlaps it). The profiler's own
+  overhead slows the profiled steps.
 """
 
 from __future__ import annotations
@@ -25,9 +31,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from hfsdp import hookimpl
+from hfsdp.config.schema import Section
 
 _state: dict[str, Any] = {}
+# The zero-length trace event the probe records at the start of training and at every step end: the steps' bounds.
+STEP_MARK = "bench_probe.step_end"
+# The split of an iteration (seconds each), in order; its parts but "collectives" add up to the iteration.
+SPLIT = ("forward", "backward", "fsdp_hooks", "clip", "optimizer", "other", "collectives")
+# Trace events of FSDP's hooks (FSDP2: "FSDP::pre_forward (3)", ...; FSDP1: "FullyShardedDataParallel._pre_forward")
+# and of collectives in flight (the communication threads' events: "gloo:all_gather", "nccl:all_reduce", ...).
+FSDP_EVENTS = ("FSDP::", "FullyShardedDataParallel.")
+COLLECTIVE_EVENTS = ("gloo:", "nccl:")
+
+
+class BenchProbeSection(Section):
+    profile: bool = Field(False, description="split every step with torch.profiler (hfsdp bench --profile; CPU "
+                                             "runs): forward, backward, FSDP hooks, clipping, optimizer, the rest, "
+                                             "and collectives in flight.")
+
+
+@hookimpl
+def hfsdp_config_section():
+    return "bench_probe", BenchProbeSection
 
 
 def _rss() -> int:
@@ -159,11 +187,27 @@ def hfsdp_on_train_start(run):
         if not _state["hwm_reset"]:
             _state["sampler"] = _Sampler()
             _state["sampler"].start()
+    if run.config.section("bench_probe").profile:
+        if cuda:
+            raise RuntimeError("bench_probe.profile splits CPU steps: on CUDA the host times its phases would "
+                               "measure are kernel launches, not the kernels (not built)")
+        _state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        _state["profiler"].__enter__()
+        _mark()
     _state["t_last"] = time.perf_counter()
+
+
+def _mark() -> None:
+    import torch
+
+    with torch.profiler.record_function(STEP_MARK):
+        pass
 
 
 @hookimpl
 def hfsdp_on_step_end(run, step, metrics):
+    if "profiler" in _state:
+        _mark()
     now = time.perf_counter()
     _state["steps"].append(step)
     _state["step_times_s"].append(now - _state["t_last"])
@@ -188,7 +232,61 @@ def hfsdp_on_train_end(run):
     _write(run)
 
 
+def split(events, iterations: list[float]) -> dict[str, list[float]]:
+    """Each iteration's time (``iterations``, seconds, from step end to step end) by part (:data:`SPLIT`), from the
+    profiler's ``events`` (``torch.autograd.profiler_util.FunctionEvent``; the :data:`STEP_MARK` events bound the
+    iterations): the ``hfsdp.<phase>`` spans less the FSDP hooks inside them, those hooks (outermost ones only),
+    ``other`` the rest of the iteration, and ``collectives`` the union of the intervals in which a collective was in
+    flight, which overlaps the others."""
+    import bisect
+
+    from hfsdp.run.step import PHASES
+
+    marks = sorted(e.time_range.start for e in events if e.name == STEP_MARK)
+    n = min(len(marks) - 1, len(iterations))
+    us = {part: [0.0] * n for part in SPLIT}
+    flights: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    labels = {f"hfsdp.{p}": p for p in PHASES}
+
+    def window(e) -> int | None:
+        i = bisect.bisect_right(marks, e.time_range.start) - 1
+        return i if 0 <= i < n else None
+
+    for e in events:
+        i = window(e)
+        if i is None:
+            continue
+        if e.name in labels:
+            us[labels[e.name]][i] += e.time_range.elapsed_us()
+        elif e.name.startswith(COLLECTIVE_EVENTS):
+            flights[i].append((e.time_range.start, min(e.time_range.end, marks[i + 1])))
+        elif e.name.startswith(FSDP_EVENTS):
+            parents, parent = [], e.cpu_parent
+            while parent is not None:
+                parents.append(parent.name)
+                parent = parent.cpu_parent
+            if any(name.startswith(FSDP_EVENTS) for name in parents):
+                continue  # inside an outer FSDP hook, counted there
+            us["fsdp_hooks"][i] += e.time_range.elapsed_us()
+            phase = next((labels[name] for name in parents if name in labels), None)
+            if phase is not None:
+                us[phase][i] -= e.time_range.elapsed_us()
+    for i, spans in enumerate(flights):
+        end = float("-inf")
+        for start, stop in sorted(spans):
+            us["collectives"][i] += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+    out = {part: [x / 1e6 for x in us[part]] for part in SPLIT}
+    out["other"] = [iterations[i] - sum(out[p][i] for p in SPLIT if p not in ("other", "collectives"))
+                    for i in range(n)]
+    return out
+
+
 def _write(run) -> None:
+    profiler = _state.pop("profiler", None)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        _state["profile_s"] = split(profiler.events(), _state["step_times_s"])
     # mem_peak_steps was read at the last step end, so a final eval or export does not count.
     record = {k: v for k, v in _state.items() if k not in ("hooks", "sampler", "t_last")}
     record.setdefault("mem_peak_steps", _peak())

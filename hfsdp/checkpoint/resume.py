@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 # Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
-    "train.export_final", "train.loss_plot", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips", "train.output_dir",
+    "train.export_final", "train.loss_plot", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips",
+    "train.output_dir",
     "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "train.save_timeout_s",
     "generation_eval",
     "fsdp.single_process",  # how one process runs the same steps; RunSetup keeps FSDP to resume an FSDP checkpoint

@@ -18,6 +18,15 @@ from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
 
 
+# A step's phases, each labelled in torch.profiler traces as "hfsdp.<phase>" (``hfsdp bench --profile`` splits a
+# step by them; a label costs about a microsecond when no profiler runs).
+PHASES = ("forward", "backward", "clip", "optimizer")
+
+
+def phase(name: str):
+    return torch.profiler.record_function(f"hfsdp.{name}")
+
+
 class NonFiniteLoss(UserError):
     exit_code = 3
 
@@ -44,27 +53,31 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     run.objective.start_step(accelerator, micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
-        part = run.objective(model, batch)
-        loss = part * run.world.dp_size / max(global_labels, 1)
-        accelerator.backward(scaler.scale(loss) if scaler else loss)
+        with phase("forward"):
+            part = run.objective(model, batch)
+            loss = part * run.world.dp_size / max(global_labels, 1)
+        with phase("backward"):
+            accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
     (total_loss,) = all_sum(accelerator, [float(loss_sum) / tp])
     step_loss = total_loss / max(global_labels, 1)
-    if scaler:
-        scaler.unscale_(optimizer)
-    # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
+    with phase("clip"):
+        if scaler:
+            scaler.unscale_(optimizer)
+        # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):
         finite = True  # fp16 overflow: the scaler skips the step and lowers its scale
     if finite:
         run.state.consecutive_skips = 0
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        with phase("optimizer"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if not finite:
         skip_nonfinite(run, f"non-finite loss/grad norm at step {run.state.step + 1} (loss {step_loss}, "

@@ -11,7 +11,8 @@ strategy: those strategies are run once at one process, as the row ``none (1 pro
 "÷ 1 proc" ratios. With ``--set fsdp.single_process=fsdp`` every strategy runs as a one-rank FSDP.
 
 Outputs in ``--out``: ``bench.md``, ``bench.csv``, ``bench.json`` and ``bench.png`` (memory per rank and tokens/s
-per strategy), plus ``runs/<strategy>-np<N>/`` with each run's logs and probe files.
+per strategy), plus ``runs/<strategy>-np<N>/`` with each run's logs and probe files. ``--profile`` (CPU) adds where
+each rank's step went (``bench_probe.split``: medians over the timed steps) to all four.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class BenchOptions:
     warmup: int = 1
     timeout: float = 1800
     wide: bool = False
+    profile: bool = False
 
 
 def _probe_plugin() -> str:
@@ -137,6 +139,7 @@ def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], e
         f"plugins=[{', '.join(plugins)}]",
         "train.export_final=false", "train.save_every=null", "train.eval_at_start=false", "train.eval_every=null",
         "train.report_to=none", "train.loss_plot=false", "generation_eval=null",
+        *(["bench_probe.profile=true"] if opts.profile else []),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "-m", "hfsdp", "train", *( [opts.config] if opts.config else [] ),
@@ -204,6 +207,9 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "step_times_s": per_step,
         "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": statistics.median(tokens) / step_time if step_time > 0 else 0.0,
+        # --profile: each rank's median split of its timed steps (seconds per part)
+        "profile_s": [{part: statistics.median(values[warmup:] or values) for part, values in r["profile_s"].items()}
+                      for r in ranks] if "profile_s" in r0 else None,
     }
 
 
@@ -263,6 +269,20 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
             writer.writerow(["" if row.get(k) is None else row.get(k) for k, _, _ in COLUMNS])
 
 
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """--profile: where each rank's median step went, one line per run and rank (Markdown)."""
+    from hfsdp.builtin.bench_probe import SPLIT
+
+    lines = ["| strategy | ranks | rank | step s | " + " | ".join(f"{p} s" for p in SPLIT) + " |",
+             "|" + "---|" * (4 + len(SPLIT))]
+    for row in rows:
+        for rank, parts in enumerate(row["profile_s"] or []):
+            lines.append(f"| {row['strategy']} | {row['world_size']} | {rank} | "
+                         f"{sum(parts[p] for p in SPLIT if p != 'collectives'):.3f} | "
+                         + " | ".join(f"{parts[p]:.3f}" for p in SPLIT) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """bench.png; PlotUnavailable without matplotlib."""
     from hfsdp.tools.plots import pyplot
@@ -270,7 +290,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot(str(path))
     labels = [f"{r['strategy']}\n{r['world_size']} proc" for r in rows]
     mem_kind = "GPU max allocated" if rows and rows[0]["memory_kind"] == "cuda_allocated" else "peak RSS"
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 2), 4.5))
+    profiled = [(f"{r['strategy']}\n{r['world_size']} proc, rank {rank}", parts) for r in rows
+                for rank, parts in enumerate(r["profile_s"] or [])]
+    fig, axes = plt.subplots(1, 3 if profiled else 2, figsize=(max(8, 1.6 * len(rows) + 2) + 5 * bool(profiled), 4.5))
+    if profiled:
+        _plot_split(axes[2], profiled)
     x = range(len(rows))
     axes[0].bar([i - 0.2 for i in x], [r["state_mib"] for r in rows], width=0.4, label="params+grads+optim")
     axes[0].bar([i + 0.2 for i in x], [r["mem_peak_mib"] for r in rows], width=0.4, label=f"{mem_kind} (steps)")
@@ -280,13 +304,32 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[1].bar(list(x), [r["tokens_per_s"] for r in rows], color="tab:green")
     axes[1].set_ylabel("tokens/s (all ranks)")
     axes[1].set_title("throughput")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, fontsize=8)
     fig.suptitle(f"{rows[0]['model']} ({rows[0]['parameters_m']:.1f}M params, {rows[0]['device']})" if rows else "")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_split(ax, profiled: list[tuple[str, dict[str, float]]]) -> None:
+    """Stacked bars of each rank's median step by part; collectives in flight (overlapping the parts) as a line."""
+    from hfsdp.builtin.bench_probe import SPLIT
+
+    x = list(range(len(profiled)))
+    bottom = [0.0] * len(profiled)
+    for part in [p for p in SPLIT if p != "collectives"]:
+        heights = [parts[part] for _, parts in profiled]
+        ax.bar(x, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.scatter(x, [parts["collectives"] for _, parts in profiled], marker="_", s=600, color="black",
+               label="collectives in flight", zorder=3)
+    ax.set_xticks(x)
+    ax.set_xticklabels([label for label, _ in profiled], fontsize=7)
+    ax.set_ylabel("s per step (median, profiled)")
+    ax.set_title("where a step goes")
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
@@ -299,6 +342,9 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     if probe not in plugins:
         plugins.append(probe)
     gpus = _cuda_devices()
+    if gpus and opts.profile:
+        raise ValueError("--profile splits CPU steps; on GPUs the host-side times it reads would be kernel launches, "
+                         "not kernels (not built yet): run without --profile, or on CPU (CUDA_VISIBLE_DEVICES=)")
     if gpus and max(opts.nprocs) > gpus:
         raise ValueError(f"--nproc {max(opts.nprocs)} needs that many GPUs; {gpus} visible")
     env = dict(os.environ)
@@ -341,6 +387,9 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     except PlotUnavailable as missing:
         echo(f"bench: {missing}")
     echo(text_table(rows, opts.wide))
+    if opts.profile:
+        echo("where each rank's step went (median of the timed steps, profiled; collectives in flight overlap the "
+             "other parts):\n" + profile_table(rows))
     echo(f"bench: wrote {opts.out}/{', '.join(written)}")
     return rows
 
@@ -359,7 +408,13 @@ def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) 
     return (f"# hfsdp bench\n\nconfig `{opts.config or 'default'}`, {opts.steps} steps (first {opts.warmup} not "
             f"timed), {device}. Bytes are counted from live tensors (DTensor local shards, FSDP1 flat-parameter "
             f"views, plain tensors); per-rank figures are the largest rank's; {mem}.{one} Every figure is in "
-            f"bench.csv and bench.json.\n\n" + markdown_table(rows, opts.wide))
+            f"bench.csv and bench.json.\n\n" + markdown_table(rows, opts.wide)
+            + ("\n\n## Where a step goes (--profile)\n\nEach rank's median over the timed steps, from a torch.profiler "
+               "trace (the profiled steps run slower than the table's): hfsdp's phases less FSDP's hooks inside "
+               "them, those hooks (collectives waited for, their copies), `other` the rest of the iteration; the "
+               "parts but `collectives` add up to the step. `collectives` is the time a collective was in flight "
+               "on the communication threads, concurrent with the other parts where FSDP overlaps it.\n\n"
+               + profile_table(rows) if opts.profile else ""))
 
 
 def parse_list(text: str, kind=str) -> list:
