@@ -13,19 +13,27 @@ the collated micro-batch shapes), the sum of, each timed alone with torch at its
 * one fused AdamW step over tensors of the model's parameter shapes (a tied weight once).
 
 Norms, activations, the embedding lookup, the cross entropy's softmax and everything else count zero, so a tool's
-step time divided by this is how far it is from the arithmetic alone. One process only (the floor of N ranks would
-add their collectives at gloo's bandwidth: not measured here).
+step time divided by this is how far it is from the arithmetic alone.
+
+On N ranks (``torchrun --nproc-per-node N``, gloo; ``peers.py --nproc N --tools hfsdp,floor``) each rank times its
+own rows of the step (``BatchPlan`` for N ranks) and AdamW over its 1/N shard of every parameter, and all ranks
+time together, at each FSDP unit's size (every decoder layer, and the root: the rest of the model) and in the
+compute dtype, the collectives the config's ``fsdp.sharding_strategy`` makes per step: FULL_SHARD and HYBRID_SHARD
+an all-gather per unit in forward and again in backward (the root's once: it is not resharded after forward) and a
+reduce-scatter per unit; SHARD_GRAD_OP one all-gather and one reduce-scatter per unit; NO_SHARD an all-reduce per
+unit. A step's floor is the slowest rank's compute plus those collectives, nothing overlapped.
 
     python benchmarks/floor.py benchmarks/peers.yaml --steps 10 --json out.json   # or: peers.py --tools hfsdp,floor
 
-Writes ``step_times_s`` (the floor of each step), ``tokens`` (its real tokens, as the bare loop counts them) and
-``parts_s`` (each part's share, median step) to ``--json``; prints the parts.
+Writes ``step_times_s`` (the floor of each step), ``tokens`` (its real tokens on all ranks, as the bare loop counts
+them) and ``parts_s`` (each part's share, median step; ``collectives`` on N ranks) to ``--json``; prints the parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -84,6 +92,27 @@ class Timer:
             self.seen[key] = best_of(step, self.repeats)
         return self.seen[key]
 
+    def collectives(self, units: list[int], strategy: str, world: int) -> float:
+        """The step's collectives of ``strategy`` on ``world`` gloo ranks, one per FSDP unit of ``units`` elements
+        (the last one the root), each timed alone by every rank together (the slowest rank's best)."""
+        torch, dist = self.torch, self.torch.distributed
+        total = 0.0
+        for i, numel in enumerate(units):
+            shard = -(-numel // world)
+            local, full = self._randn(shard), self._randn(shard * world)
+            gather = lambda: dist.all_gather_into_tensor(full, local)  # noqa: E731
+            scatter = lambda: dist.reduce_scatter_tensor(local, full)  # noqa: E731
+            reduce = lambda: dist.all_reduce(full)  # noqa: E731
+            root = i == len(units) - 1
+            ops = {"FULL_SHARD": [gather] * (1 if root else 2) + [scatter], "HYBRID_SHARD": [gather] * (1 if root else 2)
+                   + [scatter], "SHARD_GRAD_OP": [gather, scatter], "NO_SHARD": [reduce]}[strategy]
+            for op in ops:
+                dist.barrier()
+                best = torch.tensor(best_of(op, self.repeats), dtype=torch.float64)
+                dist.all_reduce(best, op=dist.ReduceOp.MAX)
+                total += float(best)
+        return total
+
     def adamw(self, shapes: list[tuple[int, ...]], lr: float) -> float:
         """One fused AdamW step over float32 parameters of ``shapes`` (their gradients given, states made)."""
         torch = self.torch
@@ -94,8 +123,9 @@ class Timer:
         return best_of(optimizer.step, self.repeats)
 
 
-def model_shapes(model) -> dict:
-    """The decoder layers' Linears (in, out) and attention sizes, the head's, and every parameter's shape."""
+def model_shapes(model, unit_classes: list[str]) -> dict:
+    """The decoder layers' Linears (in, out) and attention sizes, the head's, every parameter's shape, and the
+    elements of each FSDP unit (the modules of ``unit_classes``, then the root: every other parameter)."""
     import torch
 
     layers = model.get_decoder().layers
@@ -109,9 +139,11 @@ def model_shapes(model) -> dict:
         if id(p) not in seen:
             seen.add(id(p))
             params.append(tuple(p.shape))
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in unit_classes]
+    units.append(sum(math.prod(s) for s in params) - sum(units))
     return {"linears": linears, "layers": len(layers), "heads": cfg.num_attention_heads,
             "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads), "head_dim": head_dim,
-            "head": (head.in_features, head.out_features), "params": params}
+            "head": (head.in_features, head.out_features), "params": params, "units": units}
 
 
 def main() -> None:
@@ -135,25 +167,33 @@ def main() -> None:
 
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
     if world.size > 1:
-        raise SystemExit("floor.py: one process only (the floor of N ranks would add their collectives)")
+        if torch.cuda.is_available():
+            raise SystemExit("floor.py on N ranks times gloo collectives: CPU only")
+        torch.distributed.init_process_group("gloo")
+    rank = world.rank
     cfg, host = load_config(args.config, args.overrides)
     path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
     model_config = models.load_model_config(path, cfg.model)
-    shapes = model_shapes(models.meta_model(model_config))
+    shapes = model_shapes(models.meta_model(model_config), models.layer_classes(cfg.fsdp, model_config))
     tokenizer = models.load_tokenizer(path, cfg.model)
     train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
     t = cfg.train
-    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, t.gradient_accumulation_steps, t.seed)
+    plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, world.size, t.gradient_accumulation_steps,
+                             t.seed)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.fsdp.mixed_precision, torch.float32)
     timer = Timer(dtype, args.repeats)
     torch.manual_seed(0)
-    optimizer_s = timer.adamw(shapes["params"], t.learning_rate)
+    # each rank's shard of every parameter (dim 0 split N ways, as FSDP2 shards it)
+    optimizer_s = timer.adamw([(-(-s[0] // world.size), *s[1:]) for s in shapes["params"]], t.learning_rate)
+    collective_s = (timer.collectives(shapes["units"], cfg.fsdp.sharding_strategy, world.size)
+                    if world.size > 1 else 0.0)
     step_times, tokens, parts = [], [], []
     for step in range(args.steps):
         layers = head = attention = 0.0
-        step_tokens = 0
+        step_tokens = sum(len(train_set[i]["input_ids"]) for r in range(world.size)
+                          for micro in range(t.gradient_accumulation_steps) for i in plan.rows(step, micro, r))
         for micro in range(t.gradient_accumulation_steps):
-            rows = [train_set[i] for i in plan.rows(step, micro, 0)]
+            rows = [train_set[i] for i in plan.rows(step, micro, rank)]
             batch = batches.collate(rows, tokenizer.pad_token_id)
             rows_n, seq = batch["input_ids"].shape
             labelled = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -161,17 +201,29 @@ def main() -> None:
             head += timer.linear(labelled, *shapes["head"])
             attention += shapes["layers"] * timer.attention(rows_n, seq, shapes["heads"], shapes["kv_heads"],
                                                             shapes["head_dim"])
-            step_tokens += sum(len(r["input_ids"]) for r in rows)
-        parts.append({"layer_gemms": layers, "head_gemms": head, "attention": attention, "optimizer": optimizer_s})
-        step_times.append(layers + head + attention + optimizer_s)
+        parts.append({"layer_gemms": layers, "head_gemms": head, "attention": attention, "optimizer": optimizer_s}
+                     | ({"collectives": collective_s} if world.size > 1 else {}))
+        step_times.append(sum(parts[-1].values()))
         tokens.append(step_tokens)
-    median = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"step_times_s": step_times, "tokens": tokens, "parts_s": median,
-                                     "dtype": str(dtype), "repeats": args.repeats}))
-    total = statistics.median(step_times)
-    print(f"floor of a step (median of {args.steps}): {total:.3f} s, "
-          + ", ".join(f"{k} {v:.3f} s ({v / total:.0%})" for k, v in median.items()))
+    if world.size > 1:  # the slowest rank's floor of each step, and that rank's parts
+        times = torch.tensor(step_times, dtype=torch.float64)
+        everyone = [torch.zeros_like(times) for _ in range(world.size)]
+        torch.distributed.all_gather(everyone, times)
+        slowest = [max(range(world.size), key=lambda r: float(everyone[r][i])) for i in range(args.steps)]
+        all_parts = [None] * world.size
+        torch.distributed.all_gather_object(all_parts, parts)
+        parts = [all_parts[slowest[i]][i] for i in range(args.steps)]
+        step_times = [float(everyone[slowest[i]][i]) for i in range(args.steps)]
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        median = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"step_times_s": step_times, "tokens": tokens, "parts_s": median,
+                                         "dtype": str(dtype), "repeats": args.repeats, "world_size": world.size,
+                                         "strategy": cfg.fsdp.sharding_strategy}))
+        total = statistics.median(step_times)
+        print(f"floor of a step on {world.size} rank(s) (median of {args.steps}): {total:.3f} s, "
+              + ", ".join(f"{k} {v:.3f} s ({v / total:.0%})" for k, v in median.items()))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ AdamW, LR schedule and gradient clipping, fp32. ``--nproc 2``: ``hfsdp train`` a
 jobs under the config's FSDP strategy (TRL is left out: it has no CPU FSDP path). ``--tools hfsdp-compiled,...``
 adds hfsdp with ``train.compile: true`` (its first step, the compile, is printed apart and not timed with
 ``--warmup`` >= 1). ``hfsdp-lora`` and ``trl-lora`` train LoRA adapters instead (hfsdp's ``lora`` plugin; TRL with
-peft, the same ``LoraConfig``). ``floor`` (one process) is this machine's floor for the same steps (``benchmarks/floor.py``: the
-step's GEMMs, attention and AdamW step, each timed alone), so ``hfsdp ÷ floor`` is how close hfsdp runs to it.
+peft, the same ``LoraConfig``). ``floor`` is this machine's floor for the same steps (``benchmarks/floor.py``: the
+step's GEMMs, attention and AdamW step, each timed alone; on N ranks the slowest rank's, plus the strategy's
+collectives timed alone), so ``hfsdp ÷ floor`` is how close hfsdp runs to it.
 
 Each round runs every tool once, in a rotated order (so that a slow spell of a shared machine does not always hit the
 same tool). A tool's figure for a round is its median step time over the steps after ``--warmup`` (one step end to
@@ -133,9 +134,9 @@ def main() -> None:
     unknown = [t for t in tools if t not in HFSDP_TOOLS and t not in SCRIPTS]
     if unknown:
         raise SystemExit(f"unknown --tools {','.join(unknown)}: choose from {','.join([*HFSDP_TOOLS, *SCRIPTS])}")
-    if a.nproc > 1 and {"trl", "trl-lora", "floor"} & set(tools):
-        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop only (drop trl, trl-lora and floor from "
-                         "--tools)")
+    if a.nproc > 1 and {"trl", "trl-lora"} & set(tools):
+        raise SystemExit("--nproc > 1 compares hfsdp with the bare FSDP loop and the floor only (TRL has no CPU FSDP "
+                         "path: drop trl and trl-lora from --tools)")
     if {"trl", "trl-lora"} & set(tools):
         try:
             import trl  # noqa: F401
