@@ -97,6 +97,15 @@ def _raw_config(config: str | None, overrides: list[str]) -> dict[str, Any]:
     return apply_overrides(read_config(resolve_config_path(config)), overrides)
 
 
+def quiet_run(raw: dict[str, Any]) -> list[str]:
+    """The overrides that leave only the steps in a bench run of the config ``raw``: no export, checkpoints, eval,
+    trackers, loss plot or generations. A config with the deprecated ``train.tensorboard`` key gets it set false
+    (setting ``train.report_to`` beside it would be refused: the key it replaced)."""
+    trackers = "train.tensorboard=false" if "tensorboard" in (raw.get("train") or {}) else "train.report_to=none"
+    return ["train.export_final=false", "train.save_every=null", "train.eval_at_start=false", "train.eval_every=null",
+            trackers, "train.loss_plot=false", "generation_eval=null"]
+
+
 def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
     """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
     from hfsdp.config.schema import FSDPConfig
@@ -137,8 +146,7 @@ def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], e
         f"train.max_steps={opts.steps}",
         f"fsdp.sharding_strategy={strategy}",
         f"plugins=[{', '.join(plugins)}]",
-        "train.export_final=false", "train.save_every=null", "train.eval_at_start=false", "train.eval_every=null",
-        "train.report_to=none", "train.loss_plot=false", "generation_eval=null",
+        *quiet_run(_raw_config(opts.config, opts.overrides)),
         *(["bench_probe.profile=true"] if opts.profile else []),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
