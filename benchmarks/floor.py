@@ -103,9 +103,11 @@ class Timer:
             gather = lambda: dist.all_gather_into_tensor(full, local)  # noqa: E731
             scatter = lambda: dist.reduce_scatter_tensor(local, full)  # noqa: E731
             reduce = lambda: dist.all_reduce(full)  # noqa: E731
-            root = i == len(units) - 1
-            ops = {"FULL_SHARD": [gather] * (1 if root else 2) + [scatter], "HYBRID_SHARD": [gather] * (1 if root else 2)
-                   + [scatter], "SHARD_GRAD_OP": [gather, scatter], "NO_SHARD": [reduce]}[strategy]
+            if strategy == "NO_SHARD":
+                ops = [reduce]
+            else:  # resharded after forward (FULL_SHARD, HYBRID_SHARD; never the root): gathered again in backward
+                regather = strategy != "SHARD_GRAD_OP" and i < len(units) - 1
+                ops = [gather] * (2 if regather else 1) + [scatter]
             for op in ops:
                 dist.barrier()
                 best = torch.tensor(best_of(op, self.repeats), dtype=torch.float64)

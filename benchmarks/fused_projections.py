@@ -17,17 +17,11 @@ Prints each pair's times, the fused ÷ separate ratio and what the model's layer
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import best_of  # noqa: E402
 
 
 def pair(tokens: int, fan_in: int, outs: list[int], repeats: int) -> tuple[float, float]:

@@ -125,7 +125,7 @@ def main() -> None:
         from hfsdp.builtin import lora
 
         section = cfg.section("lora")
-        peft = lora.peft_config(section, section.target_modules or lora.default_target_modules(model, cfg.fsdp))
+        peft = lora.peft_config(section, lora.resolved_targets(model, cfg, section))
     with tempfile.TemporaryDirectory() as out:
         sft = SFTConfig(**training_args(t, out, args.steps) | {"logging_steps": t.log_every}, max_length=None,
                         packing=False)

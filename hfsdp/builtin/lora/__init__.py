@@ -94,6 +94,11 @@ def default_target_modules(model, fsdp) -> list[str]:
     return sorted(names)
 
 
+def resolved_targets(model, config, section: LoraSection) -> list[str]:
+    """The modules LoRA adapts in ``model``: ``lora.target_modules``, or :func:`default_target_modules`."""
+    return section.target_modules or default_target_modules(model, config.fsdp)
+
+
 def peft_config(section: LoraSection, target_modules: list[str]):
     from peft import LoraConfig
 
@@ -123,7 +128,7 @@ def adapted(model, config, section: LoraSection):
     unit has one parameter dtype."""
     from peft import get_peft_model
 
-    targets = section.target_modules or default_target_modules(model, config.fsdp)
+    targets = resolved_targets(model, config, section)
     _check_tied(model, targets, section.modules_to_save)
     try:
         return get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
