@@ -72,6 +72,20 @@ def test_bench_one_process_runs_each_strategy_as_fsdp_when_asked(tmp_path, tiny_
     assert [(r["strategy"], r["runs_as"]) for r in rows] == [("FULL_SHARD", "FSDP"), ("none (1 process)", "NO")]
 
 
+def test_bench_profile_splits_fsdp1_steps_with_accumulation_and_lora(tmp_path, tiny_model_dir):
+    """--profile under FSDP1 (its hooks are named FullyShardedDataParallel.*), two micro-batches a step (the
+    phases summed over them) and LoRA adapters: FSDP's hooks and collectives found on both ranks."""
+    out = tmp_path / "bench"
+    run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "2", "--steps", "2", "--profile", "--out", str(out),
+            "--set", "model.name_or_path=smollm2-tiny", "--set", "data.max_seq_len=64", "--set", "fsdp.version=1",
+            "--set", "train.gradient_accumulation_steps=2", "--set", "plugins=[lora]", timeout=600)
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["fsdp_version"] == 1 and len(row["profile_s"]) == 2
+    for parts in row["profile_s"]:
+        assert all(parts[p] > 0 for p in ("forward", "backward", "fsdp_hooks", "clip", "optimizer", "collectives"))
+        assert parts["other"] > -0.01 * row["step_time_s"], parts
+
+
 def test_profile_split_subtracts_fsdp_hooks_from_their_phase_and_unites_collectives_in_flight():
     """bench_probe.split on a trace of two iterations: a hook nested in another counts once, inside the phase
     that holds it; overlapping collectives on two threads count their union; events outside the iterations none."""
