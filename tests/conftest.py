@@ -6,18 +6,23 @@ the GGUF conversion happens once per machine.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import json
 import os
 import shutil
-import tempfile
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from fork_server import ForkServers
 from hfsdp.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,9 +64,9 @@ def tiny_config(tmp_path: Path, **sections: Any) -> Path:
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m hfsdp ARGS`` in a fresh process (the real CLI)."""
-    proc = subprocess.run([sys.executable, "-m", "hfsdp", *args], cwd=cwd, env=env or base_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """``python -m hfsdp ARGS`` (the real CLI): forked from a server that imported the heavy libraries once
+    (tests/fork_server.py), or a fresh process where the environment asks for one or HFSDP_TEST_LAUNCH=fresh."""
+    proc = _launch(1, list(args), cwd, env or base_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"hfsdp {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -69,14 +74,79 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
 
 def run_torchrun(nproc: int, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
                  timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node N -m hfsdp ARGS``: N real gloo processes on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "hfsdp", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+    """``torchrun --nproc-per-node N -m hfsdp ARGS``: N real gloo processes on this machine, forked from a server
+    that imported the heavy libraries once with the environment torchrun gives its workers (tests/fork_server.py),
+    or real torchrun where the environment asks for it or HFSDP_TEST_LAUNCH=fresh."""
+    proc = _launch(nproc, list(args), cwd, env or base_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun x{nproc} hfsdp {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def torchrun_command(nproc: int, master_port: int, *args: str, module: str = "hfsdp") -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={master_port}", "-m", module, *args]
+
+
+FORK_SERVERS = ForkServers()
+atexit.register(FORK_SERVERS.close)
+
+
+def _launch(nproc: int, args: list[str], cwd: Path | None, env: dict[str, str], timeout: float,
+            module: str = "hfsdp", fresh: bool = False) -> subprocess.CompletedProcess:
+    """One call of ``module`` on ``nproc`` processes (1: ``python -m``; more: torchrun's workers), on cores of its
+    own (:func:`cores`)."""
+    port = free_port()
+    command = [sys.executable, "-m", module, *args] if nproc == 1 else torchrun_command(nproc, port, *args, module=module)
+    with cores(nproc):
+        done = None
+        if not fresh and os.environ.get("HFSDP_TEST_LAUNCH") != "fresh":
+            done = FORK_SERVERS.run(module, args, cwd or Path.cwd(), env, nproc, timeout, master_port=port)
+        if done is None:
+            return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.CompletedProcess(command, *done)
+
+
+@contextlib.contextmanager
+def cores(n: int):
+    """Hold ``n`` of the machine's cores (all of them at most) for a run, so that the runs of pytest-xdist's workers
+    never share a core: a 2-rank run on 2 cores waits for the other worker's run to end. One lock file a core, in
+    a folder of the test session (outside pytest-xdist: no other worker, nothing to hold)."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if session is None:
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"hfsdp-test-cores-{session}"
+    folder.mkdir(exist_ok=True)
+    total = os.cpu_count() or 1
+    want = min(n, total)
+    files = [open(folder / f"core{i}", "w") for i in range(total)]
+    held: list = []
+    try:
+        if want == total:  # in order, waiting: a smaller run never holds one while it waits for another
+            for f in files:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                held.append(f)
+        else:
+            while len(held) < want:
+                for f in files:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        held.append(f)
+                    except BlockingIOError:
+                        continue
+                    if len(held) == want:
+                        break
+                else:
+                    for f in held:
+                        fcntl.flock(f, fcntl.LOCK_UN)
+                    held.clear()
+                    time.sleep(0.05)
+        yield
+    finally:
+        for f in files:
+            f.close()  # releases its lock
 
 
 def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:

@@ -1,6 +1,6 @@
 """Bad inputs through the real CLI: each gives exit 2, one message that says what is wrong (and where), and no
 traceback. The cases run two at a time in one module fixture, each in a process of its own forked after the heavy
-imports (tests/forked_cli.py); each is then its own test."""
+imports (tests/fork_server.py, behind conftest.run_cli); each is then its own test."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from conftest import PRESET_DATA, base_env, tiny_config
-from forked_cli import ForkedCli
+from conftest import PRESET_DATA, base_env, run_cli, tiny_config
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.config.files import load_config
 from hfsdp.checkpoint.resume import run_fingerprint
@@ -457,21 +455,13 @@ def _with_config(ckpt: Path, case: Path) -> Path:
 
 
 def _run(case: str, shared: dict) -> subprocess.CompletedProcess:
-    """``python -m hfsdp ARGV`` of the case: forked from a process that has the heavy imports done (one per
-    thread: ``shared["cli"]``), or a fresh process where the case's environment changes what start-up reads."""
+    """``python -m hfsdp ARGV`` of the case in its own folder (run_cli: forked from a server that has the heavy
+    imports done, one for each start-up environment, e.g. the cases of :data:`CASE_ENV`)."""
     folder = shared["root"] / case.replace(" ", "_").replace("/", "_").replace(",", "")
     folder.mkdir()
     setup, _ = CASES[case]
     argv = setup(folder, shared)
-    if case in CASE_ENV:
-        proc = subprocess.run([sys.executable, "-m", "hfsdp", *argv], cwd=folder, env=base_env(**CASE_ENV[case]),
-                              capture_output=True, text=True, timeout=300)
-    else:
-        local = shared["cli"]
-        if not hasattr(local, "cli"):
-            local.cli = ForkedCli(base_env(), shared["scratch"])
-            shared["servers"].append(local.cli)
-        proc = local.cli.run(argv, folder, base_env())
+    proc = run_cli(*argv, cwd=folder, env=base_env(**CASE_ENV.get(case, {})), timeout=300, check=False)
     proc.folder = folder
     return proc
 
@@ -486,16 +476,9 @@ def results(tmp_path_factory, tiny_model_dir):
     raw = json.loads(tok_cfg.read_text())
     raw.pop("chat_template", None)
     tok_cfg.write_text(json.dumps(raw))
-    scratch = root / "outputs"
-    scratch.mkdir()
-    shared = {"root": root, "no_template": str(no_template), "model": tiny_model_dir, "scratch": scratch,
-              "cli": threading.local(), "servers": []}
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            return dict(zip(CASES, pool.map(lambda c: _run(c, shared), CASES)))
-    finally:
-        for server in shared["servers"]:
-            server.close()
+    shared = {"root": root, "no_template": str(no_template), "model": tiny_model_dir}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CASES, pool.map(lambda c: _run(c, shared), CASES)))
 
 
 def test_table_is_large_enough():

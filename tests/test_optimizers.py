@@ -7,7 +7,6 @@ shards; the rest through the real CLI on the tiny model, one run per optimizer a
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -76,190 +75,139 @@ def test_hfsdps_muon_is_torchs_muon_for_the_matrices_and_torchs_adamw_for_the_re
         assert torch.equal(a, b), name
 
 
-SHARDED_MUON = textwrap.dedent("""
-    import torch, torch.distributed as dist
+def _mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2,))
+
+
+def _sharded(tensor: torch.Tensor, mesh) -> torch.Tensor:
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(tensor.clone(), mesh, [Shard(0)])
+
+
+def _sharded_muon(rank: int) -> dict[str, float]:
     from hfsdp.run.optimizers import WholeMatrixMuon
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,))
-    torch.manual_seed(0)
+    mesh, seed = _mesh(), torch.Generator().manual_seed(0)
     # 37 rows: uneven shards (19 and 18), as FSDP2 makes of a matrix whose rows do not divide
-    weight, grads = torch.randn(37, 24), [torch.randn(37, 24) for _ in range(3)]
+    weight, grads = torch.randn(37, 24, generator=seed), [torch.randn(37, 24, generator=seed) for _ in range(3)]
     whole = weight.clone().requires_grad_()
     theirs = torch.optim.Muon([whole], lr=1e-2)
-    shard = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+    shard = torch.nn.Parameter(_sharded(weight, mesh))
     ours = WholeMatrixMuon([{"params": [shard], "use_muon": True}], lr=1e-2)
-    naive_shard = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+    naive_shard = torch.nn.Parameter(_sharded(weight, mesh))
     naive = torch.optim.Muon([naive_shard], lr=1e-2)
     for g in grads:
         whole.grad = g.clone()
-        shard.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        naive_shard.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        shard.grad = _sharded(g, mesh)
+        naive_shard.grad = _sharded(g, mesh)
         theirs.step(), ours.step(), naive.step()
-    if dist.get_rank() == 0:
-        print("ours", float((shard.full_tensor() - whole.detach()).abs().max()))
-        print("naive", float((naive_shard.full_tensor() - whole.detach()).abs().max()))
-    else:
-        shard.full_tensor(), naive_shard.full_tensor()
-    dist.destroy_process_group()
-""")
+    return {"ours": float((shard.full_tensor() - whole.detach()).abs().max()),
+            "naive": float((naive_shard.full_tensor() - whole.detach()).abs().max())}
 
 
-@pytest.mark.slow
-def test_muon_on_fsdp2_shards_is_torchs_muon_on_the_whole_matrix_bit_for_bit(tmp_path):
-    """The same gradients in, the same weights out: hfsdp's Muon orthogonalises the gathered matrix on 2 gloo
-    ranks; torch's Muon on the same DTensor shards computes Newton-Schulz distributed, in another order."""
-    import subprocess
-    import sys
+def test_muon_on_fsdp2_shards_is_torchs_muon_on_the_whole_matrix_bit_for_bit():
+    """The same gradients in, the same weights out: hfsdp's Muon orthogonalises the gathered matrix on 2 ranks
+    (threads of a threaded process group); torch's Muon on the same DTensor shards computes Newton-Schulz
+    distributed, in another order."""
+    from threaded_ranks import on_threads
 
-    from conftest import base_env, free_port
-
-    script = tmp_path / "sharded_muon.py"
-    script.write_text(SHARDED_MUON)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)],
-                          env=base_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = dict(line.split() for line in proc.stdout.splitlines() if line.startswith(("ours", "naive")))
-    assert float(diffs["ours"]) == 0.0, diffs
-    assert float(diffs["naive"]) > 0.0, diffs  # what hfsdp's gather is for
+    for diffs in on_threads(2, _sharded_muon):
+        assert diffs["ours"] == 0.0, diffs
+        assert diffs["naive"] > 0.0, diffs  # what hfsdp's gather is for
 
 
-SHARDED_ADAMW_8BIT = textwrap.dedent("""
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from bitsandbytes.optim import AdamW8bit
-from hfsdp.run.optimizers import ShardedAdamW8bit, blocks_follow_shards
+def _sharded_adamw_8bit(rank: int) -> dict:
+    from bitsandbytes.optim import AdamW8bit
 
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,))
-torch.manual_seed(0)
-# 8-bit in the rank's own blocks (64 x 64: 2048 elements a rank), 8-bit gathered (37 x 120: a shard of 19 rows
-# ends inside a block), 32-bit (10 x 10: under bitsandbytes' 4096)
-shapes = [(64, 64), (37, 120), (10, 10)]
-assert [blocks_follow_shards(s, 2) for s in shapes[:2]] == [True, False]
-weights = [torch.randn(s) for s in shapes]
-grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
-whole = [w.clone().requires_grad_() for w in weights]
-theirs = AdamW8bit(whole, lr=1e-2)
-shards = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
-ours = ShardedAdamW8bit(shards, lr=1e-2)
-# bitsandbytes' AdamW8bit on each rank's shard as a plain tensor: the blocks of the shard
-naive = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]).to_local().clone()) for w in weights]
-plain = AdamW8bit(naive, lr=1e-2)
-for gs in grads:
-    for w, s, n, g in zip(whole, shards, naive, gs):
-        w.grad = g.clone()
-        s.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        n.grad = s.grad.to_local().clone()
-    theirs.step(), ours.step(), plain.step()
-diffs = [float((s.full_tensor() - w.detach()).abs().max()) for s, w in zip(shards, whole)]
-naive_full = [distribute_tensor(torch.zeros(w.shape), mesh, [Shard(0)]) for w in whole]
-for nf, n in zip(naive_full, naive):
-    nf.to_local().copy_(n.detach())
-naive_diffs = [float((nf.full_tensor() - w.detach()).abs().max()) for nf, w in zip(naive_full, whole)]
-kinds = [(str(ours.state[s]["state1"].dtype), str(ours.state[s]["state1"].placements)) for s in shards]
-if dist.get_rank() == 0:
-    print("ours", *diffs)
-    print("naive", *naive_diffs)
-    print("kinds", kinds)
-dist.destroy_process_group()
-""")
+    from hfsdp.run.optimizers import ShardedAdamW8bit, blocks_follow_shards
+
+    mesh, seed = _mesh(), torch.Generator().manual_seed(0)
+    # 8-bit in the rank's own blocks (64 x 64: 2048 elements a rank), 8-bit gathered (37 x 120: a shard of 19 rows
+    # ends inside a block), 32-bit (10 x 10: under bitsandbytes' 4096)
+    shapes = [(64, 64), (37, 120), (10, 10)]
+    assert [blocks_follow_shards(s, 2) for s in shapes[:2]] == [True, False]
+    weights = [torch.randn(s, generator=seed) for s in shapes]
+    grads = [[torch.randn(s, generator=seed) for s in shapes] for _ in range(4)]
+    whole = [w.clone().requires_grad_() for w in weights]
+    theirs = AdamW8bit(whole, lr=1e-2)
+    shards = [torch.nn.Parameter(_sharded(w, mesh)) for w in weights]
+    ours = ShardedAdamW8bit(shards, lr=1e-2)
+    # bitsandbytes' AdamW8bit on each rank's shard as a plain tensor: the blocks of the shard
+    naive = [torch.nn.Parameter(_sharded(w, mesh).to_local().clone()) for w in weights]
+    plain = AdamW8bit(naive, lr=1e-2)
+    for gs in grads:
+        for w, s, n, g in zip(whole, shards, naive, gs):
+            w.grad = g.clone()
+            s.grad = _sharded(g, mesh)
+            n.grad = s.grad.to_local().clone()
+        theirs.step(), ours.step(), plain.step()
+    naive_full = [_sharded(torch.zeros(w.shape), mesh) for w in whole]
+    for nf, n in zip(naive_full, naive):
+        nf.to_local().copy_(n.detach())
+    return {"ours": [float((s.full_tensor() - w.detach()).abs().max()) for s, w in zip(shards, whole)],
+            "naive": [float((nf.full_tensor() - w.detach()).abs().max()) for nf, w in zip(naive_full, whole)],
+            "kinds": [(str(ours.state[s]["state1"].dtype), str(ours.state[s]["state1"].placements)) for s in shards]}
 
 
-@pytest.mark.slow
-def test_8bit_adamw_on_fsdp2_shards_is_bitsandbytes_on_the_whole_tensors_bit_for_bit(tmp_path):
-    """The same gradients in, the same weights out, on 2 gloo ranks: a matrix whose shards fall on bitsandbytes'
-    256-element blocks (quantized by each rank in its own blocks), one whose shards do not (gathered), one under
-    4096 elements (32-bit moments, whichever size a shard has). bitsandbytes' AdamW8bit on each rank's shard as a
-    plain tensor differs: other blocks, and a shard under 4096 elements kept in 32 bits."""
-    import subprocess
-    import sys
+def test_8bit_adamw_on_fsdp2_shards_is_bitsandbytes_on_the_whole_tensors_bit_for_bit():
+    """The same gradients in, the same weights out, on 2 ranks (threads): a matrix whose shards fall on
+    bitsandbytes' 256-element blocks (quantized by each rank in its own blocks), one whose shards do not (gathered),
+    one under 4096 elements (32-bit moments, whichever size a shard has). bitsandbytes' AdamW8bit on each rank's
+    shard as a plain tensor differs: other blocks, and a shard under 4096 elements kept in 32 bits."""
+    from threaded_ranks import on_threads
 
-    from conftest import base_env, free_port
-
-    script = tmp_path / "sharded_adamw_8bit.py"
-    script.write_text(SHARDED_ADAMW_8BIT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)],
-                          env=base_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("ours", "naive", "kinds")))
-    assert [float(d) for d in lines["ours"].split()] == [0.0, 0.0, 0.0], lines
-    naive = [float(d) for d in lines["naive"].split()]
-    assert naive[0] > 0 and naive[1] > 0, lines  # what hfsdp's blocks and gathering are for
-    # the rank's own 8-bit blocks, the gathered (replicated) 8-bit moments, 32-bit moments sharded as the parameter
-    assert lines["kinds"] == ("[('torch.uint8', '(Shard(dim=0),)'), ('torch.uint8', '(Replicate(),)'), "
-                              "('torch.float32', '(Shard(dim=0),)')]"), lines
+    for got in on_threads(2, _sharded_adamw_8bit):
+        assert got["ours"] == [0.0, 0.0, 0.0], got
+        assert got["naive"][0] > 0 and got["naive"][1] > 0, got  # what hfsdp's blocks and gathering are for
+        # the rank's own 8-bit blocks, the gathered (replicated) 8-bit moments, 32-bit moments sharded as the parameter
+        assert got["kinds"] == [("torch.uint8", "(Shard(dim=0),)"), ("torch.uint8", "(Replicate(),)"),
+                                ("torch.float32", "(Shard(dim=0),)")], got
 
 
-SHARDED_ADAFACTOR = textwrap.dedent("""
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from hfsdp.run.optimizers import ShardedAdafactor
+def _sharded_adafactor(rank: int) -> dict:
+    from hfsdp.run.optimizers import ShardedAdafactor
 
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,))
-torch.manual_seed(0)
-# a matrix of 37 rows (uneven shards: 19 and 18) and a vector
-shapes = [(37, 24), (37,)]
-weights = [torch.randn(s) for s in shapes]
-grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
-whole = [w.clone().requires_grad_() for w in weights]
-theirs = torch.optim.Adafactor(whole, lr=1e-2, weight_decay=0.1)
-shards = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
-ours = ShardedAdafactor(shards, lr=1e-2, weight_decay=0.1)
-for gs in grads:
-    for w, s, g in zip(whole, shards, gs):
-        w.grad = g.clone()
-        s.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-    theirs.step(), ours.step()
-diffs = [float((s.full_tensor() - w.detach()).abs().max()) for s, w in zip(shards, whole)]
-states = []
-for s, w in zip(shards, whole):
-    for k, v in ours.state[s].items():
-        if k != "step":
-            states.append((k, str(v.placements), float((v.full_tensor() - theirs.state[w][k]).abs().max())))
-naive = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
-try:
-    for n, g in zip(naive, grads[0]):
-        n.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-    torch.optim.Adafactor(naive, lr=1e-2).step()
-    refused = "ran"
-except Exception as err:
-    refused = type(err).__name__
-if dist.get_rank() == 0:
-    print("ours", *diffs)
-    print("states", states)
-    print("torch", refused)
-dist.destroy_process_group()
-""")
+    mesh, seed = _mesh(), torch.Generator().manual_seed(0)
+    # a matrix of 37 rows (uneven shards: 19 and 18) and a vector
+    shapes = [(37, 24), (37,)]
+    weights = [torch.randn(s, generator=seed) for s in shapes]
+    grads = [[torch.randn(s, generator=seed) for s in shapes] for _ in range(4)]
+    whole = [w.clone().requires_grad_() for w in weights]
+    theirs = torch.optim.Adafactor(whole, lr=1e-2, weight_decay=0.1)
+    shards = [torch.nn.Parameter(_sharded(w, mesh)) for w in weights]
+    ours = ShardedAdafactor(shards, lr=1e-2, weight_decay=0.1)
+    for gs in grads:
+        for w, s, g in zip(whole, shards, gs):
+            w.grad = g.clone()
+            s.grad = _sharded(g, mesh)
+        theirs.step(), ours.step()
+    states = [(k, str(v.placements), float((v.full_tensor() - theirs.state[w][k]).abs().max()))
+              for s, w in zip(shards, whole) for k, v in ours.state[s].items() if k != "step"]
+    naive = [torch.nn.Parameter(_sharded(w, mesh)) for w in weights]
+    try:
+        for n, g in zip(naive, grads[0]):
+            n.grad = _sharded(g, mesh)
+        torch.optim.Adafactor(naive, lr=1e-2).step()
+        refused = "ran"
+    except Exception as err:
+        refused = type(err).__name__
+    return {"ours": [float((s.full_tensor() - w.detach()).abs().max()) for s, w in zip(shards, whole)],
+            "states": states, "torch": refused}
 
 
-@pytest.mark.slow
-def test_adafactor_on_fsdp2_shards_is_torchs_adafactor_on_the_whole_tensors_bit_for_bit(tmp_path):
-    """The same gradients in, the same weights and state out, on 2 gloo ranks (a matrix in uneven shards and a
+def test_adafactor_on_fsdp2_shards_is_torchs_adafactor_on_the_whole_tensors_bit_for_bit():
+    """The same gradients in, the same weights and state out, on 2 ranks (threads; a matrix in uneven shards and a
     vector): hfsdp's Adafactor updates the gathered tensors; torch's own refuses FSDP2's DTensors."""
-    import subprocess
-    import sys
+    from threaded_ranks import on_threads
 
-    from conftest import base_env, free_port
-
-    script = tmp_path / "sharded_adafactor.py"
-    script.write_text(SHARDED_ADAFACTOR)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)],
-                          env=base_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("ours", "states", "torch")))
-    assert [float(d) for d in lines["ours"].split()] == [0.0, 0.0], lines
-    assert lines["states"] == ("[('row_var', '(Shard(dim=0),)', 0.0), ('col_var', '(Replicate(),)', 0.0), "
-                               "('variance', '(Shard(dim=0),)', 0.0)]"), lines
-    assert lines["torch"] == "RuntimeError", lines
+    for got in on_threads(2, _sharded_adafactor):
+        assert got["ours"] == [0.0, 0.0], got
+        assert got["states"] == [("row_var", "(Shard(dim=0),)", 0.0), ("col_var", "(Replicate(),)", 0.0),
+                                 ("variance", "(Shard(dim=0),)", 0.0)], got
+        assert got["torch"] == "RuntimeError", got
 
 
 class Runs:
