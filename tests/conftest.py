@@ -1,21 +1,22 @@
-"""Shared test helpers: run the real CLI (one process, or N gloo ranks through torchrun) on the shrunk SmolLM2.
+"""Shared test helpers: run the real CLI (one process, or N gloo ranks as torchrun starts them) on the shrunk SmolLM2.
 
-The built-in models live in one cache for the whole session (HFSDP_CACHE_DIR, default ~/.cache/hfsdp-tests), so
-the GGUF conversion happens once per machine.
+Every call is ``python -m hfsdp`` or a torchrun job, forked from a server that imported the heavy libraries once
+(tests/fork_server.py; ``HFSDP_TEST_LAUNCH=fresh`` makes each a fresh interpreter or real torchrun). Runs that
+several tests read are made once per session (:class:`RunRegistry`). The built-in models live in one cache for the
+whole session (HFSDP_CACHE_DIR, default ~/.cache/hfsdp-tests), so the GGUF conversion happens once per machine.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -94,59 +95,21 @@ atexit.register(FORK_SERVERS.close)
 
 
 def _launch(nproc: int, args: list[str], cwd: Path | None, env: dict[str, str], timeout: float,
-            module: str = "hfsdp", fresh: bool = False) -> subprocess.CompletedProcess:
-    """One call of ``module`` on ``nproc`` processes (1: ``python -m``; more: torchrun's workers), on cores of its
-    own (:func:`cores`)."""
+            module: str = "hfsdp", launcher: str = "auto") -> subprocess.CompletedProcess:
+    """One call of ``module`` on ``nproc`` processes (1: ``python -m``; more: torchrun's workers). ``launcher``:
+    ``fork`` (tests/fork_server.py), ``fresh`` (a new interpreter, or real torchrun), ``auto`` (fork where the
+    environment allows and HFSDP_TEST_LAUNCH is not ``fresh``; an environment's first call fresh).
+    Runs of both pytest-xdist workers may share the cores: holding cores for each run (a 2-rank run waiting for the
+    other worker's run) made the 28 FSDP2 2-rank smoke cells take 74-75 s against 63-65 s without (interleaved)."""
     port = free_port()
     command = [sys.executable, "-m", module, *args] if nproc == 1 else torchrun_command(nproc, port, *args, module=module)
-    with cores(nproc):
-        done = None
-        if not fresh and os.environ.get("HFSDP_TEST_LAUNCH") != "fresh":
-            done = FORK_SERVERS.run(module, args, cwd or Path.cwd(), env, nproc, timeout, master_port=port)
-        if done is None:
-            return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    done = None
+    if launcher == "fork" or (launcher == "auto" and os.environ.get("HFSDP_TEST_LAUNCH") != "fresh"):
+        done = FORK_SERVERS.run(module, args, cwd or Path.cwd(), env, nproc, timeout, master_port=port,
+                                first_fresh=launcher == "auto")
+    if done is None:
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return subprocess.CompletedProcess(command, *done)
-
-
-@contextlib.contextmanager
-def cores(n: int):
-    """Hold ``n`` of the machine's cores (all of them at most) for a run, so that the runs of pytest-xdist's workers
-    never share a core: a 2-rank run on 2 cores waits for the other worker's run to end. One lock file a core, in
-    a folder of the test session (outside pytest-xdist: no other worker, nothing to hold)."""
-    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if session is None:
-        yield
-        return
-    folder = Path(tempfile.gettempdir()) / f"hfsdp-test-cores-{session}"
-    folder.mkdir(exist_ok=True)
-    total = os.cpu_count() or 1
-    want = min(n, total)
-    files = [open(folder / f"core{i}", "w") for i in range(total)]
-    held: list = []
-    try:
-        if want == total:  # in order, waiting: a smaller run never holds one while it waits for another
-            for f in files:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                held.append(f)
-        else:
-            while len(held) < want:
-                for f in files:
-                    try:
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        held.append(f)
-                    except BlockingIOError:
-                        continue
-                    if len(held) == want:
-                        break
-                else:
-                    for f in held:
-                        fcntl.flock(f, fcntl.LOCK_UN)
-                    held.clear()
-                    time.sleep(0.05)
-        yield
-    finally:
-        for f in files:
-            f.close()  # releases its lock
 
 
 def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:
@@ -161,6 +124,57 @@ def fake_checkpoint(folder: Path, tiny_model_dir: Path) -> Path:
     shutil.copy(tiny_config(folder.parent), folder / checkpoint.CONFIG_NAME)
     (folder / checkpoint.RECORD).write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "x"}))
     return folder
+
+
+class RunRegistry:
+    """Training runs made on first use and kept for the session: ``run(key, world, sections, ...)`` -> the run folder
+    and its process, for every test module that asks for the same run.
+
+    One run serves every request of the same world, sections and arguments (a matrix cell that test_multirank also
+    checks, a pair of features that is also an option, trains once). The record of each run is on disk, under a
+    lock, so that the workers of ``pytest -n 2`` (make test) share it: a test that needs a run another worker is
+    making waits for it. A run that failed is kept failed: every test that reads it fails with its error, without
+    running it again. Runs see the test reward functions on PYTHONPATH (GRPO's, :data:`RUN_ENV`); ``key`` names the
+    run's folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def run(self, key: str, world: int, sections: dict, *extra: str, check: bool = True):
+        same = json.dumps([world, sections, extra], sort_keys=True)
+        record = self.root / "records" / f"{hashlib.sha1(same.encode()).hexdigest()[:16]}.json"
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with open(record.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.exists():
+                record.write_text(json.dumps(self._make(key, world, sections, extra, check)))
+        done = json.loads(record.read_text())
+        if "failed" in done:
+            raise AssertionError(f"run {done['key']} failed (once, for every test that reads it): {done['failed']}")
+        return Path(done["run"]), subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"],
+                                                              done["stderr"])
+
+    def _make(self, key: str, world: int, sections: dict, extra: tuple[str, ...], check: bool) -> dict:
+        folder = self.root / key
+        folder.mkdir(parents=True)  # a key names one run: another run under the same key is a test's mistake
+        args = ("train", str(tiny_config(folder, **sections)), *extra)
+        try:
+            proc = (run_cli(*args, check=check, env=RUN_ENV) if world == 1
+                    else run_torchrun(world, *args, check=check, env=RUN_ENV))
+        except (AssertionError, subprocess.TimeoutExpired) as failed:
+            return {"key": key, "failed": str(failed)}
+        return {"key": key, "run": str(folder / "run"), "args": proc.args, "returncode": proc.returncode,
+                "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+RUN_ENV = base_env(PYTHONPATH=str(REPO / "tests" / "reward_plugin"))  # where GRPO's test reward function is
+
+
+@pytest.fixture(scope="session")
+def run_registry(tmp_path_factory) -> RunRegistry:
+    """The session's runs, in one folder for every pytest-xdist worker (the parent of each worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return RunRegistry((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs")
 
 
 class Payload:
@@ -189,39 +203,23 @@ def tiny_model_dir() -> Path:
     return Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
 
 
-@pytest.fixture(scope="session")
-def tiny_untied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The shrunk SmolLM2 with untied input and output embeddings (its own lm_head), randomly initialised with a
-    fixed seed, and the same tokenizer: the untied counterpart of ``tiny_model_dir``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("smollm2-tiny-untied")
-    config = AutoConfig.from_pretrained(str(tiny_model_dir))
-    config.tie_word_embeddings = False
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
-    for f in tiny_model_dir.iterdir():
-        if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
-def tiny_teacher_folder() -> Path:
-    """A second shrunk SmolLM2 (the same config and tokenizer, other random weights: seed 1), built once into the
-    test cache: a teacher for the ``distill`` plugin whose logits differ from the student's."""
+def _tiny_variant(name: str, seed: int, **config_changes) -> Path:
+    """A shrunk SmolLM2 of the tiny model's config with ``config_changes``, randomly initialised from ``seed``, and
+    the same tokenizer, built once into the test cache (the same folder for every test process)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfsdp.model.loading import resolve_model_path
 
-    folder = CACHE_DIR / "smollm2-tiny-teacher-seed1"
+    folder = CACHE_DIR / name
     if not (folder / "model.safetensors").is_file():
         student = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
         tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
-        torch.manual_seed(1)
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(student))).save_pretrained(
-            tmp, safe_serialization=True)
+        config = AutoConfig.from_pretrained(str(student))
+        for key, value in config_changes.items():
+            setattr(config, key, value)
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
         for f in student.iterdir():
             if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
                 shutil.copy(f, tmp / f.name)
@@ -230,6 +228,19 @@ def tiny_teacher_folder() -> Path:
         except OSError:  # built meanwhile by another process
             shutil.rmtree(tmp)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir() -> Path:
+    """The shrunk SmolLM2 with untied input and output embeddings (its own lm_head), randomly initialised with seed
+    0, and the same tokenizer: the untied counterpart of ``tiny_model_dir``."""
+    return _tiny_variant("smollm2-tiny-untied-seed0", 0, tie_word_embeddings=False)
+
+
+def tiny_teacher_folder() -> Path:
+    """A second shrunk SmolLM2 (the same config and tokenizer, other random weights: seed 1), built once into the
+    test cache: a teacher for the ``distill`` plugin whose logits differ from the student's."""
+    return _tiny_variant("smollm2-tiny-teacher-seed1", 1)
 
 
 @pytest.fixture(scope="session")
@@ -253,9 +264,9 @@ def pytest_addoption(parser):
                           "CI's tier of them")
 
 
-# Modules whose runs are shared through the disk (test_combinations.Runs), not a module-scoped fixture: under
+# Modules whose runs are shared through the disk (RunRegistry), not a module-scoped fixture: under
 # pytest-xdist their tests are spread over the workers one by one.
-SHARED_RUNS = ("tests/test_combinations.py", "tests/test_tensor_parallel.py")
+SHARED_RUNS = ("tests/test_combinations.py", "tests/test_tensor_parallel.py", "tests/test_multirank.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -19,7 +19,9 @@ its own, answers ``{"pid": PID}``, then ``{"returncode": N}`` once the job has e
   ``ChildFailedError`` report (its failures, ``exitcode  : N`` each) and exit 1, as torchrun does.
 
 What differs from a fresh process: the imports are done (a library's import-time reading of the environment is
-the server's, hence one server per start-up environment, :func:`startup_env`); a rank shares its job's process
+the server's, hence one server per start-up environment, :func:`startup_env`), and what they made is frozen out of
+the garbage collector's reach (``gc.freeze``: a job's collections, accelerate's ``gc.collect`` at the end of a
+run and the interpreter's at exit, no longer walk half a million objects); a rank shares its job's process
 group (torchrun gives each worker a session of its own), so that a timeout ends the job with one ``killpg``; the
 launcher itself (elastic restarts, rendezvous backends, several nodes, signals sent to the launcher) is torchrun's
 only in the tests that run real torchrun (tests/test_elastic.py, tests/test_multinode.py). The test
@@ -95,11 +97,15 @@ def rank_env(env: Mapping[str, str], local_rank: int, nproc: int, master_addr: s
 
 
 def serve() -> None:
+    import gc
     import importlib
 
     sys.path.pop(0)  # this file's folder: a job puts its own working directory there, as python -m does
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports made lives as long as a job does: out of the collector's reach, so that no job's collections
+    # walk it again (what gc.freeze is for: a server that forks)
+    gc.freeze()
     requests = sys.stdin.buffer.raw  # unbuffered: a forked job inherits no requests read ahead
     while line := requests.readline():
         request = json.loads(line)
@@ -198,8 +204,14 @@ def _agent(request: dict) -> None:
                                      error_file=str(error_dir / "attempt_0" / str(rank) / "error.json"))
                 for rank, (pid, code) in sorted(exits.items()) if code != 0}
     if failures:
-        raise ChildFailedError(name=request["module"], failures=failures)
-    raise SystemExit(0)
+        import traceback
+
+        try:
+            raise ChildFailedError(name=request["module"], failures=failures)
+        except ChildFailedError:
+            traceback.print_exc()  # as torchrun's uncaught error prints it
+    sys.stderr.flush()
+    os._exit(1 if failures else 0)  # the agent's own interpreter teardown (1.4 s of a 2-rank job) is not under test
 
 
 # ---- the client (the tests' side)
@@ -270,22 +282,31 @@ class ForkServer:
 
 
 class ForkServers:
-    """The servers of one test process, by start-up environment: a call takes an idle one or starts one (calls from
-    several threads get several); at most ``keep`` idle servers stay, the least recently used closed first."""
+    """The servers of one test process, by start-up environment. A start-up environment's first call runs as a fresh
+    process (a server costs the imports of a fresh process, and most one-off environments, a test's own plugin
+    folder on PYTHONPATH, are never seen again); from its second call on, calls take an idle server or start one
+    (calls from several threads get several). At most ``keep`` idle servers stay, the least recently used closed
+    first."""
 
-    def __init__(self, keep: int = 3):
+    def __init__(self, keep: int = 4):
         self.keep = keep
         self.idle: list[ForkServer] = []
+        self.seen: set[tuple] = set()
         self.lock = threading.Lock()
         self.scratch = Path(tempfile.mkdtemp(prefix="hfsdp-fork-"))
 
     def run(self, module: str, argv: list[str], cwd: Path, env: Mapping[str, str], nproc: int, timeout: float,
-            master_port: int = 0) -> tuple[int, str, str] | None:
-        """As :meth:`ForkServer.run`, or None where the call must be a fresh process (:func:`startup_env`)."""
+            master_port: int = 0, first_fresh: bool = True) -> tuple[int, str, str] | None:
+        """As :meth:`ForkServer.run`, or None where the call is to be a fresh process (:func:`startup_env`, or the
+        environment's first call unless ``first_fresh`` is false)."""
         startup = startup_env(env, nproc)
         if startup is None:
             return None
+        key = tuple(sorted(startup.items()))
         with self.lock:
+            if key not in self.seen and first_fresh:
+                self.seen.add(key)
+                return None
             server = next((s for s in reversed(self.idle) if s.startup == startup and s.proc.poll() is None), None)
             if server is not None:
                 self.idle.remove(server)

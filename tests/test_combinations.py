@@ -8,25 +8,22 @@
   and the same exported weights, bit for bit (``torch.equal``).
 
 CI runs a tier of each matrix, ``pytest --full-matrix`` all of it (:func:`pytest_generate_tests`). Runs are made
-once and shared between the tests that read them, across pytest-xdist's workers (:class:`Runs`).
+once and shared between the tests that read them, across pytest-xdist's workers and test modules (conftest.RunRegistry).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import itertools
 import json
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config, tiny_teacher_folder
+from conftest import (PRESET_DATA, RUN_ENV, RunRegistry, read_metrics, run_cli, run_torchrun, tiny_config,
+                      tiny_teacher_folder)
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +53,6 @@ GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DAT
                                       "eval_path": None},
         "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 3, "log_completions": 2,
                  "rewards": [{"name": "grpo_test_rewards:letters"}]}}
-ENV = base_env(PYTHONPATH=str(REPO / "tests" / "reward_plugin"))  # where GRPO's reward function is
 
 
 def _merge(*parts: dict) -> dict:
@@ -168,53 +164,9 @@ GRAD_REL = {"bf16": 5e-2}
 DEFAULT_GRAD_REL = 1e-3
 
 
-class Runs:
-    """Runs made on first use and kept for the session: ``run(key, ...)`` -> the run folder and its process.
-
-    One run serves every key of the same world, sections and arguments (a pair of features that is also an option
-    of the smoke matrix trains once). The record of each run is on disk, under a lock, so that the workers of
-    ``pytest -n 2`` (make test) share it: a test that needs a run another worker is making waits for it. A run that
-    failed is kept failed: every test that reads it fails with its error, without running it again."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def run(self, key: str, world: int, sections: dict, *extra: str, check: bool = True):
-        same = json.dumps([world, sections, extra], sort_keys=True)
-        record = self.root / "records" / f"{hashlib.sha1(same.encode()).hexdigest()[:16]}.json"
-        record.parent.mkdir(parents=True, exist_ok=True)
-        with open(record.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not record.exists():
-                record.write_text(json.dumps(self._make(key, world, sections, extra, check)))
-        done = json.loads(record.read_text())
-        if "failed" in done:
-            raise AssertionError(f"run {done['key']} failed (once, for every test that reads it): {done['failed']}")
-        return Path(done["run"]), subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"],
-                                                              done["stderr"])
-
-    def _make(self, key: str, world: int, sections: dict, extra: tuple[str, ...], check: bool) -> dict:
-        folder = self.root / key
-        folder.mkdir(parents=True)
-        args = ("train", str(tiny_config(folder, **sections)), *extra)
-        try:
-            proc = (run_cli(*args, check=check, env=ENV) if world == 1
-                    else run_torchrun(world, *args, check=check, env=ENV))
-        except (AssertionError, subprocess.TimeoutExpired) as failed:
-            return {"key": key, "failed": str(failed)}
-        return {"key": key, "run": str(folder / "run"), "args": proc.args, "returncode": proc.returncode,
-                "stdout": proc.stdout, "stderr": proc.stderr}
-
-
-def shared_runs(tmp_path_factory) -> Runs:
-    """The session's runs, in one folder for every pytest-xdist worker (the parent of each worker's own)."""
-    base = tmp_path_factory.getbasetemp()
-    return Runs((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "combinations")
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return shared_runs(tmp_path_factory)
+def runs(run_registry) -> RunRegistry:
+    return run_registry
 
 
 def smoke_sections(version: int, world: int, option: str) -> dict:
@@ -222,7 +174,7 @@ def smoke_sections(version: int, world: int, option: str) -> dict:
     return compose({"train": TRAIN, "fsdp": fsdp}, OPTIONS[option])
 
 
-def smoke_run(runs: Runs, version: int, world: int, option: str):
+def smoke_run(runs: RunRegistry, version: int, world: int, option: str):
     return runs.run(f"fsdp{version}-x{world}-{option}", world, smoke_sections(version, world, option),
                     check=(version, world, option) not in REFUSED)
 
@@ -381,7 +333,7 @@ def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None
     # `hfsdp export` of the last checkpoint writes the same reward model (the checkpoint's model/ holds the causal
     # LM's config: the plugin's export writes the sequence-classification one)
     out = run.parent / "exported-step-4"
-    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(out), env=ENV)
+    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(out), env=RUN_ENV)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     from safetensors.torch import load_file
 
@@ -389,12 +341,63 @@ def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_smoke(runs, smoke_cell):
+def refused_in_process(sections: dict, world: int, tmp_path: Path) -> str:
+    """What hfsdp refuses of a config before anything loads, asked in this process: its validation (the CLI's
+    load_config) and the run decided for ``world`` ranks (decide); the message, or "" where neither refuses (a
+    refusal made later, from the model's config or the data, is then for the CLI run to show)."""
+    import sys
+
+    from hfsdp.config.files import load_config
+    from hfsdp.errors import UserError
+    from hfsdp.parallel.world import World
+    from hfsdp.run.setup import decide
+
+    sys.path.insert(0, RUN_ENV["PYTHONPATH"])  # GRPO's reward function, as the runs see it
+    try:
+        config, _ = load_config(str(tiny_config(tmp_path, **sections)))
+        decide(config, World(rank=0, size=world, local_size=world, on_cpu=True), None)
+    except UserError as refused:
+        return str(refused)
+    finally:
+        sys.path.remove(RUN_ENV["PYTHONPATH"])
+    return ""
+
+
+def end_to_end_refusals(full: bool) -> set:
+    """The refused smoke cell or pair that shows each refusal through the CLI (the first of its reason, cells before
+    pairs): the others of the same reason are asserted in process (:func:`refused_in_process`)."""
+    first: dict[str, object] = {}
+    for cell in SMOKE if full else CI_SMOKE:
+        if cell in REFUSED:
+            first.setdefault(REFUSED[cell], cell)
+    for pair in ALL_PAIRS if full else CI_PAIRS:
+        if frozenset(pair) in REFUSED_PAIRS:
+            first.setdefault(REFUSED_PAIRS[frozenset(pair)], pair)
+    return set(first.values())
+
+
+def assert_refused_before_loading(runs, key: str, world: int, sections: dict, reason: str, shown: bool,
+                                  tmp_path: Path) -> None:
+    """Refused with ``reason`` before any weight loads: in this process where another cell or pair shows the same
+    refusal through the CLI and the refusal is the config's own (validation or the decided run); else through the
+    CLI (:func:`assert_refused`)."""
+    if not shown:
+        said = refused_in_process(sections, world, tmp_path)
+        if said:
+            assert reason in said, said
+            return
+    run, proc = runs.run(key, world, sections, check=False)
+    assert_refused(proc, run, world, reason)
+
+
+def test_smoke(runs, smoke_cell, request, tmp_path):
     version, world, option = smoke_cell
-    run, proc = smoke_run(runs, version, world, option)
     if (version, world, option) in REFUSED:
-        assert_refused(proc, run, world, REFUSED[version, world, option])
+        shown = smoke_cell in end_to_end_refusals(request.config.getoption("full_matrix"))
+        assert_refused_before_loading(runs, f"fsdp{version}-x{world}-{option}", world,
+                                      smoke_sections(version, world, option), REFUSED[smoke_cell], shown, tmp_path)
         return
+    run, proc = smoke_run(runs, version, world, option)
     assert_trained(run, proc, smoke_sections(version, world, option), (option,), version, world)
 
 
@@ -517,7 +520,7 @@ def test_plan_counts_the_teacher_each_rank_holds(runs):
     assert said, (proc.stdout + proc.stderr)[-3000:]
     mine, whole = (int(n.replace(",", "")) for n in said.groups())
     plan = json.loads(run_cli("plan", str(run.parent / "config.yaml"), "--nproc", "1,2", "--strategies",
-                              "FULL_SHARD", "--json", env=ENV).stdout)
+                              "FULL_SHARD", "--json", env=RUN_ENV).stdout)
     rows = {r["world"]: r for r in plan["rows"]}
     config = yaml.safe_load((run.parent / "config.yaml").read_text())
     vocab = json.loads((tiny_teacher_folder() / "config.json").read_text())["vocab_size"]
@@ -621,15 +624,17 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(name, which, ids=[f"{a}+{b}" for a, b in which])
 
 
-def pair_run(runs: Runs, pair: tuple[str, str]):
+def pair_run(runs: RunRegistry, pair: tuple[str, str]):
     return runs.run("+".join(pair), 2, pair_sections(*pair), check=frozenset(pair) not in REFUSED_PAIRS)
 
 
-def test_pair(runs, pair):
-    run, proc = pair_run(runs, pair)
+def test_pair(runs, pair, request, tmp_path):
     if frozenset(pair) in REFUSED_PAIRS:
-        assert_refused(proc, run, 2, REFUSED_PAIRS[frozenset(pair)])
+        shown = pair in end_to_end_refusals(request.config.getoption("full_matrix"))
+        assert_refused_before_loading(runs, "+".join(pair), 2, pair_sections(*pair), REFUSED_PAIRS[frozenset(pair)],
+                                      shown, tmp_path)
         return
+    run, proc = pair_run(runs, pair)
     sections = pair_sections(*pair)
     assert_trained(run, proc, sections, pair, sections["fsdp"]["version"], 2)
     same = [f for f in pair if f in SAME_STEPS]
@@ -662,7 +667,7 @@ def test_pair_resumes_exactly(runs, resumed_pair):
     assert_resumed_exactly(resumed, run)
 
 
-def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
+def resume(runs: RunRegistry, key: str, uninterrupted: Path, world: int) -> Path:
     """A copy of ``uninterrupted``'s step-2 checkpoint resumed to step 4 in a run folder of its own."""
     folder = runs.root / f"{key}-resumed"
     target = folder / "run" / "checkpoints"
@@ -672,7 +677,7 @@ def resume(runs: Runs, key: str, uninterrupted: Path, world: int) -> Path:
     config["train"]["output_dir"] = str(folder / "run")
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     args = ("train", str(folder / "config.yaml"), "--resume")
-    proc = run_cli(*args, env=ENV) if world == 1 else run_torchrun(world, *args, env=ENV)
+    proc = run_cli(*args, env=RUN_ENV) if world == 1 else run_torchrun(world, *args, env=RUN_ENV)
     assert f"resumed from {target / 'step-2'} at step 2" in proc.stdout + proc.stderr
     assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # FSDP1's load printed torch's deprecations
     return folder / "run"

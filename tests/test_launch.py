@@ -24,10 +24,10 @@ TESTS = REPO / "tests"
 PER_JOB = ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
 
 
-def probe(tmp_path: Path, name: str, nproc: int, fresh: bool, **env: str):
+def probe(tmp_path: Path, name: str, nproc: int, launcher: str, **env: str):
     out = tmp_path / name
     out.mkdir()
-    proc = _launch(nproc, [str(out)], TESTS, base_env(**env), timeout=120, module="launch_probe", fresh=fresh)
+    proc = _launch(nproc, [str(out)], TESTS, base_env(**env), timeout=120, module="launch_probe", launcher=launcher)
     return proc, {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
 
 
@@ -38,8 +38,8 @@ def comparable(facts: dict) -> dict:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_forked_process_starts_as_a_fresh_one_or_a_torchrun_worker(tmp_path, nproc):
-    real, want = probe(tmp_path, "real", nproc, fresh=True)
-    forked, got = probe(tmp_path, "forked", nproc, fresh=False)
+    real, want = probe(tmp_path, "real", nproc, "fresh")
+    forked, got = probe(tmp_path, "forked", nproc, "fork")
     assert real.returncode == forked.returncode == 0, (real.stderr[-3000:], forked.stderr[-3000:])
     assert sorted(got) == sorted(want) == [str(r) for r in range(nproc)]
     for rank in want:
@@ -55,23 +55,23 @@ def test_without_omp_num_threads_both_set_it_to_1_and_say_so(tmp_path):
     env = base_env()
     env.pop("OMP_NUM_THREADS")
     outs = {}
-    for fresh in (True, False):
-        out = tmp_path / str(fresh)
+    for launcher in ("fresh", "fork"):
+        out = tmp_path / launcher
         out.mkdir()
-        proc = _launch(2, [str(out)], TESTS, env, timeout=120, module="launch_probe", fresh=fresh)
+        proc = _launch(2, [str(out)], TESTS, env, timeout=120, module="launch_probe", launcher=launcher)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default" in proc.stderr
-        outs[fresh] = json.loads((out / "1.json").read_text())["env"]["OMP_NUM_THREADS"]
-    assert outs == {True: "1", False: "1"}
+        outs[launcher] = json.loads((out / "1.json").read_text())["env"]["OMP_NUM_THREADS"]
+    assert outs == {"fresh": "1", "fork": "1"}
 
 
 def test_a_failing_rank_ends_both_jobs_with_torchruns_report(tmp_path):
-    for fresh in (True, False):
-        out = tmp_path / str(fresh)
+    for launcher in ("fresh", "fork"):
+        out = tmp_path / launcher
         out.mkdir()
-        proc = _launch(2, [str(out)], TESTS, base_env(HFSDP_TEST_PROBE_EXIT_RANK="1"), timeout=120, module="launch_probe",
-                       fresh=fresh)
-        assert proc.returncode == 1, (fresh, proc.stderr[-3000:])
+        proc = _launch(2, [str(out)], TESTS, base_env(HFSDP_TEST_PROBE_EXIT_RANK="1"), timeout=120,
+                       module="launch_probe", launcher=launcher)
+        assert proc.returncode == 1, (launcher, proc.stderr[-3000:])
         assert "probe failing on purpose" in proc.stderr
         assert "ChildFailedError" in proc.stderr and "launch_probe FAILED" in proc.stderr, proc.stderr[-3000:]
         assert re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : 3 \(pid: \d+\)", proc.stderr), proc.stderr
@@ -97,14 +97,14 @@ def test_the_forked_launcher_and_the_real_one_give_the_same_run(tmp_path, nproc)
     from safetensors.torch import load_file
 
     runs = {}
-    for fresh in (True, False):
-        folder = tmp_path / ("real" if fresh else "forked")
+    for launcher in ("fresh", "fork"):
+        folder = tmp_path / launcher
         folder.mkdir()
         config = tiny_config(folder, train={"max_steps": 4, "save_every": 2}, fsdp={"single_process": "fsdp"})
-        proc = _launch(nproc, ["train", str(config)], folder, base_env(), timeout=600, fresh=fresh)
+        proc = _launch(nproc, ["train", str(config)], folder, base_env(), timeout=600, launcher=launcher)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[fresh] = (folder / "run", proc)
-    (real, real_proc), (forked, forked_proc) = runs[True], runs[False]
+        runs[launcher] = (folder / "run", proc)
+    (real, real_proc), (forked, forked_proc) = runs["fresh"], runs["fork"]
     timing = ("_s", "tokens_per_s", "tok_s", "time", "mem", "tflops")  # the clock's
     strip = [{k: v for k, v in m.items() if not any(t in k for t in timing)} for m in read_metrics(real)]
     assert [{k: v for k, v in m.items() if not any(t in k for t in timing)} for m in read_metrics(forked)] == strip

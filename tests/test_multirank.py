@@ -28,60 +28,68 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_env, read_metrics, run_cli, run_torchrun, step_losses, tiny_config
+from conftest import RunRegistry, base_env, read_metrics, run_cli, run_torchrun, step_losses, tiny_config
+from test_combinations import STEPS, TRAIN, pair_sections, smoke_sections
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
-# Constant LR: the schedule does not depend on max_steps, so a run resumed with a larger max_steps follows the
-# same trajectory as one started with it.
-TRAIN = {"max_steps": STEPS, "per_device_batch_size": 2, "lr_scheduler": "constant", "max_eval_batches": 2}
+# The steps of the smoke matrix (tests/test_combinations.py: constant LR, so that a run resumed with a larger
+# max_steps follows the trajectory of one started with it; weight decay on; a checkpoint every 2 steps): the runs here
+# that are matrix cells (:func:`cell`) are the matrix's own runs, trained once for both modules (conftest.RunRegistry).
 LOSS_REL = 1e-4
 # Weights move by up to ~1e-2 over the run (lr 3e-3). Float noise between micro-batch splits (1e-7 relative in the
 # gradients) reaches ~3e-5 in the few elements whose gradients are near zero, where Adam divides by sqrt(v) + eps.
 WEIGHT_ATOL = 5e-5
 
-# name: (processes, fsdp section, train overrides). fsdp2_full is also the uninterrupted 6-step run that the resume
-# test compares with, and holds SHARDED checkpoints (steps 2, 4, 6); fsdp2_grad_op holds FULL ones (steps 2, 4).
+
+def _own(nproc: int, fsdp: dict, **train) -> tuple[int, dict]:
+    return nproc, {"train": {**TRAIN, **train}, "fsdp": fsdp}
+
+
+def cell(version: int, world: int, option: str) -> tuple[int, dict]:
+    """A smoke-matrix cell: its world and sections, so that its run is the matrix's."""
+    return world, smoke_sections(version, world, option)
+
+
+# name: (processes, config sections). fsdp2_full is also the uninterrupted 6-step run that the resume test compares
+# with, and holds SHARDED checkpoints (steps 2, 4, 6); the matrix's fsdp2-x2-full_state_dict holds FULL ones.
 RUNS = {
-    "single": (1, {"version": 2, "sharding_strategy": "FULL_SHARD"}, {"per_device_batch_size": 4}),
-    "fsdp2_full": (2, {"version": 2, "sharding_strategy": "FULL_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
-                   {"save_every": 2, "max_steps": 6}),
-    "fsdp2_grad_op": (2, {"version": 2, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "FULL_STATE_DICT"},
-                      {"save_every": 2}),
-    "fsdp2_no_shard": (2, {"version": 2, "sharding_strategy": "NO_SHARD"}, {}),
-    "fsdp2_hybrid_x4": (4, {"version": 2, "sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2},
-                        {"per_device_batch_size": 1, "save_every": STEPS}),
-    "fsdp1_full": (2, {"version": 1, "sharding_strategy": "FULL_SHARD", "state_dict_type": "FULL_STATE_DICT"},
-                   {"save_every": STEPS}),
-    "fsdp1_grad_op": (2, {"version": 1, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "SHARDED_STATE_DICT"},
-                      {"save_every": STEPS}),
-    "fsdp1_no_shard": (2, {"version": 1, "sharding_strategy": "NO_SHARD"}, {}),
-    "fsdp2_ram_efficient": (2, {"version": 2, "sharding_strategy": "FULL_SHARD", "cpu_ram_efficient_loading": True},
-                            {}),
+    "single": _own(1, {"version": 2, "sharding_strategy": "FULL_SHARD"}, per_device_batch_size=4),
+    # the eval before training: test_ram_efficient_loading_gives_every_rank_the_real_weights
+    "fsdp2_full": _own(2, {"version": 2, "sharding_strategy": "FULL_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
+                       max_steps=6, eval_at_start=True),
+    "fsdp2_full_state_dict": cell(2, 2, "full_state_dict"),
+    "fsdp2_grad_op": cell(2, 2, "shard_grad_op"),
+    "fsdp2_no_shard": _own(2, {"version": 2, "sharding_strategy": "NO_SHARD"}),  # the matrix's no_shard resume run
+    "fsdp2_hybrid_x4": _own(4, {"version": 2, "sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2},
+                            per_device_batch_size=1),  # the matrix's hybrid_shard_x4 resume run
+    "fsdp1_full": cell(1, 2, "full_state_dict"),
+    "fsdp1_grad_op": cell(1, 2, "shard_grad_op"),
+    "fsdp1_no_shard": _own(2, {"version": 1, "sharding_strategy": "NO_SHARD"}),
+    "fsdp2_ram_efficient": _own(2, {"version": 2, "sharding_strategy": "FULL_SHARD", "cpu_ram_efficient_loading": True},
+                                eval_at_start=True),
     # the same global batch of 4 as two micro-batches of 1 per rank, layers recomputed in backward
-    "fsdp2_accum_ckpt": (2, {"version": 2, "sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
-                         {"per_device_batch_size": 1, "gradient_accumulation_steps": 2}),
-    "fsdp1_accum_ckpt": (2, {"version": 1, "sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
-                         {"per_device_batch_size": 1, "gradient_accumulation_steps": 2}),
+    "fsdp2_accum_ckpt": _own(2, {"version": 2, "sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
+                             per_device_batch_size=1, gradient_accumulation_steps=2),
+    "fsdp1_accum_ckpt": _own(2, {"version": 1, "sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
+                             per_device_batch_size=1, gradient_accumulation_steps=2),
     # none wraps only the root
-    "fsdp2_no_wrap": (2, {"version": 2, "wrap_policy": "none"}, {}),
+    "fsdp2_no_wrap": _own(2, {"version": 2, "wrap_policy": "none"}),
     # size: at 40000 parameters each decoder layer's MLP (49152) is a unit and the rest of a layer (12416) is not;
     # the tied embedding stays in the root (FSDP1; under FSDP2 Accelerate's final-norm/embedding/lm_head group).
     # Checkpointing recomputes the units. The untied model's own lm_head and embedding are units too.
-    "fsdp1_size": (2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000,
-                       "activation_checkpointing": True}, {}),
-    "fsdp2_size": (2, {"version": 2, "wrap_policy": "size", "min_num_params": 40000,
-                       "activation_checkpointing": True}, {}),
-    "single_untied": (1, {"version": 2}, {"per_device_batch_size": 4}),
-    "fsdp1_size_untied": (2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000}, {}),
-    "fsdp2_size_untied": (2, {"version": 2, "wrap_policy": "size", "min_num_params": 40000}, {}),
-    "single_bf16": (1, {"version": 2, "mixed_precision": "bf16"}, {"per_device_batch_size": 4}),
-    "fsdp2_bf16": (2, {"version": 2, "mixed_precision": "bf16"}, {}),
+    "fsdp1_size": _own(2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000,
+                           "activation_checkpointing": True}),
+    "fsdp2_size": (2, pair_sections("checkpointing", "size_wrap")),  # the matrix's pair
+    "single_untied": _own(1, {"version": 2}, per_device_batch_size=4),
+    "fsdp1_size_untied": _own(2, {"version": 1, "wrap_policy": "size", "min_num_params": 40000}),
+    "fsdp2_size_untied": _own(2, {"version": 2, "wrap_policy": "size", "min_num_params": 40000}),
+    "single_bf16": _own(1, {"version": 2, "mixed_precision": "bf16"}, per_device_batch_size=4),
+    "fsdp2_bf16": cell(2, 2, "bf16"),
 }
-SHARDED = {"fsdp2_full", "fsdp2_grad_op", "fsdp2_hybrid_x4", "fsdp1_full", "fsdp1_grad_op", "fsdp2_ram_efficient",
-           "fsdp2_accum_ckpt", "fsdp1_accum_ckpt", "fsdp2_no_wrap", "fsdp2_bf16", "fsdp1_size", "fsdp2_size",
-           "fsdp1_size_untied", "fsdp2_size_untied"}
+SHARDED = {"fsdp2_full", "fsdp2_full_state_dict", "fsdp2_grad_op", "fsdp2_hybrid_x4", "fsdp1_full", "fsdp1_grad_op",
+           "fsdp2_ram_efficient", "fsdp2_accum_ckpt", "fsdp1_accum_ckpt", "fsdp2_no_wrap", "fsdp2_bf16", "fsdp1_size",
+           "fsdp2_size", "fsdp1_size_untied", "fsdp2_size_untied"}
 SINGLE = {"single", "single_bf16", "single_untied"}
 UNTIED = {"single_untied", "fsdp1_size_untied", "fsdp2_size_untied"}  # run on tiny_untied_model_dir
 # Which one-process run each multi-rank run must match, and how closely: (reference, loss and grad-norm rel, weight
@@ -98,41 +106,29 @@ REFERENCE = {"fsdp2_accum_ckpt": ("single", LOSS_REL, 5e-5), "fsdp1_accum_ckpt":
 
 
 class Runs:
-    """Each configuration trained once, on first use."""
+    """This module's runs by name, from the session's registry (made on first use, once for every module)."""
 
-    def __init__(self, root: Path, untied_model: Path):
-        self.root = root
+    def __init__(self, registry: RunRegistry, untied_model: Path):
+        self.registry = registry
         self.untied_model = untied_model
-        self.done: dict[str, Path] = {}
-        self.seconds: dict[str, float] = {}
 
-    def config(self, name: str, **extra) -> Path:
-        nproc, fsdp, train = RUNS[name]
-        folder = self.root / name
-        folder.mkdir(exist_ok=True)
+    def sections(self, name: str) -> dict:
+        sections = RUNS[name][1]
         if name in UNTIED:
-            extra.setdefault("model", {"name_or_path": str(self.untied_model)})
-        return tiny_config(folder, train={**TRAIN, **train}, fsdp=fsdp, **extra)
+            sections = {**sections, "model": {"name_or_path": str(self.untied_model)}}
+        return sections
 
     def __getitem__(self, name: str) -> Path:
-        if name not in self.done:
-            nproc = RUNS[name][0]
-            config = self.config(name)
-            t0 = time.perf_counter()
-            if nproc == 1:
-                run_cli("train", str(config))
-            else:
-                run_torchrun(nproc, "train", str(config))
-            self.seconds[name] = time.perf_counter() - t0
-            self.done[name] = self.root / name / "run"
-        return self.done[name]
+        run, _ = self.registry.run(f"multirank-{name}", RUNS[name][0], self.sections(name))
+        return run
+
+    def config(self, name: str) -> Path:
+        return self[name].parent / "config.yaml"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_untied_model_dir):
-    runs = Runs(tmp_path_factory.mktemp("multirank"), tiny_untied_model_dir)
-    yield runs
-    print("\nmultirank run times: " + ", ".join(f"{k} {v:.1f}s" for k, v in runs.seconds.items()))
+def runs(run_registry, tiny_untied_model_dir):
+    return Runs(run_registry, tiny_untied_model_dir)
 
 
 def rank_reports(run: Path) -> list[dict]:
@@ -166,7 +162,7 @@ def export(checkpoint: Path, out: Path) -> dict:
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n not in SINGLE])
 def test_each_rank_holds_its_share(runs, name):
-    nproc, fsdp, _ = RUNS[name]
+    nproc, fsdp = RUNS[name][0], RUNS[name][1]["fsdp"]
     reports = rank_reports(runs[name])
     assert [r["rank"] for r in reports] == list(range(nproc))
     full = reports[0]["param_bytes_full_model"]
@@ -215,7 +211,7 @@ def test_losses_grad_norms_and_final_weights_match_one_process(runs, name, tmp_p
     single = runs[reference_name]
     reference, norms = step_losses(single), step_grad_norms(single)
     losses, got_norms = step_losses(runs[name]), step_grad_norms(runs[name])
-    assert len(reference) == STEPS and len(losses) == RUNS[name][2].get("max_steps", STEPS)
+    assert len(reference) == STEPS and len(losses) == RUNS[name][1]["train"]["max_steps"]
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=rel), (name, step, losses, reference)
         assert got_norms[step] == pytest.approx(norms[step], rel=rel), (name, step, got_norms, norms)
@@ -245,7 +241,7 @@ def test_size_wrap_policy_forms_the_units_plan_predicts(runs, name):
     of a layer is not, a tied embedding is never split from its lm_head (FSDP1 keeps both in the root; Accelerate's
     FSDP2 puts the final norm, embedding and lm_head in one group), an untied one is a unit of its own. ``hfsdp
     plan`` lists the same policy units."""
-    version = RUNS[name][1]["version"]
+    version = RUNS[name][1]["fsdp"]["version"]
     expected = SIZE_UNITS["untied" if name in UNTIED else "tied"]
     names = rank_reports(runs[name])[0]["wrapped_unit_names"]
     if version == 1:
@@ -264,7 +260,7 @@ def test_size_wrap_policy_forms_the_units_plan_predicts(runs, name):
 
 
 def test_sharded_and_full_checkpoints_export_the_in_memory_weights(runs, tmp_path):
-    sharded, full = runs["fsdp2_full"], runs["fsdp2_grad_op"]  # SHARDED (steps 2, 4, 6) and FULL (steps 2, 4)
+    sharded, full = runs["fsdp2_full"], runs["fsdp2_full_state_dict"]  # SHARDED (steps 2, 4, 6), FULL (2, 4)
     assert (sharded / "checkpoints" / "step-6" / "pytorch_model_fsdp_0").is_dir()
     assert (full / "checkpoints" / "step-4" / "pytorch_model_fsdp.bin").is_file()
     # a checkpoint at the last step exports exactly what the run gathered from its ranks' memory (final/)
@@ -301,8 +297,8 @@ def test_sharded_checkpoint_resumes_on_two_ranks(runs, tmp_path):
     (run / "metrics.jsonl").write_text("".join(
         line + "\n" for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
         if json.loads(line)["step"] <= STEPS))
-    _, fsdp, train = RUNS["fsdp2_full"]
-    config = tiny_config(tmp_path, fsdp=fsdp, train={**TRAIN, **train, "max_steps": STEPS})  # output_dir: run
+    sections = RUNS["fsdp2_full"][1]
+    config = tiny_config(tmp_path, fsdp=sections["fsdp"], train={**sections["train"], "max_steps": STEPS})  # into run
     proc = run_torchrun(2, "train", str(config), "--resume", "--set", "train.max_steps=6")
     assert f"resumed from {run / 'checkpoints' / 'step-4'} at step 4" in proc.stdout + proc.stderr
     resumed, reference = step_losses(run), step_losses(uninterrupted)

@@ -167,9 +167,9 @@ def assert_disk_full_reported(proc, step: int, intact: str) -> None:
 def assert_rank_1_disk_full_reported(proc, step: int, intact: str) -> None:
     """Rank 1's disk filled: both ranks learn of it and say what it was; neither waits for the other."""
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 1") >= 1, proc.stderr[-4000:]
-    for rank in (0, 1):
-        line = next((ln for ln in proc.stderr.splitlines()
-                     if ln.startswith(f"[rank {rank}] hfsdp: error: checkpoint for step {step}")), "")
+    for rank in (0, 1):  # a rank's line may follow rank 0's progress bar on the shared stderr (no newline between)
+        said = f"[rank {rank}] hfsdp: error: checkpoint for step {step}"
+        line = next((ln[ln.index(said):] for ln in proc.stderr.splitlines() if said in ln), "")
         assert "could not be written: no space left on device: " in line, proc.stderr[-4000:]
         assert "rank 1: OSError: [Errno 28] No space left on device" in line, proc.stderr[-4000:]
         assert "optimizer_0/__1_0.distcp" in line and f"{intact}, is intact" in line, line

@@ -18,20 +18,20 @@ import shutil
 import pytest
 import yaml
 
-from conftest import run_cli, run_torchrun
+from conftest import RUN_ENV, run_cli, run_torchrun
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import parallel
-from test_combinations import (ENV, STEPS, _merge, assert_resumed_exactly, exported, losses, read_metrics, resume,
-                               shared_runs, smoke_run, smoke_sections, startup)
+from test_combinations import (STEPS, _merge, assert_resumed_exactly, exported, losses, read_metrics, resume, smoke_run,
+                               smoke_sections, startup)
 
 # tp 2 x dp 2 on 4 ranks of 1 row each: the global batch of 2 rows of the one-process smoke run (fsdp2-x1-base)
 FOUR = ("fsdp2-x4-tp2-dp2", 4)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(run_registry):
     """The runs of the matrices (tests/test_combinations.py), shared: the one-process smoke run is made once."""
-    return shared_runs(tmp_path_factory)
+    return run_registry
 
 
 def four_ranks(runs):
@@ -135,7 +135,7 @@ def test_hfsdp_export_of_a_2d_checkpoint_writes_the_runs_final_weights(runs, tmp
 
     run, _ = four_ranks(runs)
     assert (run / "checkpoints" / f"step-{STEPS}" / "pytorch_model_fsdp_0").is_dir()  # SHARDED: DCP's files
-    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(tmp_path / "out"), env=ENV)
+    run_cli("export", str(run / "checkpoints" / f"step-{STEPS}"), str(tmp_path / "out"), env=RUN_ENV)
     from safetensors.torch import load_file
 
     got, want = load_file(tmp_path / "out" / "model.safetensors"), exported(run)["model.safetensors"]
@@ -151,7 +151,7 @@ def test_a_checkpoint_resumes_on_its_own_tensor_parallel_size_only(runs, tmp_pat
     config["train"]["output_dir"] = str(tmp_path / "run")
     config["parallel"] = {"tp_size": 1}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = run_torchrun(2, "train", str(tmp_path / "config.yaml"), "--resume", check=False, env=ENV)
+    proc = run_torchrun(2, "train", str(tmp_path / "config.yaml"), "--resume", check=False, env=RUN_ENV)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
     assert errors and all("it was saved with parallel.tp_size 2, this run has 1" in e for e in errors), errors
@@ -226,7 +226,7 @@ def test_plan_predicts_the_parameter_bytes_every_rank_holds(runs):
     for run, world in ((four_ranks(runs)[0], 4), (smoke_run(runs, 2, 2, "tp2")[0], 2)):
         live = [json.loads((run / f"startup_rank{r}.json").read_text())["param_bytes_this_rank"] for r in range(world)]
         proc = run_cli("plan", str(run / "config.yaml"), "--nproc", str(world), "--strategies", "FULL_SHARD", "--json",
-                       env=ENV)
+                       env=RUN_ENV)
         (row,) = json.loads(proc.stdout)["rows"]
         assert row["tp_size"] == 2 and row["shard_group"] == world // 2, row
         assert row["params"] == max(live) and row["grads"] == row["params"] and row["optimizer"] == 2 * row["params"]
