@@ -1,8 +1,8 @@
 """train.optimizer (issue 39): the optimizers people choose give one process's update on 2 gloo ranks under FSDP2,
 schedule-free evaluates and exports its averaged weights, 8-bit AdamW and Adafactor resume bit for bit on 2 ranks.
 The math of hfsdp's Muon, 8-bit AdamW and Adafactor against torch's and bitsandbytes' own is checked on DTensor
-shards; the rest through the real CLI on the tiny model, one run per optimizer and world shared by the assertions
-(:func:`runs`)."""
+shards, ranks as threads; the rest through the real CLI on the tiny model, one run per optimizer and world shared by
+the assertions (:func:`runs`; the 2-rank runs of AdamW, Muon, Adafactor and schedule-free are the smoke matrix's)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import RunRegistry, read_metrics
+from test_combinations import STEPS, TRAIN, smoke_sections
 
-STEPS = 4
-# One global batch of 4 rows: 2 ranks x 2 rows, or one process x 2 micro-batches of 2 rows; a constant LR
-# (schedule-free needs it); weight decay on, so that which parameters decay is compared too.
-TRAIN = {"max_steps": STEPS, "lr_scheduler": "constant", "weight_decay": 0.1, "eval_at_start": False,
-         "max_eval_batches": 1, "per_device_batch_size": 2, "save_every": 2, "collective_timeout_s": 120}
+# The smoke matrix's steps (TRAIN: 4 steps, a checkpoint every 2, a constant LR, which schedule-free needs, weight
+# decay on, so that which parameters decay is compared too). One global batch of 4 rows: 2 ranks x 2 rows, or one
+# process x 2 micro-batches of 2 rows.
 SHARDED = ("adamw_8bit", "adafactor", "muon", "schedule_free_adamw", "sgd")  # every one but adamw: on FSDP2's shards
 ARGS = {"sgd": {"momentum": 0.9}}  # a state to shard (SGD without momentum has none)
 # 8-bit AdamW's 2-rank run checkpoints a FULL state dict (its resume below); SHARDED in test_combinations' matrix
@@ -210,27 +209,33 @@ def test_adafactor_on_fsdp2_shards_is_torchs_adafactor_on_the_whole_tensors_bit_
         assert got["torch"] == "RuntimeError", got
 
 
+# The 2-rank runs that are smoke-matrix cells (tests/test_combinations.py: the same steps, checkpoints and
+# optimizer) are the matrix's own runs (conftest.RunRegistry)
+MATRIX_CELLS = {"adamw": "base", "muon": "muon", "adafactor": "adafactor", "schedule_free_adamw": "schedule_free"}
+
+
 class Runs:
-    def __init__(self, root: Path):
-        self.root, self.done = root, {}
+    """One run per optimizer and world, from the session's registry."""
+
+    def __init__(self, registry: RunRegistry):
+        self.registry = registry
+        self.root = registry.root  # where test_combinations.resume copies a checkpoint to resume it
 
     def get(self, optimizer: str, world: int) -> Path:
-        key = f"{optimizer}-x{world}"
-        if key not in self.done:
-            folder = self.root / key
-            folder.mkdir()
+        if world == 2 and optimizer in MATRIX_CELLS:
+            sections = smoke_sections(2, 2, MATRIX_CELLS[optimizer])
+        else:
             train = {**TRAIN, "optimizer": optimizer, "optimizer_args": ARGS.get(optimizer, {}),
                      **({"gradient_accumulation_steps": 2} if world == 1 else {})}
-            config = tiny_config(folder, train=train, fsdp={"version": 2, "sharding_strategy": "FULL_SHARD",
-                                                            **FSDP.get(optimizer, {})})
-            (run_cli if world == 1 else lambda *a: run_torchrun(2, *a))("train", str(config))
-            self.done[key] = folder / "run"
-        return self.done[key]
+            sections = {"train": train, "fsdp": {"version": 2, "sharding_strategy": "FULL_SHARD",
+                                                 **FSDP.get(optimizer, {})}}
+        run, _ = self.registry.run(f"optimizers-{optimizer}-x{world}", world, sections)
+        return run
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("optimizers"))
+def runs(run_registry) -> Runs:
+    return Runs(run_registry)
 
 
 def losses(run: Path) -> list[float]:
