@@ -37,7 +37,7 @@ def main() -> None:
     from hfsdp.parallel import launcher
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
-    from hfsdp.run.setup import decide
+    from hfsdp.setup.decide import decide
     from hfsdp.parallel.accelerator import build_accelerator
 
     cfg, host = load_config(args.config, args.overrides)

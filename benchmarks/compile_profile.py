@@ -45,7 +45,7 @@ def main() -> None:
     from hfsdp.model import loading as models
     from hfsdp.cli import _cache_dir
     from hfsdp.config.files import load_config
-    from hfsdp.run.loss import ChunkedLoss
+    from hfsdp.model.token_loss import ChunkedLoss
     from hfsdp.run import optimizers
     from hfsdp.parallel.accelerator import compile_blocks
 

@@ -1,7 +1,7 @@
 """The output head and its loss alone, forward and backward, three ways, side by side in one invocation:
 
 * ``plain``: the full logits of the labelled positions, then the cross entropy (``train.chunked_loss: false``);
-* ``chunked``: ``hfsdp.run.loss.chunked_cross_entropy`` as training runs it (each chunk's gradients made in the forward,
+* ``chunked``: ``hfsdp.model.token_loss.chunked_cross_entropy`` as training runs it (each chunk's gradients made in the forward,
   scaled in backward: one head projection per chunk);
 * ``recompute``: each chunk under ``torch.utils.checkpoint`` (the chunked loss before issue 40: its projection made
   again in backward).
@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from hfsdp.run.loss import LOSS_CHUNK_ELEMENTS, chunked_cross_entropy
+    from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS, chunked_cross_entropy
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(a.vocab, a.hidden) * 0.02)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import base_env, free_port, read_metrics, tiny_config  # noqa: E402
 
-from hfsdp.rules.optimizers import CHOICES, OPTIMIZER_NAMES  # noqa: E402
+from hfsdp.config.schema import OPTIMIZER_NAMES  # noqa: E402
 
 ARGS = {"sgd": {"momentum": 0.9}}
 
@@ -34,9 +34,8 @@ def sections(optimizer: str, steps: int, world: int) -> dict:
     train = {"max_steps": steps, "optimizer": optimizer, "optimizer_args": ARGS.get(optimizer, {}),
              "lr_scheduler": "constant", "weight_decay": 0.1, "eval_at_start": False, "max_eval_batches": 1,
              "per_device_batch_size": 2, "gradient_accumulation_steps": 2 if world == 1 else 1}
-    # one process runs without FSDP; 2 ranks shard with FSDP2 where the optimizer can run there, else DDP
-    fsdp = {"version": 2, "sharding_strategy": "NO_SHARD" if CHOICES[optimizer].unsharded and world > 1
-            else "FULL_SHARD"}
+    # one process runs without FSDP; 2 ranks shard with FSDP2 (every optimizer runs on its shards)
+    fsdp = {"version": 2, "sharding_strategy": "FULL_SHARD"}
     return {"train": train, "fsdp": fsdp}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hfsdp import __version__
-from hfsdp.errors import PluginError, UserError
+from hfsdp.errors import ConfigError, PluginError, UserError
 from hfsdp.parallel import launcher
 
 def _cache_dir() -> Path:
@@ -101,11 +101,12 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     launcher.check_rank_variables(os.environ)
     import torch
 
-    from hfsdp.run.setup import decide
+    from hfsdp.setup.decide import decide
 
     # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
     setup = decide(cfg, world, resume, source=str(resolve_config_path(config)))
+    _check_optimizer_values(cfg, str(resolve_config_path(config)))
     launcher.apply_wrapper(os.environ, setup)
     notes = launcher.take_launcher_settings(os.environ, setup.config, world.on_cpu)
     from hfsdp.parallel.world import runtime_env
@@ -149,6 +150,8 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
         from hfsdp.data import prepare
         from hfsdp.model import loading  # torch and transformers
 
+        _check_optimizer_values(cfg, config)
+
         tokenizer = loading.tokenizer_of(cfg.model, _cache_dir())
         if tokenizer is None:
             click.echo(f"data: rows not checked: the tokenizer of {cfg.model.name_or_path} is not available "
@@ -156,6 +159,14 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
         else:
             click.echo(prepare.check_rows(cfg, host, tokenizer), err=True)
     click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)
+
+
+def _check_optimizer_values(cfg, source: str) -> None:
+    """The values of ``train.optimizer_args`` the optimizer refuses, tried on a small layer (torch)."""
+    from hfsdp.run.optimizers import refused_arguments
+
+    if problems := refused_arguments(cfg):
+        raise ConfigError(problems, source=source)
 
 
 @cli.command(name="export")
@@ -356,7 +367,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
 def plot(run_dirs: tuple[Path, ...], out: Path) -> None:
     """Plot train loss, eval loss and learning rate against step for one or more runs (their train.output_dir),
     overlaid, from each run's metrics.jsonl. Needs matplotlib."""
-    from hfsdp.tools.plots import plot_runs
+    from hfsdp.run.plots import plot_runs
 
     click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
 

@@ -20,7 +20,8 @@ FORMER = {
     "hfsdp.components.hf_folder": "hfsdp.export.hf_folder",
     "hfsdp.distributed": "hfsdp.parallel.world",
     "hfsdp.hookspecs": "hfsdp.hooks.specs",
-    "hfsdp.run_setup": "hfsdp.run.setup",
+    "hfsdp.run_setup": "hfsdp.setup.decide",
+    "hfsdp.run.setup": "hfsdp.setup.decide",
     "hfsdp.train": "hfsdp.run.loop",
 }
 # Packages that only held former modules.

@@ -25,7 +25,7 @@ import torch
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
 from hfsdp.errors import ConfigError
-from hfsdp.run.loss import token_loss_sum
+from hfsdp.model.token_loss import token_loss_sum
 
 # The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
@@ -127,7 +127,7 @@ class Objective:
 
 class TokenCrossEntropy(Objective):
     """The default objective: the summed next-token cross entropy of the labelled tokens, computed by ``loss_sum``
-    (``hfsdp.run.loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
+    (``hfsdp.model.token_loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
 
     def __init__(self, loss_sum=token_loss_sum):
         self.loss_sum = loss_sum

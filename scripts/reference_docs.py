@@ -7,6 +7,7 @@ Run: python scripts/reference_docs.py           (rewrites the three files)
 `hfsdp config-reference` prints the configuration reference for the plugins installed where it runs."""
 
 import ast
+import tomllib
 import re
 import sys
 from pathlib import Path
@@ -17,8 +18,8 @@ from hfsdp.config.reference import core_reference, hook_reference, plugin_refere
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
-PACKAGES = ["config", "rules", "hooks", "data", "model", "parallel", "run", "checkpoint", "export", "tools",
-            "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
+PACKAGES = ["config", "disk", "hooks", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
+            "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
             "builtin/reward_model", "builtin/kto", "builtin/distill"]
 FLOW = """\
 # Architecture
@@ -26,8 +27,8 @@ FLOW = """\
 Generated from the packages' docstrings by `python scripts/reference_docs.py`; do not edit by hand.
 
 One way through a run: YAML → a validated config (`hfsdp.config`, torch-free) → one decided run
-(`hfsdp.run.setup.decide`: the world, what wraps the model, every check and the resume point, decided once,
-before any weight loads, with the torch-free rules of `hfsdp.rules`) → pure builders (`hfsdp.parallel`,
+(`hfsdp.setup.decide.decide`: the world and its parallel degrees, what wraps the model, every check and the resume
+point, decided once, before any weight loads, with the torch-free rules of `hfsdp.rules`) → pure builders (`hfsdp.parallel`,
 `hfsdp.model`) → the `Accelerator` → the loop (`hfsdp.run.loop`, its step in `hfsdp.run.step`). Only `hfsdp/cli.py`
 reads argv and the environment; plugins, first-party ones included, reach the run through the hooks of
 `hfsdp.hooks` and get what they need as arguments.
@@ -68,7 +69,12 @@ def architecture() -> str:
     found = sorted(str(p.parent.relative_to(root)) for p in root.rglob("__init__.py") if p.parent != root)
     if sorted(PACKAGES) != found:
         raise SystemExit(f"PACKAGES in {Path(__file__).name} must list hfsdp's packages: {', '.join(found)}")
-    lines = [FLOW]
+    lines = [FLOW, "## Layers", "",
+             "Bottom first, as `pyproject.toml` writes them down (`[[tool.hfsdp.layers]]`); `tests/test_architecture.py` "
+             "fails on an import that points up (imports inside functions and under `TYPE_CHECKING` count):", ""]
+    layers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hfsdp"]["layers"]
+    lines += [f"{i}. {layer['name']}: " + ", ".join(f"`{m}`" for m in layer["modules"])
+              for i, layer in enumerate(layers, 1)] + [""]
     for package in PACKAGES:
         folder = root / package
         modules = sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")

@@ -1,9 +1,11 @@
-"""The tree keeps its shape: the config and rules packages are torch-free, and no module imports itself back
-through others (imports inside functions count; ``TYPE_CHECKING`` imports, which never run, do not)."""
+"""The tree keeps its shape: the config and rules packages are torch-free, every import points down the layers
+(:data:`LAYERS`, written down in pyproject.toml as import-linter's layers contract is), and no module imports itself back through
+others (imports inside functions and under ``TYPE_CHECKING`` count in both)."""
 
 import ast
 import subprocess
 import sys
+import tomllib
 
 from conftest import REPO, base_env
 
@@ -26,6 +28,31 @@ def test_validate_no_rows_of_every_example_and_preset_config_imports_no_torch():
     lines = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY")]
     assert len(lines) == len(configs) and any("qlora" in line for line in lines), proc.stderr[-3000:]
     assert all(line.endswith(" []") for line in lines), "\n".join(lines)
+
+
+def test_validate_no_rows_of_muon_and_optimizer_args_imports_no_torch(tmp_path):
+    """The optimizer's rules read a table, not the optimizer: ``train.optimizer: muon`` (whose torch version is
+    checked) and ``optimizer_args`` (checked against the optimizer's keyword arguments) validate without torch, and a
+    wrong argument is still named."""
+    from conftest import tiny_config
+
+    cases = {"muon": {"optimizer": "muon", "optimizer_args": {"ns_steps": 4}},
+             "sgd": {"optimizer": "sgd", "optimizer_args": {"momentum": 0.9}},
+             "wrong": {"optimizer_args": {"momentum": 0.9}}}
+    for name in cases:
+        (tmp_path / name).mkdir()
+    configs = [tiny_config(tmp_path / name, train=train) for name, train in cases.items()]
+    script = ("import sys\nfrom hfsdp.cli import cli\nfor config in sys.argv[1:]:\n"
+              "    try:\n        cli(['validate', '--no-rows', config], prog_name='hfsdp')\n"
+              "    except SystemExit as e:\n        print('EXIT', e.code, file=sys.stderr)\n"
+              "    heavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
+              "    print('HEAVY', heavy, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, configs)], env=base_env(), capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("HEAVY", "EXIT"))]
+    assert lines == ["EXIT 0", "HEAVY []", "EXIT 0", "HEAVY []", "EXIT 2", "HEAVY []"], proc.stderr[-3000:]
+    assert "train.optimizer_args.momentum: unknown argument of adamw (torch.optim.AdamW); it takes: amsgrad, " \
+           "maximize, foreach, capturable, differentiable, fused" in proc.stderr
 
 
 def test_the_config_and_rules_packages_import_no_torch():
@@ -59,31 +86,62 @@ def _module_of(path) -> str:
 
 
 def _imports(path, modules: set[str]) -> set[str]:
-    """The hfsdp modules ``path`` imports, at module level or inside functions, not under ``if TYPE_CHECKING``."""
+    """The hfsdp modules ``path`` imports, wherever the import stands: at module level, inside functions (lazy), under
+    ``if TYPE_CHECKING`` (a type is a dependency too), absolute or relative."""
     tree = ast.parse(path.read_text())
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    own = _module_of(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+
+    def known(name: str) -> str | None:  # the module itself, or the package that holds the name
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name in modules}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("hfsdp"):
-            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
-            found |= subs or ({node.module} & modules)
-            if subs and len(subs) < len(node.names) and node.module in modules:
-                found.add(node.module)
-    return found - {_module_of(path)}
+            found |= {known(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            if base == "hfsdp" or base.startswith("hfsdp."):
+                subs = {f"{base}.{a.name}" for a in node.names} & modules
+                found |= subs
+                if len(subs) < len(node.names):
+                    found.add(known(base))
+    return found - {own, None}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_of(p) for p in paths}
+    return {_module_of(p): _imports(p, modules) for p in paths}
+
+
+# The layers, bottom first, as pyproject.toml writes them down ([[tool.hfsdp.layers]]).
+LAYERS = tuple((layer["name"], tuple(layer["modules"]))
+               for layer in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hfsdp"]["layers"])
+
+
+def _layer(module: str) -> int:
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def test_every_import_points_down_the_layers():
+    graph = _graph()
+    assert graph["hfsdp.run.loop"] and graph["hfsdp.config.validate"], "the import scan finds nothing"
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {n} ({LAYERS[_layer(n)][0]})"
+              for m, targets in sorted(graph.items()) for n in sorted(targets) if _layer(n) > _layer(m)]
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 
 def test_no_module_imports_itself_back():
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_of(p) for p in paths}
-    graph = {_module_of(p): _imports(p, modules) for p in paths}
-    assert graph["hfsdp.run.loop"] and graph["hfsdp.config.validate"], "the import scan finds nothing"
+    graph = _graph()
     loops = []
     for start in graph:  # a path from a module's import back to itself
         stack, seen = [(start, [start])], set()

@@ -17,7 +17,7 @@ import pytest
 from conftest import PRESET_DATA, base_env, run_cli, tiny_config
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.config.files import load_config
-from hfsdp.checkpoint.resume import run_fingerprint
+from hfsdp.setup.record import run_fingerprint
 
 pytestmark = pytest.mark.slow
 

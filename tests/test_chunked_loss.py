@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import read_metrics, run_cli, run_torchrun, tiny_config
 from hfsdp import IGNORE_INDEX
 from hfsdp.data import batches
-from hfsdp.run.loss import LOSS_CHUNK_ELEMENTS, ChunkedLoss, check_chunked_loss, token_loss_sum
+from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS, ChunkedLoss, check_chunked_loss, token_loss_sum
 
 
 def _rows(vocab: int, lengths=(40, 33, 20), seed=0):

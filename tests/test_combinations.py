@@ -349,8 +349,8 @@ def refused_in_process(sections: dict, world: int, tmp_path: Path) -> str:
 
     from hfsdp.config.files import load_config
     from hfsdp.errors import UserError
-    from hfsdp.parallel.world import World
-    from hfsdp.run.setup import decide
+    from hfsdp.setup.degrees import World
+    from hfsdp.setup.decide import decide
 
     sys.path.insert(0, RUN_ENV["PYTHONPATH"])  # GRPO's reward function, as the runs see it
     try:

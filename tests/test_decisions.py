@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from hfsdp.checkpoint import store as checkpoint
-from hfsdp.checkpoint.resume import Record, keep_global_batch, run_fingerprint
+from hfsdp.setup.record import Record, keep_global_batch, run_fingerprint
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
-from hfsdp.parallel.world import World
+from hfsdp.setup.degrees import ParallelDims, World
 from hfsdp.errors import ConfigError, UserError
 from hfsdp.rules.wrapping import check_world
-from hfsdp.run.setup import decide
+from hfsdp.setup.decide import decide
 
 
 def _config(tmp_path: Path, **sections) -> HfsdpConfig:
@@ -36,6 +36,25 @@ def _checkpoint(config: HfsdpConfig, *, world_size: int, global_batch: int, by_f
     (path / checkpoint.RECORD).write_text(json.dumps({"step": 2, "world_size": world_size, "global_batch": global_batch,
                                                       "config_hash": run_fingerprint(config)}))
     return path
+
+
+@pytest.mark.parametrize("size, local, fsdp, tp, dims", [
+    (1, 1, {}, 1, (1, 1, 1)),  # one process: nothing to shard or replicate
+    (4, 4, {}, 1, (1, 4, 1)),  # FULL_SHARD over every rank
+    (4, 4, {"sharding_strategy": "SHARD_GRAD_OP"}, 1, (1, 4, 1)),
+    (8, 4, {"sharding_strategy": "HYBRID_SHARD"}, 1, (2, 4, 1)),  # shard in a node, replicate across nodes
+    (8, 8, {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}, 1, (4, 2, 1)),
+    (4, 4, {"sharding_strategy": "NO_SHARD"}, 1, (4, 1, 1)),  # DDP: every rank a whole copy
+    (4, 4, {"version": 1, "sharding_strategy": "NO_SHARD"}, 1, (4, 1, 1)),
+    (8, 8, {}, 2, (1, 4, 2)),  # FSDP2 over the data-parallel ranks, tensor-parallel pairs inside
+])
+def test_the_parallel_degrees_are_one_value_from_the_config_and_the_world(tmp_path, size, local, fsdp, tp, dims):
+    config = _config(tmp_path, fsdp=fsdp, parallel={"tp_size": tp})
+    world = decide(config, _world(size, local), resume=None).world
+    got = world.dims
+    assert (got.dp_replicate, got.dp_shard, got.tp) == dims and got.world_size == size and got.cp == 1
+    assert got.dp_size == size // tp and got.replicas == dims[0]
+    assert [got.dp_rank(r) for r in range(size)] == [r // tp for r in range(size)]
 
 
 @pytest.mark.parametrize("size, fsdp, wrapper", [
@@ -99,6 +118,10 @@ def test_check_world(size, local, hybrid, problem):
     assert (problems[0][1] if problems else None) == problem or problem in problems[0][1]
 
 
+def _dims(config: HfsdpConfig, world_size: int) -> ParallelDims:
+    return ParallelDims.of(config.fsdp, config.parallel.tp_size, world_size, world_size)
+
+
 def _record(world_size: int, global_batch: int | None) -> Record:
     return Record(step=1, world_size=world_size, config_hash="x", global_batch=global_batch)
 
@@ -112,7 +135,7 @@ def test_keep_global_batch_adapts_the_accumulation(tmp_path, saved_world, saved_
                                                    accumulation, expected):
     config = _config(tmp_path, train={"per_device_batch_size": per_device,
                                       "gradient_accumulation_steps": accumulation})
-    kept, note = keep_global_batch(_record(saved_world, saved_batch), config, world, Path("c"))
+    kept, note = keep_global_batch(_record(saved_world, saved_batch), config, _dims(config, world), Path("c"))
     assert kept.train.gradient_accumulation_steps == expected
     assert (note is None) == (expected == accumulation)
     assert kept.train.per_device_batch_size * expected * world == saved_batch
@@ -121,11 +144,12 @@ def test_keep_global_batch_adapts_the_accumulation(tmp_path, saved_world, saved_
 def test_keep_global_batch_refuses_what_no_accumulation_keeps(tmp_path):
     with pytest.raises(UserError, match="set one of: per_device_batch_size 1 with gradient_accumulation_steps 3; "
                                         "per_device_batch_size 3 with gradient_accumulation_steps 1"):
-        keep_global_batch(_record(3, 3), _config(tmp_path), 1, Path("c"))
+        keep_global_batch(_record(3, 3), _config(tmp_path), _dims(_config(tmp_path), 1), Path("c"))
     with pytest.raises(UserError, match="supported with fsdp.version 2 only"):
-        keep_global_batch(_record(2, 4), _config(tmp_path, fsdp={"version": 1}), 1, Path("c"))
+        config = _config(tmp_path, fsdp={"version": 1})
+        keep_global_batch(_record(2, 4), config, _dims(config, 1), Path("c"))
     with pytest.raises(UserError, match="does not record its global batch"):
-        keep_global_batch(_record(2, None), _config(tmp_path), 1, Path("c"))
+        keep_global_batch(_record(2, None), _config(tmp_path), _dims(_config(tmp_path), 1), Path("c"))
 
 
 def test_plan_estimate_shards_params_grads_and_optimizer_state():

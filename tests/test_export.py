@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import fake_checkpoint, run_cli, tiny_config
-from hfsdp.checkpoint.durable import EXPORT_RECORD
+from hfsdp.disk.durable import EXPORT_RECORD
 from hfsdp.errors import UserError
 from hfsdp.export.pipeline import export_checkpoint
 
@@ -172,7 +172,7 @@ def sharded_checkpoint(tmp_path, tiny_model_dir) -> Path:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig
 
-    from hfsdp.export.hf_folder import ModelFiles
+    from hfsdp.model.metadata import ModelFiles
 
     ckpt = fake_checkpoint(tmp_path / "sharded" / "step-1", tiny_model_dir)
     ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), None).record(ckpt / "model")

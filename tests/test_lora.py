@@ -91,7 +91,7 @@ def test_adapter_loads_with_peft_and_matches_merged_export(single, tiny_model_di
 def test_adapter_export_never_replaces_what_it_did_not_write(single):
     import json
 
-    from hfsdp.checkpoint.durable import EXPORT_RECORD
+    from hfsdp.disk.durable import EXPORT_RECORD
 
     adapter = single["adapter_ck"]
     record = json.loads((adapter / EXPORT_RECORD).read_text())

@@ -186,9 +186,9 @@ def test_an_unsharded_model_is_refused_at_startup():
 
     from hfsdp.run.startup import startup_report
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.parallel.world import World
+    from hfsdp.setup.degrees import World
     from hfsdp.errors import UserError
-    from hfsdp.run.setup import decide
+    from hfsdp.setup.decide import decide
 
     config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
                          fsdp={"sharding_strategy": "FULL_SHARD"})

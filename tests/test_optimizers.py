@@ -365,3 +365,18 @@ def test_each_lr_scheduler_gives_the_rates_of_transformers_get_scheduler_bit_for
             sched.step()
     assert len(set(rates)) == 1 if name == "constant" and warmup == 0 else len(set(rates)) > 3, rates
     assert ours.state_dict() == theirs.state_dict()
+
+
+def test_the_arguments_table_is_each_optimizers_signature_less_what_hfsdp_sets():
+    """``hfsdp validate`` checks ``optimizer_args`` against :data:`hfsdp.rules.optimizers.CHOICES`' ``takes`` without
+    importing the optimizer: the table is the installed optimizer's signature, less what the train keys set."""
+    import inspect
+
+    from hfsdp.rules.optimizers import CHOICES, set_by_hfsdp
+
+    for name, choice in CHOICES.items():
+        if not choice.installed:
+            continue
+        signature = inspect.signature(choice.load()).parameters.values()
+        assert choice.takes == tuple(p.name for p in signature if p.name not in set_by_hfsdp(choice)
+                                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)), name

@@ -50,7 +50,7 @@ def test_packed_loss_equals_separate_losses(tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfsdp.builtin.chat import tokenize_conversation
-    from hfsdp.run.loss import token_loss_sum
+    from hfsdp.model.token_loss import token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn, dtype=torch.float32).eval()

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import run_cli
 
 from hfsdp.cli import cli
-from hfsdp.tools.plots import read_series, run_plot
+from hfsdp.run.plots import read_series, run_plot
 
 C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colors
 

@@ -34,6 +34,7 @@ from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, 
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.export.hf_folder import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
+from hfsdp.setup.record import read_record
 
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
 MAX_STEPS = 6
@@ -198,7 +199,7 @@ def test_sigterm_exits_143_then_the_resume_is_bit_exact_on_one_rank(tmp_path, so
     no_traceback(proc)
     assert "stopped by SIGTERM after step 2" in proc.stderr and "--resume" in proc.stderr
     assert listing(run) == ["step-2"]
-    record = checkpoint.read_record(run / "checkpoints" / "step-2")
+    record = read_record(run / "checkpoints" / "step-2")
     assert record["step"] == 2 and record["world_size"] == 1
 
     finish = train(config, "", "--resume")
@@ -322,7 +323,7 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks(tmp_path, duo_reference):
     assert "exitcode  : 143" in proc.stderr
     assert "stopped by SIGTERM after step 4" in proc.stderr
     assert listing(run) == ["step-2", "step-4"]
-    record = checkpoint.read_record(run / "checkpoints" / "step-4")
+    record = read_record(run / "checkpoints" / "step-4")
     assert record["world_size"] == 2 and record["step"] == 4
     assert_checkpoint_as_reference(run, duo_reference, 4)
 
@@ -511,7 +512,7 @@ def test_failing_writer_leaves_the_previous_checkpoint(tmp_path, tiny_model_dir)
     args = _save_args(tiny_model_dir)
     ckpts = tmp_path / "checkpoints"
     good = checkpoint.save(_FailingAccelerator(False), ckpts, 1, {"step": 1}, *args)
-    assert checkpoint.read_record(good)["step"] == 1
+    assert read_record(good)["step"] == 1
     with pytest.raises(checkpoint.CheckpointError, match="step 2 could not be written: RuntimeError: writer exploded") as info:
         checkpoint.save(_FailingAccelerator(True), ckpts, 2, {"step": 2}, *args)
     assert "step-1, is intact" in str(info.value) and info.value.exit_code == 1
@@ -536,7 +537,7 @@ class _WritingAccelerator(_FailingAccelerator):
 def _save_args(tiny_model_dir: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from hfsdp.export.hf_folder import ModelFiles
+    from hfsdp.model.metadata import ModelFiles
 
     files = ModelFiles.of(AutoConfig.from_pretrained(str(tiny_model_dir)), AutoTokenizer.from_pretrained(str(tiny_model_dir)))
     return files, "train: {}\n"
@@ -588,7 +589,7 @@ def test_a_resave_of_the_same_step_always_leaves_a_complete_copy(tmp_path, tiny_
 
 def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_model_dir, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is unavailable, the old copy is renamed aside first, then deleted."""
-    from hfsdp.checkpoint import durable
+    from hfsdp.disk import durable
 
     monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
     ckpts = tmp_path / "checkpoints"
@@ -630,13 +631,13 @@ def test_a_short_write_is_a_full_disk_when_less_is_free_than_the_write_still_nee
     """torch's zip writer reports a short write without its errno ("unexpected pos"). On a disk other jobs share,
     a few MiB may be free again by the time the error is read (the CI rehearsal of 2026-12-02 read "unexpected pos
     704 vs 598" with 16 MiB free and no word of the disk): less free than the checkpoint still needed is a full disk."""
-    from hfsdp.checkpoint import storage
+    from hfsdp.disk import space
 
     disk = tmpfs("shared", 8)
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    space = storage.disk_full(short, disk, still_needed=40 * 2**20)
-    assert space is not None and 7 * 2**20 < space.free <= 8 * 2**20 and "tmpfs at" in space.filesystem
-    assert storage.disk_full(short, disk, still_needed=2**20) is None  # room enough: some other failure
+    full = space.disk_full(short, disk, still_needed=40 * 2**20)
+    assert full is not None and 7 * 2**20 < full.free <= 8 * 2**20 and "tmpfs at" in full.filesystem
+    assert space.disk_full(short, disk, still_needed=2**20) is None  # room enough: some other failure
 
 
 def error_line(proc) -> str:
@@ -697,7 +698,7 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_even_with_overwrite_and
 @pytest.mark.slow
 def test_a_full_disk_stops_at_the_save_that_does_not_fit_saying_so_then_the_run_resumes_elsewhere_bit_exact(
         tmp_path, tmpfs, solo_reference):
-    from hfsdp.checkpoint.storage import folder_bytes, size_text
+    from hfsdp.disk.space import folder_bytes, size_text
 
     disk = tmpfs("disk", 140)  # two checkpoints of the tiny model (53 MiB each) fit, a third does not
     run = disk / "run"

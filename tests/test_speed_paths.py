@@ -83,7 +83,7 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from hfsdp.model import loading as models
-    from hfsdp.run.loss import token_loss_sum
+    from hfsdp.model.token_loss import token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert models.accepts_logits_to_keep(model)

@@ -35,12 +35,11 @@ from pydantic import Field
 
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
+from hfsdp.tools.bench import SPLIT
 
 _state: dict[str, Any] = {}
 # The zero-length trace event the probe records at the start of training and at every step end: the steps' bounds.
 STEP_MARK = "bench_probe.step_end"
-# The split of an iteration (seconds each), in order; its parts but "collectives" add up to the iteration.
-SPLIT = ("forward", "backward", "fsdp_hooks", "clip", "optimizer", "other", "collectives")
 # Trace events of FSDP's hooks (FSDP2: "FSDP::pre_forward (3)", ...; FSDP1: "FullyShardedDataParallel._pre_forward")
 # and of collectives in flight (the communication threads' events: "gloo:all_gather", "nccl:all_reduce", ...).
 FSDP_EVENTS = ("FSDP::", "FullyShardedDataParallel.")

@@ -1,4 +1,3 @@
 """Checkpoints: the store (folders, records, the save phases every rank agrees on, pruning:
 :mod:`~hfsdp.checkpoint.store`), resume (:mod:`~hfsdp.checkpoint.resume`), loading without running a checkpoint's
-code (:mod:`~hfsdp.checkpoint.safe_load`), durable writes and the host's disk and run lock
-(:mod:`~hfsdp.checkpoint.durable`, :mod:`~hfsdp.checkpoint.storage`)."""
+code (:mod:`~hfsdp.checkpoint.safe_load`). Their durable writes, free space and run lock are :mod:`hfsdp.disk`'s."""

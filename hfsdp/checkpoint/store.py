@@ -27,67 +27,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from hfsdp.export.hf_folder import ModelFiles
-from hfsdp.checkpoint import storage
-from hfsdp.checkpoint.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
+from hfsdp.disk import space
+from hfsdp.disk.lock import RunLock
+from hfsdp.disk.durable import RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
 from hfsdp.checkpoint.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
-
-CONFIG_NAME = "hfsdp_config.yaml"
-PREFIX = "step-"
-
-
-def step_dir(checkpoints: Path, step: int) -> Path:
-    return checkpoints / f"{PREFIX}{step}"
-
-
-def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
-    found = []
-    if checkpoints.is_dir():
-        for path in checkpoints.iterdir():
-            if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit() and (path / RECORD).is_file():
-                found.append((int(path.name[len(PREFIX):]), path))
-    return sorted(found)
-
-
-def latest(checkpoints: Path) -> Path | None:
-    complete = complete_checkpoints(checkpoints)
-    return complete[-1][1] if complete else None
-
-
-def _what_it_is(path: Path) -> str:
-    """The likely mix-up behind a folder given as a checkpoint that is not one."""
-    for kind, folder in (("a run folder", path / "checkpoints"), ("a folder of checkpoints", path)):
-        found = latest(folder)
-        if found:
-            return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {found} "
-                    "(train --resume alone takes the latest)")
-    if (path / EXPORT_RECORD).is_file() or (path / "config.json").is_file():
-        return "it is a model folder (config.json), already consolidated: load or train from it instead"
-    return "it was not finished or not ours"
-
-
-def read_record(path: Path) -> dict[str, Any]:
-    record = path / RECORD
-    if not path.exists():
-        raise UserError(f"{path} does not exist; name a checkpoint folder (train.output_dir/checkpoints/{PREFIX}N)")
-    if not record.is_file():
-        raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); {_what_it_is(path)}")
-    try:
-        data = json.loads(record.read_bytes().decode("utf-8"))
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"{record} is damaged (not a JSON record: {err}); resume from or export another "
-                        "checkpoint") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{record} is damaged (not an hfsdp checkpoint record); resume from or export another checkpoint")
-    return data
-
-
-def saved_by_fsdp(path: Path) -> bool:
-    """Whether FSDP wrote the checkpoint's model (its SHARDED or FULL layout), not a plain or DDP model."""
-    return (path / "pytorch_model_fsdp_0").is_dir() or (path / "pytorch_model_fsdp.bin").is_file()
-
+from hfsdp.model.metadata import ModelFiles
+from hfsdp.setup.record import CONFIG_NAME, PREFIX, complete_checkpoints, latest, step_dir
 
 class CheckpointError(UserError):
     """A checkpoint could not be written (disk full, failing writer). The previous complete checkpoint is intact."""
@@ -141,9 +87,9 @@ class Pending:
     started: float = field(default_factory=time.perf_counter)
     stall_s: float = 0.0  # how long the training loop was blocked by this save
     write_s: float = 0.0  # from the start of the save until the checkpoint was complete
-    estimate: int = 0  # bytes a checkpoint of this run takes at least (storage.estimate), before one exists
+    estimate: int = 0  # bytes a checkpoint of this run takes at least (hfsdp.disk.space.estimate), before one exists
     needed: int = 0  # bytes this checkpoint is expected to take: the last complete one's, else ``estimate``
-    lock: storage.RunLock | None = None  # the run's lock of train.output_dir (main process)
+    lock: RunLock | None = None  # the run's lock of train.output_dir (main process)
     previous: "Pending | None" = None  # the last checkpoint this process completed
     timeout_s: float | None = None
     _watchdog: threading.Timer | None = None
@@ -167,7 +113,7 @@ class Pending:
             self.tmp.mkdir(parents=True)
 
         last = latest(self.checkpoints)
-        self.needed = storage.folder_bytes(last) if last is not None else self.estimate
+        self.needed = space.folder_bytes(last) if last is not None else self.estimate
         if self.timeout_s:
             self._watchdog = threading.Timer(self.timeout_s, self._timed_out)
             self._watchdog.daemon = True
@@ -196,7 +142,7 @@ class Pending:
                                 "is not the one this run wrote); another job may be writing into train.output_dir "
                                 f"{run_dir}, so nothing was written over it. Find what else writes there, then "
                                 "resume from a checkpoint you trust")
-        if self.needed and storage.space_of(self.checkpoints).free < self.needed:
+        if self.needed and space.space_of(self.checkpoints).free < self.needed:
             raise NoRoom(self.checkpoints)
 
     def _timed_out(self) -> None:
@@ -285,7 +231,7 @@ class Saver:
     :meth:`wait`); a failed background write raises :class:`CheckpointError` there, on every rank."""
 
     def __init__(self, accelerator, model, optimizer, asynchronous: bool, timeout_s: int,
-                 on_complete: Callable[[Pending], None], estimate: int = 0, lock: storage.RunLock | None = None,
+                 on_complete: Callable[[Pending], None], estimate: int = 0, lock: RunLock | None = None,
                  save_timeout_s: float | None = None):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.asynchronous, self.on_complete = asynchronous, on_complete
@@ -398,13 +344,13 @@ def _describe(error: BaseException, pending: Pending) -> str:
     if isinstance(error, UserError):
         return str(error)
     cause = "; ".join(f"{where}{type(e).__name__}: {e}" for where, e in _root_causes(error))
-    written = storage.folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
-    space = storage.disk_full(error, pending.checkpoints, pending.needed - written)
-    if space is None:
+    written = space.folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
+    full = space.disk_full(error, pending.checkpoints, pending.needed - written)
+    if full is None:
         return cause
-    need = (f"the checkpoint needs about {storage.size_text(pending.needed)}" if pending.needed > written else
-            f"the checkpoint needs more than the {storage.size_text(written)} written before the disk filled")
-    return (f"no space left on device: {space.text()}, and {need}"
+    need = (f"the checkpoint needs about {space.size_text(pending.needed)}" if pending.needed > written else
+            f"the checkpoint needs more than the {space.size_text(written)} written before the disk filled")
+    return (f"no space left on device: {full.text()}, and {need}"
             + ("" if isinstance(error, NoRoom) else f" ({cause})"))
 
 

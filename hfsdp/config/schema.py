@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hfsdp.rules.optimizers import OPTIMIZER_NAMES
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
@@ -314,6 +313,10 @@ class CompileConfig(Section):
     @property
     def cuda_graphs(self) -> bool:
         return self.mode in ("reduce-overhead", "max-autotune")
+
+
+# The values of train.optimizer; hfsdp.rules.optimizers.CHOICES holds each one's implementation, in this order.
+OPTIMIZER_NAMES = ("adamw", "adamw_8bit", "adafactor", "muon", "schedule_free_adamw", "sgd")
 
 
 class TrainConfig(Section):

@@ -15,8 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from hfsdp.config.schema import CORE_SECTIONS, HfsdpConfig, MixedPrecisionParts
 from hfsdp.errors import InvalidSectionRead
 from hfsdp.hooks import host as plugin_host
-from hfsdp.rules import parallel, quantization
-from hfsdp.run import optimizers
+from hfsdp.rules import optimizers, parallel, quantization
 
 
 def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
@@ -165,5 +164,5 @@ def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
         problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
                                              "whose checkpoint is one file: use FULL_SHARD, or remove "
                                              "train.async_save"))
-    problems += quantization.problems(config) + optimizers.problems(config) + parallel.config_problems(config)
+    problems += quantization.problems(config) + optimizers.config_problems(config) + parallel.config_problems(config)
     return problems

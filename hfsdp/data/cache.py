@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hfsdp.checkpoint import storage
+from hfsdp.disk.space import OutOfSpace, disk_full, folder_bytes, size_text
 from hfsdp.config.schema import DataConfig
 from hfsdp.errors import UserError
 
@@ -87,12 +87,12 @@ def _build_entry(target: Path, build: Callable[[], tuple[Any, dict]], marker: Pa
         (tmp / "data").rename(target)
         _fsync([target.parent])
     except Exception as err:
-        full = storage.disk_full(err, tmp)  # before the partial entry is removed
-        written = storage.folder_bytes(tmp)
+        full = disk_full(err, tmp)  # before the partial entry is removed
+        written = folder_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)  # room for the marker
-        out = err if full is None else storage.OutOfSpace(
+        out = err if full is None else OutOfSpace(
             f"preprocessing cache: no space left on device: {full.text()}, and the tokenized data needs more than "
-            f"the {storage.size_text(written)} written before the disk filled ({type(err).__name__}: {err}); "
+            f"the {size_text(written)} written before the disk filled ({type(err).__name__}: {err}); "
             "nothing was cached. Free space there or set HFSDP_CACHE_DIR to a folder with more room")
         with contextlib.suppress(OSError):  # the waiters stop too
             marker.write_text(json.dumps({"user_error": full is not None, "message": str(out)}))

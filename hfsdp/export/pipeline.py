@@ -1,7 +1,8 @@
-"""One export pipeline: the trained model at the end of training (:func:`export_model`, ``train.output_dir/final``)
-and a saved checkpoint (:func:`export_checkpoint`, ``hfsdp export``) become a Hugging Face folder the same way
-(:func:`write_export`): the weights (a 4-bit base dequantized for QLoRA), staged next to their final place, through
-the ``hfsdp_export`` hook, so plugins (e.g. LoRA) export checkpoints the way they export final models.
+"""One export pipeline: the trained model at the end of training (``train.output_dir/final``, by
+:func:`hfsdp.run.summary.export_model`) and a saved checkpoint (:func:`export_checkpoint`, ``hfsdp export``) become
+a Hugging Face folder the same way (:func:`write_export`): the weights (a 4-bit base dequantized for QLoRA), staged
+next to their final place, through the ``hfsdp_export`` hook, so plugins (e.g. LoRA) export checkpoints the way they
+export final models.
 
 ``hfsdp export`` runs in one process without a process group: sharded (DCP) checkpoints are read and written one
 tensor at a time, so peak memory stays near the largest tensor whatever the model size, and the built-in export
@@ -16,16 +17,16 @@ from typing import Any, Mapping, TYPE_CHECKING
 from hfsdp.checkpoint import store
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
-from hfsdp.export.hf_folder import ModelFiles, model_metadata
 from hfsdp.export.staging import check_export_target, staged_export
 from hfsdp.hooks.host import Lazy, PluginHost
 from hfsdp.model import quantized
+from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.rules import quantization
+from hfsdp.setup.record import read_record
 
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.run.state import Run
 
 
 def write_export(host: PluginHost, out_dir: Path, weights: Mapping[str, Any], *, config: "HfsdpConfig",
@@ -51,7 +52,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
     or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
-    store.read_record(checkpoint_dir)  # refuses a folder whose save never completed
+    read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
     config, host = load_config(str(checkpoint_dir / store.CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
@@ -83,22 +84,3 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
                  generation_config=generation_config, model_files=ModelFiles.in_folder(model_dir), overwrite=overwrite,
                  source=checkpoint_dir, max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters)
     return out_dir
-
-
-def export_model(run: "Run", out_dir: Path) -> None:
-    """The trained model into ``out_dir`` (replacing an earlier export there). Collective: every rank calls it."""
-    from hfsdp.run import optimizers
-
-    accelerator = run.accelerator
-    # schedule-free: the averaged weights it evaluates with, held while they are written (one process's state dict
-    # holds the parameters themselves)
-    with optimizers.evaluation_weights(run.optimizer):
-        state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
-        unwrapped = accelerator.unwrap_model(run.model)
-        weights = quantized.exported_weights(state_dict, run.config,
-                                             lambda: dict(quantized.quantized_linears(unwrapped)), check_bytes=False)
-        if accelerator.is_main_process:
-            write_export(run.plugins, out_dir, weights, config=run.config, model_config=run.model_config,
-                         tokenizer=run.tokenizer, generation_config=run.generation_config,
-                         model_files=run.model_files, overwrite=True)
-    accelerator.wait_for_everyone()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Iterator
 
 from hfsdp import __version__
-from hfsdp.checkpoint import storage
-from hfsdp.checkpoint.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder
+from hfsdp.disk.space import OutOfSpace, disk_full, folder_bytes, size_text
+from hfsdp.disk.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder
 from hfsdp.errors import UserError
 
 
@@ -98,14 +98,14 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
         check_export_target(out_dir, overwrite=overwrite, source=source)  # nothing foreign appeared meanwhile
         _move_into_place(tmp, out_dir)
     except BaseException as err:
-        full = storage.disk_full(err, tmp) if isinstance(err, Exception) and tmp.is_dir() else None
-        written = storage.folder_bytes(tmp) if full else 0
+        full = disk_full(err, tmp) if isinstance(err, Exception) and tmp.is_dir() else None
+        written = folder_bytes(tmp) if full else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if full is None:
             raise
         kept = f"{out_dir} and {source} are" if source is not None else f"{out_dir} and the run's checkpoints are"
-        raise storage.OutOfSpace(f"export: no space left on device: {full.text()}, and the export needs more than "
-                                 f"the {storage.size_text(written)} written before the disk filled "
+        raise OutOfSpace(f"export: no space left on device: {full.text()}, and the export needs more than "
+                                 f"the {size_text(written)} written before the disk filled "
                                  f"({type(err).__name__}: {err}); nothing was changed: {kept} as they were. Free "
                                  "space there or export to a folder with more room") from err
 

@@ -112,7 +112,7 @@ def hfsdp_before_model_load(config, world, model_config, setup):
     ``world`` is an :class:`hfsdp.parallel.world.World` (``rank``, ``size``, ``local_size``, ``on_cpu``);
     ``model_config`` is the model's transformers config (no weight is loaded yet): raise a ``ConfigError`` here for
     a combination the model cannot run, before any weight loads. ``setup`` is the run as decided before anything
-    loaded (:class:`hfsdp.run.setup.RunSetup`: ``wrapper`` ``none``/``ddp``/``fsdp1``/``fsdp2``, ``world``, the
+    loaded (:class:`hfsdp.setup.decide.RunSetup`: ``wrapper`` ``none``/``ddp``/``fsdp1``/``fsdp2``, ``world``, the
     effective ``config``, the ``resume`` point). ``hfsdp plan`` calls it for each row it predicts (rank 0 of that
     row's world, no resume): a ConfigError raised here is the row's reason it cannot run.
     """
@@ -141,7 +141,7 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
     (``model.quantization``) the 4-bit weights arrive dequantized in the compute dtype, on first access. ``out_dir`` is an
     empty temporary folder next to the destination: write the files there; hfsdp records them and renames the folder
     into place once the export hooks return (and removes it if one raises). ``model_files``
-    (``hfsdp.export.hf_folder.ModelFiles``) writes the config, generation config and tokenizer files and knows the
+    (``hfsdp.model.metadata.ModelFiles``) writes the config, generation config and tokenizer files and knows the
     architecture's tensor shapes; in ``hfsdp export`` it copies the checkpoint's files, and ``model_config``,
     ``tokenizer`` and ``generation_config`` are only loaded (with transformers) if an implementation asks for them.
     ``max_shard_bytes``: the most bytes one weights file may hold (``hfsdp export --max-shard-size``), or None for

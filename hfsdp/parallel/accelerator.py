@@ -28,7 +28,7 @@ from hfsdp.errors import UserError
 from hfsdp.parallel.fsdp import build_fsdp_plugin, build_parallelism_config
 
 if TYPE_CHECKING:
-    from hfsdp.run.setup import RunSetup
+    from hfsdp.setup.decide import RunSetup
 
 
 def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
@@ -79,7 +79,7 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
             state.parallelism_config = parallelism
             state.device_mesh = parallelism.get_device_mesh("cpu")
             parallelism._validate_accelerator(accelerator)
-    if world.tp > 1:
+    if world.dims.tp > 1:
         _attach_tensor_parallel_mesh(AcceleratorState(), world)
     if plugin is not None:
         expected = DistributedType.FSDP
@@ -106,7 +106,7 @@ def _attach_tensor_parallel_mesh(state, world) -> None:
     from hfsdp.parallel.tensor import device_mesh
 
     mesh = device_mesh(world, state.device.type)
-    config = ParallelismConfig(dp_shard_size=world.dp_size)
+    config = ParallelismConfig(dp_shard_size=world.dims.dp_shard)
     config.device_mesh = mesh
     state.parallelism_config = config
     state.device_mesh = mesh
@@ -191,7 +191,7 @@ def prepare_model_and_optimizer(accelerator, setup: "RunSetup", model, build_opt
     config = setup.config
     if config.fsdp.activation_checkpointing and not setup.fsdp:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if setup.world.tp > 1:  # before compile (which traces the split layers) and FSDP2 (which shards the slices)
+    if setup.world.dims.tp > 1:  # before compile (which traces the split layers) and FSDP2 (which shards the slices)
         from hfsdp.parallel.tensor import parallelize
 
         parallelize(model, accelerator.torch_device_mesh)

@@ -14,8 +14,8 @@ from hfsdp.parallel.launch import free_port
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.parallel.world import World
-    from hfsdp.run.setup import RunSetup
+    from hfsdp.setup.decide import RunSetup
+    from hfsdp.setup.degrees import World
 
 # Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
 # Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks
@@ -57,7 +57,7 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
 
 def launched_world(env: Mapping[str, str], on_cpu: bool) -> "World":
     """The process's place in the job, as the launcher set it in ``env`` (one process when no launcher did)."""
-    from hfsdp.parallel.world import World  # torch: imported by training only
+    from hfsdp.setup.degrees import World  # the config schema's pydantic: not for `hfsdp --help`
 
     size = int(env.get("WORLD_SIZE", "1"))
     return World(rank=int(env.get("RANK", "0")), size=size,

@@ -18,7 +18,7 @@ from hfsdp.rules.parallel import TP_STYLES, tp_plan
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hfsdp.parallel.world import World
+    from hfsdp.setup.degrees import World
 
 # Mesh dimension names: Accelerate's, so that its FSDP2 preparation finds its data-parallel mesh (fsdp_dim_names).
 DP_DIM, TP_DIM = "dp_shard_cp", "tp"
@@ -29,7 +29,7 @@ def device_mesh(world: "World", device_type: str) -> "DeviceMesh":
     group, ranks r and r+tp hold the same slice and split the rows."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world.dp_size, world.tp), mesh_dim_names=(DP_DIM, TP_DIM))
+    return init_device_mesh(device_type, (world.dims.dp_size, world.dims.tp), mesh_dim_names=(DP_DIM, TP_DIM))
 
 
 def parallelize(model, mesh: "DeviceMesh") -> None:

@@ -1,36 +1,17 @@
-"""The process group: where a process is in the job (:class:`World`), the backend and the environment torch needs
-for what the config asks, and the collectives hfsdp runs (all ranks call them: any_rank, all_sum, gather_objects,
-per_rank, the gradient norm of FSDP1).
+"""The process group: the backend and the environment torch needs for what the config asks of the world
+(:class:`World`, defined torch-free in :mod:`hfsdp.setup.degrees` with the run's degrees), and the collectives hfsdp
+runs (all ranks call them: any_rank, all_sum, gather_objects, per_rank, the gradient norm).
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, copies, wrapper
-
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    size: int
-    local_size: int
-    on_cpu: bool
-    tp: int = 1  # ranks of a tensor-parallel group (consecutive ranks: parallel.tp_size), set by RunSetup
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel rank: the ranks of a tensor-parallel group train on the same rows."""
-        return self.rank // self.tp
-
-    @property
-    def dp_size(self) -> int:
-        """The data-parallel ranks (what the global batch is split over)."""
-        return self.size // self.tp
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, wrapper
+from hfsdp.setup.degrees import World
 
 
 def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
@@ -92,7 +73,7 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
     float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), over the ranks in
     float64 where FSDP shards the gradients (divided by how many ranks hold each element: a DTensor's
     :func:`element_holders`, which counts a tensor-parallel group's copies of what it does not split, else the
-    replicas, :func:`hfsdp.rules.wrapping.copies`), and rounded to float32 once. The terms of that float64 sum are
+    replicas, ``world.dims.replicas``), and rounded to float32 once. The terms of that float64 sum are
     the norms of a matrix's rows (:func:`sum_of_squares`: taken in float32, the same values whichever rows a shard
     holds, as FSDP2 splits dimension 0) or a flat tensor's elements. Other orders of a float64 sum differ by about
     1e-16 relative, far below float32's 2**-24: one process and N ranks round to the same float32 norm (short of a
@@ -109,7 +90,7 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
     from torch.distributed.tensor import DTensor
 
     sharded = wrapped in FSDP_WRAPPERS and world.size > 1
-    replicas = copies(config.fsdp, world.size, world.local_size)
+    replicas = world.dims.replicas
     grads, squares = [], {}  # sums of squares by how many ranks hold each of their elements
     for p in parameters:
         if p.grad is None:

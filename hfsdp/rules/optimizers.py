@@ -1,16 +1,21 @@
-"""The optimizer choices (``train.optimizer``) and what decides, before anything loads, where each can run: the
-table of implementations (:data:`CHOICES`), the keyword arguments ``optimizer_args`` may give (each optimizer's
-signature less what hfsdp sets), and the wrappers that cannot give one process's update
+"""The optimizer choices (``train.optimizer``, named in :data:`hfsdp.config.schema.OPTIMIZER_NAMES`) and what
+decides, before anything loads, whether and where each can run: the table of implementations (:data:`CHOICES`), the
+keyword arguments ``optimizer_args`` may give (each optimizer's signature less what hfsdp sets, written down in the
+table so that checking them imports nothing; a test holds it against the installed signatures), what the config
+alone rules out (:func:`config_problems`) and the wrappers that cannot give one process's update
 (:func:`wrapper_problems`). Torch-free; the builders, the parameter groups and the sharded implementations are
-:mod:`hfsdp.run.optimizers`, which also tries ``optimizer_args`` on a small tensor (:func:`hfsdp.run.optimizers.problems`)."""
+:mod:`hfsdp.run.optimizers`, which also tries the values of ``optimizer_args`` on a small layer before any weight
+loads (:func:`hfsdp.run.optimizers.refused_arguments`)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
-import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from hfsdp.config.schema import OPTIMIZER_NAMES
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
@@ -23,11 +28,11 @@ class Choice:
     path: str  # "module:Class"
     pip: str | None  # what installs it, None: torch itself
     adam: bool  # hfsdp passes betas and eps (train.adam_*)
+    # the keyword arguments optimizer_args may give: the signature less what hfsdp sets (SET_BY), in its order
+    takes: tuple[str, ...]
     defaults: dict[str, Any] = field(default_factory=dict)  # hfsdp's own, which optimizer_args may change
     # why each parameter must be whole (refused under FSDP1), None: it updates each element on its own
     whole: str | None = None
-    # why a shard of a parameter cannot be updated as the whole one (refused where FSDP2 shards), None: it can
-    unsharded: str | None = None
 
     def load(self) -> type:
         module, name = self.path.split(":")
@@ -49,21 +54,26 @@ BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes' 8-bit block size and its sm
 
 CHOICES: dict[str, Choice] = {
     # fused: one kernel per step instead of a loop of per-parameter ops (CPU's default); 3x faster on 2 CPU cores.
-    "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True}),
+    "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True},
+                    takes=("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")),
     "adamw_8bit": Choice(
         "hfsdp.run.optimizers:ShardedAdamW8bit", BITSANDBYTES, adam=True,
+        takes=("amsgrad", "optim_bits", "args", "min_8bit_size", "is_paged"),
         whole="its moments are quantized in blocks of each parameter"),
     "adafactor": Choice(
         "hfsdp.run.optimizers:ShardedAdafactor", None, adam=False,
+        takes=("beta2_decay", "eps", "d", "foreach", "maximize"),
         whole="it factors each matrix's second moment into its rows and columns"),
     "muon": Choice("hfsdp.run.optimizers:WholeMatrixMuon", None, adam=True,
+                   takes=("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn", "ns_eps"),
                    whole="it orthogonalises each whole matrix"),
-    "schedule_free_adamw": Choice("schedulefree:AdamWScheduleFree", SCHEDULEFREE, adam=True),
-    "sgd": Choice("torch.optim:SGD", None, adam=False),
+    "schedule_free_adamw": Choice("schedulefree:AdamWScheduleFree", SCHEDULEFREE, adam=True,
+                                  takes=("warmup_steps", "r", "weight_lr_power", "foreach")),
+    "sgd": Choice("torch.optim:SGD", None, adam=False,
+                  takes=("momentum", "dampening", "nesterov", "maximize", "foreach", "differentiable", "fused")),
 }
-
-
-OPTIMIZER_NAMES = tuple(CHOICES)
+assert tuple(CHOICES) == OPTIMIZER_NAMES, "every train.optimizer value has one implementation, in the schema's order"
+MUON_TORCH = (2, 9)  # torch.optim.Muon's first release
 
 
 # the keyword arguments hfsdp sets itself, from these keys (betas and eps only for the Adam family)
@@ -75,10 +85,33 @@ def set_by_hfsdp(choice: Choice) -> set[str]:
     return {"params", "lr", "weight_decay"} | ({"betas", "eps"} if choice.adam else set())
 
 
-def signature_keys(choice: Choice) -> list[str]:
-    """The keyword arguments ``optimizer_args`` may give: the optimizer's signature less what hfsdp sets."""
-    return [p.name for p in inspect.signature(choice.load()).parameters.values()
-            if p.name not in set_by_hfsdp(choice) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What cannot work, from the config alone, before anything loads and without importing torch: a package not
+    installed, a torch without Muon, an argument the optimizer does not take or that a train key sets, schedule-free
+    with an LR schedule."""
+    cfg = config.train
+    choice = CHOICES[cfg.optimizer]
+    if not choice.installed:
+        return [("train.optimizer", f"{cfg.optimizer} needs {choice.pip.split('==')[0]}, which is not installed: "
+                                    f"pip install '{choice.pip}' (or pip install 'hfsdp[optimizers]')")]
+    if cfg.optimizer == "muon":
+        torch_version = importlib.metadata.version("torch")
+        if tuple(int(part) for part in torch_version.split(".")[:2]) < MUON_TORCH:
+            return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch_version} lacks: "
+                                        "pip install 'torch>=2.9'")]
+    out = []
+    for key in cfg.optimizer_args:
+        if key in set_by_hfsdp(choice):
+            out.append((f"train.optimizer_args.{key}", f"set by {SET_BY[key]}: remove it from optimizer_args"))
+        elif key not in choice.takes:
+            out.append((f"train.optimizer_args.{key}",
+                        f"unknown argument of {cfg.optimizer} ({choice.path.replace(':', '.')}); it takes: "
+                        f"{', '.join(choice.takes) or 'none'}"))
+    if cfg.optimizer == "schedule_free_adamw" and cfg.lr_scheduler != "constant":
+        out.append(("train.lr_scheduler", f"{cfg.lr_scheduler}: schedule-free AdamW replaces the LR schedule (it "
+                                          "averages its iterates instead): set train.lr_scheduler: constant "
+                                          "(train.warmup_steps still warms up)"))
+    return out
 
 
 def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str]]:
@@ -89,9 +122,4 @@ def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str
     if wrapper == "fsdp1" and choice.whole:
         return [("train.optimizer", f"{name} cannot run under FSDP1: {choice.whole}, and FSDP1 gives the optimizer "
                                     "flat slices of several parameters concatenated: use fsdp.version: 2")]
-    if wrapper == "fsdp2" and choice.unsharded:
-        return [("train.optimizer", f"{name} cannot run on FSDP2's sharded parameters: {choice.unsharded}. Run it "
-                                    "without FSDP2's shards: on one process without FSDP (fsdp.single_process: "
-                                    "auto), under DDP (fsdp.sharding_strategy: NO_SHARD), or choose another "
-                                    "optimizer")]
     return []

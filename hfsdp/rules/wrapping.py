@@ -1,8 +1,8 @@
-"""What wraps the model and how its elements are copied, decided from the ``fsdp:`` section and the world alone:
-the wrapper (none, DDP, FSDP1, FSDP2), the precision parts, HYBRID_SHARD's mesh shape, how many ranks hold each
-element, the checks that need the world size, and what CPU rehearsal mode refuses. Torch-free: validation,
-``RunSetup``, ``hfsdp plan`` and ``hfsdp bench`` use these rules; :mod:`hfsdp.parallel.fsdp` builds torch's and
-Accelerate's objects from them.
+"""What wraps the model, decided from the ``fsdp:`` section and the world alone:
+the wrapper (none, DDP, FSDP1, FSDP2), the precision parts, HYBRID_SHARD's mesh shape (read into the run's
+degrees, :class:`hfsdp.setup.degrees.ParallelDims`), the checks that need the world size, and what CPU rehearsal mode
+refuses. Torch-free: validation, ``RunSetup``, ``hfsdp plan`` and ``hfsdp bench`` use these rules;
+:mod:`hfsdp.parallel.fsdp` builds torch's and Accelerate's objects from them.
 """
 
 from __future__ import annotations
@@ -59,15 +59,6 @@ def hybrid_mesh_shape(cfg: FSDPConfig, world_size: int, local_world_size: int) -
         return None
     shard = cfg.hybrid_shard_size or local_world_size
     return world_size // shard, shard
-
-
-def copies(cfg: FSDPConfig, world_size: int, local_world_size: int) -> int:
-    """How many ranks hold each element of a parameter (and of its gradient and optimizer state): one where FSDP
-    shards over all ranks, the replica groups under HYBRID_SHARD, every rank under NO_SHARD, DDP or one process."""
-    if wrapper(cfg, world_size) not in FSDP_WRAPPERS or cfg.sharding_strategy == "NO_SHARD":
-        return world_size
-    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    return shape[0] if shape else 1
 
 
 def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list[tuple[str, str]]:

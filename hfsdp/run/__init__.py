@@ -1,3 +1,3 @@
-"""One training run, in the order it happens: the run decided once before any weight loads
-(:mod:`~hfsdp.run.setup`), the loop (:mod:`~hfsdp.run.loop`), its step (:mod:`~hfsdp.run.step`), evaluation, the
-loss, the optimizer and LR schedule, generation eval, and what the run reports (start-up, metrics, throughput)."""
+"""One training run, in the order it happens (the run itself decided before, by :mod:`hfsdp.setup`): the loop
+(:mod:`~hfsdp.run.loop`), its step (:mod:`~hfsdp.run.step`), evaluation, the optimizer and LR schedule, generation
+eval, and what the run reports (start-up, metrics, throughput, the summary, the final export and the loss plot)."""

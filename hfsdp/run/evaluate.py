@@ -10,7 +10,8 @@ import torch
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches
 from hfsdp.objective import Objective
-from hfsdp.parallel.world import World, all_sum
+from hfsdp.parallel.world import all_sum
+from hfsdp.setup.degrees import World
 from hfsdp.run import generation, optimizers
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
@@ -20,9 +21,9 @@ from hfsdp.run.state import Run
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, world: World, pad_id: int, select_logits: bool,
              objective: Objective) -> dict[str, float]:
     """The eval loss over ``dataset``, split over the data-parallel ranks (a tensor-parallel group's ranks evaluate
-    the same rows: the sums over all ranks count them ``world.tp`` times)."""
+    the same rows: the sums over all ranks count them ``world.dims.tp`` times)."""
     model.eval()
-    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size, world.dp_size,
+    rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size, world.dims.dp_size,
                                         world.dp_rank)
     if config.train.max_eval_batches:
         rank_batches = rank_batches[: config.train.max_eval_batches]
@@ -35,7 +36,7 @@ def evaluate(model, dataset, config: HfsdpConfig, accelerator, world: World, pad
         loss_sum += float(objective(model, batch))
         tokens += batch.num_targets
     model.train()
-    loss_sum, tokens = (total / world.tp for total in all_sum(accelerator, [loss_sum, tokens]))
+    loss_sum, tokens = (total / world.dims.tp for total in all_sum(accelerator, [loss_sum, tokens]))
     return {**objective.eval_metrics(loss_sum / max(tokens, 1), tokens),
             **objective.take_metrics(accelerator, prefix="eval_")}
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from hfsdp.checkpoint import storage
+from hfsdp.disk.lock import RunLock
 from hfsdp.errors import UserError
 from hfsdp.export.staging import check_export_target
 from hfsdp.model import loading
-from hfsdp.run.setup import RunSetup
+from hfsdp.setup.decide import RunSetup
 from hfsdp.run.state import Options
 
 
@@ -21,9 +21,9 @@ OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml"
            "completions.jsonl")
 
 
-def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> storage.RunLock | None:
+def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> RunLock | None:
     """Check and prepare ``train.output_dir`` (writable; not another live run's: the main process takes its
-    :class:`storage.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
+    :class:`hfsdp.disk.lock.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
     blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
@@ -36,7 +36,7 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
             "it, --overwrite to replace it, or set another train.output_dir"
         )
     _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
-    lock = storage.RunLock.take(output_dir) if is_main else None
+    lock = RunLock.take(output_dir) if is_main else None
     if existing and opts.overwrite and is_main:  # only once the folder is this run's
         for name in existing:
             target = output_dir / name
@@ -57,10 +57,10 @@ def _check_writable(folder: Path, what: str, fix: str) -> None:
         raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
 
 
-def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, storage.RunLock | None]:
+def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, RunLock | None]:
     """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
     lock), the prepared output folder and its lock (main process), for a run whose checks
-    :func:`hfsdp.run.setup.decide` made. The cache folder and the output folder are checked writable first."""
+    :func:`hfsdp.setup.decide.decide` made. The cache folder and the output folder are checked writable first."""
     config = setup.config
     _check_writable(opts.cache_dir, "the hfsdp cache folder", "set HFSDP_CACHE_DIR to a folder you can write to")
     output_dir = Path(config.train.output_dir)

@@ -20,11 +20,11 @@ from typing import Any
 
 import yaml
 
-from hfsdp.checkpoint import resume, storage, store
+from hfsdp.checkpoint import resume, store
+from hfsdp.disk import space
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches, cache, prepare
-from hfsdp.export.hf_folder import ModelFiles, model_metadata
-from hfsdp.export.pipeline import export_model
+from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.hooks.host import PluginHost
 from hfsdp.model import loading, quantized
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
@@ -33,15 +33,17 @@ from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gath
 from hfsdp.parallel.world import any_rank, per_rank
 from hfsdp.errors import ConfigError
 from hfsdp.rules import parallel, quantization
-from hfsdp.run import generation, loss as losses, optimizers, throughput
+from hfsdp.model import token_loss
+from hfsdp.run import generation, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
 from hfsdp.run.folder import prepare_run
 from hfsdp.run.metrics import MetricsWriter
-from hfsdp.run.setup import RunSetup, one_process
+from hfsdp.setup.decide import RunSetup, one_process
 from hfsdp.run.startup import report_optimizer_state, report_startup
 from hfsdp.run.state import Options, Run, TrainerState
+from hfsdp.setup.record import Record
 from hfsdp.run.step import compile_metrics, log_step, train_step
-from hfsdp.run.summary import finish
+from hfsdp.run.summary import export_model, finish
 
 
 class Preempted(Exception):
@@ -81,7 +83,7 @@ class PreemptionFlag:
 
 
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
-    # ---- set up: the run was decided and checked before anything loads (hfsdp.run.setup.decide)
+    # ---- set up: the run was decided and checked before anything loads (hfsdp.setup.decide.decide)
     config, world = setup.config, setup.world
     model_path, output_dir, lock = prepare_run(setup, opts)
     from accelerate.utils import set_seed
@@ -92,9 +94,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         model_config = loading.load_model_config(model_path, config.model)
         if problems := parallel.model_problems(config, model_config):
             raise ConfigError(problems, source=f"the config, for {model_path}")
-        checkpoint_bytes, export_bytes = storage.estimate(  # before any weight loads
+        checkpoint_bytes, export_bytes = space.estimate(  # before any weight loads
             loading.build_meta_model(model_config, one_process(config), host, config.model.dtype))
-        space_warning = storage.check_space(output_dir, checkpoint_bytes, export_bytes, config)
+        space_warning = space.check_space(output_dir, checkpoint_bytes, export_bytes, config)
         accelerator = build_accelerator(setup, loading.fsdp_layer_classes(config.fsdp, model_config))
         set_seed(config.train.seed)
         is_main = accelerator.is_main_process
@@ -106,7 +108,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = loading.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
-        if replaced is not None and world.tp > 1:
+        if replaced is not None and world.dims.tp > 1:
             raise ConfigError([("parallel.tp_size", f"{type(replaced).__name__} (a plugin's objective) is not "
                                                     "composed with tensor parallelism yet: next-token training only; "
                                                     "set parallel.tp_size: 1")])
@@ -235,7 +237,7 @@ def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
     plan), the run's length, and what a checkpoint must resume on (its schedule length and data); a resume's
     checkpoint is checked against them here, before any weight loads."""
     config = setup.config
-    plan = objective.batch_plan(train_set, config.train, setup.world.dp_size,
+    plan = objective.batch_plan(train_set, config.train, setup.world.dims.dp_size,
                                 batches.Mixture.of(config.data, [s["rows"] for s in data_report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)
     if config.data.datasets:
@@ -273,7 +275,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
     it (counted before sharding) and the objective to train it with (``replaced``, a plugin's, else next-token cross
     entropy through, by ``train.chunked_loss``, :class:`loss.ChunkedLoss` where the probe proves it exact, else
-    :func:`loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
+    :func:`token_loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
@@ -283,8 +285,8 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
     probe = quantized.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
     vocab_size = model.config.vocab_size
-    chunked = (losses.ChunkedLoss(model, vocab_size)
-               if config.train.chunked_loss and replaced is None and losses.output_head(model) else None)
+    chunked = (token_loss.ChunkedLoss(model, vocab_size)
+               if config.train.chunked_loss and replaced is None and token_loss.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: optimizers.build(m, config.train, matrices))
     quantized.check_sharded_forward(model, probe, accelerator)
@@ -292,8 +294,8 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
         batches.check_packed_attention(model, vocab_size, accelerator.device)
     if replaced is not None:
         return model, optimizer, flops, replaced
-    loss_sum = losses.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
-        else losses.token_loss_sum
+    loss_sum = token_loss.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
+        else token_loss.token_loss_sum
     return model, optimizer, flops, TokenCrossEntropy(loss_sum)
 
 
@@ -301,7 +303,7 @@ def save_checkpoint(run: Run, saver: store.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
     accelerator = run.accelerator
-    record = resume.Record.of_run(run.config, run.state.step, run.world.size, run.plugins,
+    record = Record.of_run(run.config, run.state.step, run.world.dims, run.plugins,
                                   run.resume_identity,
                                   resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world)).to_json()
     with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous

@@ -28,7 +28,7 @@ import functools
 import math
 from typing import Iterator, TYPE_CHECKING
 
-from hfsdp.rules.optimizers import BNB_BLOCK, CHOICES, SET_BY, set_by_hfsdp, signature_keys
+from hfsdp.rules.optimizers import BNB_BLOCK, CHOICES, config_problems
 
 
 if TYPE_CHECKING:
@@ -37,41 +37,16 @@ if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig, TrainConfig
 
 
-def problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
-    """What cannot work, from the config alone, before any weight loads: a package not installed, an argument the
-    optimizer does not take or refuses, schedule-free with an LR schedule. torch is imported only to check Muon's
-    presence or ``optimizer_args`` (by the optimizer's signature and a step on a small layer): validating a config
-    without them stays torch-free (``hfsdp validate --no-rows``)."""
+def refused_arguments(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """The values of ``optimizer_args`` the optimizer itself refuses (a negative momentum, a tuple of the wrong
+    length), found by building it over a small layer and stepping it once, before any weight loads (``train`` and
+    ``hfsdp validate`` with its rows ask; the torch-free checks of the names are
+    :func:`hfsdp.rules.optimizers.config_problems`)."""
     cfg = config.train
-    choice = CHOICES[cfg.optimizer]
-    if not choice.installed:
-        return [("train.optimizer", f"{cfg.optimizer} needs {choice.pip.split('==')[0]}, which is not installed: "
-                                    f"pip install '{choice.pip}' (or pip install 'hfsdp[optimizers]')")]
-    if cfg.optimizer == "muon":
-        import torch
-
-        if not hasattr(torch.optim, "Muon"):
-            return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch.__version__} lacks: "
-                                        "pip install 'torch>=2.9'")]
-    out = []
-    if cfg.optimizer_args:
-        valid = signature_keys(choice)
-        for key in cfg.optimizer_args:
-            if key in set_by_hfsdp(choice):
-                out.append((f"train.optimizer_args.{key}", f"set by {SET_BY[key]}: remove it from optimizer_args"))
-            elif key not in valid:
-                out.append((f"train.optimizer_args.{key}",
-                            f"unknown argument of {cfg.optimizer} ({choice.path.replace(':', '.')}); it takes: "
-                            f"{', '.join(valid) or 'none'}"))
-        if not out:
-            refused = _try_on_small_tensors(config)
-            if refused:
-                out.append(("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}"))
-    if cfg.optimizer == "schedule_free_adamw" and cfg.lr_scheduler != "constant":
-        out.append(("train.lr_scheduler", f"{cfg.lr_scheduler}: schedule-free AdamW replaces the LR schedule (it "
-                                          "averages its iterates instead): set train.lr_scheduler: constant "
-                                          "(train.warmup_steps still warms up)"))
-    return out
+    if not cfg.optimizer_args or config_problems(config):
+        return []
+    refused = _try_on_small_tensors(config)
+    return [("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}")] if refused else []
 
 
 def _try_on_small_tensors(config: "HfsdpConfig") -> str | None:

@@ -17,12 +17,11 @@ from hfsdp.errors import UserError
 from hfsdp.model import quantized
 from hfsdp.parallel.world import local_tensor
 from hfsdp.rules import quantization
-from hfsdp.rules.wrapping import hybrid_mesh_shape
 from hfsdp.units import MIB
 
 
 if TYPE_CHECKING:
-    from hfsdp.run.setup import RunSetup
+    from hfsdp.setup.decide import RunSetup
 
 
 # What the start-up report adds to the strategy when FSDP does not wrap the model.
@@ -35,7 +34,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
     config, world = setup.config, setup.world
     local, full = local_parameter_bytes(model)
     fsdp = config.fsdp
-    mesh = hybrid_mesh_shape(fsdp, world.size, world.local_size)
+    dims = world.dims
     report = {
         "world_size": world.size,
         "distributed_type": accelerator.distributed_type.value,
@@ -44,9 +43,10 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
                   else str(accelerator.device),
         "fsdp_version": fsdp.version,
         "strategy": fsdp.sharding_strategy + _WRAPPER_NOTES.get(setup.wrapper, "")
-                    + (f" (replicate {mesh[0]} x shard {mesh[1]})" if mesh else "")
-                    + (f" over dp_shard {world.dp_size} x tensor parallel {world.tp}" if world.tp > 1 else ""),
-        "tp_size": world.tp,
+                    + (f" (replicate {dims.dp_replicate} x shard {dims.dp_shard})"
+                       if fsdp.sharding_strategy == "HYBRID_SHARD" else "")
+                    + (f" over dp_shard {dims.dp_size} x tensor parallel {dims.tp}" if dims.tp > 1 else ""),
+        "tp_size": dims.tp,
         "wrap_policy": fsdp.wrap_policy,
         "wrapped_units": wrapped_units(model),
         "wrapped_unit_names": wrapped_unit_names(model),
@@ -62,8 +62,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         report["quantized_base"] = quantized.base_report(model, quant)
         report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
-    group = mesh[1] if mesh else world.dp_size  # the ranks FSDP shards over
-    if sharded and group > 1 and local > 0.75 * full:
+    if sharded and dims.dp_shard > 1 and local > 0.75 * full:  # dp_shard: the ranks FSDP shards over
         raise UserError(
             f"the model did not end up sharded: this rank holds {local} of {full} parameter bytes under "
             f"{fsdp.sharding_strategy} on {world.size} ranks. This is a bug in the launcher adaptation; "

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.export.hf_folder import ModelFiles
+from hfsdp.model.metadata import ModelFiles
 from hfsdp.hooks.host import PluginHost
 from hfsdp.objective import Objective, TokenCrossEntropy
-from hfsdp.parallel.world import World
+from hfsdp.setup.degrees import World
 
 
 @dataclass

@@ -47,7 +47,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     every step."""
     accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
     local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
-    tp = run.world.tp  # the ranks of a tensor-parallel group train on the same rows: the sums count them tp times
+    tp = run.world.dims.tp  # the ranks of a tensor-parallel group train on the same rows: the sums count them tp times
     global_labels, global_tokens, global_sq_lengths = (total / tp for total in all_sum(
         accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths]))
     run.objective.start_step(accelerator, micro)
@@ -55,7 +55,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     for batch in micro:  # no host sync in here: the loss is summed on the device
         with phase("forward"):
             part = run.objective(model, batch)
-            loss = part * run.world.dp_size / max(global_labels, 1)
+            loss = part * run.world.dims.dp_size / max(global_labels, 1)
         with phase("backward"):
             accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()

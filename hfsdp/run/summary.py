@@ -1,4 +1,5 @@
-"""The end of a completed run: ``summary.json``, the last hook, the printed summary and the loss plot."""
+"""The end of a completed run: the final export, ``summary.json``, the last hook, the printed summary and the loss
+plot."""
 
 from __future__ import annotations
 
@@ -6,10 +7,28 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.run import generation, throughput
+from hfsdp.export.pipeline import write_export
+from hfsdp.model import quantized
+from hfsdp.run import generation, optimizers, plots, throughput
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
-from hfsdp.tools import plots
+
+
+def export_model(run: Run, out_dir: Path) -> None:
+    """The trained model into ``out_dir`` (replacing an earlier export there). Collective: every rank calls it."""
+    accelerator = run.accelerator
+    # schedule-free: the averaged weights it evaluates with, held while they are written (one process's state dict
+    # holds the parameters themselves)
+    with optimizers.evaluation_weights(run.optimizer):
+        state_dict = accelerator.get_state_dict(run.model)  # collective: full tensors land on the main process
+        unwrapped = accelerator.unwrap_model(run.model)
+        weights = quantized.exported_weights(state_dict, run.config,
+                                             lambda: dict(quantized.quantized_linears(unwrapped)), check_bytes=False)
+        if accelerator.is_main_process:
+            write_export(run.plugins, out_dir, weights, config=run.config, model_config=run.model_config,
+                         tokenizer=run.tokenizer, generation_config=run.generation_config,
+                         model_files=run.model_files, overwrite=True)
+    accelerator.wait_for_everyone()
 
 
 def finish(run: Run, summary: dict[str, Any], metrics: MetricsWriter,

@@ -32,6 +32,9 @@ from hfsdp.config.schema import STRATEGIES
 from hfsdp.parallel.launch import free_port
 from hfsdp.units import MIB
 
+# The split of an iteration (seconds each) that the bench_probe plugin measures, in order; its parts but
+# "collectives" add up to the iteration.
+SPLIT = ("forward", "backward", "fsdp_hooks", "clip", "optimizer", "other", "collectives")
 ONE_PROCESS = "none (1 process)"  # the strategy column of a one-process run without a wrapper
 
 COLUMNS = [
@@ -279,8 +282,6 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 def profile_table(rows: list[dict[str, Any]]) -> str:
     """--profile: where each rank's median step went, one line per run and rank (Markdown)."""
-    from hfsdp.builtin.bench_probe import SPLIT
-
     lines = ["| strategy | ranks | rank | step s | " + " | ".join(f"{p} s" for p in SPLIT) + " |",
              "|" + "---|" * (4 + len(SPLIT))]
     for row in rows:
@@ -293,7 +294,7 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """bench.png; PlotUnavailable without matplotlib."""
-    from hfsdp.tools.plots import pyplot
+    from hfsdp.run.plots import pyplot
 
     plt = pyplot(str(path))
     labels = [f"{r['strategy']}\n{r['world_size']} proc" for r in rows]
@@ -323,8 +324,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def _plot_split(ax, profiled: list[tuple[str, dict[str, float]]]) -> None:
     """Stacked bars of each rank's median step by part; collectives in flight (overlapping the parts) as a line."""
-    from hfsdp.builtin.bench_probe import SPLIT
-
     x = list(range(len(profiled)))
     bottom = [0.0] * len(profiled)
     for part in [p for p in SPLIT if p != "collectives"]:
@@ -387,7 +386,7 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
                                                       "steps": opts.steps, "warmup": opts.warmup}, indent=2,
                                                      default=str))
     written = ["bench.md", "bench.csv", "bench.json"]
-    from hfsdp.tools.plots import PlotUnavailable
+    from hfsdp.run.plots import PlotUnavailable
 
     try:
         plot(rows, opts.out / "bench.png")

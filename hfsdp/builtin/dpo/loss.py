@@ -35,7 +35,7 @@ from hfsdp.errors import UserError
 from hfsdp.objective import PairBatch, PreferenceObjective, adapters_disabled
 
 if TYPE_CHECKING:
-    from hfsdp.builtin.dpo import DpoSection
+    from hfsdp.builtin.dpo.schema import DpoSection
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's names
 
@@ -99,7 +99,7 @@ class ReferenceRoutes(PreferenceObjective):
         else:
             values = self._compute(model, accelerator, split, name)
             if accelerator.is_main_process:
-                from hfsdp.checkpoint.durable import write_atomic
+                from hfsdp.disk.durable import write_atomic
 
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(values))

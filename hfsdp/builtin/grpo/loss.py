@@ -43,7 +43,7 @@ from hfsdp.errors import UserError
 from hfsdp.objective import Objective, Sampling, adapters_disabled, target_logps
 
 if TYPE_CHECKING:
-    from hfsdp.builtin.grpo import GrpoSection
+    from hfsdp.builtin.grpo.schema import GrpoSection
 
 # TRL adds this to the standard deviation it divides the advantages by.
 STD_EPSILON = 1e-4

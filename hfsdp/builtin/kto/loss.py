@@ -39,7 +39,7 @@ from hfsdp.data.batches import micro_batch
 from hfsdp.objective import PairBatch
 
 if TYPE_CHECKING:
-    from hfsdp.builtin.kto import KtoSection
+    from hfsdp.builtin.kto.schema import KtoSection
 
 KL_IDS, KL_LABELS = "KL_input_ids", "KL_labels"  # a row's KL row: its prompt, another row's completion
 REFERENCE_COLUMNS = ("ref_logps", "ref_KL_logps")  # TRL's names

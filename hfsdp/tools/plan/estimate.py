@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, hybrid_mesh_shape, precision_parts, wrapper
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, precision_parts, wrapper
+from hfsdp.setup.degrees import ParallelDims
 from hfsdp.tools.plan.facts import Activations, FrozenFacts, ModelFacts, Param, _chunk, _gathered_itemsize
 from hfsdp.units import DTYPE_BYTES, PRECISION_DTYPES
 
@@ -69,13 +70,10 @@ class Setup:
         implicit prefetch of the next unit."""
         return 0 if self.fsdp.version == 1 and self.fsdp.backward_prefetch == "NONE" else 1
 
-    def shard_group(self) -> int:
-        if self.strategy == "NO_SHARD":
-            return 1
-        if self.tp > 1:
-            return self.world // self.tp  # the data-parallel ranks
-        mesh = hybrid_mesh_shape(self.fsdp, self.world, self.nproc_per_node)
-        return mesh[1] if mesh else self.world
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees this setup runs with, by train's own rule (:meth:`hfsdp.setup.degrees.ParallelDims.of`)."""
+        return ParallelDims.of(self.fsdp, self.tp, self.world, self.nproc_per_node)
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
@@ -172,7 +170,7 @@ def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool],
 
 
 def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
-    group = setup.shard_group()
+    group = setup.dims.dp_shard
     if setup.wrapper in ("ddp", "none"):
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
     if setup.fsdp.version == 1:
@@ -202,7 +200,7 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "sgd":
         return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
     if setup.optimizer == "adafactor":
-        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+        group = setup.dims.dp_shard if setup.wrapper == "fsdp2" else 1
 
         def factors(p: Param, rank: int) -> int:  # row factors and vector moments sharded as the rows, columns whole
             rows = _chunk(p.rows, group, rank) if group > 1 else p.rows
@@ -214,7 +212,7 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "adamw_8bit":
         small = args.get("min_8bit_size", BNB_MIN_8BIT)
         quantized = [p for p in trainable if p.numel >= small]
-        group = setup.shard_group() if setup.wrapper == "fsdp2" else 1
+        group = setup.dims.dp_shard if setup.wrapper == "fsdp2" else 1
 
         def per_rank(p: Param, rank: int) -> int:
             if p.numel < small:
@@ -253,9 +251,9 @@ def generation_bytes(facts: ModelFacts, acts: Activations, setup: Setup, gen: Ge
     layer's prefill activations (the traced layer's saved tensors scaled to the prefill's tokens: an upper bound,
     as the prefill keeps nothing for backward) and the last positions' float32 logits with the sampler's two
     copies."""
-    sequences = gen.rows * setup.accumulation * (setup.world // setup.tp if gen.whole_global_batch else 1)
+    sequences = gen.rows * setup.accumulation * (setup.dims.dp_size if gen.whole_global_batch else 1)
     itemsize = compute or facts.params[0].itemsize
-    if setup.wrapper == "fsdp1" and setup.shard_group() > 1:
+    if setup.wrapper == "fsdp1" and setup.dims.dp_shard > 1:
         gathered = sum(p.numel * p.itemsize for p in facts.params)  # summon_full_params, beside the shards
         itemsize = facts.params[0].itemsize
     kv = facts.kv_per_token * sequences * (gen.prompt_tokens + gen.new_tokens) * itemsize
@@ -284,7 +282,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
       logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
       float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved, and the transients are one
-      chunk's (``hfsdp.run.loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, and three (the logits, their
+      chunk's (``hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, and three (the logits, their
       log-softmax and their gradient, which it makes at the end of the forward with the head's gradient) counted
       in backward beside the root's gradients, an upper bound of that moment.
     * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
@@ -315,7 +313,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     root = facts.unit_bytes(0, compute)
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
-    group = setup.shard_group()
+    group = setup.dims.dp_shard
     if setup.wrapper == "none" or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
@@ -356,7 +354,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
     # per-parameter loop (CPUs) one parameter's worth.
     step_temp = grads if setup.multi_tensor_adam else max(
-        (p.numel * p.itemsize // setup.shard_group() for p in facts.params if p.trainable), default=0)
+        (p.numel * p.itemsize // setup.dims.dp_shard for p in facts.params if p.trainable), default=0)
     on_device_params, on_device_grads, on_device_optim = params, grads, optimizer
     host = 0
     if setup.fsdp.cpu_offload:
@@ -397,7 +395,7 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     * Tensor parallelism: each decoder layer all-reduces its input-sized activations after the attention's and the
       MLP's row-split projections in forward, and the input gradients of its column-split ones in backward (4 per
       layer; activation checkpointing recomputes the 2 forward ones)."""
-    g = setup.shard_group()
+    g = setup.dims.dp_shard
     accumulation = setup.accumulation
     grads = [sum(p.numel * (reduce_size or p.itemsize) for p in facts.params if p.unit == u and p.trainable)
              for u in range(len(facts.units))]
@@ -410,7 +408,7 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
         twice = setup.strategy in ("FULL_SHARD", "HYBRID_SHARD")
         gathered = units[0] + sum(units[1:]) * (2 if twice else 1)
         fsdp = (gathered + sum(grads)) * (g - 1) // g
-        replicas = setup.world // g if setup.strategy == "HYBRID_SHARD" and setup.tp == 1 else 1
+        replicas = setup.dims.dp_replicate
         if replicas > 1:
             fsdp += 2 * (sum(grads) // g) * (replicas - 1) // replicas
     t = setup.tp

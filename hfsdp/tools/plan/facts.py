@@ -14,7 +14,7 @@ from hfsdp.model import quantized
 from hfsdp.model.loading import build_meta_model, layer_classes
 from hfsdp.rules import parallel, quantization
 from hfsdp.run import optimizers
-from hfsdp.run.setup import one_process
+from hfsdp.setup.decide import one_process
 from hfsdp.units import DTYPE_BYTES
 
 
@@ -84,7 +84,7 @@ class Activations:
     layer_inputs: tuple[int, ...]  # each decoder layer's input (all that checkpointing keeps of it)
     logits_bytes: int  # one fp32 copy of the micro-batch's logits (the loss transients are counted in these)
     loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
-    chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.run.loss.LOSS_CHUNK_ELEMENTS), else 0
+    chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS), else 0
     tokens: int = 0  # the traced micro-batch's (sequences x tokens)
 
     def saved(self, checkpointing: bool) -> int:

@@ -26,9 +26,9 @@ from typing import Any
 from hfsdp.config.files import with_plugins
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
-from hfsdp.parallel.world import World
-from hfsdp.rules.wrapping import check_world
 from hfsdp.rules import optimizers, parallel
+from hfsdp.setup import degrees
+from hfsdp.setup.degrees import World
 from hfsdp.tools.plan.estimate import Estimate, Generation, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
 from hfsdp.tools.plan.trace import trace_activations
@@ -125,7 +125,7 @@ class Planner:
         """Why this combination cannot run at all, by the checks training makes before any weight loads: the
         ``fsdp`` section's own rules, the world checks, and what the enabled plugins refuse (their config checks,
         and their ``hfsdp_before_model_load`` for this world, e.g. LoRA's FSDP1 single-shard refusal)."""
-        from hfsdp.run.setup import RunSetup
+        from hfsdp.setup.decide import RunSetup
 
         try:
             FSDPConfig.model_validate(setup.fsdp.model_dump())
@@ -134,10 +134,9 @@ class Planner:
         train = self.config.train.model_copy(update={"optimizer": setup.optimizer})
         layout = self.config.parallel.model_copy(update={"tp_size": setup.tp, "dp_shard_size": None})
         planned = self.config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
-        problems = ((parallel.config_problems(planned) + parallel.world_problems(planned, setup.world,
-                                                                                 setup.nproc_per_node)
-                     + parallel.model_problems(planned, self.model_config)) if setup.tp > 1 else
-                    check_world(setup.fsdp, setup.world, setup.nproc_per_node))
+        problems = ((parallel.config_problems(planned) if setup.tp > 1 else [])
+                    + degrees.problems(planned, setup.world, setup.nproc_per_node)
+                    + (parallel.model_problems(planned, self.model_config) if setup.tp > 1 else []))
         problems += optimizers.wrapper_problems(planned, setup.wrapper)  # e.g. Adafactor where FSDP2 shards
         if problems:
             return f"{problems[0][0]}: {problems[0][1]}" if setup.tp > 1 else problems[0][1]
@@ -145,7 +144,7 @@ class Planner:
         config = config.model_copy(update={"fsdp": setup.fsdp, "parallel": layout})
         problems = host.validation_problems(config)
         if not problems:
-            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False, tp=setup.tp)
+            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False).with_dims(config)
             try:
                 host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
                           setup=RunSetup(config=config, world=world, resume=None))

@@ -111,7 +111,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
-                 world=e.setup.world, shard_group=e.setup.shard_group(), runs_as_ddp=e.setup.fsdp.runs_as_ddp,
+                 world=e.setup.world, shard_group=e.setup.dims.dp_shard, runs_as_ddp=e.setup.fsdp.runs_as_ddp,
                  tp_size=e.setup.tp,
                  runs_as=e.setup.runs_as,
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
@@ -121,7 +121,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
 
 
 def plot(rows: list[Estimate], budget: int, path, title: str) -> None:
-    from hfsdp.tools.plots import pyplot
+    from hfsdp.run.plots import pyplot
 
     plt = pyplot(str(path))
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -8,7 +8,7 @@ from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.model.loading import accepts_logits_to_keep, build_meta_model, layer_classes
-from hfsdp.run.setup import one_process
+from hfsdp.setup.decide import one_process
 from hfsdp.tools.plan.estimate import compute_dtype
 from hfsdp.tools.plan.facts import Activations
 
@@ -49,7 +49,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     import torch
     import torch.nn.functional as F
 
-    from hfsdp.run.loss import token_loss_sum
+    from hfsdp.model.token_loss import token_loss_sum
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
     batch *= objective.sequences_per_row if objective is not None else 1
@@ -130,7 +130,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             loss_saved += nbytes
         else:
             per_layer[layer] += nbytes
-    from hfsdp.run.loss import LOSS_CHUNK_ELEMENTS
+    from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS
 
     vocab = model_config.vocab_size
     chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked and lm_head else 0

@@ -1,22 +1,23 @@
 """The run decided once, before any weight loads: :class:`RunSetup` (world, wrapper, effective config, resume point).
 
-The CLI reads argv and the environment, then asks :func:`decide` for the run; ``train``, the resume component and
+The CLI reads argv and the environment, then asks :func:`decide` for the run (the world's parallel degrees,
+:class:`hfsdp.setup.degrees.ParallelDims`, derived here once); ``train``, the resume component and
 the plugins' model hooks read the answer instead of deciding again. Every problem that the config, the world and
 the checkpoint to resume show is found here and reported at once: nothing has been loaded yet.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from hfsdp.checkpoint.resume import Resume
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.errors import ConfigError
-from hfsdp.parallel.world import World
-from hfsdp.rules import parallel
 from hfsdp.rules.attention import attention_problems
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, check_world, rehearsal_problems, wrapper
 from hfsdp.rules.optimizers import wrapper_problems
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, rehearsal_problems, wrapper
+from hfsdp.setup import degrees
+from hfsdp.setup.degrees import World
+from hfsdp.setup.record import Resume
 
 
 @dataclass(frozen=True)
@@ -41,27 +42,28 @@ class RunSetup:
 def one_process(config: HfsdpConfig) -> RunSetup:
     """A run of ``config`` on one process with nothing to resume: what ``hfsdp plan`` and the start-up space
     estimate give the model hooks when they build the model on the meta device."""
-    return RunSetup(config=config, world=World(rank=0, size=1, local_size=1, on_cpu=False), resume=None)
+    return RunSetup(config=config, world=World(rank=0, size=1, local_size=1, on_cpu=False).with_dims(config),
+                    resume=None)
 
 
 def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = "config") -> RunSetup:
     """The run ``config`` makes on ``world`` (what the launcher started), resuming from ``resume`` ("latest", a
     checkpoint folder, or None). The config is made effective here, each change said in ``notes``, by the resume's
-    first phase (:meth:`hfsdp.checkpoint.resume.Resume.decide`).
+    first phase (:meth:`hfsdp.setup.record.Resume.decide`).
 
     Raises ConfigError with every config problem of this world at once, then UserError for a checkpoint that
     cannot resume here."""
-    problems = (check_world(config.fsdp, world.size, world.local_size) + attention_problems(config, world.on_cpu)
-                + wrapper_problems(config, wrapper(config.fsdp, world.size))
-                + parallel.world_problems(config, world.size, world.local_size))
+    problems = (degrees.problems(config, world.size, world.local_size) + attention_problems(config, world.on_cpu)
+                + wrapper_problems(config, wrapper(config.fsdp, world.size)))
     if world.on_cpu:
         problems += rehearsal_problems(config)
     if problems:
         raise ConfigError(problems, source=source)
-    world = replace(world, tp=config.parallel.tp_size)
+    world = world.with_dims(config)
     point, notes = None, []
     if resume:
         point, config, notes = Resume.decide(config, world, resume)
+        world = world.with_dims(config)  # the config the checkpoint resumes with (FSDP kept on one process)
     setup = RunSetup(config=config, world=world, resume=point, resume_asked=bool(resume), notes=tuple(notes))
     if config.train.async_save and setup.wrapper == "none" and not config.fsdp.runs_as_ddp:
         raise ConfigError([("train.async_save", "one process runs the model without FSDP (fsdp.single_process: "

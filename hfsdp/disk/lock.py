@@ -1,0 +1,76 @@
+"""One run per output folder: :class:`RunLock`, held by the main process for the life of the run."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hfsdp.errors import UserError
+
+LOCK_NAME = ".hfsdp-run.lock"  # in train.output_dir, held (flock) by rank 0 for the life of the run
+
+
+@dataclass
+class RunLock:
+    """``<output_dir>/.hfsdp-run.lock``, locked (``flock``) for the life of the run by one process: a second run into
+    the folder is refused while the first lives. The kernel releases the lock when its process ends, however it
+    ends (kill -9 included), so a killed run's lock is free again; the file says who holds it. A folder deleted or
+    replaced under the run loses the file (:meth:`still_ours`)."""
+
+    path: Path
+    fd: int
+    inode: int
+
+    @classmethod
+    def take(cls, output_dir: Path) -> "RunLock":
+        path = Path(output_dir) / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no locks on this fs
+                print(f"hfsdp: warning: {path}: the file system of train.output_dir does not support locks "
+                      f"({err.strerror}), so a second run into the folder is not refused", file=sys.stderr)
+                return cls(path, fd, os.fstat(fd).st_ino)
+            holder = _holder(fd)
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise UserError(f"train.output_dir {output_dir} is in use by another run ({holder}), which holds "
+                            f"{path}; nothing of it was changed. Wait for that run to end (or stop it), or set "
+                            "another train.output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}).encode())
+        os.fsync(fd)
+        return cls(path, fd, os.fstat(fd).st_ino)
+
+    def still_ours(self) -> bool:
+        """The lock file this run holds is still at its path (the folder was neither deleted nor replaced)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the file stays: deleting it could let two runs lock two different files
+            self.fd = -1
+
+
+def _holder(fd: int) -> str:
+    try:
+        info: dict[str, Any] = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info.get("pid"):
+        return "its process is starting"
+    return f"pid {info['pid']} on host {info.get('host', '?')}, started {info.get('started', '?')}"
