@@ -105,7 +105,7 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
 
     # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
-    setup = decide(cfg, world, resume, source=str(resolve_config_path(config)))
+    setup = decide(cfg, world, resume, source=str(resolve_config_path(config)), plugins=host)
     _check_optimizer_values(cfg, str(resolve_config_path(config)))
     launcher.apply_wrapper(os.environ, setup)
     notes = launcher.take_launcher_settings(os.environ, setup.config, world.on_cpu)

@@ -404,3 +404,43 @@ def test_pluggy_orders_and_calls_the_hooks(tmp_path, monkeypatch):
         host.call("hfsdp_on_train_start", run=None)
     with pytest.raises(ConfigError, match="hfsdp_modify_model is chained .*: a hook wrapper cannot wrap it"):
         PluginHost(["p_wraps_chain"])
+
+
+def test_a_plugins_rules_join_the_table_in_their_phase(tmp_path, monkeypatch):
+    """``hfsdp_rules`` adds rules to hfsdp's own table: a ``config`` rule is reported by ``hfsdp validate`` with the
+    core's problems (exit 2, one screen), a ``world`` rule by the decided run before anything loads, with its key;
+    a hook returning something else names the plugin."""
+    from hfsdp.config.files import load_config
+    from hfsdp.errors import ConfigError
+    from hfsdp.setup.decide import decide
+    from hfsdp.setup.degrees import World
+
+    mods = tmp_path / "mods"
+    _module(mods, "p_rules", HEADER + """
+        from hfsdp.rules.table import Rule
+
+        def _steps(config, facts):
+            return [("train.max_steps", "p_rules trains 100 steps at least")] if config.train.max_steps < 100 else []
+
+        def _ranks(config, facts):
+            return [("plugins", f"p_rules runs on one rank, not {facts.world.size}")] if facts.world.size > 1 else []
+
+        @hookimpl
+        def hfsdp_rules():
+            return [Rule("config", ("train.max_steps",), _steps), Rule("world", ("plugins",), _ranks)]
+    """)
+    _module(mods, "p_bad_rules", HEADER + "@hookimpl\ndef hfsdp_rules():\n    return ['not a rule']\n")
+    proc = _validate(tmp_path, ["p_rules"], train={"max_steps": 4, "optimizer_args": {"momentum": 0.9}})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "2 problem(s)" in proc.stderr and "train.max_steps: p_rules trains 100 steps at least" in proc.stderr
+    assert "train.optimizer_args.momentum: unknown argument of adamw" in proc.stderr  # the core's, beside it
+
+    monkeypatch.syspath_prepend(str(mods))
+    config, host = load_config(str(tiny_config(tmp_path, plugins=["p_rules"], train={"max_steps": 100})))
+    world = World(rank=0, size=2, local_size=2, on_cpu=True)
+    with pytest.raises(ConfigError) as refused:
+        decide(config, world, None, plugins=host)
+    assert refused.value.problems == [("plugins", "p_rules runs on one rank, not 2")]
+    assert decide(config, World(rank=0, size=1, local_size=1, on_cpu=True), None, plugins=host).world.size == 1
+    with pytest.raises(ConfigError, match="plugins.p_bad_rules: hfsdp_rules must return a list of"):
+        load_config(str(tiny_config(tmp_path, plugins=["p_bad_rules"])))

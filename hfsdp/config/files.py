@@ -13,11 +13,11 @@ from typing import Any
 import yaml
 
 from hfsdp.hooks import host as plugin_host
-from hfsdp.config.data_paths import DATA_SUFFIXES, data_path_problems, is_glob
+from hfsdp.config.data_paths import DATA_SUFFIXES, is_glob
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.config.validate import cross_section_problems, validate_config
-from hfsdp.errors import ConfigError, InvalidSectionRead
-from hfsdp.rules import quantization
+from hfsdp.config.validate import validate_config
+from hfsdp.errors import ConfigError
+from hfsdp.rules.table import Facts, check
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -171,41 +171,8 @@ def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
         raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], source)
     host = plugin_host.PluginHost(enabled)
     config, problems = validate_config(raw, host.config_sections())
-    problems += host.validation_problems(config)
-    formats = host.dataset_formats()
-
-    def format_problems() -> list[tuple[str, str]]:
-        named = [("data.format", config.data.format)] + [(f"data.datasets[{i}].format", s.format)
-                                                         for i, s in enumerate(config.data.datasets or []) if s.format]
-        problems = [(key, f"unknown format '{name}'; known: {', '.join(sorted(formats))}")
-                    for key, name in named if name not in formats]
-        if any(name == "preference" for _, name in named) and not host.implementers("hfsdp_objective"):
-            problems.append(("data.format", "preference rows train a preference objective: enable one (plugins: "
-                                            "[dpo], [orpo] or [simpo]), or use data.format: chat or instruction for supervised "
-                                            "fine-tuning"))
-        if any(name == "unpaired" for _, name in named) and not host.implementers("hfsdp_objective"):
-            problems.append(("data.format", "unpaired rows (a completion labelled desirable or not) train an unpaired "
-                                            "preference objective: enable one (plugins: [kto])"))
-        generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
-        if config.generation_eval is not None and generated not in host.generation_prompts():
-            splits = sorted(host.generation_prompts())
-            problems.append(("generation_eval", f"needs data.format {' or '.join(splits)} (rows with a prompt and a "
-                                                f"reference answer), not '{generated}': remove the section"))
-        if any(name == "prompt" for _, name in named) and not host.implementers("hfsdp_objective"):
-            problems.append(("data.format", "prompt rows (without answers) train an objective that generates the "
-                                            "completions: enable one (plugins: [grpo]), or use data.format: chat or "
-                                            "instruction for supervised fine-tuning"))
-        return problems
-
-    checks = [format_problems, lambda: cross_section_problems(config),
-              lambda: quantization.adapter_problems(config, host.trains_adapters(config))]
-    if check_data:
-        checks.append(lambda: data_path_problems(config.data, host.data_readers()))
-    for check in checks:
-        try:
-            problems += check()
-        except InvalidSectionRead:
-            continue  # it reads a section that has problems of its own, reported above
+    facts = Facts(plugins=host)
+    problems += check("config", config, facts) + (check("data", config, facts) if check_data else [])
     if problems:
         raise ConfigError(problems, source=source)
     return config, host

@@ -1,7 +1,7 @@
-"""Validation of a raw config: every problem at once, the core sections', the plugin sections' (each by the schema its
-plugin declares; a section of an installed plugin that is not enabled names the plugin to enable), and the rules
-across sections. Reading config files is :mod:`hfsdp.config.files`; the data paths' checks are
-:mod:`hfsdp.config.data_paths`.
+"""Validation of a raw config by its schemas: every problem at once, the core sections', the plugin sections' (each
+by the schema its plugin declares; a section of an installed plugin that is not enabled names the plugin to enable).
+The rules across sections are :mod:`hfsdp.rules.table`'s ``config`` phase; reading config files is
+:mod:`hfsdp.config.files`, which runs both.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from hfsdp.config.schema import CORE_SECTIONS, HfsdpConfig, MixedPrecisionParts
+from hfsdp.config.schema import CORE_SECTIONS, HfsdpConfig
 from hfsdp.errors import InvalidSectionRead
 from hfsdp.hooks import host as plugin_host
-from hfsdp.rules import optimizers, parallel, quantization
 
 
 def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
@@ -136,33 +135,3 @@ def validate_config(
     config, core_problems = _core_config({k: v for k, v in raw.items() if k in CORE_SECTIONS})
     config.plugin_config = plugin_config
     return config, core_problems + problems
-
-
-def cross_section_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
-    """Combinations of keys from different sections that cannot do what they say."""
-    problems = []
-    parts = config.fsdp.mixed_precision
-    if (isinstance(parts, MixedPrecisionParts) and "buffer" in parts.model_fields_set and config.fsdp.version == 2
-            and parts.buffer != config.model.dtype):
-        problems.append(("fsdp.mixed_precision.buffer",
-                         f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
-                         f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
-                         "or use fsdp.version 1"))
-    if config.train.compile is not None and config.fsdp.version == 1:
-        problems.append(("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
-                                          "compile per block: use fsdp.version 2, or remove train.compile"))
-    if config.train.async_save and config.fsdp.state_dict_type != "SHARDED_STATE_DICT":
-        problems.append(("train.async_save", "writes SHARDED_STATE_DICT checkpoints (per-rank shards) in the "
-                                             "background; a FULL_STATE_DICT one is gathered into one file on rank 0: "
-                                             "set fsdp.state_dict_type: SHARDED_STATE_DICT, or remove "
-                                             "train.async_save"))
-    if config.train.async_save and config.fsdp.version == 1:
-        problems.append(("train.async_save", "FSDP1's sharded state dict holds ShardedTensors, which DCP's "
-                                             "host-memory staging cannot copy: use fsdp.version 2, or remove "
-                                             "train.async_save"))
-    if config.train.async_save and config.fsdp.runs_as_ddp:
-        problems.append(("train.async_save", "needs FSDP to shard the model; NO_SHARD under FSDP2 runs as DDP, "
-                                             "whose checkpoint is one file: use FULL_SHARD, or remove "
-                                             "train.async_save"))
-    problems += quantization.problems(config) + optimizers.config_problems(config) + parallel.config_problems(config)
-    return problems

@@ -43,6 +43,18 @@ def hfsdp_validate_config(config):
 
 
 @hookspec
+def hfsdp_rules():
+    """Add rules to hfsdp's rule table (:mod:`hfsdp.rules.table`): return a list of ``hfsdp.rules.table.Rule`` or
+    None. Each rule has a phase, the config keys it names and a check ``(config, facts) -> [(yaml_path, message)]``:
+    ``config`` (the config alone: what ``hfsdp validate`` reports), ``data`` (the data files it names), ``world``
+    (``facts.world``: the launched world and its parallel degrees, checked before anything loads, and by ``hfsdp
+    plan`` for every row it predicts) or ``model`` (``facts.model_config``: the architecture's config, no weights).
+    ``facts.plugins`` is the plugin host. A rule's problems are reported together with the core's; a rule that reads
+    a section with problems of its own is skipped.
+    """
+
+
+@hookspec
 def hfsdp_data_readers():
     """Register readers of raw rows for file kinds or sources hfsdp does not read itself: ``{key: read}`` or None.
 

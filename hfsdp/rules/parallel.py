@@ -14,6 +14,7 @@ from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.hooks.host import PluginHost
 
 
 # transformers' plan styles that torch's parallelize_module expresses as they are (the name: the torch style).
@@ -51,6 +52,16 @@ def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     problems += [(key, f"{why}: remove it, or set parallel.tp_size: 1") for key, (given, why) in refused.items()
                  if given]
     return problems
+
+
+def objective_problems(config: "HfsdpConfig", plugins: "PluginHost") -> list[tuple[str, str]]:
+    """A plugin's objective (``hfsdp_objective``) with ``tp_size > 1``: the tensor-parallel plan splits the
+    next-token loss's model only; refused from the config, before any data is read."""
+    replacing = plugins.implementers("hfsdp_objective") if config.parallel.enabled else []
+    if replacing:
+        return [("parallel.tp_size", f"{', '.join(replacing)} (a plugin's objective) is not composed with tensor "
+                                     "parallelism yet: next-token training only; set parallel.tp_size: 1")]
+    return []
 
 
 def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int) -> list[tuple[str, str]]:

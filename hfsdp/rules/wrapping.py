@@ -83,6 +83,26 @@ def check_world(cfg: FSDPConfig, world_size: int, local_world_size: int) -> list
     return []
 
 
+def buffer_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """A buffer dtype only FSDP1 applies."""
+    parts = config.fsdp.mixed_precision
+    if (isinstance(parts, MixedPrecisionParts) and "buffer" in parts.model_fields_set and config.fsdp.version == 2
+            and parts.buffer != config.model.dtype):
+        return [("fsdp.mixed_precision.buffer",
+                 f"{parts.buffer}: only FSDP1 casts buffers; FSDP2 (and NO_SHARD under it, which runs as DDP) "
+                 f"keeps them in model.dtype ({config.model.dtype}). Remove `buffer`, set it to model.dtype, "
+                 "or use fsdp.version 1")]
+    return []
+
+
+def compile_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """``train.compile`` compiles each block, which FSDP1's flat units do not keep apart."""
+    if config.train.compile is not None and config.fsdp.version == 1:
+        return [("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
+                                  "compile per block: use fsdp.version 2, or remove train.compile")]
+    return []
+
+
 # Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
 _GPU_ONLY = {
     "fsdp.cpu_offload": lambda c: c.fsdp.cpu_offload,

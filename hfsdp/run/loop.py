@@ -32,7 +32,8 @@ from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gath
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import any_rank, per_rank
 from hfsdp.errors import ConfigError
-from hfsdp.rules import parallel, quantization
+from hfsdp.rules import quantization
+from hfsdp.rules.table import Facts, check
 from hfsdp.model import token_loss
 from hfsdp.run import generation, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
@@ -92,7 +93,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     try:
         # ---- load the model config first: the FSDP plugin wraps the model's own layer class
         model_config = loading.load_model_config(model_path, config.model)
-        if problems := parallel.model_problems(config, model_config):
+        if problems := check("model", config, Facts(plugins=host, world=world, model_config=model_config)):
             raise ConfigError(problems, source=f"the config, for {model_path}")
         checkpoint_bytes, export_bytes = space.estimate(  # before any weight loads
             loading.build_meta_model(model_config, one_process(config), host, config.model.dtype))
@@ -108,10 +109,6 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         tokenizer = loading.load_tokenizer(model_path, config.model)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
-        if replaced is not None and world.dims.tp > 1:
-            raise ConfigError([("parallel.tp_size", f"{type(replaced).__name__} (a plugin's objective) is not "
-                                                    "composed with tensor parallelism yet: next-token training only; "
-                                                    "set parallel.tp_size: 1")])
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard

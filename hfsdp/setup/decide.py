@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.errors import ConfigError
-from hfsdp.rules.attention import attention_problems
-from hfsdp.rules.optimizers import wrapper_problems
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, rehearsal_problems, wrapper
+from hfsdp.hooks.host import PluginHost
+from hfsdp.rules.table import Facts, check
+from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, wrapper
 from hfsdp.setup import degrees
 from hfsdp.setup.degrees import World
 from hfsdp.setup.record import Resume
@@ -46,27 +46,22 @@ def one_process(config: HfsdpConfig) -> RunSetup:
                     resume=None)
 
 
-def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = "config") -> RunSetup:
+def decide(config: HfsdpConfig, world: World, resume: str | None, source: str = "config",
+           plugins: PluginHost | None = None) -> RunSetup:
     """The run ``config`` makes on ``world`` (what the launcher started), resuming from ``resume`` ("latest", a
-    checkpoint folder, or None). The config is made effective here, each change said in ``notes``, by the resume's
-    first phase (:meth:`hfsdp.setup.record.Resume.decide`).
+    checkpoint folder, or None), with the enabled ``plugins`` (default: those ``config`` names). The config is made
+    effective here, each change said in ``notes``, by the resume's first phase
+    (:meth:`hfsdp.setup.record.Resume.decide`), and the world's degrees derived from it.
 
-    Raises ConfigError with every config problem of this world at once, then UserError for a checkpoint that
-    cannot resume here."""
-    problems = (degrees.problems(config, world.size, world.local_size) + attention_problems(config, world.on_cpu)
-                + wrapper_problems(config, wrapper(config.fsdp, world.size)))
-    if world.on_cpu:
-        problems += rehearsal_problems(config)
-    if problems:
-        raise ConfigError(problems, source=source)
+    Raises UserError for a checkpoint that cannot resume here, and ConfigError with every problem the rule table's
+    ``world`` phase finds in the effective config on this world (a resume reads the degrees only once they are
+    valid)."""
+    plugins = plugins if plugins is not None else PluginHost(config.plugins)
     world = world.with_dims(config)
     point, notes = None, []
-    if resume:
+    if resume and not degrees.problems(config, world.size, world.local_size):
         point, config, notes = Resume.decide(config, world, resume)
         world = world.with_dims(config)  # the config the checkpoint resumes with (FSDP kept on one process)
-    setup = RunSetup(config=config, world=world, resume=point, resume_asked=bool(resume), notes=tuple(notes))
-    if config.train.async_save and setup.wrapper == "none" and not config.fsdp.runs_as_ddp:
-        raise ConfigError([("train.async_save", "one process runs the model without FSDP (fsdp.single_process: "
-                                                "auto), and its checkpoint is one file: set fsdp.single_process: "
-                                                "fsdp, or remove train.async_save")], source=source)
-    return setup
+    if problems := check("world", config, Facts(plugins=plugins, world=world)):
+        raise ConfigError(problems, source=source)
+    return RunSetup(config=config, world=world, resume=point, resume_asked=bool(resume), notes=tuple(notes))

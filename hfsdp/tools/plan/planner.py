@@ -26,8 +26,7 @@ from typing import Any
 from hfsdp.config.files import with_plugins
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
-from hfsdp.rules import optimizers, parallel
-from hfsdp.setup import degrees
+from hfsdp.rules.table import Facts, check
 from hfsdp.setup.degrees import World
 from hfsdp.tools.plan.estimate import Estimate, Generation, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
@@ -123,34 +122,28 @@ class Planner:
 
     def problem(self, setup: Setup) -> str | None:
         """Why this combination cannot run at all, by the checks training makes before any weight loads: the
-        ``fsdp`` section's own rules, the world checks, and what the enabled plugins refuse (their config checks,
-        and their ``hfsdp_before_model_load`` for this world, e.g. LoRA's FSDP1 single-shard refusal)."""
+        ``fsdp`` section's own rules, then the rule table's ``config``, ``world`` and ``model`` phases for this
+        world, and the enabled plugins' ``hfsdp_before_model_load`` (e.g. LoRA's FSDP1 single-shard refusal)."""
         from hfsdp.setup.decide import RunSetup
 
         try:
             FSDPConfig.model_validate(setup.fsdp.model_dump())
         except ValueError as err:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-        train = self.config.train.model_copy(update={"optimizer": setup.optimizer})
-        layout = self.config.parallel.model_copy(update={"tp_size": setup.tp, "dp_shard_size": None})
-        planned = self.config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
-        problems = ((parallel.config_problems(planned) if setup.tp > 1 else [])
-                    + degrees.problems(planned, setup.world, setup.nproc_per_node)
-                    + (parallel.model_problems(planned, self.model_config) if setup.tp > 1 else []))
-        problems += optimizers.wrapper_problems(planned, setup.wrapper)  # e.g. Adafactor where FSDP2 shards
-        if problems:
-            return f"{problems[0][0]}: {problems[0][1]}" if setup.tp > 1 else problems[0][1]
         config, host = self.variant(setup.plugins)
-        config = config.model_copy(update={"fsdp": setup.fsdp, "parallel": layout})
-        problems = host.validation_problems(config)
+        train = config.train.model_copy(update={"optimizer": setup.optimizer})
+        layout = config.parallel.model_copy(update={"tp_size": setup.tp, "dp_shard_size": None})
+        planned = config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
+        world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False).with_dims(planned)
+        facts = Facts(plugins=host, world=world, model_config=self.model_config)
+        problems = check("config", planned, facts) + check("world", planned, facts) + check("model", planned, facts)
         if not problems:
-            world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False).with_dims(config)
             try:
-                host.call("hfsdp_before_model_load", config=config, world=world, model_config=self.model_config,
-                          setup=RunSetup(config=config, world=world, resume=None))
+                host.call("hfsdp_before_model_load", config=planned, world=world, model_config=self.model_config,
+                          setup=RunSetup(config=planned, world=world, resume=None))
             except ConfigError as err:
                 problems = err.problems
-        return f"{problems[0][0]}: {problems[0][1]}" if problems else None  # a plugin's: with the key it names
+        return f"{problems[0][0]}: {problems[0][1]}" if problems else None
 
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
