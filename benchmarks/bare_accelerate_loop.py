@@ -32,8 +32,8 @@ def main() -> None:
     import torch
 
     from hfsdp.data import batches
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
     from hfsdp.parallel import launcher
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
@@ -44,13 +44,13 @@ def main() -> None:
     setup = decide(cfg, launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available()), resume=None)
     launcher.apply_wrapper(os.environ, setup)  # as hfsdp train: one process without a wrapper joins no process group
     cfg, world = setup.config, setup.world
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    layers = models.fsdp_layer_classes(cfg.fsdp, models.load_model_config(path, cfg.model))
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    layers = loading.fsdp_layer_classes(cfg.fsdp, loading.load_model_config(path, cfg.model))
     accelerator = build_accelerator(setup, layers)
     torch.manual_seed(cfg.train.seed)
-    tokenizer = models.load_tokenizer(path, cfg.model)
+    tokenizer = loading.load_tokenizer(path, cfg.model)
     with accelerator.main_process_first():
-        train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+        train_set = prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     plan = batches.BatchPlan(len(train_set), cfg.train.per_device_batch_size, world.size, 1, cfg.train.seed)
     collated = [
         {k: v.to(accelerator.device) for k, v in
@@ -61,7 +61,7 @@ def main() -> None:
     step_tokens = [sum(len(train_set[i]["input_ids"]) for r in range(world.size) for i in plan.rows(step, 0, r))
                    for step in range(args.steps)]
 
-    model = models.load_model(path, cfg.model)
+    model = loading.load_model(path, cfg.model)
     t = cfg.train
 
     def adamw(params):

@@ -30,7 +30,7 @@ def build_model(folder: Path, hidden: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfsdp.cli import _cache_dir
+    from hfsdp.cli import cache_dir
     from hfsdp.model.loading import _smollm2_tokenizer
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
@@ -38,7 +38,7 @@ def build_model(folder: Path, hidden: int) -> None:
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    _smollm2_tokenizer(_cache_dir()).save_pretrained(folder)
+    _smollm2_tokenizer(cache_dir()).save_pretrained(folder)
 
 
 def write_config(out: Path, model: Path) -> Path:

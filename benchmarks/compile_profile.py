@@ -42,8 +42,8 @@ def main() -> None:
 
     from hfsdp.data import batches
     from hfsdp.data import prepare as data
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
     from hfsdp.config.files import load_config
     from hfsdp.model.token_loss import ChunkedLoss
     from hfsdp.run import optimizers
@@ -52,12 +52,12 @@ def main() -> None:
     results = {}
     for variant in ("eager", "compiled"):
         cfg, host = load_config(a.config, [f"train.compile={'true' if variant == 'compiled' else 'false'}"])
-        path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-        tokenizer = models.load_tokenizer(path, cfg.model)
-        train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+        path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+        tokenizer = loading.load_tokenizer(path, cfg.model)
+        train_set = data.prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
         plan = batches.BatchPlan.for_run(train_set, cfg.train, 1)
         torch.manual_seed(0)
-        model = models.load_model(path, cfg.model)
+        model = loading.load_model(path, cfg.model)
         loss_fn = ChunkedLoss(model, model.config.vocab_size)
         optimizer = optimizers.build(model, cfg.train)
         if variant == "compiled":

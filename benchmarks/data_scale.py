@@ -116,10 +116,10 @@ def main() -> None:
         kind, corpus, shards, num_proc, work, tokenizer_dir = a.child
         return child(kind, Path(corpus), int(shards), int(num_proc), Path(work), tokenizer_dir)
 
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
 
-    tokenizer_dir = models.resolve_model_path("smollm2-tiny", _cache_dir())
+    tokenizer_dir = loading.resolve_model_path("smollm2-tiny", cache_dir())
     peaks = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rows in a.rows:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import PY, env, peak_rss_of  # noqa: E402
 
 from hfsdp.export.hf_folder import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
-from hfsdp.parallel.launch import free_port  # noqa: E402
+from hfsdp.parallel.launcher import free_port  # noqa: E402
 
 # SmolLM2-360M's architecture (config.json of HuggingFaceTB/SmolLM2-360M), weights random.
 SHAPE_360M = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,

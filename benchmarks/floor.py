@@ -161,8 +161,8 @@ def main() -> None:
 
     from hfsdp import IGNORE_INDEX
     from hfsdp.data import batches
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
     from hfsdp.parallel import launcher
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
@@ -174,11 +174,11 @@ def main() -> None:
         torch.distributed.init_process_group("gloo")
     rank = world.rank
     cfg, host = load_config(args.config, args.overrides)
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    model_config = models.load_model_config(path, cfg.model)
-    shapes = model_shapes(models.meta_model(model_config), models.layer_classes(cfg.fsdp, model_config))
-    tokenizer = models.load_tokenizer(path, cfg.model)
-    train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    model_config = loading.load_model_config(path, cfg.model)
+    shapes = model_shapes(loading.meta_model(model_config), loading.layer_classes(cfg.fsdp, model_config))
+    tokenizer = loading.load_tokenizer(path, cfg.model)
+    train_set = prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     t = cfg.train
     plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, world.size, t.gradient_accumulation_steps,
                              t.seed)

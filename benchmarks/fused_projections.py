@@ -56,12 +56,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     args = parser.parse_args()
 
-    from hfsdp.cli import _cache_dir
-    from hfsdp.model import loading as models
+    from hfsdp.cli import cache_dir
+    from hfsdp.model import loading
     from hfsdp.config.schema import ModelConfig
 
     cfg = ModelConfig(name_or_path=args.model)
-    c = models.load_model_config(models.resolve_model_path(cfg.name_or_path, _cache_dir()), cfg)
+    c = loading.load_model_config(loading.resolve_model_path(cfg.name_or_path, cache_dir()), cfg)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim
     layers = c.num_hidden_layers

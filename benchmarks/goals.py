@@ -73,10 +73,10 @@ def goal_help(reps: int) -> dict:
 
 
 def goal_preprocess(config: str) -> dict:
-    code = ("import json, sys; from pathlib import Path; from hfsdp.model import loading as models; "
+    code = ("import json, sys; from pathlib import Path; from hfsdp.model import loading; "
             "from hfsdp.config.files import load_config; from hfsdp.data.prepare import prepare_datasets; "
             "cfg, host = load_config(sys.argv[1]); cache = Path(sys.argv[2]); "
-            "tok = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path, Path(sys.argv[3])), cfg.model); "
+            "tok = loading.load_tokenizer(loading.resolve_model_path(cfg.model.name_or_path, Path(sys.argv[3])), cfg.model); "
             "print(json.dumps(prepare_datasets(cfg, host, tok, cache)[3]))")
     models_cache = os.environ.get("HFSDP_CACHE_DIR", str(Path.home() / ".cache" / "hfsdp"))
     with tempfile.TemporaryDirectory() as cache:
@@ -92,7 +92,7 @@ def goal_preprocess(config: str) -> dict:
 
 
 def goal_export(work: Path, config: str, max_shard: str) -> dict:
-    from hfsdp.parallel.launch import free_port
+    from hfsdp.parallel.launcher import free_port
 
     run = work / "export-run"
     shutil.rmtree(run, ignore_errors=True)
@@ -119,7 +119,7 @@ def goal_export(work: Path, config: str, max_shard: str) -> dict:
 
 def goal_overhead(work: Path, config: str, nproc: int, steps: int, rounds: int, strategy: str) -> dict:
     from hfsdp.tools.bench import BenchOptions, _probe_plugin, run_one
-    from hfsdp.parallel.launch import free_port
+    from hfsdp.parallel.launcher import free_port
 
     hf, bare = [], []
     opts = BenchOptions(config=config, strategies=[strategy], nprocs=[nproc], steps=steps, out=work / "overhead",

@@ -37,16 +37,16 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfsdp.data import batches
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
     from hfsdp.run.metrics import MetricsWriter
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
 
     cfg, host = load_config(a.config, a.overrides)
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    tokenizer = models.load_tokenizer(path, cfg.model)
-    train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    tokenizer = loading.load_tokenizer(path, cfg.model)
+    train_set = prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     t = cfg.train
     plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, t.gradient_accumulation_steps, t.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # for the parameter list only

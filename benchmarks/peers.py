@@ -57,7 +57,7 @@ def _env() -> dict[str, str]:
 def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
         return [PY]
-    from hfsdp.parallel.launch import free_port
+    from hfsdp.parallel.launcher import free_port
 
     return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}"]

@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hfsdp.cli import cache_dir  # noqa: E402
 from hfsdp.config.files import load_config  # noqa: E402
 from hfsdp.model.loading import architecture_config  # noqa: E402
 from hfsdp.tools.plan.planner import Planner  # noqa: E402
@@ -45,10 +46,6 @@ from hfsdp.tools.plan.estimate import setup_from_config  # noqa: E402
 
 DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 REUSE = False  # --reuse: run nothing, read back what an earlier run measured into --out
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
 
 
 def write_yaml(path: Path, data: dict) -> Path:

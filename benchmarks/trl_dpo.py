@@ -38,14 +38,14 @@ def in_plan_order(cfg, host, steps: int):
     hfsdp's plan is over its tokenized rows: the same row count (no row is dropped in this data), so the same order."""
     from hfsdp.data import batches
     from hfsdp.data import prepare as data
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
 
     t = cfg.train
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    tokenizer = models.load_tokenizer(path, cfg.model)
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    tokenizer = loading.load_tokenizer(path, cfg.model)
     raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
-    train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    train_set = data.prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
     plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed)
     return path, tokenizer, raw, train_set, [i for step in range(steps) for i in plan.rows(step, 0, 0)]
@@ -57,7 +57,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
     from torch.utils.data import SequentialSampler
     from trl import DPOConfig, DPOTrainer
 
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
     from trl_sft import step_times, training_args  # benchmarks/, next to this file
 
     t = cfg.train
@@ -79,7 +79,7 @@ def run_trl(cfg, host, steps: int) -> tuple[list[float], list[float], list[float
             return loss
 
     torch.manual_seed(t.seed)
-    model, ref_model = models.load_model(path, cfg.model), models.load_model(path, cfg.model)
+    model, ref_model = loading.load_model(path, cfg.model), loading.load_model(path, cfg.model)
     section = cfg.section("dpo")
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(

@@ -68,18 +68,18 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     from trl import GRPOConfig, GRPOTrainer
 
     from hfsdp.data import prepare as data
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
     from hfsdp.builtin.grpo import reward_functions
     from hfsdp.builtin.grpo.loss import GRPO
     from hfsdp.builtin.prompt import prompt_ids
-    from hfsdp.cli import _cache_dir
+    from hfsdp.cli import cache_dir
     from trl_sft import float64_norms, step_times, training_args  # benchmarks/, next to this file
 
     t, s = cfg.train, cfg.section("grpo")
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    tokenizer = models.load_tokenizer(path, cfg.model)
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    tokenizer = loading.load_tokenizer(path, cfg.model)
     raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
-    train_set = data.prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    train_set = data.prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
     rewards = reward_functions(cfg)
     plan = GRPO(s, rewards, cfg, tokenizer).batch_plan(train_set, t, 1, None)
@@ -127,7 +127,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
                 grad_norms.append(float(logs["grad_norm"]))
 
     torch.manual_seed(t.seed)
-    model = models.load_model(path, cfg.model)
+    model = loading.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             **training_args(t, out, steps), num_generations=s.num_generations,

@@ -74,7 +74,7 @@ def run_trl_reward(cfg, host, steps: int, float64_clip: bool) -> tuple[list[floa
     from trl import RewardConfig, RewardTrainer
 
     from hfsdp.builtin.reward_model.model import sequence_classifier
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
 
     t, section = cfg.train, cfg.section("reward_model")
     path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
@@ -95,7 +95,7 @@ def run_trl_reward(cfg, host, steps: int, float64_clip: bool) -> tuple[list[floa
             return loss
 
     torch.manual_seed(t.seed)
-    model = sequence_classifier(models.load_model(path, cfg.model), tokenizer.pad_token_id, seed=t.seed)
+    model = sequence_classifier(loading.load_model(path, cfg.model), tokenizer.pad_token_id, seed=t.seed)
     with tempfile.TemporaryDirectory() as out:
         args = RewardConfig(**training_args(t, out, steps), max_length=cfg.data.max_seq_len,
                             center_rewards_coefficient=section.center_rewards_coefficient)
@@ -115,7 +115,7 @@ def run_trl_kto(cfg, host, steps: int, float64_clip: bool) -> tuple[list[float],
     from trl import KTOConfig, KTOTrainer
 
     from hfsdp import IGNORE_INDEX
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
 
     t, section = cfg.train, cfg.section("kto")
     path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
@@ -150,7 +150,7 @@ def run_trl_kto(cfg, host, steps: int, float64_clip: bool) -> tuple[list[float],
             return loss
 
     torch.manual_seed(t.seed)
-    model, ref_model = models.load_model(path, cfg.model), models.load_model(path, cfg.model)
+    model, ref_model = loading.load_model(path, cfg.model), loading.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
         args = KTOConfig(**training_args(t, out, steps), max_length=cfg.data.max_seq_len, beta=section.beta,
                          desirable_weight=section.desirable_weight, undesirable_weight=section.undesirable_weight,
@@ -174,8 +174,8 @@ def run_trl_distill(cfg, host, steps: int, float64_clip: bool) -> tuple[list[flo
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from hfsdp.builtin.distill.loss import BETA_OF
-    from hfsdp.cli import _cache_dir
-    from hfsdp.model import loading as models
+    from hfsdp.cli import cache_dir
+    from hfsdp.model import loading
 
     t, section = cfg.train, cfg.section("distill")
     path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
@@ -209,9 +209,9 @@ def run_trl_distill(cfg, host, steps: int, float64_clip: bool) -> tuple[list[flo
                 metrics.append({"grad_norm": float(logs["grad_norm"])})
 
     torch.manual_seed(t.seed)
-    student = models.load_model(path, cfg.model)
+    student = loading.load_model(path, cfg.model)
     teacher_cfg = cfg.model.model_copy(update={"name_or_path": section.teacher, "revision": None})
-    teacher = models.load_model(models.resolve_model_path(section.teacher, _cache_dir()), teacher_cfg)
+    teacher = loading.load_model(loading.resolve_model_path(section.teacher, cache_dir()), teacher_cfg)
     with tempfile.TemporaryDirectory() as out:
         args = GKDConfig(**training_args(t, out, steps), lmbda=0.0, seq_kd=False, temperature=section.temperature,
                          beta=BETA_OF.get(section.loss, section.beta), max_length=None,
@@ -231,7 +231,7 @@ def run_trl(objective: str, cfg, host, steps: int, float64_clip: bool) -> tuple[
     from torch.utils.data import SequentialSampler
 
     from hfsdp import IGNORE_INDEX
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
 
     t = cfg.train
     path, tokenizer, raw, train_set, order = in_plan_order(cfg, host, steps)
@@ -265,7 +265,7 @@ def run_trl(objective: str, cfg, host, steps: int, float64_clip: bool) -> tuple[
             return (loss, logged) if return_outputs else loss
 
     torch.manual_seed(t.seed)
-    model = models.load_model(path, cfg.model)
+    model = loading.load_model(path, cfg.model)
     with tempfile.TemporaryDirectory() as out:
         args = config_cls(**training_args(cfg.train, out, steps), max_length=cfg.data.max_seq_len,
                           remove_unused_columns=False, **own_args)

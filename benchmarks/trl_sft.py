@@ -94,8 +94,8 @@ def main() -> None:
     from trl import SFTConfig, SFTTrainer
 
     from hfsdp.data import batches
-    from hfsdp.model import loading as models
-    from hfsdp.cli import _cache_dir
+    from hfsdp.model import loading
+    from hfsdp.cli import cache_dir
     from hfsdp.config.files import load_config
     from hfsdp.data.prepare import prepare_datasets
 
@@ -103,9 +103,9 @@ def main() -> None:
     t = cfg.train
     if t.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no":
         raise SystemExit("trl_sft.py compares one process, fp32, without gradient accumulation")
-    path = models.resolve_model_path(cfg.model.name_or_path, _cache_dir())
-    tokenizer = models.load_tokenizer(path, cfg.model)
-    train_set = prepare_datasets(cfg, host, tokenizer, _cache_dir())[0]
+    path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
+    tokenizer = loading.load_tokenizer(path, cfg.model)
+    train_set = prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     plan = batches.BatchPlan(len(train_set), t.per_device_batch_size, 1, 1, t.seed,
                           lengths=batches.row_lengths(train_set) if t.group_by_length else None)
     rows = [train_set[i] for step in range(args.steps) for i in plan.rows(step, 0, 0)]
@@ -119,7 +119,7 @@ def main() -> None:
 
     times: list[float] = []
     torch.manual_seed(t.seed)
-    model = models.load_model(path, cfg.model)
+    model = loading.load_model(path, cfg.model)
     peft = None
     if "lora" in cfg.plugins:
         from hfsdp.builtin import lora

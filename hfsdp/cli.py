@@ -16,7 +16,9 @@ from hfsdp import __version__
 from hfsdp.errors import ConfigError, PluginError, UserError
 from hfsdp.parallel import launcher
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where built-in models and the preprocessing cache live: ``HFSDP_CACHE_DIR``, default ``~/.cache/hfsdp`` (the
+    CLI reads the environment; benchmarks and scripts ask here)."""
     return Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp")).expanduser()
 
 
@@ -120,7 +122,7 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.run.loop import Preempted, train as run_training
 
     try:
-        run_training(setup, host, Options(cache_dir=_cache_dir(), overwrite=overwrite))
+        run_training(setup, host, Options(cache_dir=cache_dir(), overwrite=overwrite))
     except Preempted as stop:
         # A complete checkpoint exists; exit like a process killed by the signal would (143 SIGTERM, 130 SIGINT),
         # so schedulers see a preemption, not a failure of the job's own making.
@@ -152,7 +154,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 
         _check_optimizer_values(cfg, config)
 
-        tokenizer = loading.tokenizer_of(cfg.model, _cache_dir())
+        tokenizer = loading.tokenizer_of(cfg.model, cache_dir())
         if tokenizer is None:
             click.echo(f"data: rows not checked: the tokenizer of {cfg.model.name_or_path} is not available "
                        "offline", err=True)
@@ -194,7 +196,7 @@ def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], 
 
     written = export_checkpoint(checkpoint_dir, out_dir, list(overrides),
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite, cache_dir=_cache_dir(), merge_adapters=merge_lora)
+                                overwrite=overwrite, cache_dir=cache_dir(), merge_adapters=merge_lora)
     click.echo(f"exported {checkpoint_dir} -> {written}")
 
 
@@ -344,8 +346,8 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, _cache_dir()), cfg, budget,
-                      _cache_dir())
+    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget,
+                      cache_dir())
     rows = run_plan(planner, names, sizes, nodes, tp_sizes)
     facts = planner.facts(tuple(cfg.plugins))
     if as_json:

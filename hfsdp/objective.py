@@ -157,6 +157,17 @@ def adapters_disabled(unwrapped):
     return disable() if disable is not None else contextlib.nullcontext()
 
 
+def means_over_ranks(accelerator, sums: dict[str, Any], unit: str, prefix: str = "") -> dict[str, float]:
+    """Each of ``sums`` (this rank's, of a step or an eval) summed over all ranks and divided by the summed count
+    ``sums[unit]`` (NaN where no rank counted any): a metric per unit (a pair, a token) whatever the ranks' shares.
+    Collective: every rank calls it with the same keys."""
+    from hfsdp.parallel.world import all_sum
+
+    names = [k for k in sums if k != unit]
+    totals = all_sum(accelerator, [float(sums.get(unit, 0))] + [float(sums[k]) for k in names])
+    return {f"{prefix}{name}": total / totals[0] if totals[0] else math.nan for name, total in zip(names, totals[1:])}
+
+
 def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
     """The objective an enabled plugin returns from ``hfsdp_objective``, or None (next-token cross entropy)."""
     returned = host.call("hfsdp_objective", config=config, tokenizer=tokenizer, cache_dir=cache_dir)
@@ -221,10 +232,5 @@ class PreferenceObjective(Objective):
             self._sums[name] = self._sums.get(name, 0) + (values.detach().float() * batch.weights).sum()
 
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
-        from hfsdp.parallel.world import all_sum
-
-        names = [k for k in self._sums if k != "pairs"]
-        sums = all_sum(accelerator, [float(self._sums.get("pairs", 0))] + [float(self._sums[k]) for k in names])
-        self._sums = {}
-        pairs = sums[0]
-        return {f"{prefix}{name}": total / pairs if pairs else math.nan for name, total in zip(names, sums[1:])}
+        metrics, self._sums = means_over_ranks(accelerator, self._sums, "pairs", prefix), {}
+        return metrics

@@ -234,9 +234,9 @@ def seed_sources(cache_dir: Path) -> list[tuple[Path, Path]]:
 
 
 def default_cache_dir() -> Path:
-    from hfsdp.cli import _cache_dir  # hfsdp's own HFSDP_CACHE_DIR default
+    from hfsdp.cli import cache_dir  # hfsdp's own HFSDP_CACHE_DIR default
 
-    return _cache_dir()
+    return cache_dir()
 
 
 def cmd_seed(args) -> int:

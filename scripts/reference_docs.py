@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
 PACKAGES = ["config", "disk", "hooks", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
-            "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
+            "run/sharded", "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
             "builtin/reward_model", "builtin/kto", "builtin/distill"]
 FLOW = """\
 # Architecture

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from fork_server import ForkServers
-from hfsdp.parallel.launch import free_port
+from hfsdp.parallel.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"

@@ -46,7 +46,7 @@ def test_lora_trains_only_the_adapters(single, tiny_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hfsdp.checkpoint.store import CheckpointWeights
+    from hfsdp.checkpoint.safe_load import CheckpointWeights
 
     assert "lora: r=4 alpha=8 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in single["log"]
     losses = step_losses(single["run"])

@@ -87,7 +87,7 @@ def _sharded(tensor: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _sharded_muon(rank: int) -> dict[str, float]:
-    from hfsdp.run.optimizers import WholeMatrixMuon
+    from hfsdp.run.sharded.muon import WholeMatrixMuon
 
     mesh, seed = _mesh(), torch.Generator().manual_seed(0)
     # 37 rows: uneven shards (19 and 18), as FSDP2 makes of a matrix whose rows do not divide
@@ -121,7 +121,8 @@ def test_muon_on_fsdp2_shards_is_torchs_muon_on_the_whole_matrix_bit_for_bit():
 def _sharded_adamw_8bit(rank: int) -> dict:
     from bitsandbytes.optim import AdamW8bit
 
-    from hfsdp.run.optimizers import ShardedAdamW8bit, blocks_follow_shards
+    from hfsdp.run.optimizers import blocks_follow_shards
+    from hfsdp.run.sharded.adamw_8bit import ShardedAdamW8bit
 
     mesh, seed = _mesh(), torch.Generator().manual_seed(0)
     # 8-bit in the rank's own blocks (64 x 64: 2048 elements a rank), 8-bit gathered (37 x 120: a shard of 19 rows
@@ -167,7 +168,7 @@ def test_8bit_adamw_on_fsdp2_shards_is_bitsandbytes_on_the_whole_tensors_bit_for
 
 
 def _sharded_adafactor(rank: int) -> dict:
-    from hfsdp.run.optimizers import ShardedAdafactor
+    from hfsdp.run.sharded.adafactor import ShardedAdafactor
 
     mesh, seed = _mesh(), torch.Generator().manual_seed(0)
     # a matrix of 37 rows (uneven shards: 19 and 18) and a vector

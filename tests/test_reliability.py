@@ -34,6 +34,7 @@ from conftest import Payload, base_env, fake_checkpoint, read_metrics, run_cli, 
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.export.hf_folder import verify_hf_weights, write_hf_weights
 from hfsdp.errors import UserError
+from hfsdp.checkpoint.safe_load import CheckpointWeights
 from hfsdp.setup.record import read_record
 
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "fault_plugin"
@@ -114,8 +115,8 @@ def assert_same_weights(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
 
 def assert_checkpoint_as_reference(run: Path, reference: Reference, step: int) -> None:
     """The model weights of ``run``'s checkpoint of ``step`` are the reference's at that step, tensor for tensor."""
-    assert_same_weights(checkpoint.CheckpointWeights(checkpoint.step_dir(reference.run / "checkpoints", step)),
-                        checkpoint.CheckpointWeights(checkpoint.step_dir(run / "checkpoints", step)))
+    assert_same_weights(CheckpointWeights(checkpoint.step_dir(reference.run / "checkpoints", step)),
+                        CheckpointWeights(checkpoint.step_dir(run / "checkpoints", step)))
 
 
 def assert_same_training(reference: Reference, resumed: Path, first_step: int = 1) -> None:
@@ -446,10 +447,10 @@ def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
     with open(ckpt / "pytorch_model_fsdp.bin", "wb") as f:  # an old-style plain pickle, not torch.save's zip
         pickle.dump({"w": Payload(tmp_path / "pwned")}, f)
     with pytest.raises(UserError, match="refusing to load it"):
-        checkpoint.CheckpointWeights(ckpt)
+        CheckpointWeights(ckpt)
     torch.save({"w": torch.zeros(2), "n": 3}, ckpt / "pytorch_model_fsdp.bin")  # loads safely, but not all tensors
     with pytest.raises(UserError, match=r"not tensors: \['n'\]"):
-        checkpoint.CheckpointWeights(ckpt)
+        CheckpointWeights(ckpt)
     assert not (tmp_path / "pwned").exists()
 
 

@@ -82,11 +82,11 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
     """No mask where a mask of ones would be, and logits only at labelled positions: the same summed loss."""
     from transformers import AutoModelForCausalLM
 
-    from hfsdp.model import loading as models
+    from hfsdp.model import loading
     from hfsdp.model.token_loss import token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    assert models.accepts_logits_to_keep(model)
+    assert loading.accepts_logits_to_keep(model)
     rows = [{"input_ids": list(range(10, 30)), "labels": [-100] * 12 + list(range(22, 30))},
             {"input_ids": list(range(40, 60)), "labels": [-100] * 15 + list(range(55, 60))}]
     with torch.no_grad():

@@ -82,7 +82,7 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
 def _holders(value, param, world_size: int, replicas: int) -> int:
     """How many ranks hold each element of an optimizer state ``value``: a DTensor's
     (:func:`hfsdp.parallel.world.element_holders`: sharded as its parameter, or 8-bit moments kept whole,
-    :class:`hfsdp.run.optimizers.ShardedAdamW8bit`); every rank for a plain tensor beside a sharded (DTensor)
+    :class:`hfsdp.run.sharded.adamw_8bit.ShardedAdamW8bit`); every rank for a plain tensor beside a sharded (DTensor)
     parameter (bitsandbytes' quantization maps); else the replicas of the parameter (FSDP1's flat shards, DDP, one
     process)."""
     from torch.distributed.tensor import DTensor

@@ -11,7 +11,8 @@ A checkpoint holds pickles in three places, and plain unpickling runs whatever a
   when they fail to load (RNG states): checked here with ``weights_only=True`` and the numpy types Accelerate admits.
 
 :func:`verify_checkpoint` checks all of them before ``--resume`` lets Accelerate load the folder; ``hfsdp export``
-reads DCP metadata only through :func:`read_dcp_metadata`. Tensor files (``*.distcp`` tensors, ``*.bin``,
+reads DCP metadata only through :func:`read_dcp_metadata`, and a checkpoint's weights one tensor at a time through
+:class:`CheckpointWeights`. Tensor files (``*.distcp`` tensors, ``*.bin``,
 ``*.safetensors``) are read by torch/Accelerate with ``weights_only=True`` or by safetensors, which run no code.
 """
 
@@ -19,10 +20,14 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hfsdp.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DCP_METADATA = ".metadata"
 _DCP_MODULES = {
@@ -154,3 +159,96 @@ def verify_checkpoint(checkpoint: Path) -> None:
         _check_dcp_bytes(metadata.parent)
     for state in sorted(checkpoint.glob("*.pkl")):
         load_weights_only(state, "a plain state file")
+
+
+class CheckpointWeights(Mapping):
+    """The model weights of a checkpoint, name -> tensor, read lazily one tensor at a time, whatever layout saved
+    them: a DCP folder (SHARDED_STATE_DICT), a ``torch.save`` file (FULL_STATE_DICT) or safetensors (DDP)."""
+
+    def __init__(self, checkpoint: Path):
+        import torch
+
+        self.checkpoint = checkpoint
+        dcp_dir = checkpoint / "pytorch_model_fsdp_0"
+        full_bin = checkpoint / "pytorch_model_fsdp.bin"
+        safetensors_file = checkpoint / "model.safetensors"
+        self._full: dict[str, torch.Tensor] | None = None
+        if dcp_dir.is_dir():
+            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+            self._dcp_dir = dcp_dir
+            metadata = read_dcp_metadata(dcp_dir)  # once, through the restricted unpickler
+            self._storage = metadata.storage_data
+            meta = metadata.state_dict_metadata
+            self._meta = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
+            odd = [k for k, v in self._meta.items() if not isinstance(v, TensorStorageMetadata)]
+            if odd:
+                raise UnsafeCheckpointError(dcp_dir / DCP_METADATA, f"model entries that are not tensors: {odd[:3]}")
+            self.layout = "sharded (DCP)"
+        elif full_bin.is_file():
+            # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
+            self._full = load_weights_only(full_bin, "a plain tensor file saved by torch.save", mmap=True)
+            bad = [k for k, v in self._full.items() if not isinstance(v, torch.Tensor)] \
+                if isinstance(self._full, dict) else ["<top level>"]
+            if bad:
+                raise UserError(f"{full_bin}: expected a mapping of names to tensors; not tensors: {bad[:3]}")
+            self.layout = "full (torch.save)"
+        elif safetensors_file.is_file():
+            from safetensors import safe_open
+
+            self._safetensors = safe_open(str(safetensors_file), framework="pt")  # memory-mapped, one tensor a read
+            self._names_in_file = list(self._safetensors.keys())
+            self.layout = "full (safetensors)"
+        else:
+            raise UserError(f"{checkpoint}: no model weights found (expected pytorch_model_fsdp_0/, "
+                            "pytorch_model_fsdp.bin or model.safetensors)")
+
+    def _names(self) -> list[str]:
+        if self._full is not None:
+            return list(self._full)
+        return list(self._meta) if self.layout == "sharded (DCP)" else self._names_in_file
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._full is not None:
+            return self._full[name]
+        if self.layout == "full (safetensors)":
+            return self._safetensors.get_tensor(name)
+        return self._read_dcp_tensor(name)
+
+    def _read_dcp_tensor(self, name: str) -> torch.Tensor:
+        """Assemble one tensor from its saved chunks (each a ``torch.save`` record inside a ``.distcp`` file, read
+        with ``weights_only=True``), without DCP's planner: no process group, no re-reading of the metadata."""
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        meta = self._meta[name]
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            info = self._storage.get(MetadataIndex(f"model.{name}", chunk.offsets))
+            if info is None or info.transform_descriptors:
+                raise UnsafeCheckpointError(self._dcp_dir / DCP_METADATA, f"tensor {name!r} has a chunk that is "
+                                            "missing or stored transformed (not written by hfsdp)")
+            path = self._dcp_dir / info.relative_path
+            with open(path, "rb") as f:
+                piece = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                   weights_only=True)
+            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(chunk.sizes):
+                raise UserError(f"{path}: a chunk of tensor {name!r} is not the {list(chunk.sizes)} tensor the "
+                                "checkpoint metadata says; the checkpoint is damaged")
+            covered += piece.numel()
+            region = tensor
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, start, length)
+            region.copy_(piece)
+        if covered != tensor.numel():
+            raise UserError(f"{self._dcp_dir}: the saved chunks of tensor {name!r} cover {covered} of its "
+                            f"{tensor.numel()} elements; the checkpoint is damaged")
+        return tensor

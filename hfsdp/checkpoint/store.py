@@ -23,17 +23,15 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
-
-import torch
+from typing import Any, Callable
 
 from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
 from hfsdp.disk.durable import RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
-from hfsdp.checkpoint.safe_load import DCP_METADATA, UnsafeCheckpointError, load_weights_only, read_dcp_metadata
 from hfsdp.errors import UserError
 from hfsdp.model.metadata import ModelFiles
 from hfsdp.setup.record import CONFIG_NAME, PREFIX, complete_checkpoints, latest, step_dir
+
 
 class CheckpointError(UserError):
     """A checkpoint could not be written (disk full, failing writer). The previous complete checkpoint is intact."""
@@ -379,93 +377,3 @@ def remove_incomplete(checkpoints: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-class CheckpointWeights(Mapping[str, torch.Tensor]):
-    """The model weights of a checkpoint, read lazily one tensor at a time, whatever layout saved them:
-    a DCP folder (SHARDED_STATE_DICT), a ``torch.save`` file (FULL_STATE_DICT) or safetensors (DDP)."""
-
-    def __init__(self, checkpoint: Path):
-        self.checkpoint = checkpoint
-        dcp_dir = checkpoint / "pytorch_model_fsdp_0"
-        full_bin = checkpoint / "pytorch_model_fsdp.bin"
-        safetensors_file = checkpoint / "model.safetensors"
-        self._full: dict[str, torch.Tensor] | None = None
-        if dcp_dir.is_dir():
-            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-            self._dcp_dir = dcp_dir
-            metadata = read_dcp_metadata(dcp_dir)  # once, through the restricted unpickler
-            self._storage = metadata.storage_data
-            meta = metadata.state_dict_metadata
-            self._meta = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
-            odd = [k for k, v in self._meta.items() if not isinstance(v, TensorStorageMetadata)]
-            if odd:
-                raise UnsafeCheckpointError(dcp_dir / DCP_METADATA, f"model entries that are not tensors: {odd[:3]}")
-            self.layout = "sharded (DCP)"
-        elif full_bin.is_file():
-            # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
-            self._full = load_weights_only(full_bin, "a plain tensor file saved by torch.save", mmap=True)
-            bad = [k for k, v in self._full.items() if not isinstance(v, torch.Tensor)] \
-                if isinstance(self._full, dict) else ["<top level>"]
-            if bad:
-                raise UserError(f"{full_bin}: expected a mapping of names to tensors; not tensors: {bad[:3]}")
-            self.layout = "full (torch.save)"
-        elif safetensors_file.is_file():
-            from safetensors import safe_open
-
-            self._safetensors = safe_open(str(safetensors_file), framework="pt")  # memory-mapped, one tensor a read
-            self._names_in_file = list(self._safetensors.keys())
-            self.layout = "full (safetensors)"
-        else:
-            raise UserError(f"{checkpoint}: no model weights found (expected pytorch_model_fsdp_0/, "
-                            "pytorch_model_fsdp.bin or model.safetensors)")
-
-    def _names(self) -> list[str]:
-        if self._full is not None:
-            return list(self._full)
-        return list(self._meta) if self.layout == "sharded (DCP)" else self._names_in_file
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if self._full is not None:
-            return self._full[name]
-        if self.layout == "full (safetensors)":
-            return self._safetensors.get_tensor(name)
-        return self._read_dcp_tensor(name)
-
-    def _read_dcp_tensor(self, name: str) -> torch.Tensor:
-        """Assemble one tensor from its saved chunks (each a ``torch.save`` record inside a ``.distcp`` file, read
-        with ``weights_only=True``), without DCP's planner: no process group, no re-reading of the metadata."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-        from torch.distributed.checkpoint.utils import _create_file_view
-
-        meta = self._meta[name]
-        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        covered = 0
-        for chunk in meta.chunks:
-            info = self._storage.get(MetadataIndex(f"model.{name}", chunk.offsets))
-            if info is None or info.transform_descriptors:
-                raise UnsafeCheckpointError(self._dcp_dir / DCP_METADATA, f"tensor {name!r} has a chunk that is "
-                                            "missing or stored transformed (not written by hfsdp)")
-            path = self._dcp_dir / info.relative_path
-            with open(path, "rb") as f:
-                piece = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                                   weights_only=True)
-            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(chunk.sizes):
-                raise UserError(f"{path}: a chunk of tensor {name!r} is not the {list(chunk.sizes)} tensor the "
-                                "checkpoint metadata says; the checkpoint is damaged")
-            covered += piece.numel()
-            region = tensor
-            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                region = region.narrow(dim, start, length)
-            region.copy_(piece)
-        if covered != tensor.numel():
-            raise UserError(f"{self._dcp_dir}: the saved chunks of tensor {name!r} cover {covered} of its "
-                            f"{tensor.numel()} elements; the checkpoint is damaged")
-        return tensor

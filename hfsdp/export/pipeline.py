@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, TYPE_CHECKING
 
-from hfsdp.checkpoint import store
+from hfsdp.checkpoint.safe_load import CheckpointWeights
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.export.staging import check_export_target, staged_export
@@ -22,7 +22,7 @@ from hfsdp.hooks.host import Lazy, PluginHost
 from hfsdp.model import quantized
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.rules import quantization
-from hfsdp.setup.record import read_record
+from hfsdp.setup.record import CONFIG_NAME, read_record
 
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
     read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
-    config, host = load_config(str(checkpoint_dir / store.CONFIG_NAME), overrides, check_data=False)
+    config, host = load_config(str(checkpoint_dir / CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
     quant = quantization.settings(config)
     if quant is not None and merges(config, merge_adapters):
@@ -68,7 +68,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
         path = loading.resolve_model_path(config.model.name_or_path, cache_dir)
         return dict(quantized.quantized_linears(loading.load_model(path, config.model, quant=quant)))
 
-    weights = quantized.exported_weights(store.CheckpointWeights(checkpoint_dir), config, base_layers,
+    weights = quantized.exported_weights(CheckpointWeights(checkpoint_dir), config, base_layers,
                                             check_bytes=True)
 
     def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)

@@ -248,17 +248,25 @@ class PluginHost:
                 problems += err.problems
         return problems
 
+    def registry(self, hook: str, key: str, named: str, verb: str,
+                 same: Callable[[Any], Any] = lambda name: name) -> dict[str, tuple[str, Any]]:
+        """Name -> (plugin, value) of what the enabled plugins register through ``hook`` (each returns a dict); a
+        name two plugins register (compared as ``same`` makes them) is a ConfigError at ``key``: "{named} '{name}'
+        is {verb} by two plugins"."""
+        found: dict[str, tuple[str, Any]] = {}
+        seen: dict[Any, str] = {}
+        for plugin, registered in self.call(hook):
+            for name, value in registered.items():
+                if same(name) in seen:
+                    first = seen[same(name)]
+                    raise ConfigError([(key, f"{named} '{name}' is {verb} by two plugins: '{found[first][0]}' and "
+                                             f"'{plugin}'; disable one of them")])
+                seen[same(name)] = name
+                found[name] = (plugin, value)
+        return found
+
     def dataset_formats(self) -> dict[str, tuple[str, Callable[..., Any]]]:
-        formats: dict[str, tuple[str, Callable[..., Any]]] = {}
-        for plugin, registered in self.call("hfsdp_dataset_formats"):
-            for name, fn in registered.items():
-                if name in formats:
-                    raise ConfigError(
-                        [("data.format", f"format '{name}' is registered by two plugins: "
-                                         f"'{formats[name][0]}' and '{plugin}'; disable one of them")]
-                    )
-                formats[name] = (plugin, fn)
-        return formats
+        return self.registry("hfsdp_dataset_formats", "data.format", "format", "registered")
 
     def trains_adapters(self, config: Any) -> bool:
         """An enabled plugin trains adapters on a frozen base (hook ``hfsdp_trains_adapters``)."""
@@ -266,15 +274,7 @@ class PluginHost:
 
     def generation_prompts(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         """Format name -> (plugin, split) for generation eval (hook ``hfsdp_generation_prompts``)."""
-        splits: dict[str, tuple[str, Callable[..., Any]]] = {}
-        for plugin, registered in self.call("hfsdp_generation_prompts"):
-            for name, fn in registered.items():
-                if name in splits:
-                    raise ConfigError([("generation_eval", f"format '{name}' is split for generation eval by two "
-                                                           f"plugins: '{splits[name][0]}' and '{plugin}'; disable "
-                                                           "one of them")])
-                splits[name] = (plugin, fn)
-        return splits
+        return self.registry("hfsdp_generation_prompts", "generation_eval", "format", "split for generation eval")
 
     def tokenize_function(self, config: Any, name: str | None = None) -> tuple[str, Callable[..., Any]]:
         """(plugin, tokenize) of the format ``name`` (default ``data.format``), given its plugin's section if it
@@ -284,18 +284,14 @@ class PluginHost:
 
     def data_readers(self, config: Any = None) -> dict[str, tuple[str, Callable[..., Any]]]:
         """File suffix or source prefix → (plugin, read); with ``config``, each read gets its plugin's section."""
-        readers: dict[str, tuple[str, Callable[..., Any]]] = {}
-        for plugin, registered in self.call("hfsdp_data_readers"):
-            for key, fn in registered.items():
-                if not isinstance(key, str) or not (key.startswith(".") or key.endswith("://")) or not callable(fn):
-                    raise ConfigError([(f"plugins.{plugin}", f"hfsdp_data_readers: {key!r}: keys are file suffixes "
-                                                             "('.tsv') or source prefixes ('mydb://'), values functions")])
-                clash = next((k for k in readers if k.lower() == key.lower()), None)
-                if clash is not None:
-                    raise ConfigError([("data.path", f"'{key}' is read by two plugins: '{readers[clash][0]}' and "
-                                                     f"'{plugin}'; disable one of them")])
-                readers[key] = (plugin, WithSection(fn, self.section_of(plugin, config)) if config is not None else fn)
-        return readers
+        readers = self.registry("hfsdp_data_readers", "data.path", "reader", "registered",
+                                same=lambda key: key.lower() if isinstance(key, str) else key)
+        for key, (plugin, fn) in readers.items():
+            if not isinstance(key, str) or not (key.startswith(".") or key.endswith("://")) or not callable(fn):
+                raise ConfigError([(f"plugins.{plugin}", f"hfsdp_data_readers: {key!r}: keys are file suffixes "
+                                                         "('.tsv') or source prefixes ('mydb://'), values functions")])
+        return {key: (plugin, WithSection(fn, self.section_of(plugin, config)) if config is not None else fn)
+                for key, (plugin, fn) in readers.items()}
 
     def export(self, *, out_dir: Any, destination: Any, config: Any, **kwargs: Any) -> str:
         """``hfsdp_export`` into the staged folder ``out_dir``: implementations are asked in pluggy's order (the

@@ -1,21 +1,29 @@
 """What a launcher (torchrun, ``accelerate launch``, a scheduler) put in the environment, and what hfsdp makes of it
 before anything loads: the rank variables checked, the process's place in the job, the variables a run without a
 wrapper drops (or a one-rank FSDP job sets), and the FSDP and Accelerate settings that the hfsdp config overrides.
-Each function takes the environment as an argument: only the CLI reads the process's own (``os.environ``).
+Each function takes the environment as an argument: only the CLI reads the process's own (``os.environ``). Also a
+free local TCP port for a rendezvous (:func:`free_port`). No torch, so the CLI stays light.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
 from hfsdp.errors import UserError
-from hfsdp.parallel.launch import free_port
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
     from hfsdp.setup.decide import RunSetup
     from hfsdp.setup.degrees import World
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` / ``torchrun --master-port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 # Launcher settings that Accelerate would otherwise apply on its own; the hfsdp YAML is the source of truth.
 # Every ACCELERATE_* variable Accelerate reads goes, except these few that only change logging, debugging checks

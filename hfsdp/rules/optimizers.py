@@ -57,14 +57,14 @@ CHOICES: dict[str, Choice] = {
     "adamw": Choice("torch.optim:AdamW", None, adam=True, defaults={"fused": True},
                     takes=("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")),
     "adamw_8bit": Choice(
-        "hfsdp.run.optimizers:ShardedAdamW8bit", BITSANDBYTES, adam=True,
+        "hfsdp.run.sharded.adamw_8bit:ShardedAdamW8bit", BITSANDBYTES, adam=True,
         takes=("amsgrad", "optim_bits", "args", "min_8bit_size", "is_paged"),
         whole="its moments are quantized in blocks of each parameter"),
     "adafactor": Choice(
-        "hfsdp.run.optimizers:ShardedAdafactor", None, adam=False,
+        "hfsdp.run.sharded.adafactor:ShardedAdafactor", None, adam=False,
         takes=("beta2_decay", "eps", "d", "foreach", "maximize"),
         whole="it factors each matrix's second moment into its rows and columns"),
-    "muon": Choice("hfsdp.run.optimizers:WholeMatrixMuon", None, adam=True,
+    "muon": Choice("hfsdp.run.sharded.muon:WholeMatrixMuon", None, adam=True,
                    takes=("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn", "ns_eps"),
                    whole="it orthogonalises each whole matrix"),
     "schedule_free_adamw": Choice("schedulefree:AdamWScheduleFree", SCHEDULEFREE, adam=True,

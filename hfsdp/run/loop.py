@@ -57,9 +57,6 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name}{saved}")
 
 
-    # batch)`` is the micro-batch's summed loss (a plugin's, hook hfsdp_objective, else next-token cross entropy)
-
-
 class PreemptionFlag:
     """First SIGTERM/SIGINT asks for a checkpoint at the next step; a second one exits at once."""
 

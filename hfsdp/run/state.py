@@ -50,7 +50,9 @@ class Run:
     generation_config: dict[str, Any] | None = None  # the model's generation_config.json, as exports write it
     model_files: ModelFiles | None = None  # what checkpoints and exports write besides the weights
     resume_identity: dict[str, Any] = field(default_factory=dict)  # the schedule length and data a resume must keep
-    objective: Objective = field(default_factory=TokenCrossEntropy)  # what the loop trains: ``objective(model,
+    # what the loop trains: ``objective(model, batch)`` is the micro-batch's summed loss (a plugin's, hook
+    # hfsdp_objective, else next-token cross entropy)
+    objective: Objective = field(default_factory=TokenCrossEntropy)
 
 
 @dataclass

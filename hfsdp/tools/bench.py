@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config.schema import STRATEGIES
-from hfsdp.parallel.launch import free_port
+from hfsdp.parallel.launcher import free_port
 from hfsdp.units import MIB
 
 # The split of an iteration (seconds each) that the bench_probe plugin measures, in order; its parts but

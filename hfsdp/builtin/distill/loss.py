@@ -19,7 +19,6 @@ and ``distill/divergence``.
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.errors import UserError
-from hfsdp.objective import FrozenModel, Objective
+from hfsdp.objective import FrozenModel, Objective, means_over_ranks
 
 BETA_OF = {"forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's beta of each named divergence; jsd: the section's beta
 
@@ -160,13 +159,8 @@ class Distill(Objective):
         return (1 - s.alpha) * ce + s.alpha * divergence
 
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
-        from hfsdp.parallel.world import all_sum
-
-        names = [k for k in self._sums if k != "tokens"]
-        sums = all_sum(accelerator, [float(self._sums.get("tokens", 0))] + [float(self._sums[k]) for k in names])
-        self._sums = {}
-        tokens = sums[0]
-        return {f"{prefix}{name}": total / tokens if tokens else math.nan for name, total in zip(names, sums[1:])}
+        metrics, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
+        return metrics
 
     def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
         return {"eval_loss": loss, "eval_tokens": int(targets)}

@@ -53,17 +53,9 @@ def hfsdp_reward_functions():
 
 def installed_rewards(enabled: list[str]) -> dict[str, tuple[str, Callable[..., Any]]]:
     """Reward name -> (plugin, function) of the enabled plugins; a name two plugins offer is a ConfigError."""
-    from hfsdp.errors import ConfigError
     from hfsdp.hooks.host import PluginHost
 
-    found: dict[str, tuple[str, Callable[..., Any]]] = {}
-    for plugin, offered in PluginHost(enabled).call("hfsdp_reward_functions"):
-        for name, fn in offered.items():
-            if name in found:
-                raise ConfigError([("grpo.rewards", f"reward '{name}' is offered by two plugins: '{found[name][0]}' "
-                                                    f"and '{plugin}'; disable one of them")])
-            found[name] = (plugin, fn)
-    return found
+    return PluginHost(enabled).registry("hfsdp_reward_functions", "grpo.rewards", "reward", "offered")
 
 
 def _offered_by_disabled(name: str, enabled: list[str]) -> str | None:

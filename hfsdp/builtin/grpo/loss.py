@@ -40,7 +40,7 @@ from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective, Sampling, adapters_disabled, target_logps
+from hfsdp.objective import Objective, Sampling, adapters_disabled, means_over_ranks, target_logps
 
 if TYPE_CHECKING:
     from hfsdp.builtin.grpo.schema import GrpoSection
@@ -488,12 +488,7 @@ class GRPO(Objective):
         self._sums[name] = self._sums.get(name, 0) + value.detach().double()
 
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
-        from hfsdp.parallel.world import all_sum
-
-        names = [k for k in self._sums if k != "tokens"]
-        sums = all_sum(accelerator, [float(self._sums.get("tokens", 0))] + [float(self._sums[k]) for k in names])
-        self._sums = {}
-        tokens = sums[0]
+        means, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
         generation_s, self._generation_s = self._generation_s, 0.0
         return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
-                **{f"{prefix}{name}": total / tokens if tokens else math.nan for name, total in zip(names, sums[1:])}}
+                **means}

@@ -184,7 +184,7 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     schedule-free AdamW two parameter-sized tensors (moments; z and the second moment), SGD one with momentum,
     Muon one momentum for its hidden matrices and AdamW's two for the rest, sharded as the gradients are; Adafactor
     a row and a column factor per matrix and a full second moment per vector, under FSDP2 the rows' share of the
-    row factors and moments and the whole column factors (:class:`hfsdp.run.optimizers.ShardedAdafactor`); 8-bit
+    row factors and moments and the whole column factors (:class:`hfsdp.run.sharded.adafactor.ShardedAdafactor`); 8-bit
     AdamW two bytes per element plus two float32 block scales per 256 elements and the two 256-entry quantization
     maps all parameters share, with parameters under ``min_8bit_size`` elements (whole) in float32: under FSDP2
     those of the rank's shard, and whole on every rank for a parameter whose shards do not fall on the 256-element
