@@ -69,7 +69,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
 
     from hfsdp.data import prepare as data
     from hfsdp.model import loading
-    from hfsdp.builtin.grpo import reward_functions
+    from hfsdp.builtin.online.rewards import reward_functions
     from hfsdp.builtin.grpo.loss import GRPO
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import cache_dir
@@ -81,7 +81,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
     train_set = data.prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
-    rewards = reward_functions(cfg)
+    rewards = reward_functions(cfg, "grpo")
     plan = GRPO(s, rewards, cfg, tokenizer).batch_plan(train_set, t, 1, None)
     order = [i for step in range(0, steps, s.num_iterations) for i in plan.rows(step, 0, 0)]
     ordered = datasets.Dataset.from_list([raw[i] for i in order])

@@ -1,0 +1,105 @@
+"""The reward functions of an online objective, torch-free: offered by the enabled plugins (hook
+``hfsdp_reward_functions``) or named as ``module:function``, resolved with a message that says how to fix a name
+(:func:`reward_functions`), and what such an objective needs of the config (:func:`online_problems`)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from hfsdp.builtin.online.schema import OnlineSection
+
+
+def installed_rewards(enabled: list[str], plugin: str) -> dict[str, tuple[str, Callable[..., Any]]]:
+    """Reward name -> (plugin, function) of the enabled plugins; a name two plugins offer is a ConfigError at
+    ``{plugin}.rewards``."""
+    from hfsdp.hooks.host import PluginHost
+
+    return PluginHost(enabled).registry("hfsdp_reward_functions", f"{plugin}.rewards", "reward", "offered")
+
+
+def _offered_by_disabled(name: str, enabled: list[str]) -> str | None:
+    """The installed, not enabled plugin that offers reward ``name`` (to say "enable it"), or None."""
+    from hfsdp.hooks.host import discover
+
+    for plugin, ep in sorted(discover().items()):
+        if plugin in enabled:
+            continue
+        try:
+            offer = getattr(ep.load(), "hfsdp_reward_functions", None)
+            if callable(offer) and hasattr(offer, "hfsdp_impl") and name in (offer() or {}):
+                return plugin
+        except Exception:  # noqa: BLE001 (a broken plugin is reported when it is enabled)
+            continue
+    return None
+
+
+def resolve_reward(name: str, enabled: list[str], offered: dict) -> tuple[str, Callable[..., Any]]:
+    """(where it comes from, function) of one ``rewards`` name, or ValueError saying how to fix it."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except ImportError as err:
+            raise ValueError(f"'{name}': cannot import module '{module}' ({err}); check the name and that it is "
+                             "installed or on PYTHONPATH") from None
+        except AttributeError:
+            raise ValueError(f"'{name}': module '{module}' has no function '{attr}'") from None
+        if not callable(fn):
+            raise ValueError(f"'{name}' is a {type(fn).__name__}, not a function")
+        return module, fn
+    if name in offered:
+        return offered[name]
+    plugin = _offered_by_disabled(name, enabled)
+    if plugin is not None:
+        raise ValueError(f"'{name}' is offered by plugin '{plugin}', which is not enabled: add {plugin} to plugins")
+    known = ", ".join(sorted(offered)) or "none"
+    raise ValueError(f"unknown reward '{name}' (offered by the enabled plugins: {known}); name one of them, or a "
+                     "function as module:function")
+
+
+def reward_functions(config, plugin: str) -> list[tuple[str, str, Callable[..., Any], float]]:
+    """(name, plugin or module, function, weight) of every ``rewards`` entry of ``plugin``'s section."""
+    section: OnlineSection = config.section(plugin)
+    offered = installed_rewards(config.plugins, plugin)
+    out = []
+    for spec in section.rewards:
+        source, fn = resolve_reward(spec.name, config.plugins, offered)
+        out.append((spec.name, source, fn, spec.weight))
+    return out
+
+
+def online_problems(config, plugin: str) -> list[tuple[str, str]]:
+    """What an online objective (``plugin``'s section, an :class:`OnlineSection`) needs of the config: prompt rows,
+    whole groups per micro-batch, lora for the KL reference, no generation eval, grouping or packing, and reward
+    functions that resolve."""
+    section: OnlineSection = config.section(plugin)
+    problems = []
+    if config.data.format != "prompt":
+        problems.append(("data.format", f"{plugin} generates completions of prompts: set data.format: prompt (rows with "
+                                        f"a prompt and the columns the rewards read), not '{config.data.format}'"))
+    batch = config.train.per_device_batch_size
+    if batch % section.num_generations:
+        problems.append((f"{plugin}.num_generations", f"{section.num_generations} does not divide "
+                                                 f"train.per_device_batch_size ({batch}), which counts completions: "
+                                                 "a micro-batch holds whole groups; make the batch a multiple of it"))
+    if section.beta > 0 and "lora" not in config.plugins:
+        problems.append((f"{plugin}.beta", "the KL reference is the base model with the LoRA adapters disabled: add lora "
+                                      "to plugins, or set beta: 0 (a frozen copy for full fine-tuning is not built yet)"))
+    if config.generation_eval:
+        problems.append(("generation_eval", f"{plugin}'s eval is the mean reward of completions sampled for each eval "
+                                            "prompt (eval_reward): remove the generation_eval section"))
+    if config.train.group_by_length:
+        problems.append(("train.group_by_length", f"{plugin}'s batches are prompts with their groups: remove it"))
+    if "packing" in config.plugins:
+        problems.append(("plugins", f"packing cannot pack {plugin}'s rows: each completion is scored whole; remove packing"))
+    try:
+        offered = installed_rewards(config.plugins, plugin)
+    except Exception as err:  # noqa: BLE001 (a ConfigError's problems, or a broken plugin)
+        return problems + list(getattr(err, "problems", [(f"{plugin}.rewards", str(err))]))
+    for i, spec in enumerate(section.rewards):
+        try:
+            resolve_reward(spec.name, config.plugins, offered)
+        except ValueError as err:
+            problems.append((f"{plugin}.rewards[{i}].name", str(err)))
+    return problems

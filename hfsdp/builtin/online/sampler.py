@@ -1,0 +1,436 @@
+"""The machinery every online objective shares (GRPO's, and the next ones beside it): a round of completions
+sampled for the plan's prompts (``num_generations`` per prompt, each token drawn by the completion's own generator,
+seeded by (objective, seed, round, prompt position, generation index), never by rank or batch composition, so 1
+process and N ranks sample the same completions), scored by the reward functions (TRL's calling convention) on the
+ranks that train on them and gathered, the log-probs when sampled and of the reference kept where the objective
+needs them, the round kept for ``num_iterations`` optimizer steps in a checkpointed buffer (:class:`RoundBuffer`),
+the reward eval, the completions log and the per-token metrics. A subclass of :class:`OnlineObjective` says how
+rewards become advantages (:meth:`OnlineObjective.advantages`), what its loss sums over
+(:meth:`OnlineObjective.units`) and the loss itself (``loss``): GRPO's is :class:`hfsdp.builtin.grpo.loss.GRPO`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.prompt import ROW_COLUMN
+from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
+from hfsdp.errors import UserError
+from hfsdp.objective import Objective, Sampling, adapters_disabled, means_over_ranks, target_logps
+
+if TYPE_CHECKING:
+    from hfsdp.builtin.online.schema import OnlineSection
+
+# The round number in the eval's sampling seeds (training rounds count from 0).
+EVAL_ROUND = -1
+
+
+class GroupPlan(BatchPlan):
+    """The plan of prompts: ``per_device_batch`` prompts per micro-batch, each plan step (a generation round)
+    trained ``iterations`` optimizer steps."""
+
+    def __init__(self, *args, iterations: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.iterations = iterations
+
+    def rows(self, step: int, micro_step: int, rank: int) -> list[int]:
+        return super().rows(step // self.iterations, micro_step, rank)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        return super().steps_for_epochs(epochs) * self.iterations
+
+    def epoch_of(self, step: int) -> float:
+        return super().epoch_of(step // self.iterations)
+
+    def source_counts(self, steps: int) -> list[int]:
+        return super().source_counts(-(-steps // self.iterations))
+
+
+def sample_seed(tag: str, seed: int, round_: int, prompt: int, generation: int) -> int:
+    """The seed of one completion's sampling generator (``tag``: the objective's plugin name)."""
+    digest = hashlib.sha256(f"{tag}:{seed}:{round_}:{prompt}:{generation}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits divided by the temperature, then cut to the top k and the top-p nucleus (as transformers' warpers)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        ordered, index = torch.sort(logits, descending=False, dim=-1)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False  # keep at least the likeliest token
+        logits = logits.masked_fill(remove.scatter(-1, index, remove), -math.inf)
+    return logits
+
+
+def seeded_sampler(generators: list[torch.Generator], temperature: float, top_k: int, top_p: float):
+    """A transformers logits processor that draws each row's next token with that row's generator and leaves only
+    it possible, so that greedy decoding emits it: a row's tokens depend on its generator and its logits alone."""
+    from transformers import LogitsProcessor
+
+    class SeededSampler(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            probs = filtered_logits(scores, temperature, top_k, top_p).softmax(-1).cpu()
+            drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+            out = torch.full_like(scores, -math.inf)
+            out[torch.arange(len(drawn)), drawn.to(scores.device)] = 0.0
+            return out
+
+    return SeededSampler()
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """TRL's mask of the generated tokens: up to and including the first EOS."""
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))
+    eos_at = torch.full((completions.size(0),), completions.size(1), dtype=torch.long, device=completions.device)
+    has = is_eos.any(1)
+    eos_at[has] = is_eos.int().argmax(1)[has]
+    return torch.arange(completions.size(1), device=completions.device)[None] <= eos_at[:, None]
+
+
+def nanstd(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation of the values that are not NaN, with Bessel's correction (TRL's ``nanstd``)."""
+    kept = ~torch.isnan(tensor)
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    count = kept.sum(dim=dim, keepdim=True) if dim is not None else kept.sum()
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1)
+    variance = torch.where(count > 1, variance, torch.full_like(variance, math.nan))
+    return (variance.squeeze(dim) if dim is not None else variance.reshape(())).sqrt()
+
+
+@dataclass
+class GroupBatch(MicroBatch):
+    """A micro-batch of completions (rows: prompt + completion, only the completion labelled) with each
+    completion's advantage and the kept per-token log-probs (``[completions, tokens]`` at the labelled targets)."""
+
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+class RoundBuffer:
+    """The generation round in use (every micro-batch of the global batch), checkpointed with the run so that a
+    resume inside a round trains on the same completions: ``state_dict`` holds plain lists, the same on every
+    rank."""
+
+    def __init__(self):
+        self.round = -1
+        self.entries: list[dict[str, Any]] = []  # per global micro-batch: rows, prompts, completions, values
+        self.stats: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "entries": self.entries, "stats": self.stats}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round, self.entries, self.stats = int(state["round"]), state["entries"], state["stats"]
+
+
+def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere."""
+    logits = model(**batch.inputs).logits.float() / temperature
+    with torch.no_grad():  # a metric: no graph through more logits-sized tensors
+        probs = logits.softmax(-1)
+        entropy = torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+        del probs
+    return target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
+
+
+def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
+                            select_logits: bool) -> MicroBatch:
+    """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
+    right-padded, so every completion starts at the same position and the model computes logits at the longest
+    completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
+    targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
+    prompt), the attention mask hides the padding."""
+    width, longest = max(map(len, prompts)), max(map(len, completions))
+    rows = len(prompts)
+    input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, width - len(p):width + len(c)] = torch.tensor(p + c)
+        attention[i, width - len(p):width + len(c)] = 1
+        targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)  # position t predicts t + 1
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
+    if select_logits:
+        keep = torch.arange(width - 1, width - 1 + longest)
+        inputs["logits_to_keep"], targets = keep, targets[:, keep]
+    labelled = targets != IGNORE_INDEX
+    return MicroBatch(inputs={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                      targets=targets.to(device), lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
+                      num_targets=int(labelled.sum()),
+                      label_positions=labelled.reshape(-1).nonzero().flatten().to(device))
+
+
+def _spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """Per-completion token lists placed at the mask's positions (row-major: each row's tokens in order)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask.cpu()] = torch.tensor([v for row in values for v in row], dtype=torch.float32)
+    return out.to(mask.device)
+
+
+def _per_row(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    return [row[m].tolist() for row, m in zip(tensor.detach().float().cpu(), mask.cpu())]
+
+
+class OnlineObjective(Objective):
+    """An objective that trains on completions it samples, scores and keeps for ``num_iterations`` steps (see the
+    module docstring); ``name`` is its plugin's, whose section is an :class:`OnlineSection`."""
+
+    progress_metrics = ("reward",)
+    name = "online"
+
+    def __init__(self, section: OnlineSection, rewards: list, config, tokenizer):
+        self.section, self.rewards, self.config, self.tokenizer = section, rewards, config, tokenizer
+        self.buffer = RoundBuffer()
+        self.unwrapped = None
+        self._sums: dict[str, torch.Tensor] = {}
+        self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
+
+    # ---- the plan and the rounds
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.section.max_new_tokens)  # every rank generates the whole global batch
+
+    def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
+        return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
+                         world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
+                         iterations=self.section.num_iterations)
+
+    def prepare(self, model, accelerator, splits, cache_dir, model_path):
+        self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        accelerator.register_for_checkpointing(self.buffer)
+        return splits
+
+    def step_batches(self, model, dataset, plan, step, rank, pad_id, device, select_logits) -> list[GroupBatch]:
+        round_ = step // self.section.num_iterations
+        if self.buffer.round != round_:
+            started = time.perf_counter()
+            self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits)
+            self._generation_s = time.perf_counter() - started
+        world = self.accelerator.num_processes
+        return [self._batch(self.buffer.entries[m * world + rank], pad_id, device, select_logits)
+                for m in range(plan.accumulation)]
+
+    def units(self, batch: MicroBatch, completions: int) -> int:
+        """What the loss of a micro-batch of ``completions`` sums over (hfsdp divides by the global batch's):
+        completions; a loss summed over tokens returns ``batch.num_targets``."""
+        return completions
+
+    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+        """Each completion's advantage from the round's rewards ``[completions, functions]`` (NaN: no reward), the
+        functions' ``weights`` and the ``group`` of completions per prompt (consecutive)."""
+        raise NotImplementedError
+
+    def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
+        batch = prompt_completion_batch(entry["prompt_ids"], entry["completion_ids"], pad_id, device, select_logits)
+        mask = batch.targets != IGNORE_INDEX
+        units = self.units(batch, len(entry["completion_ids"]))
+        return GroupBatch(**vars(batch) | {"num_targets": units},
+                          advantages=torch.tensor(entry["advantages"], dtype=torch.float32, device=device),
+                          old_logps=_spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
+                          ref_logps=_spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
+
+    def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits) -> None:
+        """Sample, score and prepare the round's global batch (collective)."""
+        from hfsdp.run.generation import generating
+        from hfsdp.parallel.world import gather_objects
+
+        s, accelerator = self.section, self.accelerator
+        world, rank, group = accelerator.num_processes, accelerator.process_index, s.num_generations
+        slots = [(m, r) for m in range(plan.accumulation) for r in range(world)]  # global micro-batch k = m*world+r
+        rows = [plan.rows(step, m, r) for m, r in slots]
+        flat = [i for part in rows for i in part]
+        prompts = [list(dataset[i]["input_ids"]) for i in flat]
+        seeds = [sample_seed(self.name, self.config.train.seed, round_, p, j) for p in range(len(flat)) for j in range(group)]
+        with generating(model):
+            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
+        per_micro = len(rows[0]) * group
+        entries = []
+        for k, part in enumerate(rows):
+            start = k * per_micro
+            entries.append({"rows": part, "prompt_ids": [prompts[k * len(part) + q] for q in range(len(part))
+                                                         for _ in range(group)],
+                            "completion_ids": completions[start:start + per_micro]})
+        mine = [k for k, (m, r) in enumerate(slots) if r == rank]
+        rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
+        rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
+        weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
+        advantages = self.advantages(rewards, weights, group)
+        for k, entry in enumerate(entries):
+            entry["rewards"] = rewards_of[k]
+            entry["advantages"] = advantages[k * per_micro:(k + 1) * per_micro].tolist()
+        kept = {}
+        if s.num_iterations > 1 or s.beta:  # log-probs when sampled, and of the reference
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                for k in mine:
+                    batch = self._batch(entries[k], pad_id, device, select_logits)
+                    mask = batch.targets != IGNORE_INDEX
+                    kept[k] = {}
+                    if s.num_iterations > 1:
+                        kept[k]["old_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
+                    if s.beta:
+                        with adapters_disabled(self.unwrapped):
+                            kept[k]["ref_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
+            model.train(was_training)
+            reshard(model)
+            for part in gather_objects(accelerator, kept):
+                for k, values in part.items():
+                    entries[k].update(values)
+        self.buffer.round, self.buffer.entries = round_, entries
+        self.buffer.stats = self._round_stats(rewards, entries)
+        self._log_completions(step, dataset, entries)
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int) -> list[list[int]]:
+        """Completions (token ids up to and including the first EOS) of left-padded prompts, one seeded generator
+        each."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        s, model = self.section, self.unwrapped
+        device = next(model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
+            else self.tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                                  eos_token_id=eos_ids, use_cache=True)
+        sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], s.temperature, s.top_k,
+                                 s.top_p)
+        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                             logits_processor=LogitsProcessorList([sampler]))
+        generated = out[:, width:]
+        mask = completion_mask(generated, eos_ids)
+        return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
+
+    # ---- rewards
+
+    def _reward_inputs(self, dataset, entry: dict[str, Any], group: int) -> dict[str, list]:
+        raw = [json.loads(dataset[i][ROW_COLUMN]) for i in entry["rows"] for _ in range(group)]
+        texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
+        conversational = isinstance(raw[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
+        return {"prompts": [r["prompt"] for r in raw], "completions": completions,
+                "completion_ids": entry["completion_ids"], **columns}
+
+    def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
+        """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
+        went wrong."""
+        kwargs = self._reward_inputs(dataset, entry, group)
+        count = len(entry["completion_ids"])
+        columns = []
+        for name, source, fn, _ in self.rewards:
+            where = f"{self.name} reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
+            rows = ", ".join(str(i) for i in entry["rows"])
+            try:
+                values = fn(**kwargs)
+            except Exception as err:  # noqa: BLE001 (the user's function: reported with where it failed)
+                return (f"{where} raised {type(err).__name__}: {err} (scoring the completions of training rows "
+                        f"{rows}, counting from 0)")
+            if not isinstance(values, (list, tuple)) or len(values) != count:
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+                return (f"{where} returned {got} for {count} completions (training rows {rows}): return a list of "
+                        "one float (or None) per completion")
+            bad = next((v for v in values if v is not None and not (isinstance(v, (int, float)) and
+                                                                  not isinstance(v, bool))), None)
+            if bad is not None:
+                index = list(values).index(bad)
+                return (f"{where} returned {bad!r} for the completion of training row {entry['rows'][index // group]}: "
+                        "rewards are numbers (or None for no reward)")
+            columns.append([math.nan if v is None else float(v) for v in values])
+        return [list(r) for r in zip(*columns)]
+
+    def _gathered_scores(self, dataset, mine: dict[int, dict[str, Any]], group: int) -> dict[int, list]:
+        """Every rank's scores of its entries (key -> rewards), on every rank; a failure on any rank raises on all."""
+        from hfsdp.parallel.world import gather_objects
+
+        everyone = gather_objects(self.accelerator, {k: self._score(dataset, e, group) for k, e in mine.items()})
+        failure = next((v for part in everyone for v in part.values() if isinstance(v, str)), None)
+        if failure is not None:
+            raise UserError(failure)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
+        """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
+        ``num_generations_eval`` completions of every eval prompt, sampled as training samples them, each by a
+        generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
+        weights gives the same completions. Every rank generates them all (FSDP's collectives); each scores its
+        share."""
+        from hfsdp.run.generation import generating
+
+        world, rank = accelerator.num_processes, accelerator.process_index
+        group = self.section.num_generations_eval or self.section.num_generations
+        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in range(len(prompts))
+                 for j in range(group)]
+        with generating(model):
+            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
+        mine = {i: {"rows": [i], "completion_ids": completions[i * group:(i + 1) * group]}
+                for i in range(rank, len(dataset), world)}
+        scores = self._gathered_scores(dataset, mine, group)
+        rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
+        stats = self._reward_stats(rewards)
+        return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
+
+    def _reward_stats(self, rewards: torch.Tensor) -> dict[str, float]:
+        weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
+        total = (rewards * weights[None]).nansum(1)
+        total[torch.isnan(rewards).all(1)] = math.nan
+        stats = {"reward": float(torch.nanmean(total)), "reward_std": float(nanstd(total))}
+        for i, (name, *_) in enumerate(self.rewards):
+            stats[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, i]))
+            stats[f"rewards/{name}/std"] = float(nanstd(rewards[:, i]))
+        return stats
+
+    def _round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
+        return {**self._reward_stats(rewards), "completion_length": float(lengths.mean())}
+
+    def _log_completions(self, step: int, dataset, entries: list[dict[str, Any]]) -> None:
+        n = self.section.log_completions
+        if not (n and self.accelerator.is_main_process):
+            return
+        out = Path(self.config.train.output_dir) / "completions.jsonl"
+        group = self.section.num_generations
+        lines = []
+        for entry in entries:
+            texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
+            for j, text in enumerate(texts):
+                if len(lines) == n:
+                    break
+                prompt = json.loads(dataset[entry["rows"][j // group]][ROW_COLUMN])["prompt"]
+                lines.append(json.dumps({"step": step + 1, "row": entry["rows"][j // group], "prompt": prompt,
+                                         "completion": text, "completion_ids": entry["completion_ids"][j],
+                                         "advantage": entry["advantages"][j],
+                                         "rewards": {name: (None if math.isnan(v) else v) for (name, *_), v
+                                                     in zip(self.rewards, entry["rewards"][j])}}))
+        with open(out, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        self._sums[name] = self._sums.get(name, 0) + value.detach().double()
+
+    def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
+        means, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
+        generation_s, self._generation_s = self._generation_s, 0.0
+        return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
+                **means}

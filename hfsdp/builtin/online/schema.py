@@ -1,0 +1,36 @@
+"""What every online objective's section has (:class:`OnlineSection`): the group of completions sampled per prompt,
+how they are sampled, the reward functions that score them, the rounds and the KL reference. A plugin's section
+subclasses it (``grpo:``, :class:`hfsdp.builtin.grpo.schema.GrpoSection`) and adds its loss's keys."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from hfsdp.config.schema import Section
+
+
+class RewardSpec(Section):
+    name: str = Field(description="a name a plugin's hfsdp_reward_functions offers, or module:function")
+    weight: float = Field(1.0, description="its weight in the summed reward")
+
+
+class OnlineSection(Section):
+    num_generations: int = Field(4, ge=2, description="completions per prompt (the group); divides "
+                                                      "train.per_device_batch_size")
+    max_new_tokens: int = Field(64, gt=0, description="most tokens a completion has (TRL's max_completion_length)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (the log-probs are of the tempered logits)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens of this mass")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens (0: all)")
+    rewards: list[RewardSpec] = Field(description="the reward functions, summed with their weights")
+    beta: float = Field(0.0, ge=0, description="KL to the reference (the base with the LoRA adapters disabled)")
+    num_iterations: int = Field(1, ge=1, description="optimizer steps on each generated batch (old log-probs kept)")
+    log_completions: int = Field(4, ge=0, description="completions written to completions.jsonl per generation")
+    num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
+                                                                      "name; default num_generations): eval_reward "
+                                                                      "is their mean reward")
+
+    @model_validator(mode="after")
+    def _has_rewards(self):
+        if not self.rewards:
+            raise ValueError("rewards: name at least one reward function")
+        return self
