@@ -42,7 +42,7 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
     config, world = setup.config, setup.world
     plugin = build_fsdp_plugin(config.fsdp, layer_classes) if setup.fsdp else None
     backend = process_group_backend(config, world)
-    parallelism = build_parallelism_config(config.fsdp, world.size, world.local_size) if plugin is not None else None
+    parallelism = build_parallelism_config(config.fsdp, world.dims) if plugin is not None else None
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
     autocast = config.fsdp.precision_name if plugin is None else "no"
     rehearsal = world.on_cpu and plugin is not None

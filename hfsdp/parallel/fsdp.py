@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hfsdp.config.schema import FSDPConfig
-from hfsdp.rules.wrapping import hybrid_mesh_shape, precision_parts
+from hfsdp.rules.wrapping import precision_parts
 
 if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
+    from hfsdp.setup.degrees import ParallelDims
 
 # Accelerate's names; the size policy is hfsdp's own (hfsdp.parallel.size_policy.SizeUnits).
 _WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "none": "NO_WRAP"}
@@ -99,14 +100,13 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
     )
 
 
-def build_parallelism_config(cfg: FSDPConfig, world_size: int, local_world_size: int) -> "ParallelismConfig | None":
-    """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD; None for the other strategies."""
-    shape = hybrid_mesh_shape(cfg, world_size, local_world_size)
-    if shape is None:
+def build_parallelism_config(cfg: FSDPConfig, dims: "ParallelDims") -> "ParallelismConfig | None":
+    """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD, from the run's degrees (replicate x shard); None for
+    the other strategies."""
+    if cfg.sharding_strategy != "HYBRID_SHARD":
         return None
     from accelerate.parallelism_config import ParallelismConfig
 
-    replicate, shard = shape
-    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
+    return ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard)
 
 
