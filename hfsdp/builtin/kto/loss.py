@@ -16,8 +16,8 @@ other completions of the data set.
 
 Each row and its KL row go through the model in one forward (the rows, then their KL rows: a
 :class:`~hfsdp.objective.PairBatch` whose second half is the KL rows), and the reference log-probs of both come from
-DPO's routes (:class:`~hfsdp.builtin.dpo.loss.ReferenceRoutes`: the base with the adapters disabled, or computed once
-and cached as the columns ``ref_logps`` and ``ref_KL_logps``, TRL's names).
+the routes DPO uses too (:class:`~hfsdp.builtin.reference_model.routes.ReferenceRoutes`: the base with the adapters
+disabled, or computed once and cached as the columns ``ref_logps`` and ``ref_KL_logps``, TRL's names).
 
 Metrics (TRL's names and means: a reward or log-prob over the desirable, or undesirable, rows of the step):
 ``rewards/chosen`` and ``rewards/rejected`` (``beta * r``), ``rewards/margins`` (their difference, where the step
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.builtin.dpo.loss import ReferenceRoutes
+from hfsdp.builtin.reference_model.routes import ReferenceRoutes
 from hfsdp.data.batches import micro_batch
 from hfsdp.objective import PairBatch
 

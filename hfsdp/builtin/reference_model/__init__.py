@@ -1,6 +1,7 @@
 """The reference model of the objectives that pull towards one (DPO, KTO): which route a section asks for, torch-free
 (``adapter``: the base with the LoRA adapters disabled; ``precomputed``: log-probs computed once before training and
-cached), and the route without lora refused. The routes themselves are :class:`hfsdp.builtin.dpo.loss.ReferenceRoutes`.
+cached), and the route without lora refused. The routes themselves, with torch:
+:class:`~hfsdp.builtin.reference_model.routes.ReferenceRoutes`.
 """
 
 from __future__ import annotations
