@@ -136,13 +136,15 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
 @click.argument("config")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
 @click.option("--no-rows", is_flag=True,
-              help="Check the config only: no tokenizer, no rows (and no torch import: a fraction of a second).")
+              help="Check the config only: no tokenizer, no rows, no trial step of the optimizer with "
+                   "train.optimizer_args' values (and no torch import: a fraction of a second).")
 def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
     """Validate CONFIG and print it resolved (defaults filled in). Exit 2 listing every problem.
 
     Also runs a sample of the local data files' rows through the format's tokenization (with the model's
     tokenizer, no weights), so that a row the format cannot read is reported with its number and the fix here,
-    not at train time; a summary line goes to stderr. --no-rows skips that."""
+    not at train time, and tries train.optimizer_args' values on a small layer; a summary line goes to stderr.
+    --no-rows skips both."""
     import yaml
 
     from hfsdp.config.files import load_config
