@@ -24,7 +24,7 @@ METRICS = ("reward", "reward_std", "rewards/letters/mean", "rewards/json_fields/
            "completion_length", "clip_ratio", "kl", "entropy")
 
 
-def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None) -> Path:
+def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None, **fsdp) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     return tiny_config(
         folder, plugins=["grpo", "lora", "grpo_test_rewards"],  # a plugin offering the reward "letters"
@@ -33,17 +33,18 @@ def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None) -> 
         grpo={"num_generations": 2, "max_new_tokens": 6, "beta": 0.04, "num_iterations": 2, "log_completions": 16,
               "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}]},
         train={"max_steps": STEPS, "per_device_batch_size": 4, "gradient_accumulation_steps": 2 // world,
-               "lr_scheduler": "constant", "collective_timeout_s": 120})
+               "lr_scheduler": "constant", "collective_timeout_s": 120}, fsdp=fsdp)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """name -> (run folder, console); the global batch is 8 completions (4 prompts) a step in both."""
+    """name -> (run folder, console); the global batch is 8 completions (4 prompts) a step in all. ``x2`` samples
+    with the model gathered once per generate call (the default), ``x2_layers`` a layer at each decode step."""
     root = tmp_path_factory.mktemp("grpo")
     env = base_env(PYTHONPATH=str(REWARDS))
     out = {}
-    for name, world in (("x1", 1), ("x2", 2)):
-        config = grpo_config(root / name, world)
+    for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x2_layers", 2, {"gather_for_generation": False})):
+        config = grpo_config(root / name, world, **fsdp)
         proc = run_cli("train", str(config), env=env) if world == 1 else run_torchrun(2, "train", str(config), env=env)
         out[name] = (root / name / "run", proc.stdout + proc.stderr)
     return out
@@ -70,6 +71,18 @@ def test_two_ranks_sample_score_and_train_what_one_process_does(runs):
     for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm") + METRICS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
+
+
+def test_two_ranks_train_the_same_steps_whether_sampling_gathers_the_model_once_or_a_layer_per_token(runs):
+    """``fsdp.gather_for_generation`` changes which all-gathers run while sampling (tests/test_generation.py counts
+    them), not what is computed: the same completions and the same steps, bit for bit."""
+    once, per_layer = runs["x2"][0], runs["x2_layers"][0]
+    assert completions(once) == completions(per_layer)
+    a, b = steps(once), steps(per_layer)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm") + METRICS:
+            assert a[step][key] == b[step][key], (step, key, a[step], b[step])
+    assert summary(once)["eval_reward"] == summary(per_layer)["eval_reward"]
 
 
 def test_the_metrics_completions_and_progress_bar_show_the_run(runs):

@@ -298,6 +298,11 @@ def test_grpo_is_planned_with_its_completions_and_their_kv_cache(tmp_path, tiny_
         assert r["device_peak"] >= r["params"] + r["optimizer"] + r["generation"]
     header = run_cli("plan", str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD").stdout
     assert "micro-batch 8 x 128 tokens" in header and "sampling at each step's start" in header, header
+    # fsdp.gather_for_generation (the default) gathers the whole model for sampling, in float32 here; without it
+    # FSDP2 gathers a unit at a time, as a forward does
+    per_layer = row(plan_json(str(cfg), "--nproc", "2", "--strategies", "FULL_SHARD", "--set",
+                              "fsdp.gather_for_generation=false"), "FULL_SHARD", 2)
+    assert two["generation"] - per_layer["generation"] == 4 * data["parameters"] - two["gathered"], (two, per_layer)
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -229,6 +229,11 @@ class FSDPConfig(Section):
     single_process: Literal["auto", "fsdp"] = Field(
         "auto", description="one process: auto runs the model without a wrapper unless an option needs FSDP "
                             "(cpu_offload); fsdp wraps it anyway, as N ranks would.")
+    gather_for_generation: bool = Field(
+        True, description="sampling (grpo's rounds, generation_eval) gathers the whole model once per generate call "
+                          "and reshards it after, as FSDP1 always does (TRL's ds3_gather_for_generation); false: "
+                          "FSDP2 gathers each layer at each decode step (less memory, an all-gather per layer per "
+                          "token).")
     # FSDP1-only knobs: None means "not set", so setting one under version 2 can be reported.
     forward_prefetch: bool | None = Field(None, description="FSDP1: issue the next all-gather early (default false).")
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] | None = Field(

@@ -70,7 +70,8 @@ class Evaluator:
                                        run.tokenizer.pad_token_id, self.select_logits, run.objective))
         if self.gen_items:
             gen = generation.generate_eval(run.model, self.unwrapped, run.tokenizer, self.gen_items,
-                                           run.config.generation_eval.max_new_tokens)
+                                           run.config.generation_eval.max_new_tokens,
+                                           gather=run.config.fsdp.gather_for_generation)
             results["gen_exact_match"] = gen.accuracy
             self.generations[label] = gen
         return results

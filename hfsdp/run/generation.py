@@ -39,39 +39,52 @@ def _normalise(text: str) -> str:
 
 
 @contextlib.contextmanager
-def generating(model):
-    """The model ready for ``generate`` on its unwrapped module, in eval mode: under FSDP1 its parameters gathered
-    (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2
-    each forward gathers them, so every rank must generate the same batches. Afterwards back in its mode, resharded."""
+def generating(model, whole: bool = True):
+    """The model ready for ``generate`` on its unwrapped module, in eval mode, its parameters gathered: under FSDP1
+    all of them (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2
+    with ``whole`` (``fsdp.gather_for_generation``) every unit's, once, kept gathered through every decode step;
+    without it each forward gathers each unit again (so every rank must generate the same batches). Afterwards back
+    in its mode, resharded."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
     from hfsdp.data.batches import reshard
 
     was_training = model.training
     model.eval()
+    kept: list = []  # FSDP2's parameter groups kept gathered, with what they reshard to after a forward
     if isinstance(model, FSDPModule):
         # generate() may call an inner module (a peft model's base) and never the root's forward: set the root up
         # (what its first forward does) and gather the parameters it holds itself, which only its forward would.
         model._get_fsdp_state()._lazy_init()
         model.unshard()
+        if whole:  # every unit gathered now and not resharded after its forwards (reshard_after_forward False)
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    for group in unit._get_fsdp_state()._fsdp_param_groups:
+                        kept.append((group, group.post_forward_mesh_info))
+                        group.post_forward_mesh_info = None
+                    unit.unshard()
     gather = (FSDP.summon_full_params(model, writeback=False, recurse=True)
               if isinstance(model, FSDP) else contextlib.nullcontext())
     try:
         with torch.no_grad(), gather:
             yield
     finally:
+        for group, after_forward in kept:
+            group.post_forward_mesh_info = after_forward
         model.train(was_training)
         reshard(model)
 
 
 @torch.no_grad()
-def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch_size: int = 16) -> GenerationResult:
+def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch_size: int = 16,
+                  gather: bool = True) -> GenerationResult:
     device = next(unwrapped.parameters()).device
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     outputs: list[str] = []
     try:
-        with generating(model):
+        with generating(model, gather):
             for start in range(0, len(items), batch_size):
                 texts = [text for text, _, _ in items[start:start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)

@@ -257,7 +257,7 @@ class OnlineObjective(Objective):
         flat = [i for part in rows for i in part]
         prompts = [list(dataset[i]["input_ids"]) for i in flat]
         seeds = [sample_seed(self.name, self.config.train.seed, round_, p, j) for p in range(len(flat)) for j in range(group)]
-        with generating(model):
+        with generating(model, self.config.fsdp.gather_for_generation):
             completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
         per_micro = len(rows[0]) * group
         entries = []
@@ -382,7 +382,7 @@ class OnlineObjective(Objective):
         prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
         seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in range(len(prompts))
                  for j in range(group)]
-        with generating(model):
+        with generating(model, self.config.fsdp.gather_for_generation):
             completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
         mine = {i: {"rows": [i], "completion_ids": completions[i * group:(i + 1) * group]}
                 for i in range(rank, len(dataset), world)}

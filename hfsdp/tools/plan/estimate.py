@@ -245,8 +245,9 @@ def frozen_bytes(frozen: tuple[FrozenFacts, ...], acts: Activations, setup: Setu
 def generation_bytes(facts: ModelFacts, acts: Activations, setup: Setup, gen: Generation, compute: int | None,
                      gathered: int) -> int:
     """Bytes beside the parameters and optimizer state while an objective samples its completions (no gradients
-    then): the parameters ``generate`` needs gathered (FSDP1 summons the whole model in its own dtype; FSDP2
-    gathers unit by unit, as a forward does: ``gathered``), the KV cache of every sequence generated at once at its
+    then): the parameters ``generate`` needs gathered (FSDP1 summons the whole model in its own dtype; FSDP2 gathers
+    every unit once in the compute dtype with ``fsdp.gather_for_generation``, else unit by unit as a forward does:
+    ``gathered``), the KV cache of every sequence generated at once at its
     full length, in the compute dtype, with one layer's grown copy beside it (``DynamicCache`` concatenates), one
     layer's prefill activations (the traced layer's saved tensors scaled to the prefill's tokens: an upper bound,
     as the prefill keeps nothing for backward) and the last positions' float32 logits with the sampler's two
@@ -256,6 +257,8 @@ def generation_bytes(facts: ModelFacts, acts: Activations, setup: Setup, gen: Ge
     if setup.wrapper == "fsdp1" and setup.dims.dp_shard > 1:
         gathered = sum(p.numel * p.itemsize for p in facts.params)  # summon_full_params, beside the shards
         itemsize = facts.params[0].itemsize
+    elif setup.wrapper == "fsdp2" and setup.fsdp.gather_for_generation and setup.dims.dp_shard > 1:
+        gathered = sum(p.numel for p in facts.params) * itemsize  # every unit gathered once, in the compute dtype
     kv = facts.kv_per_token * sequences * (gen.prompt_tokens + gen.new_tokens) * itemsize
     prefill = max(acts.per_layer, default=0) * sequences * gen.prompt_tokens // max(acts.tokens, 1)
     return gathered + kv + kv // max(facts.num_layers, 1) + prefill + 3 * sequences * facts.vocab_size * 4

@@ -148,7 +148,8 @@ class Planner:
     def suggest(self, setup: Setup, more_ranks: list[int]) -> str | None:
         """The cheapest set of changes that makes ``setup`` fit, written as the ``--set`` (and ``--nproc``) it
         takes and checked by the same estimate. The changes, cheapest first: those that keep the hardware and the
-        training maths (FULL_SHARD, activation checkpointing), then precision (bf16), AdamW's moments in 8 bits
+        training maths (FULL_SHARD, activation checkpointing, sampling with a layer gathered at a time), then
+        precision (bf16), AdamW's moments in 8 bits
         (``train.optimizer=adamw_8bit``: 2 bytes a parameter instead of 8, plus its block scales), more ranks per
         node (fewer first), LoRA, CPU offload (slowest). Sets are tried in order of cost (:func:`change_sets`): the
         costliest change a set needs, then how many changes it makes, so a change that fits alone is never printed
@@ -158,6 +159,9 @@ class Planner:
             changes.append(Change("fsdp.sharding_strategy=FULL_SHARD", fsdp={"sharding_strategy": "FULL_SHARD"}))
         if not setup.fsdp.activation_checkpointing:
             changes.append(Change("fsdp.activation_checkpointing=true", fsdp={"activation_checkpointing": True}))
+        if (setup.wrapper == "fsdp2" and setup.fsdp.gather_for_generation
+                and self.generation(setup.plugins) is not None):  # sampling: a layer at a time instead of the model
+            changes.append(Change("fsdp.gather_for_generation=false", fsdp={"gather_for_generation": False}))
         if setup.precision == "no":
             changes.append(Change("fsdp.mixed_precision=bf16", fsdp={"mixed_precision": "bf16"}))
         if setup.optimizer == "adamw" and not setup.optimizer_args:  # its arguments are AdamW's, not AdamW8bit's
