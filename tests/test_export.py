@@ -185,11 +185,11 @@ def sharded_checkpoint(tmp_path, tiny_model_dir) -> Path:
 
 def test_export_reads_the_metadata_once_and_imports_no_transformers(sharded_checkpoint, tmp_path, tiny_model_dir,
                                                                     monkeypatch):
-    from hfsdp.checkpoint import store as checkpoint_module
+    from hfsdp.checkpoint import safe_load
 
     calls = []
-    real = checkpoint_module.read_dcp_metadata
-    monkeypatch.setattr(checkpoint_module, "read_dcp_metadata", lambda folder: calls.append(folder) or real(folder))
+    real = safe_load.read_dcp_metadata
+    monkeypatch.setattr(safe_load, "read_dcp_metadata", lambda folder: calls.append(folder) or real(folder))
     out = export_checkpoint(sharded_checkpoint, tmp_path / "out", [])
     assert len(calls) == 1  # not once per tensor
     exported, original = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
