@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
 
@@ -20,20 +23,25 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 REWARDS = REPO / "tests" / "reward_plugin"
+FAULTS = REPO / "tests" / "fault_plugin"
 METRICS = ("reward", "reward_std", "rewards/letters/mean", "rewards/json_fields/mean",
            "completion_length", "clip_ratio", "kl", "entropy")
 
 
-def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None, **fsdp) -> Path:
+def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None, plugins: tuple[str, ...] = (),
+                train: dict | None = None, data: dict | None = None, grpo: dict | None = None, **fsdp) -> Path:
+    """The global batch is 8 completions (4 prompts of 2) a step on 1, 2 or 4 ranks; ``train``, ``data`` and
+    ``grpo`` change keys of those sections."""
     folder.mkdir(parents=True, exist_ok=True)
     return tiny_config(
-        folder, plugins=["grpo", "lora", "grpo_test_rewards"],  # a plugin offering the reward "letters"
+        folder, plugins=["grpo", "lora", "grpo_test_rewards", *plugins],  # a plugin offering the reward "letters"
         data={"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"),
-              "eval_path": str(PRESET_DATA / "contacts_prompts_eval.jsonl"), "max_eval_samples": 4},
+              "eval_path": str(PRESET_DATA / "contacts_prompts_eval.jsonl"), "max_eval_samples": 4, **(data or {})},
         grpo={"num_generations": 2, "max_new_tokens": 6, "beta": 0.04, "num_iterations": 2, "log_completions": 16,
-              "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}]},
-        train={"max_steps": STEPS, "per_device_batch_size": 4, "gradient_accumulation_steps": 2 // world,
-               "lr_scheduler": "constant", "collective_timeout_s": 120}, fsdp=fsdp)
+              "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}], **(grpo or {})},
+        train={"max_steps": STEPS, "per_device_batch_size": 8 // max(world, 2), "gradient_accumulation_steps":
+               max(2 // world, 1), "lr_scheduler": "constant", "collective_timeout_s": 120, **(train or {})},
+        fsdp=fsdp)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +51,11 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     root = tmp_path_factory.mktemp("grpo")
     env = base_env(PYTHONPATH=str(REWARDS))
     out = {}
-    for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x2_layers", 2, {"gather_for_generation": False})):
+    for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x2_layers", 2, {"gather_for_generation": False}),
+                              ("x4", 4, {})):
         config = grpo_config(root / name, world, **fsdp)
-        proc = run_cli("train", str(config), env=env) if world == 1 else run_torchrun(2, "train", str(config), env=env)
+        proc = (run_cli("train", str(config), env=env) if world == 1
+                else run_torchrun(world, "train", str(config), env=env))
         out[name] = (root / name / "run", proc.stdout + proc.stderr)
     return out
 
@@ -69,6 +79,39 @@ def test_two_ranks_sample_score_and_train_what_one_process_does(runs):
     a, b = steps(one), steps(two)
     assert summary(one)["eval_reward"] == pytest.approx(summary(two)["eval_reward"], rel=1e-6)
     for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm") + METRICS:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
+
+
+def test_four_ranks_each_sampling_a_quarter_sample_and_train_what_one_process_does(runs):
+    """Each rank samples the prompts of its own micro-batches (1 of the 4 a step here, against 4 on one process and 2
+    on each of 2 ranks): the completions are token-identical however the round is split, and the steps the same."""
+    one, four = runs["x1"][0], runs["x4"][0]
+    assert completions(four) == completions(one) == completions(runs["x2"][0])
+    a, b = steps(one), steps(four)
+    assert summary(one)["eval_reward"] == pytest.approx(summary(four)["eval_reward"], rel=1e-6)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm") + METRICS:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
+
+
+def test_two_ranks_killed_inside_a_round_resume_with_the_same_completions_and_steps(runs, tmp_path):
+    """Rank 1 is killed (kill -9) at the end of step 2, before its checkpoint: the resume continues from step 1's,
+    inside the first round (2 steps a round): step 2 trains on the restored completions, step 3 samples what one
+    process sampled."""
+    config = grpo_config(tmp_path, 2, plugins=("hfsdp_faults",), train={"save_every": 1})
+    env = base_env(PYTHONPATH=os.pathsep.join([str(REWARDS), str(FAULTS)]), HFSDP_TEST_FAULTS="sigkill@2:1")
+    killed = run_torchrun(2, "train", str(config), env=env, check=False)
+    assert killed.returncode != 0 and "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]
+    run = tmp_path / "run"
+    assert [c["step"] for c in completions(run)] == [1] * 8  # the first round only
+    resumed = run_torchrun(2, "train", str(config), "--resume", env=base_env(
+        PYTHONPATH=os.pathsep.join([str(REWARDS), str(FAULTS)])))
+    assert "resumed from" in resumed.stdout and "step-1 at step 1" in resumed.stdout, resumed.stdout[-3000:]
+    one = runs["x1"][0]
+    assert completions(run) == completions(one)
+    a, b = steps(one), steps(run)
+    for step in (2, 3):
         for key in ("loss", "grad_norm") + METRICS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
 
@@ -118,3 +161,65 @@ def test_a_reward_that_raises_on_one_rank_stops_both(tmp_path):
                "ValueError: a reward server is down (scoring the completions of training rows" in e
                for e in errors), errors
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- micro-steps without signal: skipped on every rank alike (grpo_test_rewards:letters_where_signal)
+
+
+@pytest.fixture(scope="module")
+def signal_runs(tmp_path_factory) -> dict[str, Path]:
+    """name -> run folder. Two prompts, the global batch both of them (a prompt a micro-batch: 2 micro-steps on one
+    process, one on each of 2 ranks), with a reward that is flat (advantages 0) for a prompt without ``signal``:
+    ``mixed`` one prompt with signal and one without; ``flat`` neither (beta 0: skipped), ``flat_kl`` neither with
+    the KL term (beta > 0: never skipped; the adapters start as the identity, so its gradients are 0 too)."""
+    root = tmp_path_factory.mktemp("grpo_signal")
+    source = [json.loads(line) for line in (PRESET_DATA / "contacts_prompts_train.jsonl").read_text().splitlines()]
+    out = {}
+    for name, world, signal, beta in (("mixed_x1", 1, (True, False), 0.0), ("mixed_x2", 2, (True, False), 0.0),
+                                      ("flat_x2", 2, (False, False), 0.0), ("flat_kl_x2", 2, (False, False), 0.04)):
+        folder = root / name
+        folder.mkdir()
+        rows = folder / "prompts.jsonl"
+        rows.write_text("".join(json.dumps({**row, "signal": has}) + "\n" for row, has in zip(source, signal)))
+        config = grpo_config(folder, world, rewards=[{"name": "grpo_test_rewards:letters_where_signal"}],
+                             data={"path": str(rows), "eval_path": None}, grpo={"beta": beta},
+                             train={"per_device_batch_size": 2, "gradient_accumulation_steps": 2 // world})
+        env = base_env(PYTHONPATH=str(REWARDS))
+        (run_cli("train", str(config), env=env) if world == 1 else run_torchrun(2, "train", str(config), env=env))
+        out[name] = folder / "run"
+    return out
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return {f"{file.name}:{key}": tensor for file in sorted((run / "final").glob("*.safetensors"))
+            for key, tensor in load_file(file).items()}
+
+
+def test_a_micro_step_with_signal_on_one_rank_only_is_trained_on_every_rank(signal_runs):
+    """On 2 ranks the one micro-step has signal on rank 0 and none on rank 1: nothing is skipped. One process has
+    the prompt without signal as a micro-step of its own and skips it, and trains the same steps."""
+    two, one = steps(signal_runs["mixed_x2"]), steps(signal_runs["mixed_x1"])
+    for step in range(1, STEPS + 1):
+        assert two[step]["skipped_zero_advantage"] == 0 and one[step]["skipped_zero_advantage"] == 1
+        assert two[step]["grad_norm"] > 0 and two[step]["entropy"] > 0
+        for key in ("loss", "grad_norm", "reward"):
+            assert one[step][key] == pytest.approx(two[step][key], rel=1e-5, abs=1e-7), (step, key)
+    flat = [c for c in completions(signal_runs["mixed_x2"]) if c["advantage"] == 0]
+    assert len(flat) == 4  # the prompt without signal: both its completions, in each of the 2 rounds
+
+
+def test_a_micro_step_without_signal_on_any_rank_is_skipped_on_all_and_leaves_the_weights_computed_zeros_leave(
+        signal_runs):
+    """No rank runs a forward (no entropy is measured), every step still ends on both ranks (loss and gradient
+    norm 0), and the optimizer steps as it does on the computed zero gradients of the same run with the KL term
+    (which never skips): the same final weights, bit for bit."""
+    skipped, computed = steps(signal_runs["flat_x2"]), steps(signal_runs["flat_kl_x2"])
+    for step in range(1, STEPS + 1):
+        assert skipped[step]["skipped_zero_advantage"] == 1 and "entropy" not in skipped[step], skipped[step]
+        assert skipped[step]["loss"] == 0 and skipped[step]["grad_norm"] == 0
+        assert computed[step]["skipped_zero_advantage"] == 0 and computed[step]["entropy"] > 0
+        assert computed[step]["grad_norm"] == 0 and computed[step]["kl"] == 0
+    assert summary(signal_runs["flat_x2"])["steps"] == STEPS
+    a, b = final_weights(signal_runs["flat_x2"]), final_weights(signal_runs["flat_kl_x2"])
+    assert a and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -312,6 +312,9 @@ class MicroBatch:
     lengths: list[int]  # real (non-padding) tokens of each row
     num_targets: int  # what the loss sums over: labelled positions (an objective's own units, e.g. DPO's pairs)
     label_positions: torch.Tensor | None = None  # flat indices of the labelled targets (what the chunked loss reads)
+    # No forward or backward: its gradient is 0 (an online objective's micro-step without signal), decided alike on
+    # every rank for the same micro-step, as FSDP's collectives need.
+    skip: bool = False
 
     @property
     def tokens(self) -> int:

@@ -53,6 +53,8 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     run.objective.start_step(accelerator, micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
+        if batch.skip:  # every rank skips this micro-step: its gradient is 0
+            continue
         with phase("forward"):
             part = run.objective(model, batch)
             loss = part * run.world.dims.dp_size / max(global_labels, 1)
@@ -66,6 +68,9 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
             scaler.unscale_(optimizer)
         # Listed every step: FSDP2 swaps a module's parameters between sharded and unsharded ones.
         trainable = [p for p in model.parameters() if p.requires_grad]
+        if all(batch.skip for batch in micro):  # the gradient of a step without a backward is 0, not absent (the
+            for p in trainable:  # optimizer steps as it would have: its step count, moments and weight decay)
+                p.grad = torch.zeros_like(p)
         grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):

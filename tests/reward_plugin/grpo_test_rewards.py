@@ -12,6 +12,12 @@ def letters(completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
 
 
+def letters_where_signal(completions, signal, **kwargs):
+    """``letters`` for the rows whose ``signal`` column is true, 0.5 for every completion of the others (a group
+    without signal: its advantages are 0)."""
+    return [value if has else 0.5 for value, has in zip(letters(completions), signal)]
+
+
 def one_short(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 

@@ -1,12 +1,14 @@
-"""The machinery every online objective shares (GRPO's, and the next ones beside it): a round of completions
-sampled for the plan's prompts (``num_generations`` per prompt, each token drawn by the completion's own generator,
-seeded by (objective, seed, round, prompt position, generation index), never by rank or batch composition, so 1
-process and N ranks sample the same completions), scored by the reward functions (TRL's calling convention) on the
-ranks that train on them and gathered, the log-probs when sampled and of the reference kept where the objective
-needs them, the round kept for ``num_iterations`` optimizer steps in a checkpointed buffer (:class:`RoundBuffer`),
-the reward eval, the completions log and the per-token metrics. A subclass of :class:`OnlineObjective` says how
-rewards become advantages (:meth:`OnlineObjective.advantages`), what its loss sums over
-(:meth:`OnlineObjective.units`) and the loss itself (``loss``): GRPO's is :class:`hfsdp.builtin.grpo.loss.GRPO`.
+"""The machinery every online objective shares (GRPO's, and the next ones beside it): a round of completions sampled
+for the plan's prompts (``num_generations`` per prompt, each token drawn by the completion's own generator, seeded
+by (objective, seed, round, prompt position, generation index), never by rank or batch composition; each rank
+samples the prompts of its own micro-batches, a prompt's whole group on one rank, and the completions are gathered,
+so 1 process and N ranks sample the same completions, N ranks each a 1/N share), scored by the reward functions
+(TRL's calling convention) on the ranks that train on them and gathered, the log-probs when sampled and of the
+reference kept where the objective needs them, the round kept for ``num_iterations`` optimizer steps in a
+checkpointed buffer (:class:`RoundBuffer`), the reward eval, the completions log and the per-token metrics. A
+subclass of :class:`OnlineObjective` says how rewards become advantages (:meth:`OnlineObjective.advantages`), what
+its loss sums over (:meth:`OnlineObjective.units`) and the loss itself (``loss``): GRPO's is
+:class:`hfsdp.builtin.grpo.loss.GRPO`.
 """
 
 from __future__ import annotations
@@ -200,11 +202,12 @@ class OnlineObjective(Objective):
         self.unwrapped = None
         self._sums: dict[str, torch.Tensor] = {}
         self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
+        self._skipped = 0  # this step's micro-steps without signal, skipped (:meth:`without_signal`)
 
     # ---- the plan and the rounds
 
     def sampling(self) -> Sampling:
-        return Sampling(self.section.max_new_tokens)  # every rank generates the whole global batch
+        return Sampling(self.section.max_new_tokens, whole_global_batch=False)  # each rank its own micro-batches
 
     def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
         return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
@@ -220,11 +223,22 @@ class OnlineObjective(Objective):
         round_ = step // self.section.num_iterations
         if self.buffer.round != round_:
             started = time.perf_counter()
-            self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits)
+            self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits, rank)
             self._generation_s = time.perf_counter() - started
-        world = self.accelerator.num_processes
-        return [self._batch(self.buffer.entries[m * world + rank], pad_id, device, select_logits)
-                for m in range(plan.accumulation)]
+        world, entries = plan.world_size, self.buffer.entries
+        micro = []
+        for m in range(plan.accumulation):
+            batch = self._batch(entries[m * world + rank], pad_id, device, select_logits)
+            batch.skip = self.without_signal([entries[m * world + r] for r in range(world)])
+            micro.append(batch)
+        self._skipped = sum(batch.skip for batch in micro)
+        return micro
+
+    def without_signal(self, slots: list[dict[str, Any]]) -> bool:
+        """Whether a micro-step (``slots``: its entry on each rank) has a zero gradient, so that every rank skips
+        its forward and backward: every completion's advantage is 0 and there is no KL term (``beta`` 0), the loss
+        then being 0 whatever the log-probs."""
+        return not self.section.beta and all(a == 0 for slot in slots for a in slot["advantages"])
 
     def units(self, batch: MicroBatch, completions: int) -> int:
         """What the loss of a micro-batch of ``completions`` sums over (hfsdp divides by the global batch's):
@@ -245,28 +259,27 @@ class OnlineObjective(Objective):
                           old_logps=_spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
                           ref_logps=_spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
 
-    def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits) -> None:
-        """Sample, score and prepare the round's global batch (collective)."""
-        from hfsdp.run.generation import generating
+    def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits, rank) -> None:
+        """Sample this rank's share of the round (the prompts of its own micro-batches), gather every rank's
+        completions, score and prepare the round's global batch (collective)."""
         from hfsdp.parallel.world import gather_objects
 
         s, accelerator = self.section, self.accelerator
-        world, rank, group = accelerator.num_processes, accelerator.process_index, s.num_generations
+        world, group = plan.world_size, s.num_generations
         slots = [(m, r) for m in range(plan.accumulation) for r in range(world)]  # global micro-batch k = m*world+r
         rows = [plan.rows(step, m, r) for m, r in slots]
-        flat = [i for part in rows for i in part]
-        prompts = [list(dataset[i]["input_ids"]) for i in flat]
-        seeds = [sample_seed(self.name, self.config.train.seed, round_, p, j) for p in range(len(flat)) for j in range(group)]
-        with generating(model, self.config.fsdp.gather_for_generation):
-            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
-        per_micro = len(rows[0]) * group
-        entries = []
-        for k, part in enumerate(rows):
-            start = k * per_micro
-            entries.append({"rows": part, "prompt_ids": [prompts[k * len(part) + q] for q in range(len(part))
-                                                         for _ in range(group)],
-                            "completion_ids": completions[start:start + per_micro]})
+        per_slot = len(rows[0])  # prompts in a micro-batch
+        prompts = [list(dataset[i]["input_ids"]) for part in rows for i in part]  # the round's, in slot order
         mine = [k for k, (m, r) in enumerate(slots) if r == rank]
+        positions = [k * per_slot + q for k in mine for q in range(per_slot)]  # my prompts' places in the round
+        seeds = [sample_seed(self.name, self.config.train.seed, round_, p, j) for p in positions for j in range(group)]
+        sampled = self._sample([prompts[p] for p in positions for _ in range(group)], seeds, pad_id,
+                               width=max(map(len, prompts)), model=model)
+        per_micro = per_slot * group
+        completions_of = {k: v for part in gather_objects(accelerator, {
+            k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(mine)}) for k, v in part.items()}
+        entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
+                    "completion_ids": completions_of[k]} for k, part in enumerate(rows)]
         rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
@@ -298,25 +311,33 @@ class OnlineObjective(Objective):
         self._log_completions(step, dataset, entries)
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int) -> list[list[int]]:
-        """Completions (token ids up to and including the first EOS) of left-padded prompts, one seeded generator
-        each."""
+    def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int, model) -> list[list[int]]:
+        """Completions (token ids up to and including the first EOS) of the prompts, one seeded generator each.
+
+        A row's tokens depend on its prompt and generator alone: the prompts are left-padded to ``width`` (the
+        longest prompt of everything sampled together on any rank, not of this rank's share), and a row's logits
+        do not depend on the other rows of the batch (the rows of a matrix product and of attention are computed
+        apart). With several ranks (``synced_gpus``) every rank takes as many decode steps as the rank that stops
+        last, its finished rows stepping on padding, as FSDP needs every rank in each forward."""
         from transformers import GenerationConfig, LogitsProcessorList
 
-        s, model = self.section, self.unwrapped
-        device = next(model.parameters()).device
-        width = max(len(p) for p in prompts)
+        from hfsdp.run.generation import generating
+
+        s, unwrapped = self.section, self.unwrapped
+        device = next(unwrapped.parameters()).device
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
+        eos = unwrapped.generation_config.eos_token_id if unwrapped.generation_config.eos_token_id is not None \
             else self.tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
         config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                                   eos_token_id=eos_ids, use_cache=True)
         sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], s.temperature, s.top_k,
                                  s.top_p)
-        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                             logits_processor=LogitsProcessorList([sampler]))
+        with generating(model, self.config.fsdp.gather_for_generation):
+            out = unwrapped.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                                     logits_processor=LogitsProcessorList([sampler]),
+                                     synced_gpus=self.accelerator.num_processes > 1)
         generated = out[:, width:]
         mask = completion_mask(generated, eos_ids)
         return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
@@ -373,20 +394,17 @@ class OnlineObjective(Objective):
         """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
         ``num_generations_eval`` completions of every eval prompt, sampled as training samples them, each by a
         generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
-        weights gives the same completions. Every rank generates them all (FSDP's collectives); each scores its
-        share."""
-        from hfsdp.run.generation import generating
-
+        weights gives the same completions, on any number of ranks. Each rank samples and scores its share of the
+        prompts (every ``world``-th)."""
         world, rank = accelerator.num_processes, accelerator.process_index
         group = self.section.num_generations_eval or self.section.num_generations
         prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
-        seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in range(len(prompts))
-                 for j in range(group)]
-        with generating(model, self.config.fsdp.gather_for_generation):
-            completions = self._sample([p for p in prompts for _ in range(group)], seeds, pad_id)
-        mine = {i: {"rows": [i], "completion_ids": completions[i * group:(i + 1) * group]}
-                for i in range(rank, len(dataset), world)}
-        scores = self._gathered_scores(dataset, mine, group)
+        mine = list(range(rank, len(dataset), world))
+        seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in mine for j in range(group)]
+        sampled = self._sample([prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
+                               width=max(map(len, prompts)), model=model)
+        scores = self._gathered_scores(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1) * group]}
+                                                 for n, i in enumerate(mine)}, group)
         rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
         stats = self._reward_stats(rewards)
         return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
@@ -432,5 +450,6 @@ class OnlineObjective(Objective):
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         means, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
         generation_s, self._generation_s = self._generation_s, 0.0
+        skipped, self._skipped = self._skipped, 0
         return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
-                **means}
+                f"{prefix}skipped_zero_advantage": skipped, **means}
