@@ -176,8 +176,8 @@ def peak_grid(out: Path, env: dict[str, str], on_cpu: bool = True) -> list[dict]
 
 def grpo_grid(out: Path, env: dict[str, str]) -> list[dict]:
     """GRPO (plugin grpo) on 2 ranks of smollm2-bench in fp32: completions of {32, 128} tokens (the random model
-    never stops early) x {4, 8} completions per micro-batch x FULL_SHARD / NO_SHARD; every rank generates the global
-    batch's completions with the KV cache, then trains on its micro-batch of prompts plus completions."""
+    never stops early) x {4, 8} completions per micro-batch x FULL_SHARD / NO_SHARD; each rank generates its
+    micro-batch's completions with the KV cache, then trains on its micro-batch of prompts plus completions."""
     config = write_yaml(out / "grpo.yaml", {
         "model": {"name_or_path": "smollm2-bench"},
         "plugins": ["grpo"],
