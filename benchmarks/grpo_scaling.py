@@ -34,8 +34,10 @@ def train(name: str, out: Path, ranks: int, threads: int, steps: int, overrides:
     launcher = ([sys.executable, "-m", "hfsdp"] if ranks == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "hfsdp"])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    subprocess.run([*launcher, "train", "grpo", "--overwrite", *[a for s in sets for a in ("--set", s)]],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.run([*launcher, "train", "grpo", "--overwrite", *[a for s in sets for a in ("--set", s)]],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     steps_ = [m for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     return {"name": name, "steps": steps_, "completions": (folder / "completions.jsonl").read_text().splitlines(),
             "generation_s": statistics.median(m["generation_s"] for m in steps_),
