@@ -12,6 +12,11 @@ def letters(completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
 
 
+def characters(completions, **kwargs):
+    """The completion's length in characters over 100 (a second objective beside ``letters``)."""
+    return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
+
+
 def one_short(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 
