@@ -54,6 +54,14 @@ def run_hfsdp(config: str, overrides: list[str], out: Path) -> tuple[list[dict],
     return metrics, rounds
 
 
+def trl_loss_keys(section) -> dict:
+    """The GRPOConfig values of the grpo section's loss, advantage and masking keys (named as TRL's)."""
+    from hfsdp.builtin.online.schema import OnlineSection
+
+    names = [*(type(section).model_fields.keys() - OnlineSection.model_fields.keys()), "mask_truncated_completions"]
+    return {name: getattr(section, name) for name in names}
+
+
 def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) -> dict[str, list[float]]:
     """TRL's per-step ``losses``, ``grad_norms`` (what it logs), with hfsdp's completions ``float64_norms`` (of its
     gradients, summed as hfsdp sums its norm; TRL clips by them) and ``torch_norms`` (torch's float32 norm of the
@@ -132,9 +140,9 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
         args = GRPOConfig(
             **training_args(t, out, steps), num_generations=s.num_generations,
             max_completion_length=s.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
-            num_iterations=s.num_iterations, scale_rewards=s.scale_rewards, loss_type=s.loss_type,
+            top_p=s.top_p, top_k=s.top_k, beta=s.beta, num_iterations=s.num_iterations,
             shuffle_dataset=False, log_completions=False, reward_weights=[w for *_, w in rewards],
+            **trl_loss_keys(s),
         )
         trainer = InPlanOrder(model=model, reward_funcs=[fn for _, _, fn, _ in rewards], args=args,
                                   train_dataset=ordered, processing_class=tokenizer,
@@ -148,9 +156,9 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
 def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: int) -> None:
     """Both columns of per-step loss and gradient norm on the same completions, and their largest differences."""
     print(f"\nGRPO on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
-          f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), loss_type {s.loss_type}, "
-          f"num_iterations {s.num_iterations}, scale_rewards {s.scale_rewards}, lr {cfg.train.learning_rate}, fp32, "
-          "one process, the same completions")
+          f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), num_iterations {s.num_iterations}, "
+          f"lr {cfg.train.learning_rate}, fp32, one process, the same completions; "
+          + ", ".join(f"{k} {v}" for k, v in sorted(trl_loss_keys(s).items())))
     print("grad norms: hfsdp's (float64 sums), TRL's gradients' in float64 (which TRL clips by here), and the float32 "
           "one TRL logs (torch's clip_grad_norm_); the difference is taken against the float64 one")
     print(f"{'step':>4} {'hfsdp loss':>13} {'TRL loss':>13} {'abs diff':>9} {'rel diff':>9} {'hfsdp grad':>11} "

@@ -37,6 +37,8 @@ def base_env(**extra: str) -> dict[str, str]:
                                                                       "LOCAL_WORLD_SIZE", "MASTER_PORT")}
     env.update(HFSDP_CACHE_DIR=str(CACHE_DIR), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):  # the caller's entries stay (a worktree's checkout)
+        extra = {**extra, "PYTHONPATH": os.pathsep.join([extra["PYTHONPATH"], os.environ["PYTHONPATH"]])}
     env.update(extra)
     return env
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -53,6 +54,28 @@ GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DAT
                                       "eval_path": None},
         "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 3, "log_completions": 2,
                  "rewards": [{"name": "grpo_test_rewards:letters"}]}}
+
+
+def grpo_with(*plugins: str, **keys) -> dict:
+    """:data:`GRPO` with more ``grpo`` keys (TRL's loss options, issue 50) and plugins before it."""
+    return {**GRPO, "plugins": [*plugins, "grpo"], "grpo": {**GRPO["grpo"], **keys}}
+
+
+# GRPO's loss options each with other GRPO options: CISPO (its cap at ScaleRL's 5) with the KL to LoRA's base (3
+# iterations a round); GSPO (sequence-level ratios) with LoRA; SAPO with two rewards normalised apart (GDPO); LUSPO
+# at sequence level with two-sided clipping; VESPO on the top half of the tokens by entropy (a forward without
+# gradient before each step's, its quantile over both ranks) with accumulation; truncated completions left out (the
+# random tiny model never emits EOS in 4 tokens: every completion, so the loss and gradient are 0)
+GRPO_LOSS_OPTIONS = {
+    "lora_grpo_cispo": grpo_with("lora", loss_type="cispo", epsilon_high=5.0, beta=0.04),
+    "lora_grpo_sequence": grpo_with("lora", loss_type="grpo", importance_sampling_level="sequence"),
+    "grpo_sapo": grpo_with(loss_type="sapo", multi_objective_aggregation="normalize_then_sum", rewards=[
+        {"name": "grpo_test_rewards:letters"}, {"name": "grpo_test_rewards:characters", "weight": 0.5}]),
+    "grpo_luspo": grpo_with(loss_type="luspo", importance_sampling_level="sequence", delta=1.5),
+    "grpo_vespo": {**grpo_with(loss_type="vespo", top_entropy_quantile=0.5),
+                   "train": {"per_device_batch_size": 2, "gradient_accumulation_steps": 2}},
+    "grpo_masked": grpo_with(mask_truncated_completions=True),
+}
 
 
 def _merge(*parts: dict) -> dict:
@@ -120,6 +143,7 @@ OPTIONS = {
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
+    **GRPO_LOSS_OPTIONS,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
     # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
     # FSDP2's shards), Adafactor (the gathered matrices' rows and columns factored)
@@ -218,9 +242,12 @@ FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "re
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
+# GRPO's loss options: CI runs three cells (CISPO with the KL and LoRA and the entropy quantile's collective on 2
+# FSDP2 ranks, truncated completions under FSDP1, which compares it with FSDP2), the rest with --full-matrix
+GRPO_LOSS_CI = {(2, 2, "lora_grpo_cispo"), (2, 2, "grpo_vespo"), (1, 2, "grpo_masked")}
 CI_SMOKE = [(v, w, o) for v, w, o in SMOKE if not ((v, w) == (1, 1) and o not in FSDP1_ONE_PROCESS_CI)
             and not ((v, w) == (2, 1) and o in FSDP2_ONE_PROCESS_SAME) and not (v == 1 and o in FSDP1_SAME)
-            and o not in CI_ELSEWHERE]
+            and o not in CI_ELSEWHERE and (o not in GRPO_LOSS_OPTIONS or (v, w, o) in GRPO_LOSS_CI)]
 
 
 def assert_refused(proc, run: Path, world: int, reason: str) -> None:
@@ -257,7 +284,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    assert all(loss == loss and (0 < loss or "grpo" in options) and abs(loss) < 20  # GRPO's loss may be <= 0
+    grpo = any("grpo" in option for option in options)
+    assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's loss may be <= 0
                for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
     weights = exported(run)
@@ -285,8 +313,13 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "async_save" in options:  # each checkpoint complete once, written while training went on
         assert report["checkpoint_saves"] == "asynchronous"
         assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
-    if "grpo" in options:  # completions sampled at the first step of each round (3 steps each)
+    if grpo:  # completions sampled at the first step of each round (3 steps each)
         assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
+    if "grpo_masked" in options:  # every completion cut at max_new_tokens: nothing left to train on
+        assert all(len(c["completion_ids"]) == 4 for c in completions(run))
+        assert all(loss == 0 and norm == 0 for loss, norm in steps.values()), steps
+    if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
+        assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if "reward_model" in options:
         assert_scores_as_it_evaluated(run, sections, world)
     if "distill" in options:  # the teacher's logits reached the loss; FSDP2 on 2 ranks shards the teacher too
@@ -352,14 +385,15 @@ def refused_in_process(sections: dict, world: int, tmp_path: Path) -> str:
     from hfsdp.setup.degrees import World
     from hfsdp.setup.decide import decide
 
-    sys.path.insert(0, RUN_ENV["PYTHONPATH"])  # GRPO's reward function, as the runs see it
+    rewards = RUN_ENV["PYTHONPATH"].split(os.pathsep)[0]
+    sys.path.insert(0, rewards)  # GRPO's reward function, as the runs see it
     try:
         config, _ = load_config(str(tiny_config(tmp_path, **sections)))
         decide(config, World(rank=0, size=world, local_size=world, on_cpu=True), None)
     except UserError as refused:
         return str(refused)
     finally:
-        sys.path.remove(RUN_ENV["PYTHONPATH"])
+        sys.path.remove(rewards)
     return ""
 
 
@@ -706,7 +740,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
-                                      "adafactor", "qlora_adamw_8bit", "tp2")]
+                                      "adafactor", "qlora_adamw_8bit", "tp2", *GRPO_LOSS_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
           + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
@@ -717,7 +751,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
              and o not in ("plain_loss", "orpo", "reward_model", "kto") and o not in CI_ELSEWHERE
-             and (v, o) != (1, "schedule_free")]
+             and (v, o) != (1, "schedule_free") and (o not in GRPO_LOSS_OPTIONS or o == "lora_grpo_cispo")]
 
 
 def test_resume_is_exact(runs, resume_cell):
@@ -725,7 +759,7 @@ def test_resume_is_exact(runs, resume_cell):
     run, _ = smoke_run(runs, version, world, option)
     resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
     assert_resumed_exactly(resumed, run)
-    if option == "grpo":  # step 3 trained on the restored round's completions; step 4 sampled the same ones
+    if "grpo" in option:  # step 3 trained on the restored round's completions; step 4 sampled the same ones
         assert completions(resumed) == [c for c in completions(run) if c["step"] == 4]
 
 

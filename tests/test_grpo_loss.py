@@ -1,90 +1,216 @@
 """GRPO's loss (hfsdp.builtin.grpo.loss) against TRL 1.16's own GRPOTrainer._compute_loss on fixed tensors, one
-process, two micro-batches of accumulation: for every loss_type, beta 0 and > 0, num_iterations 1 (the old log-probs
-are the log-probs detached) and 2 (old log-probs kept), the summed loss and its gradient with respect to the
-per-token log-probs are TRL's (TRL computes each micro-batch's loss divided by the accumulation; hfsdp sums each
-micro-batch's loss in its units and divides by the global batch's). Also TRL's advantages (group and batch
-scaling, a None reward)."""
+process, two micro-batches of accumulation: for every loss_type, beta 0 and > 0 (with and without the KL's bias
+correction), num_iterations 1 (the old log-probs are the log-probs detached) and 2 (old log-probs kept), token and
+sequence importance sampling, two-sided clipping (delta), the off-policy sequence mask, truncated completions left
+out (hfsdp's own micro-batches against TRL's mask) and the top entropy quantile, the summed loss and its gradient
+with respect to the per-token log-probs are TRL's within 1e-6 (TRL computes each micro-batch's loss divided by the
+accumulation; hfsdp sums each micro-batch's loss in its units and divides by the global batch's). Also TRL's
+advantages (group and batch scaling, a None reward, both multi_objective_aggregation modes)."""
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.grpo import GrpoSection
-from hfsdp.builtin.grpo.loss import advantages_of, token_loss
+from hfsdp.builtin.grpo.loss import (GRPO, TOKEN_MEAN_LOSSES, advantages_of, entropy_threshold, high_entropy,
+                                     token_loss)
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
 MAX_NEW = 6
 MICRO = 2  # micro-batches of accumulation
 ROWS = 4  # completions per micro-batch
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+REL = 1e-6
+EOS, PAD = 2, 0
 
 
 def fixed_inputs(seed: int = 0):
+    """[micro, rows, tokens] mask, log-probs, old and reference log-probs, [micro, rows] advantages, and entropies;
+    some completions of the full MAX_NEW tokens."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, MAX_NEW + 1, (MICRO, ROWS), generator=g)
+    lengths[:, 0] = MAX_NEW
     mask = torch.arange(MAX_NEW)[None, None] < lengths[..., None]  # [micro, rows, tokens]
     logps = -torch.rand(MICRO, ROWS, MAX_NEW, generator=g) * 3
     old = logps + 0.3 * torch.randn(MICRO, ROWS, MAX_NEW, generator=g)  # far enough to clip some tokens
     ref = logps + 0.5 * torch.randn(MICRO, ROWS, MAX_NEW, generator=g)
     adv = torch.randn(MICRO, ROWS, generator=g)
-    return mask, logps, old, ref, adv
+    entropies = torch.rand(MICRO, ROWS, MAX_NEW, generator=g) * 4
+    return mask, logps, old, ref, adv, entropies
 
 
-def trl_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv):
-    """Sum over the micro-batches of TRL's _compute_loss, and the gradient wrt the log-probs."""
+def split(tensors, micro: int):
+    """The same global batch in ``micro`` micro-batches."""
+    return [t.reshape(micro, -1, *t.shape[2:]) for t in tensors]
+
+
+def trl_host(section: GrpoSection, micro: int, leaf, entropies, m: int):
+    """What TRL's _compute_loss reads of its trainer, from ``section``, on one process."""
+    args = {k: getattr(section, k) for k in ("use_bias_correction_kl", "delta", "sapo_temperature_pos",
+                                             "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                                             "vespo_k_neg", "vespo_lambda_neg")}
+    host = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (leaf[m], entropies[m], None),
+        top_entropy_quantile=section.top_entropy_quantile, off_policy_mask_threshold=section.off_policy_mask_threshold,
+        importance_sampling_level=section.importance_sampling_level, get_off_policy_mask=trl_grpo.GRPOTrainer.
+        get_off_policy_mask, get_gamma_weights=trl_grpo.GRPOTrainer.get_gamma_weights,
+        beta=section.beta, loss_type=section.loss_type, epsilon_low=section.epsilon,
+        epsilon_high=section.epsilon_high or section.epsilon, use_vllm=False,
+        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=micro, max_completion_length=MAX_NEW, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(**args, steps_per_generation=micro),
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
+                                    pad_across_processes=lambda t, dim, pad_index: t))
+    host.get_high_entropy_mask = types.MethodType(trl_grpo.GRPOTrainer.get_high_entropy_mask, host)
+    return host
+
+
+def trl_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv, entropies):
+    """Sum over the micro-batches (the tensors' first dimension) of TRL's _compute_loss, and the gradient wrt the
+    log-probs."""
+    micro = mask.size(0)
     leaf = logps.clone().requires_grad_(True)
     total = 0.0
-    for m in range(MICRO):
-        host = SimpleNamespace(
-            _get_per_token_logps_and_entropies=lambda *a, m=m, **k: (leaf[m], torch.zeros(ROWS, MAX_NEW), None),
-            top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-            beta=section.beta, loss_type=section.loss_type, epsilon_low=section.epsilon,
-            epsilon_high=section.epsilon_high or section.epsilon, use_vllm=False,
-            vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
-            current_gradient_accumulation_steps=MICRO, max_completion_length=MAX_NEW, aux_loss_enabled=False,
-            _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
-            args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=MICRO),
-            accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t))
-        inputs = {"prompt_ids": torch.zeros(ROWS, 1, dtype=torch.long), "prompt_mask": torch.ones(ROWS, 1),
-                  "completion_ids": torch.zeros(ROWS, MAX_NEW, dtype=torch.long), "completion_mask": mask[m].long(),
+    for m in range(micro):
+        rows = mask.size(1)
+        inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1),
+                  "completion_ids": torch.zeros(rows, MAX_NEW, dtype=torch.long), "completion_mask": mask[m].long(),
                   "advantages": adv[m], "num_items_in_batch": mask.sum().float()}
         if iterations > 1:
             inputs["old_per_token_logps"] = old[m]
         if section.beta:
             inputs["ref_per_token_logps"] = ref[m]
-        total = total + trl_grpo.GRPOTrainer._compute_loss(host, None, inputs)
+        total = total + trl_grpo.GRPOTrainer._compute_loss(trl_host(section, micro, leaf, entropies, m), None, inputs)
     total.backward()
     return float(total.detach()), leaf.grad
 
 
-def hfsdp_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv):
+def hfsdp_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv, entropies):
+    """hfsdp's loss over the micro-batches, each divided by the global batch's units; with top_entropy_quantile < 1
+    the threshold is the global batch's (GRPO.start_step)."""
+    micro, rows = mask.shape[:2]
     leaf = logps.clone().requires_grad_(True)
-    units = int(mask.sum()) if section.loss_type == "dapo" else MICRO * ROWS  # the global batch's units
+    units = int(mask.sum()) if section.loss_type in TOKEN_MEAN_LOSSES else micro * rows  # the global batch's units
+    threshold = None
+    if section.top_entropy_quantile < 1:
+        threshold = entropy_threshold(entropies[mask], section.top_entropy_quantile)
     total = 0.0
-    for m in range(MICRO):
+    for m in range(micro):
         kept = old[m] if iterations > 1 else leaf[m].detach()
-        part, _ = token_loss(leaf[m], kept, adv[m], ref[m] if section.beta else None, mask[m], section, MAX_NEW)
+        keep = high_entropy(entropies[m], mask[m], threshold) if threshold is not None else None
+        part, _ = token_loss(leaf[m], kept, adv[m], ref[m] if section.beta else None, mask[m], section, MAX_NEW,
+                             keep)
         total = total + part / units
     total.backward()
     return float(total.detach()), leaf.grad
 
 
+def section_of(**keys) -> GrpoSection:
+    return GrpoSection(**{"epsilon": 0.2, "epsilon_high": 0.28, "rewards": [{"name": "json_fields"}], **keys})
+
+
+def assert_trls(section: GrpoSection, iterations: int, ours_in, theirs_in=None):
+    ours, our_grad = hfsdp_loss(section, iterations, *ours_in)
+    theirs, their_grad = trl_loss(section, iterations, *(theirs_in or ours_in))
+    our_grad, their_grad = our_grad.reshape(their_grad.shape), their_grad
+    assert ours == pytest.approx(theirs, rel=REL, abs=1e-8), (ours, theirs)
+    assert torch.allclose(our_grad, their_grad, rtol=REL, atol=1e-8), (our_grad - their_grad).abs().max()
+    assert our_grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("iterations", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_the_loss_and_its_gradient_are_trls(loss_type, beta, iterations):
-    section = GrpoSection(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                          rewards=[{"name": "json_fields"}])
+    assert_trls(section_of(loss_type=loss_type, beta=beta), iterations, fixed_inputs())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_sequence_level_importance_sampling_is_trls(loss_type):
+    """GSPO's ratio per completion, with every loss type TRL computes it with (it warns of some), the KL's bias
+    correction (a completion's ratio on each of its tokens) and without."""
+    for bias_correction in (True, False):
+        section = section_of(loss_type=loss_type, importance_sampling_level="sequence", beta=0.04,
+                             use_bias_correction_kl=bias_correction)
+        assert_trls(section, 2, fixed_inputs())
+
+
+# Each loss type's own parameters away from their defaults (delta: two-sided clipping; cispo's cap; sapo's
+# temperatures; vespo's k and lambda), and the off-policy sequence mask (which drops some completions here).
+PARAMETERS = {"grpo": {"delta": 1.15}, "dapo": {"delta": 1.15}, "luspo": {"delta": 1.15}, "cispo": {"epsilon_high": 1.1},
+              "sapo": {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+              "vespo": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 4.0}}
+
+
+@pytest.mark.parametrize("keys", [{"loss_type": t, **p} for t, p in PARAMETERS.items()]
+                         + [{"loss_type": t, "off_policy_mask_threshold": 0.15} for t in LOSS_TYPES],
+                         ids=lambda keys: "-".join(f"{k}={v}" for k, v in keys.items()))
+def test_loss_parameters_are_trls(keys):
+    """The loss with the parameters is TRL's, and not the loss without them (each acted)."""
     tensors = fixed_inputs()
-    ours, our_grad = hfsdp_loss(section, iterations, *tensors)
-    theirs, their_grad = trl_loss(section, iterations, *tensors)
-    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
-    assert torch.allclose(our_grad, their_grad, rtol=1e-5, atol=1e-7)
-    assert our_grad.abs().sum() > 0
+    section = section_of(**keys, beta=0.04)
+    assert_trls(section, 2, tensors)
+    default = section_of(loss_type=keys["loss_type"], beta=0.04)
+    assert hfsdp_loss(section, 2, *tensors)[0] != pytest.approx(hfsdp_loss(default, 2, *tensors)[0], rel=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])
+@pytest.mark.parametrize("quantile", [0.2, 0.5])
+def test_the_top_entropy_quantile_is_trls_on_one_process_whatever_the_micro_batches(loss_type, quantile):
+    """hfsdp's threshold is the quantile of the global batch's entropies: in 2 micro-batches, it is TRL's on one
+    micro-batch of the whole batch (TRL's quantile is per micro-batch; bnpo's mean is one too, so it is left out)."""
+    section = section_of(loss_type=loss_type, top_entropy_quantile=quantile, beta=0.04)
+    tensors = fixed_inputs()
+    assert_trls(section, 2, tensors, split(tensors, 1))
+    threshold = entropy_threshold(tensors[-1][tensors[0]], quantile)
+    kept = high_entropy(tensors[-1], tensors[0], threshold)
+    assert 0 < kept.sum() < tensors[0].sum()
+
+
+class _Model:
+    """What GRPO._batch reads of the model: its generation config's EOS ids."""
+    generation_config = SimpleNamespace(eos_token_id=[EOS, 3])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_truncated_completions_are_left_out_as_trl_leaves_them_out(loss_type):
+    """``mask_truncated_completions``: hfsdp's micro-batches (GRPO._batch) unlabel the completions that end in neither
+    EOS nor the pad token; their loss and units are TRL's with its completion mask of truncated completions zeroed
+    (TRL's lines, _generate_and_score_completions) and its num_items_in_batch counted after."""
+    section = section_of(loss_type=loss_type, mask_truncated_completions=True, beta=0.04)
+    mask, logps, old, ref, adv, entropies = fixed_inputs()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(10, 50, (MICRO, ROWS, MAX_NEW), generator=g)
+    ends = [[[EOS, 9, 3, PAD][(m + r) % 4] for r in range(ROWS)] for m in range(MICRO)]  # 9: truncated
+    objective = GRPO(section, [], None, SimpleNamespace(eos_token_id=EOS))
+    objective.unwrapped = _Model()
+    ours, trl_mask, units = [], [], 0
+    for m in range(MICRO):
+        completions = [ids[m, r, :int(mask[m, r].sum())].tolist() for r in range(ROWS)]
+        for c, end in zip(completions, ends[m]):
+            c[-1] = end if len(c) == MAX_NEW else EOS  # a short completion stopped at EOS
+        entry = {"prompt_ids": [[5, 6]] * ROWS, "completion_ids": completions, "advantages": adv[m].tolist()}
+        batch = objective._batch(entry, PAD, "cpu", select_logits=True)
+        labelled = torch.zeros(ROWS, MAX_NEW, dtype=torch.bool)
+        labelled[:, :batch.targets.size(1)] = batch.targets != IGNORE_INDEX
+        ours.append(labelled)
+        units += batch.num_targets
+        eos_and_pad = [EOS, 3, PAD]  # TRL: completion_mask * (~is_truncated), is_truncated = ids[-1] not in these
+        is_truncated = torch.tensor([c[-1] not in eos_and_pad for c in completions])
+        trl_mask.append(mask[m].int() * (~is_truncated).unsqueeze(1).int())
+    ours, trl_mask = torch.stack(ours), torch.stack(trl_mask).bool()
+    assert torch.equal(ours, trl_mask) and 0 < ours.sum() < mask.sum()
+    expected_units = int(trl_mask.sum()) if loss_type in TOKEN_MEAN_LOSSES else MICRO * ROWS
+    assert (units if loss_type in TOKEN_MEAN_LOSSES else MICRO * ROWS) == expected_units
+    assert_trls(section, 2, (ours, logps, old, ref, adv, entropies), (trl_mask, logps, old, ref, adv, entropies))
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -100,6 +226,31 @@ def test_the_advantages_are_trls(scale):
     std = nanstd(total.view(-1, 4), dim=1).repeat_interleave(4) if scale != "batch" else nanstd(total).expand(8)
     expected = (total - mean) / (std + 1e-4) if scale != "none" else total - mean
     assert torch.allclose(advantages_of(rewards, weights, 4, scale), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(advantages_of(rewards, weights, 4, scale, "sum_then_normalize"),
+                       advantages_of(rewards, weights, 4, scale))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_normalize_then_sum_advantages_are_trls(scale):
+    """GDPO: TRL's lines (_generate_and_score_completions, normalize_then_sum), with a None reward and a completion
+    no function scored; scale_rewards does not enter."""
+    from trl.trainer.utils import nanstd
+
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.rand(8, 3, generator=g) * torch.tensor([1.0, 5.0, 0.1])
+    rewards[3, 1] = float("nan")
+    rewards[6] = float("nan")
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    grouped = rewards.view(-1, 4, 3)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 3)
+    summed = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    summed[torch.isnan(rewards).all(dim=1)] = torch.nan
+    expected = torch.nan_to_num((summed - torch.nanmean(summed)) / (nanstd(summed).expand_as(summed) + 1e-4), nan=0.0)
+    got = advantages_of(rewards, weights, 4, scale, "normalize_then_sum")
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-7), (got, expected)
+    assert got[6] == 0 and not torch.allclose(got, advantages_of(rewards, weights, 4, scale), atol=1e-3)
 
 
 def test_json_fields_is_the_share_of_expected_fields_right():

@@ -18,6 +18,11 @@ def letters_where_signal(completions, signal, **kwargs):
     return [value if has else 0.5 for value, has in zip(letters(completions), signal)]
 
 
+def characters(completions, **kwargs):
+    """The completion's length in characters over 100 (a second objective beside ``letters``)."""
+    return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
+
+
 def one_short(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 

@@ -121,6 +121,7 @@ class GroupBatch(MicroBatch):
     advantages: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    entropy_threshold: float | None = None  # set by an objective that trains on the high-entropy tokens only
 
 
 class RoundBuffer:
@@ -151,12 +152,13 @@ def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Ten
 
 
 def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
-                            select_logits: bool) -> MicroBatch:
+                            select_logits: bool, labelled: list[bool] | None = None) -> MicroBatch:
     """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
     right-padded, so every completion starts at the same position and the model computes logits at the longest
     completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
     targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
-    prompt), the attention mask hides the padding."""
+    prompt), the attention mask hides the padding. ``labelled``: which rows' completions are targets (default
+    all; the others are in the rows, unlabelled)."""
     width, longest = max(map(len, prompts)), max(map(len, completions))
     rows = len(prompts)
     input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
@@ -165,7 +167,8 @@ def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int
     for i, (p, c) in enumerate(zip(prompts, completions)):
         input_ids[i, width - len(p):width + len(c)] = torch.tensor(p + c)
         attention[i, width - len(p):width + len(c)] = 1
-        targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)  # position t predicts t + 1
+        if labelled is None or labelled[i]:  # position t predicts t + 1
+            targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
     if select_logits:
@@ -251,7 +254,15 @@ class OnlineObjective(Objective):
         raise NotImplementedError
 
     def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
-        batch = prompt_completion_batch(entry["prompt_ids"], entry["completion_ids"], pad_id, device, select_logits)
+        """The entry's micro-batch; with ``mask_truncated_completions``, a completion that ends in neither EOS nor
+        the pad token (TRL's test: cut at ``max_new_tokens``) is unlabelled, so neither its loss nor its units
+        count."""
+        labelled = None
+        if self.section.mask_truncated_completions:
+            ends = {*self._eos_ids(), pad_id}
+            labelled = [c[-1] in ends for c in entry["completion_ids"]]
+        batch = prompt_completion_batch(entry["prompt_ids"], entry["completion_ids"], pad_id, device, select_logits,
+                                        labelled)
         mask = batch.targets != IGNORE_INDEX
         units = self.units(batch, len(entry["completion_ids"]))
         return GroupBatch(**vars(batch) | {"num_targets": units},
@@ -310,6 +321,12 @@ class OnlineObjective(Objective):
         self.buffer.stats = self._round_stats(rewards, entries)
         self._log_completions(step, dataset, entries)
 
+    def _eos_ids(self) -> list[int]:
+        """The token ids that end a completion: the model's generation config's, else the tokenizer's EOS."""
+        eos = self.unwrapped.generation_config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
     @torch.no_grad()
     def _sample(self, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int, model) -> list[list[int]]:
         """Completions (token ids up to and including the first EOS) of the prompts, one seeded generator each.
@@ -327,9 +344,7 @@ class OnlineObjective(Objective):
         device = next(unwrapped.parameters()).device
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        eos = unwrapped.generation_config.eos_token_id if unwrapped.generation_config.eos_token_id is not None \
-            else self.tokenizer.eos_token_id
-        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        eos_ids = self._eos_ids()
         config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                                   eos_token_id=eos_ids, use_cache=True)
         sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], s.temperature, s.top_k,

@@ -22,6 +22,9 @@ class OnlineSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens of this mass")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens (0: all)")
     rewards: list[RewardSpec] = Field(description="the reward functions, summed with their weights")
+    mask_truncated_completions: bool = Field(False, description="leave out of the loss a completion cut at "
+                                                                "max_new_tokens (not ending in EOS): no loss, not "
+                                                                "counted in the units the loss is divided by")
     beta: float = Field(0.0, ge=0, description="KL to the reference (the base with the LoRA adapters disabled)")
     num_iterations: int = Field(1, ge=1, description="optimizer steps on each generated batch (old log-probs kept)")
     log_completions: int = Field(4, ge=0, description="completions written to completions.jsonl per generation")
