@@ -58,12 +58,16 @@ def generating(model, whole: bool = True):
         model._get_fsdp_state()._lazy_init()
         model.unshard()
         if whole:  # every unit gathered now and not resharded after its forwards (reshard_after_forward False)
+            pending = []  # the all-gathers issued together, then waited for
             for unit in model.modules():
                 if isinstance(unit, FSDPModule):
                     for group in unit._get_fsdp_state()._fsdp_param_groups:
                         kept.append((group, group.post_forward_mesh_info))
                         group.post_forward_mesh_info = None
-                    unit.unshard()
+                    pending.append(unit.unshard(async_op=True))
+            for handle in pending:
+                if handle is not None:
+                    handle.wait()
     gather = (FSDP.summon_full_params(model, writeback=False, recurse=True)
               if isinstance(model, FSDP) else contextlib.nullcontext())
     try:
