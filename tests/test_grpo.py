@@ -223,3 +223,14 @@ def test_a_micro_step_without_signal_on_any_rank_is_skipped_on_all_and_leaves_th
     a, b = final_weights(signal_runs["flat_x2"]), final_weights(signal_runs["flat_kl_x2"])
     assert a and a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rank_without_eval_prompts_samples_in_lock_step_and_the_eval_is_one_process_s(tmp_path):
+    """One eval prompt on 2 ranks: rank 1 has none to sample, and still steps with rank 0 (a row it drops)."""
+    reward = {}
+    for world in (1, 2):
+        config = grpo_config(tmp_path / f"x{world}", world, data={"max_eval_samples": 1}, train={"max_steps": 1})
+        env = base_env(PYTHONPATH=str(REWARDS))
+        (run_cli("train", str(config), env=env) if world == 1 else run_torchrun(2, "train", str(config), env=env))
+        reward[world] = summary(tmp_path / f"x{world}" / "run")["eval_reward"]
+    assert reward[2] == reward[1] and set(reward[1]) == {"before", "after"}

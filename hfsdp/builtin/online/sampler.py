@@ -335,11 +335,15 @@ class OnlineObjective(Objective):
         longest prompt of everything sampled together on any rank, not of this rank's share), and a row's logits
         do not depend on the other rows of the batch (the rows of a matrix product and of attention are computed
         apart). With several ranks (``synced_gpus``) every rank takes as many decode steps as the rank that stops
-        last, its finished rows stepping on padding, as FSDP needs every rank in each forward."""
+        last, its finished rows stepping on padding, as FSDP needs every rank in each forward; a rank without
+        prompts (an eval of fewer prompts than ranks) samples one padding row in step with them and returns none."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         from hfsdp.run.generation import generating
 
+        wanted = len(prompts)
+        if not wanted:
+            prompts, seeds = [[pad_id]], [0]
         s, unwrapped = self.section, self.unwrapped
         device = next(unwrapped.parameters()).device
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -355,7 +359,7 @@ class OnlineObjective(Objective):
                                      synced_gpus=self.accelerator.num_processes > 1)
         generated = out[:, width:]
         mask = completion_mask(generated, eos_ids)
-        return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())]
+        return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())][:wanted]
 
     # ---- rewards
 
