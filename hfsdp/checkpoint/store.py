@@ -281,13 +281,17 @@ class Saver:
             pending.background.append(dcp.async_save({key: state}, checkpoint_id=str(tmp / folder),
                                                      process_group=group))
 
-    def poll(self) -> None:
-        """Complete the save in flight if every rank's background write has finished. Collective: every rank calls
-        it at the same point of every step."""
-        from hfsdp.parallel.world import any_rank
+    def poll(self, flags: list[bool] = ()) -> list[bool]:
+        """Complete the save in flight if every rank's background write has finished; ``flags`` (this rank's),
+        each true on every rank if it is on any, found in the same all-reduce (one collective a step). Collective:
+        every rank calls it at the same point of every step."""
+        from hfsdp.parallel.world import any_ranks
 
-        if self.pending is not None and not any_rank(self.accelerator, not self.pending.written()):
+        unwritten, *flags = any_ranks(self.accelerator, [self.pending is not None and not self.pending.written(),
+                                                         *flags])
+        if self.pending is not None and not unwritten:
             self.wait()
+        return flags
 
     def wait(self) -> Path | None:
         """Wait for the save in flight and complete it (collective); the newest complete checkpoint this process

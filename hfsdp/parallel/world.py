@@ -1,6 +1,6 @@
 """The process group: the backend and the environment torch needs for what the config asks of the world
 (:class:`World`, defined torch-free in :mod:`hfsdp.setup.degrees` with the run's degrees), and the collectives hfsdp
-runs (all ranks call them: any_rank, all_sum, gather_objects, per_rank, the gradient norm).
+runs (all ranks call them: any_rank(s), all_sum, StartedSum, gather_objects, per_rank, the gradient norm).
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
-                   world: World) -> torch.Tensor:
-    """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set.
+                   world: World, summed_with: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set,
+    and ``summed_with`` (this rank's float64 values of the step, e.g. its loss sum) summed over all ranks in the same
+    all-reduce as the norm's squares (one collective and one host sync for the step's sums).
 
     The same norm, bit for bit, whatever the ranks and their shards: each tensor's sum of squares is summed in
     float64 from what this rank holds (a DTensor's shard, FSDP1's flat shard, a whole gradient), over the ranks in
@@ -102,13 +104,17 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
         squares.setdefault(holders, torch.zeros((), dtype=torch.float64, device=accelerator.device))
         if g.numel():
             squares[holders] += sum_of_squares(g)
+    extra = (summed_with if summed_with is not None else torch.zeros(0)).to(accelerator.device, torch.float64)
     if sharded:
         counts = sorted(squares)
-        summed = torch.stack([squares[h] for h in counts])
+        summed = torch.cat([torch.stack([squares[h] for h in counts]), extra])
         torch.distributed.all_reduce(summed)
         total = sum(summed[i] / h for i, h in enumerate(counts)).sqrt().float()
-    else:
+        extra = summed[len(counts):]
+    else:  # whole gradients (one process; DDP's are already reduced): only the other values to sum over the ranks
         total = sum(squares.values(), torch.zeros((), dtype=torch.float64, device=accelerator.device)).sqrt().float()
+        if accelerator.num_processes > 1 and extra.numel():
+            torch.distributed.all_reduce(extra)
     if max_norm is not None:
         # torch.nn.utils.clip_grads_with_norm_'s factor, applied to what each rank holds
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -117,24 +123,44 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
             by_device.setdefault(g.device, []).append(g)
         for device, group in by_device.items():  # one multi-tensor kernel per device, as torch's clip
             torch._foreach_mul_(group, factor.to(device))
-    return total
+    return total, extra.tolist()
 
 
 def any_rank(accelerator, flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (one tiny all-reduce)."""
+    return any_ranks(accelerator, [flag])[0]
+
+
+def any_ranks(accelerator, flags: list[bool]) -> list[bool]:
+    """Each of ``flags``: true on every rank if it is true on any rank (one all-reduce for all of them)."""
     if accelerator.num_processes == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+        return list(flags)
+    t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=accelerator.device)
     torch.distributed.all_reduce(t)
-    return bool(t.item() > 0)
+    return [value > 0 for value in t.tolist()]
+
+
+class StartedSum:
+    """``values`` (floats) summed over all ranks by an all-reduce started now, which runs while this rank goes on;
+    :meth:`result` waits for it (once). Collective: every rank starts it at the same point."""
+
+    def __init__(self, accelerator, values: list[float]):
+        self._values: list[float] | None = list(values)
+        self._tensor = self._work = None
+        if accelerator.num_processes > 1:
+            self._tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+            self._work = torch.distributed.all_reduce(self._tensor, async_op=True)
+            self._values = None
+
+    def result(self) -> list[float]:
+        if self._values is None:
+            self._work.wait()
+            self._values = self._tensor.tolist()
+        return self._values
 
 
 def all_sum(accelerator, values: list[float]) -> list[float]:
-    if accelerator.num_processes == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+    return StartedSum(accelerator, values).result()
 
 
 def gather_objects(accelerator, value: Any) -> list[Any]:

@@ -30,7 +30,7 @@ from hfsdp.model import loading, quantized
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
-from hfsdp.parallel.world import any_rank, per_rank
+from hfsdp.parallel.world import per_rank
 from hfsdp.errors import ConfigError
 from hfsdp.rules import quantization
 from hfsdp.rules.table import Facts, check
@@ -176,8 +176,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
                     last_eval = run_eval(state.step, f"step{state.step}")
-                saver.poll()  # a background save every rank has written becomes complete
-                preempted = any_rank(accelerator, preemption.signum is not None)
+                # a background save every rank has written becomes complete; a signal on any rank stops every rank
+                (preempted,) = saver.poll([preemption.signum is not None])
                 if (config.train.save_every and state.step % config.train.save_every == 0) or preempted:
                     save_checkpoint(run, saver)
                 if preempted:

@@ -12,7 +12,7 @@ import torch
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches
 from hfsdp.errors import UserError
-from hfsdp.parallel.world import all_sum, clip_grad_norm
+from hfsdp.parallel.world import StartedSum, clip_grad_norm
 from hfsdp.run import throughput
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
@@ -48,8 +48,8 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
     local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
     tp = run.world.dims.tp  # the ranks of a tensor-parallel group train on the same rows: the sums count them tp times
-    global_labels, global_tokens, global_sq_lengths = (total / tp for total in all_sum(
-        accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths]))
+    # the global batch's counts, summed while the first forward runs (the loss is divided by them)
+    counts = StartedSum(accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
     run.objective.start_step(accelerator, micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
@@ -57,12 +57,11 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
             continue
         with phase("forward"):
             part = run.objective(model, batch)
+            global_labels = counts.result()[0] / tp
             loss = part * run.world.dims.dp_size / max(global_labels, 1)
         with phase("backward"):
             accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
-    (total_loss,) = all_sum(accelerator, [float(loss_sum) / tp])
-    step_loss = total_loss / max(global_labels, 1)
     with phase("clip"):
         if scaler:
             scaler.unscale_(optimizer)
@@ -71,7 +70,11 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         if all(batch.skip for batch in micro):  # the gradient of a step without a backward is 0, not absent (the
             for p in trainable:  # optimizer steps as it would have: its step count, moments and weight decay)
                 p.grad = torch.zeros_like(p)
-        grad_norm = float(clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world))
+        norm, (total_loss,) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world,
+                                             summed_with=loss_sum.reshape(1) / tp)  # one all-reduce for both
+        grad_norm = float(norm)
+    global_labels, global_tokens, global_sq_lengths = (total / tp for total in counts.result())
+    step_loss = total_loss / max(global_labels, 1)
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):
         finite = True  # fp16 overflow: the scaler skips the step and lowers its scale
