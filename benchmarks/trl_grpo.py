@@ -6,11 +6,21 @@ sequentially by TRL), with its generation step replaced by one that returns hfsd
 prompt tokens TRL made are checked equal to hfsdp's), the same reward functions, loss type, clipping,
 ``num_iterations``, reward scaling, temperature, AdamW hyper-parameters, LR schedule and gradient clipping (by the
 float64 norm of its gradients, as hfsdp's: torch's float32 norm, which TRL clips by, is about 3e-5 off on the real
-model; TRL's logged norm is printed beside it): fp32, one process, full fine-tuning, ``beta: 0`` (hfsdp's KL
-reference is LoRA's base; TRL's loss with beta > 0 is compared on fixed tensors in tests/test_grpo_loss.py), no
-gradient accumulation (TRL shuffles a generation batch before it splits it into micro-batches). Prints both
-columns of per-step loss and gradient norm and their largest relative differences (target 1e-5), and both median
-step times.
+model; TRL's logged norm is printed beside it): fp32, one process, no gradient accumulation (TRL shuffles a
+generation batch before it splits it into micro-batches). Prints both columns of per-step loss and gradient norm
+and their largest relative differences (target 1e-5), and both median step times.
+
+What is trained: with ``plugins: [grpo]`` the full model, ``beta: 0`` only (hfsdp's KL reference is LoRA's base, so
+hfsdp refuses beta > 0 without lora). With ``plugins: [grpo, lora]`` LoRA's adapters, ``beta`` 0 or more: TRL gets
+the ``LoraConfig`` hfsdp's ``lora`` plugin builds (``hfsdp.builtin.lora.peft_config``, the same target modules, as
+benchmarks/trl_sft.py) as ``GRPOTrainer(peft_config=...)``, and with beta > 0 both take the base model with the
+adapters disabled as the KL reference. LoRA's A is random: this module, enabled as one more plugin of hfsdp's run
+(hook ``hfsdp_on_train_start``), saves hfsdp's adapters before step 1, and TRL's are overwritten with them before
+it trains (the output says whether TRL's own seeding had given the same weights; it does on the tiny model, both
+seed with ``train.seed`` before peft draws A). With beta > 0 each step's mean KL of both sides is printed too
+(TRL's is after the bias correction, so with ``use_bias_correction_kl`` and ``num_iterations`` > 1 only a round's
+first step, whose ratio is 1, compares). Every loss, advantage and masking key of the ``grpo`` section
+(``use_bias_correction_kl`` included) goes to ``GRPOConfig`` under the same name (``trl_loss_keys``).
 
 ``--speed``: each side generates its own completions (TRL's ``transformers.generate`` path, ``use_vllm=False``;
 hfsdp's seeded sampling), on the same model, prompts in the same order, group size and completion length, ``--rounds``
@@ -22,36 +32,65 @@ their lengths differ by chance), and hfsdp's speed as a ratio of TRL's (per step
     python benchmarks/trl_grpo.py [CONFIG] --speed --steps 6 --rounds 3 [--set KEY=VALUE ...]
 
 CONFIG defaults to the ``grpo`` preset (the real SmolLM2-135M-Instruct); ``--set model.name_or_path=smollm2-tiny``
-runs it in seconds. Needs TRL: ``pip install -e '.[bench]'``.
+runs it in seconds; ``--set "plugins=[grpo, lora]" --set grpo.beta=0.04`` compares LoRA with the KL term. Needs TRL: ``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from hfsdp import hookimpl
 
 # A loss difference this small (absolute) is float32 rounding of a sum of terms of about 1, not a relative error.
 ABS_FLOOR = 1e-7
+# What this module, enabled as a plugin of hfsdp's run (with lora), writes into the run's output_dir: the trainable
+# parameters (LoRA's adapters) as they are before step 1.
+INITIAL_WEIGHTS = "initial_trainable.pt"
 
 
-def run_hfsdp(config: str, overrides: list[str], out: Path) -> tuple[list[dict], dict[int, list[list[int]]]]:
-    """hfsdp's per-step metrics (``generation_s``: the step's sampling and scoring), and the completions (token ids,
-    in batch order) sampled at each round's step."""
+@hookimpl
+def hfsdp_on_train_start(run):
+    """This module as a plugin of hfsdp's run (``plugins: [grpo, lora, trl_grpo]``): the trainable parameters before
+    step 1, by their peft names (one process, unwrapped), so that TRL's adapters start from the same random A."""
+    import torch
+
+    model = run.accelerator.unwrap_model(run.model)
+    torch.save({name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad},
+               Path(run.config.train.output_dir) / INITIAL_WEIGHTS)
+
+
+def run_hfsdp(config: str, overrides: list[str], out: Path, plugins: list[str]
+              ) -> tuple[list[dict], dict[int, list[list[int]]], dict | None]:
+    """hfsdp's per-step metrics (``generation_s``: the step's sampling and scoring), the completions (token ids,
+    in batch order) sampled at each round's step, and with ``lora`` in ``plugins`` its initial adapters (this module
+    enabled as a plugin too, which reads them and changes nothing; else None)."""
+    lora = "lora" in plugins
     cmd = [sys.executable, "-m", "hfsdp", "train", config, "--overwrite", "--set", f"train.output_dir={out}",
            *[a for o in overrides for a in ("--set", o)]]
-    subprocess.run(cmd, check=True)
+    env = dict(os.environ)
+    if lora:
+        cmd += ["--set", f"plugins=[{', '.join([*plugins, 'trl_grpo'])}]"]
+        here = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    subprocess.run(cmd, check=True, env=env)
     metrics = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     rounds: dict[int, list[list[int]]] = {}
     for line in (out / "completions.jsonl").read_text().splitlines():
         row = json.loads(line)
         rounds.setdefault(row["step"], []).append(row["completion_ids"])
-    return metrics, rounds
+    initial = None
+    if lora:
+        import torch
+
+        initial = torch.load(out / INITIAL_WEIGHTS)
+    return metrics, rounds, initial
 
 
 def trl_loss_keys(section) -> dict:
@@ -62,12 +101,16 @@ def trl_loss_keys(section) -> dict:
     return {name: getattr(section, name) for name in names}
 
 
-def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) -> dict[str, list[float]]:
+def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
+            initial: dict | None = None) -> dict[str, list[float]]:
     """TRL's per-step ``losses``, ``grad_norms`` (what it logs), with hfsdp's completions ``float64_norms`` (of its
     gradients, summed as hfsdp sums its norm; TRL clips by them) and ``torch_norms`` (torch's float32 norm of the
     same gradients, which stock TRL clips by), ``step_times``, and per round its ``generation_s`` and mean
     completion ``lengths``; ``rounds``: hfsdp's completions, returned by TRL's generation step instead of its own
-    (None: TRL generates)."""
+    (None: TRL generates), with ``beta`` its logged ``kl`` per step. With ``lora`` in the config's plugins, TRL + peft trains the adapters hfsdp's ``lora``
+    plugin does (``GRPOTrainer(peft_config=...)``, the same ``LoraConfig``), copied from ``initial`` (hfsdp's
+    adapters before step 1) before it trains; ``initial_as_trls`` then says whether TRL's own initialisation had
+    given the same weights."""
     import time
 
     import datasets
@@ -96,8 +139,8 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     expected_prompts = [prompt_ids(raw[i]["prompt"], tokenizer, cfg.data) for i in order]
     given = iter([rounds[step] for step in sorted(rounds)]) if rounds is not None else None
     per_round = t.per_device_batch_size // s.num_generations
-    logged: dict[str, list[float]] = {k: [] for k in ("losses", "grad_norms", "float64_norms", "torch_norms",
-                                                       "step_times", "generation_s", "lengths")}
+    logged: dict = {k: [] for k in ("losses", "grad_norms", "float64_norms", "torch_norms", "step_times",
+                                     "generation_s", "lengths", "kl")}
     losses, grad_norms, times = logged["losses"], logged["grad_norms"], logged["step_times"]
 
     class InPlanOrder(GRPOTrainer):  # shuffle_dataset=False: TRL's sampler reads the prompts in hfsdp's order
@@ -133,9 +176,17 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "grad_norm" in logs:
                 grad_norms.append(float(logs["grad_norm"]))
+                if "kl" in logs:
+                    logged["kl"].append(float(logs["kl"]))
 
     torch.manual_seed(t.seed)
     model = loading.load_model(path, cfg.model)
+    peft = None
+    if "lora" in cfg.plugins:  # as benchmarks/trl_sft.py builds it: hfsdp's LoraConfig, the same target modules
+        from hfsdp.builtin import lora
+
+        section = cfg.section("lora")
+        peft = lora.peft_config(section, lora.resolved_targets(model, cfg, section))
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             **training_args(t, out, steps), num_generations=s.num_generations,
@@ -146,19 +197,40 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
         )
         trainer = InPlanOrder(model=model, reward_funcs=[fn for _, _, fn, _ in rewards], args=args,
                                   train_dataset=ordered, processing_class=tokenizer,
-                                  callbacks=[step_times(times), GradNorms()])
+                                  callbacks=[step_times(times), GradNorms()], peft_config=peft)
+        if peft is not None:  # TRL's get_peft_model drew A from its own RNG state: hfsdp's initial adapters instead
+            trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+            assert initial is not None and trainable.keys() == initial.keys(), \
+                "TRL's peft model trains other parameters than hfsdp's lora plugin"
+            logged["initial_as_trls"] = all(torch.equal(p.detach(), initial[name]) for name, p in trainable.items())
+            with torch.no_grad():
+                for name, p in trainable.items():
+                    p.copy_(initial[name])
         if given is not None:  # the exactness run: TRL clips by the float64 norm too (the speed run: stock TRL)
             float64_norms(trainer, logged["float64_norms"], logged["torch_norms"], clip_by_them=True)
         trainer.train()
     return logged
 
 
+def trained(cfg) -> str:
+    """What both sides train: the full model, or LoRA's adapters (rank, alpha, targets; the reference of the KL the
+    base model, the adapters disabled)."""
+    if "lora" not in cfg.plugins:
+        return "full fine-tuning"
+    section = cfg.section("lora")
+    return (f"LoRA r {section.r} alpha {section.alpha:g} dropout {section.dropout:g} on "
+            f"{', '.join(section.target_modules or ['every Linear of the decoder blocks'])}")
+
+
 def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: int) -> None:
     """Both columns of per-step loss and gradient norm on the same completions, and their largest differences."""
     print(f"\nGRPO on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
           f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), num_iterations {s.num_iterations}, "
-          f"lr {cfg.train.learning_rate}, fp32, one process, the same completions; "
-          + ", ".join(f"{k} {v}" for k, v in sorted(trl_loss_keys(s).items())))
+          f"lr {cfg.train.learning_rate}, fp32, one process, the same completions, beta {s.beta}, "
+          + (trained(cfg) + "; ") + ", ".join(f"{k} {v}" for k, v in sorted(trl_loss_keys(s).items())))
+    if "initial_as_trls" in trl:
+        print("TRL's adapters copied from hfsdp's before step 1 (TRL's own initialisation "
+              f"{'gave the same weights' if trl['initial_as_trls'] else 'differed'})")
     print("grad norms: hfsdp's (float64 sums), TRL's gradients' in float64 (which TRL clips by here), and the float32 "
           "one TRL logs (torch's clip_grad_norm_); the difference is taken against the float64 one")
     print(f"{'step':>4} {'hfsdp loss':>13} {'TRL loss':>13} {'abs diff':>9} {'rel diff':>9} {'hfsdp grad':>11} "
@@ -176,9 +248,34 @@ def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: 
         print(f"{step:>4} {m['loss']:>13.8f} {loss:>13.8f} {diff:>9.1e} {rel:>9.2e} {m['grad_norm']:>11.6f} "
               f"{norm:>11.6f} {rel_norm:>9.2e} {logged:>11.6f}")
     steps = min(len(ours), len(trl["losses"]), len(exact))
-    met = worst_loss <= 1e-5 and worst_norm <= 1e-5 and steps == steps_asked
+    worst_kl = compare_kl(s, ours, trl["kl"]) if s.beta else 0.0
+    met = worst_loss <= 1e-5 and worst_norm <= 1e-5 and worst_kl <= 1e-5 and steps == steps_asked
     print(f"largest differences over {steps} steps: loss {worst_loss:.2e} relative (where over {ABS_FLOOR:.0e} "
-          f"absolute), grad norm {worst_norm:.2e} relative (target 1e-5): {'MET' if met else 'NOT MET'}")
+          f"absolute), grad norm {worst_norm:.2e} relative"
+          + (f", kl {worst_kl:.2e} relative (where compared and over {ABS_FLOOR:.0e} absolute)" if s.beta else "")
+          + f" (target 1e-5): {'MET' if met else 'NOT MET'}")
+
+
+def compare_kl(s, ours: list[dict], theirs: list[float]) -> float:
+    """Each step's mean KL to the reference (the base model, the adapters disabled on both sides): the KL term's own
+    comparison, which at beta 0.04 is too small to show in the loss (about beta x 1e-4 here) or its gradient. TRL's
+    metric is of its per-token KL after the bias correction (times the ratio, ``use_bias_correction_kl``), hfsdp's
+    before it: with the correction they are compared on the steps whose ratio is 1 (a round's first), else on all.
+    Each token's KL, ``exp(d) - d - 1`` for a log-ratio ``d`` of about 1e-2 here, is a difference of terms of about 1:
+    its float32 rounding is about 1e-7 absolute, over 1e-3 of a KL of 1e-4, so as for the loss, differences under
+    ABS_FLOOR absolute are printed but not counted. The largest relative difference where compared."""
+    print(f"{'step':>4} {'hfsdp kl':>13} {'TRL kl':>13} {'abs diff':>9} {'rel diff':>9}")
+    worst = 0.0
+    for step, (m, kl) in enumerate(zip(ours, theirs), start=1):
+        compared = not (s.use_bias_correction_kl and s.num_iterations > 1) or (step - 1) % s.num_iterations == 0
+        diff = abs(m["kl"] - kl)
+        rel = diff / max(abs(kl), 1e-12)
+        worst = max(worst, rel) if compared and diff > ABS_FLOOR else worst
+        print(f"{step:>4} {m['kl']:>13.6e} {kl:>13.6e} {diff:>9.1e} {rel:>9.2e}"
+              + ("" if compared else " (TRL's times the ratio: not compared)"))
+    if len(theirs) < len(ours):
+        worst = float("inf")  # TRL logged no KL
+    return worst
 
 
 def speed(cfg, s, rounds: list[tuple[list[dict], dict[str, list[float]]]]) -> None:
@@ -218,22 +315,30 @@ def main() -> None:
     args = parser.parse_args()
 
     from hfsdp.config.files import load_config
+    from hfsdp.errors import ConfigError
 
     overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
                  "data.eval_path=null", "train.log_every=1",
                  "train.export_final=false", "grpo.log_completions=100000", *args.overrides]
-    cfg, host = load_config(args.config, overrides)
+    try:
+        cfg, host = load_config(args.config, overrides)
+    except ConfigError as err:  # e.g. beta > 0 without lora: hfsdp refuses it too
+        raise SystemExit(f"trl_grpo.py: {err}") from None
     s = cfg.section("grpo")
-    if (cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no" or cfg.plugins != ["grpo"]
-            or s.beta):
-        raise SystemExit("trl_grpo.py compares one process, fp32, full fine-tuning, beta 0, without accumulation")
+    if (cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no"
+            or sorted(cfg.plugins) not in (["grpo"], ["grpo", "lora"])):
+        raise SystemExit("trl_grpo.py compares one process, fp32, plugins [grpo] (full fine-tuning) or [grpo, lora] "
+                         "(LoRA), without accumulation")
+    if s.beta and "lora" not in cfg.plugins:
+        raise SystemExit("trl_grpo.py: beta > 0 needs lora in plugins (hfsdp's KL reference is the base model with "
+                         "LoRA's adapters disabled, as TRL's with a peft_config): --set \"plugins=[grpo, lora]\"")
     if args.speed and args.steps < 2:
         raise SystemExit("--speed times steps 2..: give --steps 2 or more")
     results = []
     for _ in range(args.rounds if args.speed else 1):
         with tempfile.TemporaryDirectory() as out:
-            ours, completions = run_hfsdp(args.config, overrides, Path(out) / "run")
-        results.append((ours, run_trl(cfg, host, args.steps, None if args.speed else completions)))
+            ours, completions, initial = run_hfsdp(args.config, overrides, Path(out) / "run", cfg.plugins)
+        results.append((ours, run_trl(cfg, host, args.steps, None if args.speed else completions, initial)))
     if args.speed:
         speed(cfg, s, results)
         return
