@@ -32,7 +32,8 @@ their lengths differ by chance), and hfsdp's speed as a ratio of TRL's (per step
     python benchmarks/trl_grpo.py [CONFIG] --speed --steps 6 --rounds 3 [--set KEY=VALUE ...]
 
 CONFIG defaults to the ``grpo`` preset (the real SmolLM2-135M-Instruct); ``--set model.name_or_path=smollm2-tiny``
-runs it in seconds; ``--set "plugins=[grpo, lora]" --set grpo.beta=0.04`` compares LoRA with the KL term. Needs TRL: ``pip install -e '.[bench]'``.
+runs it in seconds; ``--set "plugins=[grpo, lora]" --set grpo.beta=0.04`` compares LoRA with the KL term. Needs
+TRL: ``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
@@ -107,10 +108,10 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
     gradients, summed as hfsdp sums its norm; TRL clips by them) and ``torch_norms`` (torch's float32 norm of the
     same gradients, which stock TRL clips by), ``step_times``, and per round its ``generation_s`` and mean
     completion ``lengths``; ``rounds``: hfsdp's completions, returned by TRL's generation step instead of its own
-    (None: TRL generates), with ``beta`` its logged ``kl`` per step. With ``lora`` in the config's plugins, TRL + peft trains the adapters hfsdp's ``lora``
-    plugin does (``GRPOTrainer(peft_config=...)``, the same ``LoraConfig``), copied from ``initial`` (hfsdp's
-    adapters before step 1) before it trains; ``initial_as_trls`` then says whether TRL's own initialisation had
-    given the same weights."""
+    (None: TRL generates), with ``beta`` its logged ``kl`` per step. With ``lora`` in the config's plugins, TRL +
+    peft trains the adapters hfsdp's ``lora`` plugin does (``GRPOTrainer(peft_config=...)``, the same
+    ``LoraConfig``), copied from ``initial`` (hfsdp's adapters before step 1) before it trains; ``initial_as_trls``
+    then says whether TRL's own initialisation had given the same weights."""
     import time
 
     import datasets
