@@ -276,8 +276,14 @@ def plugins(enable: tuple[str, ...]) -> None:
 @click.option("--profile", is_flag=True,
               help="Also split each rank's step (torch.profiler; CPU): forward, backward, FSDP hooks, clipping, "
                    "optimizer, the rest, and collectives in flight; the profiled steps run slower.")
+@click.option("--seq-lens", default=None, metavar="LIST",
+              help="Sweep: run every combination at each of these data.max_seq_len values, e.g. 256,1024,4096.")
+@click.option("--micro-batches", default=None, metavar="LIST",
+              help="Sweep: and at each of these train.per_device_batch_size values, e.g. 1,4,16; with --seq-lens, "
+                   "every pair. A sweep's table and bench.png put hfsdp plan's predicted peak beside the measured.")
 def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: int, out_dir: Path,
-          overrides: tuple[str, ...], wide: bool, profile: bool) -> None:
+          overrides: tuple[str, ...], wide: bool, profile: bool, seq_lens: str | None,
+          micro_batches: str | None) -> None:
     """Compare sharding strategies and process counts on CONFIG (default: the `bench` preset).
 
     Each combination is a real `torchrun -m hfsdp train` job (gloo on CPU, NCCL on GPUs). Writes a table of
@@ -288,10 +294,21 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
 
     if warmup >= steps:
         raise UserError(f"--warmup {warmup} leaves no timed step of --steps {steps}")
+    sweep = {}
+    for option, text, key in (("--seq-lens", seq_lens, "seq_lens"), ("--micro-batches", micro_batches, "micro_batches")):
+        if text is None:
+            continue
+        try:
+            sweep[key] = parse_list(text, int)
+        except ValueError:
+            sweep[key] = []
+        if not sweep[key] or min(sweep[key]) < 1:
+            raise UserError(f"{option} '{text}': give positive integers, e.g. {'256,1024' if key == 'seq_lens' else '1,4'}")
     try:
         run_bench(BenchOptions(config=config or "bench", strategies=parse_list(strategies),
                                nprocs=parse_list(nprocs, int), steps=steps, warmup=warmup, out=out_dir,
-                               overrides=list(overrides), wide=wide, profile=profile), echo=click.echo)
+                               overrides=list(overrides), wide=wide, profile=profile, cache_dir=cache_dir(),
+                               **sweep), echo=click.echo)
     except (ValueError, RuntimeError) as err:
         raise UserError(str(err)) from None
 

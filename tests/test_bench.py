@@ -162,3 +162,36 @@ def test_bench_without_matplotlib_does_not_claim_a_chart(tmp_path):
     assert not (out / "bench.png").exists()
     assert "matplotlib is not installed" in proc.stdout and "bench.png" not in proc.stdout.splitlines()[-1]
     assert proc.stdout.splitlines()[-1] == f"bench: wrote {out}/bench.md, bench.csv, bench.json"
+
+
+def test_a_sweep_runs_every_point_and_puts_the_plans_peak_beside_the_measured(tmp_path, tiny_model_dir):
+    """``--seq-lens`` x ``--micro-batches`` on the tiny model, packed rows (chat rows are ~86 tokens: a 256-token
+    sequence holds two or three), 1 process and 2 ranks: every point a real run, its tokens per micro-batch, and
+    hfsdp plan's peak for the same point (issue 56, part 3: the sweep that CI runs in under a minute)."""
+    out = tmp_path / "sweep"
+    proc = run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "1,2", "--seq-lens", "128,256",
+                   "--micro-batches", "1", "--steps", "2", "--out", str(out), "--set", "model.name_or_path=smollm2-tiny",
+                   "--set", "plugins=[packing]", timeout=600)
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [(r["world_size"], r["seq_len"], r["micro_batch"]) for r in rows] == [
+        (1, 128, 1), (1, 256, 1), (2, 128, 1), (2, 256, 1)]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "FULL_SHARD-np1-seq128-mb1", "FULL_SHARD-np1-seq256-mb1", "FULL_SHARD-np2-seq128-mb1",
+        "FULL_SHARD-np2-seq256-mb1"]
+    for row in rows:
+        assert 0 < row["micro_batch_tokens"] <= row["seq_len"] * row["micro_batch"]
+        assert row["plan_peak_mib"] > 0 and row["tokens_per_s"] > 0
+        assert row["plan_vs_measured"] == row["plan_peak_mib"] / row["mem_peak_above_base_mib"]
+    by = {(r["world_size"], r["seq_len"]): r for r in rows}
+    for world in (1, 2):  # packing fills the longer sequences with more rows; the plan's peak grows with them
+        assert by[(world, 256)]["micro_batch_tokens"] > by[(world, 128)]["micro_batch_tokens"]
+        assert by[(world, 256)]["plan_peak_mib"] > by[(world, 128)]["plan_peak_mib"]
+    header = "| model | ranks | strategy | seq len | micro-batch | tokens/micro-batch | tokens/s | peak above base MiB |"
+    assert header in (out / "bench.md").read_text() and (out / "bench.png").is_file()
+    assert "data.max_seq_len=256, train.per_device_batch_size=1" in proc.stdout
+
+
+def test_a_sweep_of_non_positive_values_is_refused_before_any_run(tmp_path):
+    proc = run_cli("bench", "--seq-lens", "256,0", "--out", str(tmp_path / "b"), check=False)
+    assert proc.returncode == 2 and "--seq-lens '256,0': give positive integers, e.g. 256,1024" in proc.stderr
+    assert not (tmp_path / "b").exists()

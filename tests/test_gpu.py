@@ -199,3 +199,22 @@ def test_tensor_parallel_on_two_gpus_trains_the_steps_of_one(tmp_path):
     final, exported = load_file(str(run / "final" / "model.safetensors")), load_file(
         str(tmp_path / "exported" / "model.safetensors"))
     assert final.keys() == exported.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def test_a_sweep_on_gpu_puts_the_plan_within_10_percent_of_max_memory_allocated(tmp_path):
+    """`hfsdp bench --seq-lens --micro-batches` on one GPU (issue 56, part 3): the bench model on plain-text rows
+    that fill every sequence (every position labelled, as the plan assumes), 512 to 4,096 tokens a micro-batch,
+    as a one-rank FSDP: at every point the plan's peak is within 10 % of torch.cuda.max_memory_allocated."""
+    data = tmp_path / "long.jsonl"
+    words = "the of and to in is was for on that with as by at from his her it an are this which be or".split()
+    data.write_text("".join(json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(4000))}) + "\n"
+                            for i in range(32)))
+    out = tmp_path / "sweep"
+    run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "1", "--steps", "3", "--seq-lens", "512,2048",
+            "--micro-batches", "1,2", "--out", str(out), "--set", "fsdp.single_process=fsdp",
+            "--set", "data.format=text", "--set", f"data.path={data}")
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["memory_kind"] == "cuda_allocated" for r in rows), rows
+    assert all(r["micro_batch_tokens"] == r["seq_len"] * r["micro_batch"] for r in rows), rows
+    assert all(0.9 <= r["plan_vs_measured"] <= 1.1 for r in rows), [(r["seq_len"], r["micro_batch"],
+                                                                      r["plan_vs_measured"]) for r in rows]

@@ -239,15 +239,19 @@ def test_state_bytes_match_live_tensors_counted_by_bench(tmp_path):
 def test_the_chunked_loss_is_planned_without_the_full_logits(tmp_path):
     """Llama-3.1-8B, 2048 tokens per micro-batch, bf16: the plain loss saves a float32 log-softmax of the whole
     logits (2048 x 128,256 x 4 bytes = 1 GiB) and holds two such tensors at the end of forward; the chunked loss
-    (train.chunked_loss, the default) saves none and holds two chunks of 261 positions (128 MiB each) at a time."""
+    (train.chunked_loss, the default) saves none and makes each chunk's gradients (8 chunks of at most 261
+    positions, 128 MiB of float32 logits each) at the end of forward: from the second chunk on, the chunk's own
+    gradient of the lm_head (128,256 x 4,096 in bf16, 1 GiB) beside the sum of the chunks' before it, and the
+    chunk's logits' gradient."""
     logits = 2048 * 128256 * 4
     chunk = (2**25 // 128256) * 128256 * 4
+    head = 128256 * 4096 * 2
     rows = {}
     for chunked in (True, False):
         cfg = hub_config(tmp_path, "meta-llama/Llama-3.1-8B")
         rows[chunked] = row(plan_json(str(cfg), "--nproc", "8", "--strategies", "FULL_SHARD", "--set",
                                       f"train.chunked_loss={str(chunked).lower()}"), "FULL_SHARD", 8)
-    assert rows[False]["loss_transient"] == 2 * logits and rows[True]["loss_transient"] == 2 * chunk
+    assert rows[False]["loss_transient"] == 2 * logits and rows[True]["loss_transient"] == chunk + 2 * head
     # the saved log-softmax (of the 2047 positions that predict a token)
     assert rows[False]["activations"] - rows[True]["activations"] == pytest.approx(logits, rel=1e-3)
     assert rows[False]["device_peak"] - rows[True]["device_peak"] >= logits

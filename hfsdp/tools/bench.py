@@ -13,6 +13,12 @@ strategy: those strategies are run once at one process, as the row ``none (1 pro
 Outputs in ``--out``: ``bench.md``, ``bench.csv``, ``bench.json`` and ``bench.png`` (memory per rank and tokens/s
 per strategy), plus ``runs/<strategy>-np<N>/`` with each run's logs and probe files. ``--profile`` (CPU) adds where
 each rank's step went (``bench_probe.split``: medians over the timed steps) to all four.
+
+``--seq-lens`` / ``--micro-batches`` sweep the work: every combination runs at each sequence length
+(``data.max_seq_len``) and micro-batch (``train.per_device_batch_size``), and each row gets the tokens a rank's
+micro-batch really held, and ``hfsdp plan``'s predicted peak for the same point beside the measured one (the plan
+computed in a child process, :mod:`hfsdp.tools.plan.points`); ``bench.png`` then plots tokens/s and peak memory per
+rank (measured, and the plan's) against the tokens of a micro-batch, a line per world size and strategy.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,11 @@ COLUMNS = [
     ("state_vs_1proc", "p+g+o ÷ 1 proc", "{:.3f}"),
     ("peak_vs_1proc", "peak ÷ 1 proc", "{:.3f}"),
     ("tokens_per_s_vs_1proc", "tokens/s ÷ 1 proc", "{:.2f}"),
+    ("seq_len", "seq len", "{}"),
+    ("micro_batch", "micro-batch", "{}"),
+    ("micro_batch_tokens", "tokens/micro-batch", "{:.0f}"),
+    ("plan_peak_mib", "plan peak MiB", "{:.0f}"),
+    ("plan_vs_measured", "plan ÷ measured peak", "{:.3f}"),
 ]
 # The printed and bench.md table (``--wide``: every column; bench.csv and bench.json always have every figure):
 # the seeds' columns (model, ranks, strategy, memory per rank, throughput) and the ratios a reader compares.
@@ -71,6 +82,9 @@ NARROW = ["model", "world_size", "strategy", "fsdp_version", "state_mib", "mem_p
 # and reduce-scatter buffers) in the heap, so RSS would show the largest buffer ever used instead of what a rank
 # holds. Large allocations are mmapped (and unmapped when freed) and the heap is trimmed on every free.
 MALLOC_RETURNS_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# The table of a sweep (--seq-lens / --micro-batches): the work, its speed, the measured peak and the plan's.
+SWEEP = ["model", "world_size", "strategy", "seq_len", "micro_batch", "micro_batch_tokens", "tokens_per_s",
+         "mem_peak_above_base_mib", "plan_peak_mib", "plan_vs_measured"]
 
 
 @dataclass
@@ -85,6 +99,22 @@ class BenchOptions:
     timeout: float = 1800
     wide: bool = False
     profile: bool = False
+    cache_dir: Path | None = None  # where built-in models are built (the CLI's): a sweep's plan needs it
+    seq_lens: list[int] = field(default_factory=list)  # a sweep's data.max_seq_len values (empty: the config's)
+    micro_batches: list[int] = field(default_factory=list)  # its train.per_device_batch_size values
+
+    @property
+    def sweep(self) -> bool:
+        return bool(self.seq_lens or self.micro_batches)
+
+    def points(self) -> list[tuple[int | None, int | None]]:
+        """(sequence length, micro-batch) of each run of a combination (None: the config's)."""
+        return [(seq, batch) for seq in self.seq_lens or [None] for batch in self.micro_batches or [None]]
+
+
+def point_overrides(point: tuple[int | None, int | None]) -> list[str]:
+    seq, batch = point
+    return [*([f"data.max_seq_len={seq}"] if seq else []), *([f"train.per_device_batch_size={batch}"] if batch else [])]
 
 
 def _probe_plugin() -> str:
@@ -139,12 +169,16 @@ def _cuda_devices() -> int:
         return 0
 
 
-def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """One torchrun job; returns the per-rank probe records (raises with the log tail if it failed)."""
-    run_dir = opts.out / "runs" / f"{strategy}-np{nproc}"
+def run_one(opts: BenchOptions, strategy: str, nproc: int, plugins: list[str], env: dict[str, str],
+            point: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """One torchrun job (at a sweep's ``point``); returns the per-rank probe records (raises with the log tail if
+    it failed)."""
+    seq, batch = point
+    run_dir = opts.out / "runs" / f"{strategy}-np{nproc}{f'-seq{seq}' if seq else ''}{f'-mb{batch}' if batch else ''}"
     run_dir.mkdir(parents=True, exist_ok=True)
     sets = [
         *opts.overrides,
+        *point_overrides(point),
         f"train.output_dir={run_dir / 'train'}",
         f"train.max_steps={opts.steps}",
         f"fsdp.sharding_strategy={strategy}",
@@ -252,12 +286,12 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
         return str(value)
 
 
-def _columns(wide: bool) -> list[tuple[str, str, str]]:
-    return COLUMNS if wide else [c for key in NARROW for c in COLUMNS if c[0] == key]
+def _columns(wide: bool, sweep: bool = False) -> list[tuple[str, str, str]]:
+    return COLUMNS if wide else [c for key in (SWEEP if sweep else NARROW) for c in COLUMNS if c[0] == key]
 
 
-def markdown_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
-    columns = _columns(wide)
+def markdown_table(rows: list[dict[str, Any]], wide: bool = False, sweep: bool = False) -> str:
+    columns = _columns(wide, sweep)
     headers = [h for _, h, _ in columns]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for row in rows:
@@ -265,8 +299,8 @@ def markdown_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
     return "\n".join(lines)
 
 
-def text_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
-    columns = _columns(wide)
+def text_table(rows: list[dict[str, Any]], wide: bool = False, sweep: bool = False) -> str:
+    columns = _columns(wide, sweep)
     cells = [[h for _, h, _ in columns]] + [[_cell(r, k, f) for k, _, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) for c in cells)
@@ -364,22 +398,29 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     for key in [k for k in env if k.startswith(("FSDP_", "ACCELERATE_"))]:
         env.pop(key)
     rows, raw = [], []
-    for nproc, strategy, unwrapped in _runs(opts):
+    for (nproc, strategy, unwrapped), point in ((run, point) for run in _runs(opts) for point in opts.points()):
+        at = f" at {', '.join(point_overrides(point))}" if opts.sweep else ""
         if unwrapped:
             echo(f"bench: 1 process without a wrapper (fsdp.single_process: auto; the same steps under every "
-                 f"strategy that needs no FSDP), {opts.steps} steps ...")
+                 f"strategy that needs no FSDP){at}, {opts.steps} steps ...")
         else:
-            echo(f"bench: {strategy} on {nproc} process(es), {opts.steps} steps ...")
-        result = run_one(opts, strategy, nproc, plugins, env)
+            echo(f"bench: {strategy} on {nproc} process(es){at}, {opts.steps} steps ...")
+        result = run_one(opts, strategy, nproc, plugins, env, point)
         row = summarize(result["ranks"], opts.warmup)
+        row["requested_strategy"] = strategy
         if row["runs_as"] == "NO":
             row["strategy"] = ONE_PROCESS
         row["wall_s"] = result["wall_s"]
+        if opts.sweep:
+            row.update(_work(opts, point, row))
         rows.append(row)
-        raw.append({"strategy": strategy, "nproc": nproc, **result})
+        raw.append({"strategy": strategy, "nproc": nproc, "point": point, **result})
         echo(f"  p+g+o {row['state_mib']:.1f} MiB/rank, peak {row['mem_peak_mib']:.0f} MiB/rank, "
              f"step {row['step_time_s']:.3f} s, {row['tokens_per_s']:.0f} tokens/s ({row['wall_s']:.0f} s wall)")
-    add_ratios(rows)
+    if opts.sweep:
+        add_plan(rows, opts, env, on_cpu=not gpus, echo=echo)
+    else:
+        add_ratios(rows)
     (opts.out / "bench.md").write_text(_markdown_report(rows, opts, gpus) + "\n")
     write_csv(rows, opts.out / "bench.csv")
     (opts.out / "bench.json").write_text(json.dumps({"rows": rows, "runs": raw, "gpus": gpus,
@@ -389,16 +430,81 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     from hfsdp.run.plots import PlotUnavailable
 
     try:
-        plot(rows, opts.out / "bench.png")
+        (plot_sweep if opts.sweep else plot)(rows, opts.out / "bench.png")
         written.append("bench.png")
     except PlotUnavailable as missing:
         echo(f"bench: {missing}")
-    echo(text_table(rows, opts.wide))
+    echo(text_table(rows, opts.wide, opts.sweep))
     if opts.profile:
         echo("where each rank's step went (median of the timed steps, profiled; collectives in flight overlap the "
              "other parts):\n" + profile_table(rows))
     echo(f"bench: wrote {opts.out}/{', '.join(written)}")
     return rows
+
+
+def _work(opts: BenchOptions, point: tuple[int | None, int | None], row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's work: its sequence length and micro-batch (the point's, else the config's) and the tokens a
+    rank's micro-batch held (the step's real tokens over the data-parallel ranks' micro-batches: rows shorter than
+    the sequence length hold fewer; ``data.packing: true`` fills them)."""
+    raw = _raw_config(opts.config, opts.overrides)
+    train, data = raw.get("train") or {}, raw.get("data") or {}
+    micro_steps = (row["world_size"] // int((raw.get("parallel") or {}).get("tp_size") or 1)
+                   * int(train.get("gradient_accumulation_steps") or 1))
+    return {"seq_len": point[0] or data.get("max_seq_len"), "micro_batch": point[1] or train.get("per_device_batch_size"),
+            "micro_batch_tokens": row["tokens_per_step"] / micro_steps}
+
+
+def add_plan(rows: list[dict[str, Any]], opts: BenchOptions, env: dict[str, str], on_cpu: bool, echo) -> None:
+    """Each sweep row's predicted peak per rank (``hfsdp plan``'s estimate for the same config, point, world size
+    and strategy; on CPU for CPU ranks) and its ratio to the measured peak above the pre-load baseline."""
+    request = {"config": opts.config, "overrides": opts.overrides, "cache_dir": str(opts.cache_dir), "on_cpu": on_cpu,
+               "points": [{"nproc": r["world_size"], "strategy": r["requested_strategy"],
+                           "overrides": point_overrides((r["seq_len"], r["micro_batch"]))} for r in rows]}
+    proc = subprocess.run([sys.executable, "-m", "hfsdp.tools.plan.points"], input=json.dumps(request),
+                          capture_output=True, text=True, env=env, timeout=opts.timeout)
+    if proc.returncode != 0:
+        echo(f"bench: no plan column, the plan failed:\n{proc.stderr[-2000:]}")
+        return
+    for row, est in zip(rows, json.loads(proc.stdout)):
+        if est["problem"]:
+            row["plan_problem"] = est["problem"]
+            continue
+        row["plan_peak_mib"] = est["device_peak"] / MIB
+        measured = row["mem_peak_above_base_mib"]
+        row["plan_vs_measured"] = row["plan_peak_mib"] / measured if measured > 0 else None
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    """A sweep's bench.png: tokens/s and peak memory per rank (measured, and the plan's dashed) against the tokens
+    of a rank's micro-batch, a line per world size and strategy; PlotUnavailable without matplotlib."""
+    from hfsdp.run.plots import pyplot
+
+    plt = pyplot(str(path))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    mem_kind = "GPU max allocated" if rows and rows[0]["memory_kind"] == "cuda_allocated" else "peak RSS above base"
+    for key in dict.fromkeys((r["world_size"], r["strategy"]) for r in rows):
+        line = sorted((r for r in rows if (r["world_size"], r["strategy"]) == key),
+                      key=lambda r: r["micro_batch_tokens"])
+        x = [r["micro_batch_tokens"] for r in line]
+        label = f"{key[1]}, {key[0]} proc"
+        axes[0].plot(x, [r["tokens_per_s"] for r in line], marker="o", label=label)
+        drawn = axes[1].plot(x, [r["mem_peak_above_base_mib"] for r in line], marker="o", label=f"{label}: measured")
+        planned = [(r["micro_batch_tokens"], r["plan_peak_mib"]) for r in line if r.get("plan_peak_mib")]
+        if planned:
+            axes[1].plot(*zip(*planned), linestyle="--", marker="x", color=drawn[0].get_color(),
+                         label=f"{label}: plan")
+    axes[0].set_ylabel("tokens/s (all ranks)")
+    axes[0].set_title("throughput")
+    axes[1].set_ylabel(f"MiB per rank ({mem_kind})")
+    axes[1].set_title("peak memory per rank")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per micro-batch (sequence length x micro-batch)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{rows[0]['model']} ({rows[0]['parameters_m']:.1f}M params, {rows[0]['device']})" if rows else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) -> str:
@@ -415,13 +521,20 @@ def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) 
     return (f"# hfsdp bench\n\nconfig `{opts.config or 'default'}`, {opts.steps} steps (first {opts.warmup} not "
             f"timed), {device}. Bytes are counted from live tensors (DTensor local shards, FSDP1 flat-parameter "
             f"views, plain tensors); per-rank figures are the largest rank's; {mem}.{one} Every figure is in "
-            f"bench.csv and bench.json.\n\n" + markdown_table(rows, opts.wide)
+            f"bench.csv and bench.json.{SWEEP_NOTE if opts.sweep else ''}\n\n"
+            + markdown_table(rows, opts.wide, opts.sweep)
             + ("\n\n## Where a step goes (--profile)\n\nEach rank's median over the timed steps, from a torch.profiler "
                "trace (the profiled steps run slower than the table's): hfsdp's phases less FSDP's hooks inside "
                "them, those hooks (collectives waited for, their copies), `other` the rest of the iteration; the "
                "parts but `collectives` add up to the step. `collectives` is the time a collective was in flight "
                "on the communication threads, concurrent with the other parts where FSDP overlaps it.\n\n"
                + profile_table(rows) if opts.profile else ""))
+
+
+SWEEP_NOTE = (" A sweep: each combination ran at every sequence length and micro-batch; `tokens/micro-batch` is "
+              "what a rank's micro-batch really held (rows shorter than the sequence length hold fewer: "
+              "`data.packing: true` fills them); `plan peak MiB` is `hfsdp plan`'s estimate for the same point, "
+              "beside the measured peak above the pre-load baseline (bench.png plots both).")
 
 
 def parse_list(text: str, kind=str) -> list:

@@ -284,10 +284,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
       recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
       logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
-      float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved, and the transients are one
-      chunk's (``hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS`` logits): two at the end of forward, and three (the logits, their
-      log-softmax and their gradient, which it makes at the end of the forward with the head's gradient) counted
-      in backward beside the root's gradients, an upper bound of that moment.
+      float32 log-softmax. With ``train.chunked_loss`` nothing logits-sized is saved; at the end of forward it
+      makes each chunk's gradients (``hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS`` logits a chunk), whose peak is
+      three chunk-sized tensors, or one beside the head's gradient (:attr:`Activations.loss_forward`), and its
+      backward adds nothing.
     * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
       loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
       logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
@@ -367,8 +367,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
         host += params + optimizer
     earlier_grads = on_device_grads if setup.accumulation > 1 else 0
     # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
-    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: the
-    # same for one chunk, and its gradients' transients beside the head's gradient (``Activations.loss_backward``).
+    # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: its
+    # chunks' gradients made at the end of forward (``loss_transient``), nothing in backward.
     forward_end = gathered + activations + loss_transient + earlier_grads
     backward = gathered + during + activations + acts.loss_backward + earlier_grads
     backward_end = gathered + at_end + on_device_grads

@@ -86,6 +86,9 @@ class Activations:
     loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
     chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS), else 0
     tokens: int = 0  # the traced micro-batch's (sequences x tokens)
+    chunk_count: int = 0  # train.chunked_loss: the micro-batch's chunks, the last one's logits bytes, and the
+    last_chunk_bytes: int = 0  # bytes of the head's gradient it computes (its trainable parameters'; LoRA: none)
+    head_grad_bytes: int = 0
 
     def saved(self, checkpointing: bool) -> int:
         # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.
@@ -97,15 +100,26 @@ class Activations:
 
     @property
     def loss_forward(self) -> int:
-        """Transients at the end of forward: the logits and their float32 copy (the chunked loss: one chunk's)."""
-        return 2 * (self.chunk_bytes or self.logits_bytes)
+        """Transients at the end of forward: the logits and their float32 copy. The chunked loss makes each chunk's
+        gradients there, chunk after chunk (measured on CPU, 256 to 1,024 positions of a 49,152 x 512 head: within
+        5 MiB): three chunk-sized tensors at its log-softmax's backward (the log-softmax, the gradient of the loss
+        with respect to it, the logits' gradient), then the logits' gradient beside the head's gradient it makes;
+        from the second chunk on, the head's gradient of the chunks before is there too, and beside a chunk's own
+        until that is added to it."""
+        if not self.chunk_bytes:
+            return 2 * self.logits_bytes
+        head, first = self.head_grad_bytes, self.chunk_bytes
+        peak = max(3 * first, first + head)
+        if self.chunk_count > 1:
+            later = first if self.chunk_count > 2 else self.last_chunk_bytes
+            peak = max(peak, head + 3 * later, later + 2 * head)
+        return peak
 
     @property
     def loss_backward(self) -> int:
-        """Transients in the loss's backward: the logits' gradient; the chunked loss: one chunk's logits, their
-        log-softmax and their gradient, which it makes at the end of the forward together with the head's gradient,
-        counted here beside the root's gradients (which hold the head's): an upper bound of that moment."""
-        return 3 * self.chunk_bytes if self.chunk_bytes else self.logits_bytes
+        """Transients in the loss's backward: the logits' gradient; the chunked loss: none (its backward scales the
+        gradients it made in the forward, in place)."""
+        return 0 if self.chunk_bytes else self.logits_bytes
 
 
 def _unit_of(model, layer_classes: set[str], wrap_policy: str, min_num_params: int | None) -> tuple[dict[int, int], list[str]]:

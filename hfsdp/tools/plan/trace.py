@@ -132,8 +132,13 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             per_layer[layer] += nbytes
     from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS
 
-    vocab = model_config.vocab_size
-    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq) * vocab * 4 if chunked and lm_head else 0
+    vocab, chunks = model_config.vocab_size, {}
+    if chunked and lm_head:  # the chunked loss's chunks of float32 logits, and the head's gradient it makes
+        per_chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq)
+        count = -(-batch * seq // per_chunk)
+        chunks = {"chunk_bytes": per_chunk * vocab * 4, "chunk_count": count,
+                  "last_chunk_bytes": (batch * seq - (count - 1) * per_chunk) * vocab * 4,
+                  "head_grad_bytes": sum(p.numel() * p.element_size() for p in head.parameters() if p.requires_grad)}
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
-                       logits_bytes=batch * positions * outputs * 4, loss_saved=loss_saved, chunk_bytes=chunk,
-                       tokens=batch * seq)
+                       logits_bytes=batch * positions * outputs * 4, loss_saved=loss_saved, tokens=batch * seq,
+                       **chunks)
