@@ -289,10 +289,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       three chunk-sized tensors, or one beside the head's gradient (:attr:`Activations.loss_forward`), and its
       backward adds nothing.
     * peak = parameters + optimizer + the largest of four moments: the end of forward (gathered + activations +
-      loss transients), backward (gathered + the root's and one layer's gradient buffers + activations + one
-      logits-sized gradient), the end of backward (gathered + the root's buffers + gradients), the optimizer step
-      (gradients + AdamW's temporaries: one state-sized tensor on GPUs, where it runs multi-tensor; one
-      parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
+      loss transients; DDP's buckets too, which it holds from its construction), backward (gathered + the root's
+      and one layer's gradient buffers + activations + one logits-sized gradient), the end of backward (gathered
+      + the root's buffers + gradients), the optimizer step (gradients + AdamW's temporaries: one state-sized
+      tensor on GPUs, where it runs multi-tensor; one parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
       during forward and backward too.
     * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
     * ``train.async_save`` stages a copy of the rank's parameters and optimizer state in host memory while a save
@@ -336,7 +336,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
         # Autograd alone: the tied weight's second gradient meets the first at the end.
         during, at_end = 0, tied_grad
     elif setup.wrapper == "ddp":
-        # DDP's buckets hold a second copy of every gradient; the tied weight's two gradients meet at the end.
+        # DDP's buckets hold a second copy of every gradient, from its construction on (in forward too); the tied
+        # weight's two gradients meet at the end.
         buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
         during, at_end = buckets, buckets + tied_grad
     else:
@@ -369,7 +370,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     # The loss: at the end of forward the logits, their reshaped copy and float32 upcast sit beside the saved
     # log-softmax (``loss_transient``); in backward one logits-sized gradient at a time. The chunked loss: its
     # chunks' gradients made at the end of forward (``loss_transient``), nothing in backward.
-    forward_end = gathered + activations + loss_transient + earlier_grads
+    persistent = during if setup.wrapper == "ddp" else 0  # DDP's buckets
+    forward_end = gathered + persistent + activations + loss_transient + earlier_grads
     backward = gathered + during + activations + acts.loss_backward + earlier_grads
     backward_end = gathered + at_end + on_device_grads
     step = on_device_grads + step_temp
