@@ -292,8 +292,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       loss transients; DDP's buckets too, which it holds from its construction), backward (gathered + the root's
       and one layer's gradient buffers + activations + one logits-sized gradient), the end of backward (gathered
       + the root's buffers + gradients), the optimizer step (gradients + AdamW's temporaries: one state-sized
-      tensor on GPUs, where it runs multi-tensor; one parameter's worth on CPUs). With gradient accumulation, the earlier micro-batches' gradients are there
-      during forward and backward too.
+      tensor on GPUs, where it runs multi-tensor; one parameter's worth on CPUs). With gradient accumulation, the
+      earlier micro-batches' gradients are there during forward and backward too.
     * CPU offload moves parameters, gradients and optimizer state to host memory (``host_per_rank``).
     * ``train.async_save`` stages a copy of the rank's parameters and optimizer state in host memory while a save
       is written (one save in flight at a time): added to ``host_per_rank`` where FSDP wraps the model.
