@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
+from plan_accuracy import long_text_data  # benchmarks/, next to this file
+
 TARGET = 0.10
-
-
-def long_text(path: Path, rows: int, words: int) -> Path:
-    """Plain-text rows of ``words`` words each (longer than any swept sequence: every row is truncated to full)."""
-    rng = random.Random(0)
-    vocab = "the of and to in is was for on that with as by at from his her it an are this which be or".split()
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(words))}) + "\n"
-                            for _ in range(rows)))
-    return path
 
 
 def main() -> None:
@@ -42,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     longest = max(int(s) for s in args.seq_lens.split(","))
-    data = long_text(args.out / "long_text.jsonl", rows=64, words=2 * longest)
+    data = long_text_data(args.out / "long_text.jsonl", rows=64, words=2 * longest)
     cmd = [sys.executable, "-m", "hfsdp", "bench", "--nproc", args.nproc, "--strategies", args.strategies,
            "--seq-lens", args.seq_lens, "--micro-batches", args.micro_batches, "--steps", str(args.steps),
            "--warmup", "1", "--out", str(args.out),
