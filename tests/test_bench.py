@@ -187,7 +187,9 @@ def test_a_sweep_runs_every_point_and_puts_the_plans_peak_beside_the_measured(tm
         assert by[(world, 256)]["micro_batch_tokens"] > by[(world, 128)]["micro_batch_tokens"]
         assert by[(world, 256)]["plan_peak_mib"] > by[(world, 128)]["plan_peak_mib"]
     header = "| model | ranks | strategy | seq len | micro-batch | tokens/micro-batch | tokens/s | peak above base MiB |"
-    assert header in (out / "bench.md").read_text() and (out / "bench.png").is_file()
+    report = (out / "bench.md").read_text()
+    assert header in report and (out / "bench.png").is_file()
+    assert "`plugins: [packing]` fills them" in report  # the config change the hint names exists
     assert "data.max_seq_len=256, train.per_device_batch_size=1" in proc.stdout
 
 

@@ -445,7 +445,7 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
 def _work(opts: BenchOptions, point: tuple[int | None, int | None], row: dict[str, Any]) -> dict[str, Any]:
     """A sweep row's work: its sequence length and micro-batch (the point's, else the config's) and the tokens a
     rank's micro-batch held (the step's real tokens over the data-parallel ranks' micro-batches: rows shorter than
-    the sequence length hold fewer; ``data.packing: true`` fills them)."""
+    the sequence length hold fewer; the ``packing`` plugin fills them)."""
     raw = _raw_config(opts.config, opts.overrides)
     train, data = raw.get("train") or {}, raw.get("data") or {}
     micro_steps = (row["world_size"] // int((raw.get("parallel") or {}).get("tp_size") or 1)
@@ -533,7 +533,7 @@ def _markdown_report(rows: list[dict[str, Any]], opts: BenchOptions, gpus: int) 
 
 SWEEP_NOTE = (" A sweep: each combination ran at every sequence length and micro-batch; `tokens/micro-batch` is "
               "what a rank's micro-batch really held (rows shorter than the sequence length hold fewer: "
-              "`data.packing: true` fills them); `plan peak MiB` is `hfsdp plan`'s estimate for the same point, "
+              "`plugins: [packing]` fills them); `plan peak MiB` is `hfsdp plan`'s estimate for the same point, "
               "beside the measured peak above the pre-load baseline (bench.png plots both).")
 
 
