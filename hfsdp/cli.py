@@ -261,6 +261,19 @@ def plugins(enable: tuple[str, ...]) -> None:
         sys.exit(2)
 
 
+def _positive_ints(option: str, text: str, what: str) -> list[int]:
+    """The comma-separated positive integers of ``option``'s ``text``, else a UserError: give ``what``."""
+    from hfsdp.tools.bench import parse_list
+
+    try:
+        values = parse_list(text, int)
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"{option} '{text}': give {what}")
+    return values
+
+
 @cli.command()
 @click.argument("config", required=False)
 @click.option("--strategies", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD", show_default=True,
@@ -295,15 +308,10 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
     if warmup >= steps:
         raise UserError(f"--warmup {warmup} leaves no timed step of --steps {steps}")
     sweep = {}
-    for option, text, key in (("--seq-lens", seq_lens, "seq_lens"), ("--micro-batches", micro_batches, "micro_batches")):
-        if text is None:
-            continue
-        try:
-            sweep[key] = parse_list(text, int)
-        except ValueError:
-            sweep[key] = []
-        if not sweep[key] or min(sweep[key]) < 1:
-            raise UserError(f"{option} '{text}': give positive integers, e.g. {'256,1024' if key == 'seq_lens' else '1,4'}")
+    if seq_lens is not None:
+        sweep["seq_lens"] = _positive_ints("--seq-lens", seq_lens, "positive integers, e.g. 256,1024")
+    if micro_batches is not None:
+        sweep["micro_batches"] = _positive_ints("--micro-batches", micro_batches, "positive integers, e.g. 1,4")
     try:
         run_bench(BenchOptions(config=config or "bench", strategies=parse_list(strategies),
                                nprocs=parse_list(nprocs, int), steps=steps, warmup=warmup, out=out_dir,
@@ -349,18 +357,8 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
-    try:
-        sizes = parse_list(nprocs, int)
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise UserError(f"--nproc '{nprocs}': give positive process counts per node, e.g. 1,2,8")
-    try:
-        tp_sizes = parse_list(tps, int) if tps else None
-    except ValueError:
-        tp_sizes = []
-    if tp_sizes is not None and (not tp_sizes or min(tp_sizes) < 1):
-        raise UserError(f"--tp '{tps}': give positive tensor-parallel sizes, e.g. 1,8")
+    sizes = _positive_ints("--nproc", nprocs, "positive process counts per node, e.g. 1,2,8")
+    tp_sizes = _positive_ints("--tp", tps, "positive tensor-parallel sizes, e.g. 1,8") if tps else None
     budget = parse_size(device_memory)
     from transformers.utils import logging as hf_logging
 
