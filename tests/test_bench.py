@@ -193,7 +193,18 @@ def test_a_sweep_runs_every_point_and_puts_the_plans_peak_beside_the_measured(tm
     assert "data.max_seq_len=256, train.per_device_batch_size=1" in proc.stdout
 
 
-def test_a_sweep_of_non_positive_values_is_refused_before_any_run(tmp_path):
-    proc = run_cli("bench", "--seq-lens", "256,0", "--out", str(tmp_path / "b"), check=False)
-    assert proc.returncode == 2 and "--seq-lens '256,0': give positive integers, e.g. 256,1024" in proc.stderr
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--seq-lens", "256,0"], "--seq-lens '256,0': give positive integers, e.g. 256,1024"),
+    (["bench", "--micro-batches", "1,x"], "--micro-batches '1,x': give positive integers, e.g. 1,4"),
+    (["plan", "--nproc", "0"], "--nproc '0': give positive process counts per node, e.g. 1,2,8"),
+    (["plan", "--tp", ""], None),  # empty: the config's tp size, accepted
+    (["plan", "--tp", "2,-1"], "--tp '2,-1': give positive tensor-parallel sizes, e.g. 1,8"),
+], ids=["seq-lens", "micro-batches", "plan-nproc", "plan-tp-empty", "plan-tp"])
+def test_lists_of_non_positive_integers_are_refused_before_anything_runs(tmp_path, args, message):
+    out = ["--out", str(tmp_path / "b")] if args[0] == "bench" else ["--set", "model.name_or_path=smollm2-tiny"]
+    proc = run_cli(*args, *out, check=False)
+    if message is None:
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "b").exists()
