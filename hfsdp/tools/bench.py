@@ -378,7 +378,8 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s}; choose from {', '.join(STRATEGIES)}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    plugins = list(_raw_config(opts.config, opts.overrides).get("plugins") or [])
+    raw_config = _raw_config(opts.config, opts.overrides)
+    plugins = list(raw_config.get("plugins") or [])
     probe = _probe_plugin()
     if probe not in plugins:
         plugins.append(probe)
@@ -412,7 +413,7 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
             row["strategy"] = ONE_PROCESS
         row["wall_s"] = result["wall_s"]
         if opts.sweep:
-            row.update(_work(opts, point, row))
+            row.update(_work(raw_config, point, row))
         rows.append(row)
         raw.append({"strategy": strategy, "nproc": nproc, "point": point, **result})
         echo(f"  p+g+o {row['state_mib']:.1f} MiB/rank, peak {row['mem_peak_mib']:.0f} MiB/rank, "
@@ -442,11 +443,10 @@ def bench(opts: BenchOptions, echo=print) -> list[dict[str, Any]]:
     return rows
 
 
-def _work(opts: BenchOptions, point: tuple[int | None, int | None], row: dict[str, Any]) -> dict[str, Any]:
-    """A sweep row's work: its sequence length and micro-batch (the point's, else the config's) and the tokens a
-    rank's micro-batch held (the step's real tokens over the data-parallel ranks' micro-batches: rows shorter than
-    the sequence length hold fewer; the ``packing`` plugin fills them)."""
-    raw = _raw_config(opts.config, opts.overrides)
+def _work(raw: dict[str, Any], point: tuple[int | None, int | None], row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's work: its sequence length and micro-batch (the point's, else the config's, ``raw``) and the
+    tokens a rank's micro-batch held (the step's real tokens over the data-parallel ranks' micro-batches: rows
+    shorter than the sequence length hold fewer; the ``packing`` plugin fills them)."""
     train, data = raw.get("train") or {}, raw.get("data") or {}
     micro_steps = (row["world_size"] // int((raw.get("parallel") or {}).get("tp_size") or 1)
                    * int(train.get("gradient_accumulation_steps") or 1))

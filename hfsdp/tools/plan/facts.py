@@ -86,9 +86,9 @@ class Activations:
     loss_saved: int = 0  # what the plain loss keeps for backward (its float32 log-softmax, logits-sized)
     chunk_bytes: int = 0  # train.chunked_loss: one chunk's float32 logits (hfsdp.model.token_loss.LOSS_CHUNK_ELEMENTS), else 0
     tokens: int = 0  # the traced micro-batch's (sequences x tokens)
-    chunk_count: int = 0  # train.chunked_loss: the micro-batch's chunks, the last one's logits bytes, and the
-    last_chunk_bytes: int = 0  # bytes of the head's gradient it computes (its trainable parameters'; LoRA: none)
-    head_grad_bytes: int = 0
+    chunk_count: int = 0  # train.chunked_loss: the micro-batch's chunks
+    last_chunk_bytes: int = 0  # the last chunk's float32 logits (the micro-batch's remainder)
+    head_grad_bytes: int = 0  # the head's gradient it computes (of the head's trainable parameters; LoRA: 0)
 
     def saved(self, checkpointing: bool) -> int:
         # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.

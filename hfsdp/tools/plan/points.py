@@ -2,8 +2,8 @@
 bench's own process imports neither torch nor transformers): reads a JSON request on stdin, ``{"config": path or
 null, "overrides": [...], "cache_dir": path, "on_cpu": bool, "points": [{"nproc": N, "strategy": S,
 "overrides": [...]}, ...]}`` (``cache_dir``: where built-in models are built, the CLI's),
-and writes one JSON object per point on stdout: the estimate's bytes per rank (``device_peak``, ``state``,
-``activations``) or its ``problem``.
+and writes one JSON object per point on stdout: the estimate's peak bytes per rank (``device_peak``) and its
+``problem`` (None where the point can run).
 
     python -m hfsdp.tools.plan.points < request.json
 """
@@ -38,8 +38,7 @@ def predict(request: dict) -> list[dict]:
         if request["on_cpu"]:  # torch's AdamW loops over the parameters on CPU (one parameter's temporaries)
             setup = setup.changed(multi_tensor_adam=False)
         est = planner.estimate(setup)
-        out.append({"device_peak": est.device_peak, "state": est.state,
-                    "activations": est.activations + est.loss_transient, "problem": est.problem})
+        out.append({"device_peak": est.device_peak, "problem": est.problem})
     return out
 
 
