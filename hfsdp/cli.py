@@ -152,7 +152,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
     cfg, host = load_config(config, overrides)
     if not no_rows:
         from hfsdp.data import prepare
-        from hfsdp.model import loading  # torch and transformers
+        from hfsdp.model import chat_template, loading  # torch and transformers
 
         _check_optimizer_values(cfg, config)
 
@@ -161,6 +161,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
             click.echo(f"data: rows not checked: the tokenizer of {cfg.model.name_or_path} is not available "
                        "offline", err=True)
         else:
+            chat_template.use(tokenizer, cfg.data.chat_template)
             click.echo(prepare.check_rows(cfg, host, tokenizer), err=True)
     click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)
 

@@ -69,7 +69,7 @@ def test_chat_labels_only_assistant_turns(tokenizer):
 def test_chat_needs_a_template(tokenizer):
     bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     bare.chat_template = None
-    with pytest.raises(UserError, match="needs a tokenizer with a chat template"):
+    with pytest.raises(UserError, match="chat data needs a chat template; this tokenizer has none: set data.chat_template"):
         _tokenize([{"messages": CONVERSATION}], tokenize_chat, bare, format="chat")
 
 
@@ -178,8 +178,8 @@ def test_message_keys_and_roles_map_other_shapes(tokenizer):
 
 @pytest.mark.parametrize("message, found", [
     ({"from": "human", "value": "hi"}, None),  # ShareGPT is fine
-    ({"from": "bot", "value": "hi"}, "role 'bot', which is none of system, user, assistant, human, gpt: map it with "
-                                     "data.roles: {bot: ROLE}"),
+    ({"from": "bot", "value": "hi"}, "role 'bot', which is none of system, user, assistant, tool, human, gpt, "
+                                     "observation, function_call: map it with data.roles: {bot: ROLE}"),
     ({"speaker": "human", "text": "hi"}, "keys ['speaker', 'text'], not role/content or from/value: set "
                                          "data.message_keys"),
     ({"role": "user", "content": 3}, "message 0's content is a int, not a text"),

@@ -1,31 +1,56 @@
-"""Format ``chat``: rows with a list of messages, rendered with the tokenizer's chat template.
+"""Format ``chat``: rows with a list of messages, rendered with the chat template (the tokenizer's, or
+``data.chat_template``).
 
-Rows come in two common shapes, both read without configuration: ``messages`` lists of ``{role, content}``
-(OpenAI / transformers) and ShareGPT's ``conversations`` lists of ``{from, value}`` with the roles ``human``,
-``gpt`` and ``system``. Other shapes are named by ``data.messages_field``, ``data.message_keys`` and ``data.roles``
-(axolotl's ``message_property_mappings``/``roles``, LLaMA-Factory's ``role_tag``/``content_tag``/``user_tag``...).
-:func:`conversation` turns one row's messages into ``{role, content}`` dicts, or says what is wrong with the row
-and which key fixes it.
+Rows come in the shapes people have, read without configuration:
 
-Only assistant turns carry loss, every one of a multi-turn conversation. Each assistant span is found by rendering
-the conversation up to that turn (with the generation prompt) and up to its end; this needs a template whose
-renderings of a conversation's prefixes are prefixes of each other, which is checked.
+* OpenAI / transformers ``messages``: ``{role, content}`` with the roles system, user, assistant and tool; an
+  assistant turn may carry ``tool_calls`` (``[{type: function, function: {name, arguments}}]``, the arguments an
+  object or a JSON text) and its thinking (``reasoning_content``, or ``thinking`` / ``reasoning``); a tool message its
+  ``name`` and ``tool_call_id``. Any other key a template reads (``name``, ...) passes through.
+* ShareGPT ``conversations``: ``{from, value}`` with the roles human, gpt and system, and LLaMA-Factory's
+  ``function_call`` (the value is the call, or a list of calls, as JSON) and ``observation`` (a tool result).
+* A ``tools`` column: the functions the assistant may call, as JSON schemas (``{type: function, function: {name,
+  description, parameters}}``, or the function alone, or all of it as a JSON text as LLaMA-Factory writes it), given
+  to the template (``apply_chat_template(tools=...)``).
+
+Other shapes are named by ``data.messages_field``, ``data.message_keys`` and ``data.roles``. :func:`conversation`
+turns one row's messages into the template's messages, or says what is wrong with the row and which key fixes it.
+
+Only what the assistant generates carries loss: each assistant turn's content, tool calls and thinking (where the
+template renders it); system, user, tool results and the tools preamble never do. The mask comes from, in order:
+
+1. the template's ``{% generation %}`` markers (transformers' ``return_assistant_tokens_mask``);
+2. for a model family's original template that hfsdp recognises (see :mod:`hfsdp.model.chat_template`), the markers
+   of its ``_training`` version, when that version renders the row to the same text;
+3. otherwise each assistant turn is found by rendering the conversation up to that turn (with the generation prompt)
+   and through it; this needs a template that renders a conversation's prefixes as prefixes of the whole.
+
+A row none of these can mask (a template that re-renders earlier turns once later ones follow, as Qwen3's drops their
+thinking), or whose text lacks a part of a message (a template that ignores ``tool_calls``), is refused with the
+template and the fix, never trained with a wrong mask.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.errors import RowError, UserError
+from hfsdp.model import chat_template
 
 ALWAYS_ON = True
 
 # (messages column, role key, content key) of the shapes recognised without configuration, in the order tried.
 MESSAGES_FIELDS = ("messages", "conversations")
 MESSAGE_KEYS = (("role", "content"), ("from", "value"))
+TOOLS_FIELD = "tools"
 # The rows' role names -> the chat template's; data.roles adds to these.
-ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "human": "user",
+         "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
+CALL_ROLE = "function_call"  # ShareGPT (LLaMA-Factory): an assistant turn whose text is its tool call(s) as JSON
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # an assistant turn's thinking, by any of its names
+REASONING = "reasoning_content"  # the name the template gets (transformers copies it under the others)
 
 
 def messages_field(data_config, columns) -> str:
@@ -42,8 +67,54 @@ def messages_field(data_config, columns) -> str:
     return found
 
 
-def conversation(messages: Any, data_config) -> list[dict[str, str]]:
-    """One row's messages as ``{role, content}`` dicts in the template's role names, or a RowError naming the
+def _without_nulls(value: Any) -> Any:
+    """``value`` with the null entries of its mappings dropped: rows read through Arrow carry, in every object of a
+    column, every key any row's object has (null where it lacks it)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _json_object(value: Any, what: str, expected: str) -> Any:
+    """``value`` itself, or parsed when it is a JSON text; a RowError naming ``what`` when that text is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise RowError(f"{what} is not JSON ({err.msg} at character {err.pos}): give {expected}") from None
+
+
+def tool_call(call: Any, where: str) -> dict[str, Any]:
+    """One tool call as ``{type: function, function: {name, arguments}}`` (arguments an object), or a RowError."""
+    if not isinstance(call, dict):
+        raise RowError(f"{where} is a {type(call).__name__}, not a mapping with a function name and arguments")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"].strip():
+        raise RowError(f"{where} has no function name: give it {{type: function, function: {{name: NAME, "
+                       "arguments: {...}}}}")
+    arguments = _json_object(function.get("arguments", function.get("parameters", {})), f"{where}'s arguments",
+                             "them as an object, or as a JSON text of one")
+    if not isinstance(arguments, dict):
+        raise RowError(f"{where}'s arguments are a {type(arguments).__name__}, not an object of named arguments")
+    own = ("function", "type") if "function" in call else ("name", "arguments", "parameters", "type")
+    kept = {k: v for k, v in call.items() if k not in own}  # the call's id, ...
+    return {**kept, "type": "function", "function": {"name": function["name"], "arguments": _without_nulls(arguments)}}
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    calls = _json_object(value, f"{where}'s tool calls", "a list of {name, arguments} calls, as JSON")
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls:
+        raise RowError(f"{where} has an empty list of tool calls: drop the key, or give the calls")
+    return [tool_call(c, f"{where}'s tool call {k}") for k, c in enumerate(calls)]
+
+
+def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
+    """One row's messages as the template reads them (roles system, user, assistant, tool; ``content`` a text;
+    ``tool_calls`` normalised, thinking as ``reasoning_content``; other keys as they are), or a RowError naming the
     message at fault and the config key that fixes it."""
     if not isinstance(messages, list) or not messages:
         raise RowError(f"the messages are {type(messages).__name__ if messages is not None else 'missing'}"
@@ -51,70 +122,239 @@ def conversation(messages: Any, data_config) -> list[dict[str, str]]:
                        "{role, content} (or ShareGPT {from, value}) messages")
     keys = data_config.message_keys
     roles = {**ROLES, **(data_config.roles or {})}
-    out = []
+    out: list[dict[str, Any]] = []
+    calls_seen = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RowError(f"message {i} is a {type(message).__name__}, not a mapping with a role and a text")
-        # Rows read through Arrow carry every key any message of the file has, as None where a message lacks it.
-        present = sorted(k for k, v in message.items() if v is not None)
+        message = _without_nulls(message)
+        present = sorted(message)
         if keys is not None:
             role_key, content_key = keys.role, keys.content
         else:
-            role_key, content_key = next(((r, c) for r, c in MESSAGE_KEYS if r in present and c in present),
-                                         (None, None))
-        if role_key not in present or content_key not in present:
+            role_key, content_key = next(((r, c) for r, c in MESSAGE_KEYS if r in present and (
+                c in present or "tool_calls" in present)), (None, None))
+        if role_key not in present or (content_key not in present and "tool_calls" not in present):
             given = f"data.message_keys {{role: {keys.role}, content: {keys.content}}}" if keys else \
                 " or ".join(f"{r}/{c}" for r, c in MESSAGE_KEYS)
             raise RowError(f"message {i} has the keys {present}, not {given}: set data.message_keys: "
                            "{role: KEY, content: KEY} to the keys of its role and text")
-        role, content = message[role_key], message[content_key]
+        role, content = message[role_key], message.get(content_key)
         if role not in roles:
             raise RowError(f"message {i} has the role {role!r}, which is none of {', '.join(roles)}: map it with "
-                           f"data.roles: {{{role}: ROLE}}, ROLE being system, user or assistant")
-        if not isinstance(content, str):
+                           f"data.roles: {{{role}: ROLE}}, ROLE being system, user, assistant or tool")
+        turn = {k: v for k, v in message.items() if k not in (role_key, content_key, *REASONING_KEYS)}
+        turn["role"] = roles[role]
+        if role == CALL_ROLE and role not in (data_config.roles or {}):
+            turn["tool_calls"] = _tool_calls(content, f"message {i}")
+        elif content is None and "tool_calls" in message:
+            pass  # a turn of tool calls alone (OpenAI's content null)
+        elif not isinstance(content, str):
             raise RowError(f"message {i}'s {content_key} is a {type(content).__name__}, not a text")
-        out.append({"role": roles[role], "content": content})
+        else:
+            turn["content"] = content
+        if "tool_calls" in message:
+            if turn["role"] != "assistant":
+                raise RowError(f"message {i} has tool calls but the role {role!r}: only assistant turns call tools")
+            turn["tool_calls"] = _tool_calls(message["tool_calls"], f"message {i}")
+        calls_seen += len(turn.get("tool_calls", ()))
+        if turn["role"] == "tool" and not calls_seen:
+            raise RowError(f"message {i} is a tool result with no tool call before it: a tool message answers an "
+                           "assistant turn's tool_calls (or ShareGPT's function_call); add the call, or make the "
+                           "result a user message")
+        thinking = [message[k] for k in REASONING_KEYS if k in message]
+        if thinking and turn["role"] == "assistant":
+            if not isinstance(thinking[0], str):
+                raise RowError(f"message {i}'s thinking is a {type(thinking[0]).__name__}, not a text")
+            if thinking[0]:
+                turn[REASONING] = thinking[0]
+        out.append(turn)
     return out
 
 
-def _render(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+def tools_of(value: Any) -> list[dict[str, Any]] | None:
+    """A row's ``tools`` as the JSON schemas the template gets (``{type: function, function: {...}}``), or None when
+    the row has none; a RowError for an entry that is not a function's JSON schema."""
+    value = _without_nulls(_json_object(value, "the tools column", "a list of JSON schemas, or a JSON text of one"))
+    if value is None or value == [] or value == "":
+        return None
+    if not isinstance(value, list):
+        raise RowError(f"the tools column is a {type(value).__name__}, not a list of JSON schemas of functions")
+    tools = []
+    for k, entry in enumerate(value):
+        function = entry.get("function", entry) if isinstance(entry, dict) else None
+        problem = (
+            f"is a {type(entry).__name__}" if not isinstance(entry, dict) else
+            "has no name" if not isinstance(function, dict) or not isinstance(function.get("name"), str) else
+            "has parameters that are not an object schema ({type: object, properties: {...}})"
+            if "parameters" in function and not (isinstance(function["parameters"], dict)
+                                                 and function["parameters"].get("type", "object") == "object"
+                                                 and isinstance(function["parameters"].get("properties", {}), dict))
+            else None)
+        if problem:
+            raise RowError(f"tools entry {k} {problem}: it is not a JSON schema of a function; give {{type: "
+                           "function, function: {name: NAME, description: TEXT, parameters: {type: object, "
+                           "properties: {...}}}}")
+        tools.append({"type": "function", "function": function} if "function" not in entry else entry)
+    return tools
 
 
-def tokenize_conversation(messages, tokenizer):
-    """Token ids and labels of one conversation; labels are -100 outside assistant turns."""
-    text = _render(tokenizer, messages)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    labels = [IGNORE_INDEX] * len(ids)
+def _render(tokenizer, messages, tools, add_generation_prompt=False, template=None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # the template's own refusal (raise_exception) or its failure on these values
+        used = template or tokenizer.chat_template
+        raise RowError(f"{_named(used)} fails on this conversation ({type(err).__name__}: {err}). "
+                       f"{_fix(used)}") from None
+
+
+def _named(template: str) -> str:
+    name = chat_template.known(template)
+    return f"the chat template {name}" if name else "the chat template"
+
+
+def _fix(template: str) -> str:
+    """What to set when ``template`` cannot mask a row."""
+    name = chat_template.known(template)
+    twin = chat_template.training_version(name) if name else None
+    if twin:
+        return (f"set data.chat_template: {twin} (hfsdp ships it: the same family's template with every turn rendered "
+                "alike and what the model generates marked)")
+    return ("set data.chat_template to a .jinja file whose assistant output is wrapped in {% generation %} ... "
+            "{% endgeneration %}, or to a training template hfsdp ships (chatml_tools; a family's NAME_training)")
+
+
+def _missing_part(text: str, messages: list[dict], tools) -> str | None:
+    """What of the row the rendered text lacks (a tool call, the thinking, a tool's schema), or None."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls", ()):
+            if call["function"]["name"] not in text:
+                return f"message {i}'s tool call ({call['function']['name']}) is not in the text: this template " \
+                       "does not render tool_calls"
+        # Thinking before the last user message is the template's to drop (most families show the model only the
+        # current answer's); after it, the turn being learned, it must be there.
+        if m.get(REASONING) and i > last_user and m[REASONING].strip() not in text:
+            return f"message {i}'s thinking is not in the text: this template does not render reasoning_content"
+        if m["role"] == "tool" and not any(form in text for form in (m.get("content", "").strip(),
+                                                                     json.dumps(m.get("content", "")))):
+            return f"message {i} (a tool result) is not in the text: this template does not render tool messages"
+    for k, tool in enumerate(tools or ()):
+        if tool["function"]["name"] not in text:
+            return f"tools entry {k} ({tool['function']['name']}) is not in the text: this template does not render tools"
+    return None
+
+
+def _rerendered(tokenizer, messages, tools, text) -> int | None:
+    """The first message whose rendering changes once later messages follow (its conversation through it is not a
+    prefix of the whole text), or None."""
+    return next((i for i in range(len(messages) - 1)
+                 if not text.startswith(_render(tokenizer, messages[: i + 1], tools))), None)
+
+
+def _prefix_spans(tokenizer, messages, tools, text) -> list[tuple[int, int]]:
+    """The characters of each assistant turn: from the end of the conversation before it (with the generation prompt)
+    to the end of the conversation through it; a RowError when those are not prefixes of the whole text."""
+    spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1])
-        if not text.startswith(before) or not text.startswith(through):
-            raise UserError("the chat template does not render conversation prefixes as prefixes; "
-                             "use the instruction format or a template without look-ahead")
-        start = len(tokenizer(before, add_special_tokens=False)["input_ids"])
-        end = len(tokenizer(through, add_special_tokens=False)["input_ids"])
-        labels[start:end] = ids[start:end]
-    return ids, labels
+        before = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], tools)
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            changed = _rerendered(tokenizer, messages, tools, text)
+            why = (f"message {changed} renders differently once later messages follow (the template re-renders "
+                   "earlier turns: e.g. drops their thinking)" if changed is not None else
+                   f"the generation prompt is not how message {i} starts")
+            raise RowError(f"{_named(tokenizer.chat_template)} cannot be masked on this conversation: {why}. "
+                           f"{_fix(tokenizer.chat_template)}")
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def _overlapping(offsets, spans) -> list[int]:
+    """1 for each token whose characters overlap a span, else 0 (transformers' rule for the assistant mask)."""
+    mask, k = [0] * len(offsets), 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if end > spans[k][0]:
+            mask[t] = 1
+    return mask
+
+
+def _thinking_span(tokenizer, messages, tools, i, text, template) -> tuple[int, int] | None:
+    """The characters of message ``i``'s thinking in ``text``: where the text differs from the text rendered without
+    that thinking; None when the template does not render it."""
+    other = _render(tokenizer, [{k: v for k, v in m.items() if k != REASONING} if j == i else m
+                                for j, m in enumerate(messages)], tools, template=template)
+    if other == text:
+        return None
+    start = next((k for k, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
+    tail = 0  # the characters both texts end with, after the common start
+    while tail < min(len(text), len(other)) - start and text[-1 - tail] == other[-1 - tail]:
+        tail += 1
+    return start, len(text) - tail
+
+
+def tokenize_conversation(messages, tokenizer, tools=None, train_earlier_thinking: bool = True):
+    """Token ids and labels of one conversation; labels are -100 outside what the assistant generates."""
+    template = tokenizer.chat_template
+    text = _render(tokenizer, messages, tools)
+    mask_template = template if chat_template.has_generation_markers(template) else None
+    if mask_template is None and (name := chat_template.known(template)) and chat_template.training_version(name):
+        mask_template = chat_template.resolve(chat_template.training_version(name))
+        if _render(tokenizer, messages, tools, template=mask_template) != text:
+            changed = _rerendered(tokenizer, messages, tools, text)
+            why = (f"message {changed} renders differently once later messages follow (the template re-renders "
+                   "earlier turns: e.g. drops their thinking)" if changed is not None else
+                   "it renders this conversation differently from its training version")
+            raise RowError(f"{_named(template)} cannot be masked on this conversation: {why}. {_fix(template)}")
+    if missing := _missing_part(text, messages, tools):
+        raise RowError(f"{_named(template)} drops part of this row: {missing}. Remove that part from the rows, or "
+                       "set data.chat_template to a template that renders it (a .jinja file; chatml_tools renders "
+                       "tool calls, tool results and thinking)")
+    if mask_template is not None:
+        out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=mask_template, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask, offsets = list(out["input_ids"]), list(out["assistant_masks"]), out.encodings[0].offsets
+    else:
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(out["input_ids"]), out["offset_mapping"]
+        mask = _overlapping(offsets, _prefix_spans(tokenizer, messages, tools, text))
+    if not train_earlier_thinking:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        spans = [span for i, m in enumerate(messages[:last_user]) if m["role"] == "assistant" and m.get(REASONING)
+                 and (span := _thinking_span(tokenizer, messages, tools, i, text, mask_template))]
+        for t, hit in enumerate(_overlapping(offsets, spans)):
+            mask[t] = mask[t] and not hit
+    return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
+
+
+def _needs_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("chat data needs a chat template; this tokenizer has none: set data.chat_template (a .jinja "
+                        "file, or chatml_tools) or use data.format: instruction")
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError("chat data needs a fast tokenizer (its token offsets place the loss mask); this one is "
+                        f"{type(tokenizer).__name__}: use the model's tokenizer.json")
 
 
 def tokenize_chat(batch, tokenizer, data_config):
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("chat data needs a tokenizer with a chat template; this tokenizer has none "
-                         "(use data.format: instruction, or a chat model's tokenizer)")
+    _needs_template(tokenizer)
     field = messages_field(data_config, list(batch))
     ids, labels = [], []
     for position, messages in enumerate(batch[field]):
         try:
             chat = conversation(messages, data_config)
+            tools = tools_of(batch[TOOLS_FIELD][position]) if TOOLS_FIELD in batch else None
+            row_ids, row_labels = tokenize_conversation(chat, tokenizer, tools, data_config.train_earlier_thinking)
         except RowError as err:
             err.position = position
             raise
-        row_ids, row_labels = tokenize_conversation(chat, tokenizer)
         ids.append(row_ids)
         labels.append(row_labels)
     return {"input_ids": ids, "labels": labels}
@@ -124,12 +364,13 @@ def generation_prompt(row, data_config, tokenizer) -> tuple[str, str, str]:
     """Generation eval of a conversation: the conversation before its last assistant turn (chat template, generation
     prompt), the turn before that answer shown, and the answer."""
     messages = conversation(row[messages_field(data_config, list(row))], data_config)
+    tools = tools_of(row[TOOLS_FIELD]) if TOOLS_FIELD in row else None
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise RowError("has no assistant turn to compare with; give every eval conversation an assistant answer, or "
                        "remove the generation_eval section")
     last = answers[-1]
-    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    text = _render(tokenizer, messages[:last], tools, add_generation_prompt=True)
     return text, messages[last - 1]["content"] if last else "", messages[last]["content"]
 
 

@@ -95,21 +95,24 @@ def resolve_config_path(name_or_path: str | None) -> Path:
 
 
 def _anchor_data_paths(raw: dict[str, Any], base: Path) -> None:
-    """The one rule for relative data paths written in a config file: they are relative to that file's folder
+    """The one rule for relative data paths (and a ``data.chat_template`` file) written in a config file: they are
+    relative to that file's folder
     (never to the working directory). A relative value that names nothing there and does not look like a file
     (no data suffix, no leading ``.``/``~``, nothing of that name in the working directory either) is left as it
     is: a datasets name. Paths given with ``--set`` are applied after this, relative to the working directory."""
     data = raw.get("data")
     if not isinstance(data, dict):
         return
-    entries = [(data, key) for key in ("path", "eval_path")]
+    entries = [(data, key) for key in ("path", "eval_path", "chat_template")]
     if isinstance(data.get("datasets"), list):
         entries += [(source, "path") for source in data["datasets"] if isinstance(source, dict)]
     for holder, key in entries:
         value = holder.get(key)
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             continue
-        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES or is_glob(value)
+        suffixes = (".jinja",) if key == "chat_template" else DATA_SUFFIXES  # a template's other values are names
+        looks_local = value.startswith((".", "~")) or Path(value).suffix.lower() in suffixes or (
+            key != "chat_template" and is_glob(value))
         if (base / value).exists() or looks_local or Path(value).exists():
             holder[key] = str((base / value).resolve())
 

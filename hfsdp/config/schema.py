@@ -91,7 +91,7 @@ class ModelConfig(Section):
         return data
 
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
 
 
 class MessageKeys(Section):
@@ -135,8 +135,16 @@ class DataConfig(Section):
         None, description="chat format: a message's role and text keys, e.g. {role: from, content: value}; default: "
                           "role/content, or from/value (ShareGPT) when the messages have those instead.")
     roles: dict[str, ChatRole] | None = Field(
-        None, description="chat format: the rows' role names as system/user/assistant, e.g. {human: user, gpt: "
-                          "assistant}, added to the defaults (system, user, assistant, and ShareGPT's human, gpt).")
+        None, description="chat format: the rows' role names as system/user/assistant/tool, e.g. {human: user, gpt: "
+                          "assistant}, added to the defaults (system, user, assistant, tool, and ShareGPT's human, gpt, "
+                          "observation, function_call).")
+    chat_template: str | None = Field(
+        None, description="chat formats: the chat template, instead of the tokenizer's: a .jinja file, or a template "
+                          "hfsdp ships by name (chatml_tools; a model family's, e.g. qwen3_training, llama3_training). "
+                          "Saved with the tokenizer.")
+    train_earlier_thinking: bool = Field(
+        True, description="chat format: train the thinking (reasoning_content) of assistant turns before the last user "
+                          "message, where the template renders it; false keeps it as context only.")
     max_seq_len: int = Field(512, gt=1, description="tokens per sample; longer samples follow too_long.")
     too_long: Literal["truncate", "drop"] = Field("truncate", description="policy for longer samples (counted in the log).")
     eval_path: str | None = Field(None, description="separate eval file (set one of eval_path, eval_split, eval_fraction).")

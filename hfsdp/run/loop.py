@@ -26,7 +26,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches, cache, prepare
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import loading, quantized
+from hfsdp.model import chat_template, loading, quantized
 from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
@@ -104,6 +104,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
 
         # ---- data
         tokenizer = loading.load_tokenizer(model_path, config.model)
+        chat_template.use(tokenizer, config.data.chat_template)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())

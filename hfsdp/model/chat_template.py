@@ -1,0 +1,70 @@
+"""The chat templates hfsdp ships (``chat_templates/``: real model families' templates and their ``_training``
+versions, copied from TRL, and hfsdp's own ``chatml_tools``) and ``data.chat_template``: a shipped template by name,
+or a ``.jinja`` file, put on the tokenizer before any data is read (so the data cache, generation eval and the
+saved tokenizer all use it).
+
+A tokenizer's own template is recognised by its exact text, as TRL recognises it: a family's original whose
+``_training`` version renders a conversation the same way is masked with that version's ``{% generation %}``
+markers (see :mod:`hfsdp.builtin.chat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+from hfsdp.errors import UserError
+
+TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
+TRAINING_SUFFIX = "_training"
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def names() -> list[str]:
+    """The shipped templates' names (``data.chat_template: NAME``)."""
+    return sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+
+
+def resolve(value: str) -> str:
+    """The template text ``data.chat_template`` names: a shipped template's name, or a file's path."""
+    if (TEMPLATES_DIR / f"{value}.jinja").is_file() and "/" not in value:
+        return (TEMPLATES_DIR / f"{value}.jinja").read_text()
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"data.chat_template: cannot read {path}: {err}") from None
+    training = ", ".join(n for n in names() if n.endswith(TRAINING_SUFFIX) or n == "chatml_tools")
+    raise UserError(f"data.chat_template: '{value}' is neither a file nor a template hfsdp ships. Give a .jinja "
+                    f"file's path, or one of the training templates: {training} (the originals' names work too: "
+                    f"{TEMPLATES_DIR})")
+
+
+def use(tokenizer, value: str | None) -> None:
+    """Put ``data.chat_template`` on the tokenizer (nothing when it is unset)."""
+    if value is not None:
+        tokenizer.chat_template = resolve(value)
+
+
+def has_generation_markers(template: str) -> bool:
+    """Whether the template marks what the model generates (``{% generation %}``), which transformers' assistant mask
+    (``return_assistant_tokens_mask``) reads."""
+    return bool(_GENERATION.search(template))
+
+
+@functools.cache
+def _by_text() -> dict[str, str]:
+    return {(TEMPLATES_DIR / f"{name}.jinja").read_text().strip(): name for name in names()}
+
+
+def known(template: str) -> str | None:
+    """The shipped template's name whose text this is, or None."""
+    return _by_text().get(template.strip())
+
+
+def training_version(name: str) -> str | None:
+    """The name of the ``_training`` version of a shipped original, or None when there is none."""
+    twin = f"{name}{TRAINING_SUFFIX}"
+    return twin if (TEMPLATES_DIR / f"{twin}.jinja").is_file() else None
