@@ -146,9 +146,9 @@ def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
         turn = {k: v for k, v in message.items() if k not in (role_key, content_key, *REASONING_KEYS)}
         turn["role"] = roles[role]
         if role == CALL_ROLE and role not in (data_config.roles or {}):
-            turn["tool_calls"] = _tool_calls(content, f"message {i}")
+            turn["content"], turn["tool_calls"] = "", _tool_calls(content, f"message {i}")
         elif content is None and "tool_calls" in message:
-            pass  # a turn of tool calls alone (OpenAI's content null)
+            turn["content"] = ""  # a turn of tool calls alone (OpenAI's content null): templates read its content
         elif not isinstance(content, str):
             raise RowError(f"message {i}'s {content_key} is a {type(content).__name__}, not a text")
         else:
@@ -237,8 +237,7 @@ def _missing_part(text: str, messages: list[dict], tools) -> str | None:
         # current answer's); after it, the turn being learned, it must be there.
         if m.get(REASONING) and i > last_user and m[REASONING].strip() not in text:
             return f"message {i}'s thinking is not in the text: this template does not render reasoning_content"
-        if m["role"] == "tool" and not any(form in text for form in (m.get("content", "").strip(),
-                                                                     json.dumps(m.get("content", "")))):
+        if m["role"] == "tool" and not any(form in text for form in (m["content"].strip(), json.dumps(m["content"]))):
             return f"message {i} (a tool result) is not in the text: this template does not render tool messages"
     for k, tool in enumerate(tools or ()):
         if tool["function"]["name"] not in text:
