@@ -110,6 +110,9 @@ def _tools(tokenizer, template: str):
 
 
 def _oracle(tokenizer, messages, template: str):
+    """Tokens and labels by transformers' assistant mask of ``template``, on the messages as hfsdp reads them (a
+    turn of tool calls alone with the content '')."""
+    messages = chat.conversation(messages, DataConfig(path="x"))
     out = tokenizer.apply_chat_template(messages, tools=_tools(tokenizer, template), chat_template=template,
                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     return list(out["input_ids"]), [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
@@ -123,8 +126,9 @@ def _hfsdp(tokenizer, messages):
 def _drops(tokenizer, messages, template: str) -> str | None:
     """What of the row ``template`` leaves out of its text (hfsdp's check, asked of another template)."""
     tools = _tools(tokenizer, template)
+    messages = chat.conversation(messages, DataConfig(path="x"))
     text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
-    return chat._missing_part(text, chat.conversation(messages, DataConfig(path="x")), tools)
+    return chat._missing_part(text, messages, tools)
 
 
 def test_the_shipped_templates_are_trls():
