@@ -189,3 +189,76 @@ def test_arguments_read_through_arrow_keep_their_own_keys(tokenizer, tmp_path):
     via_arrow = prepare.tokenize(read, chat.tokenize_chat, tokenizer, data, None)[0]
     direct = _rows(rows, tokenizer)
     assert via_arrow["input_ids"] == direct["input_ids"]
+
+
+def test_preference_and_unpaired_rows_take_tool_conversations(tokenizer):
+    """A DPO pair whose prompt is a tool conversation and whose answers are tool calls (right and wrong arguments),
+    and the same as KTO rows: the tools reach the template, and only the completion is labelled."""
+    from hfsdp.builtin.preference import tokenize_pair
+    from hfsdp.builtin.unpaired import tokenize_row
+
+    data = DataConfig(path="x", format="preference")
+    call = OPENAI[1]
+    wrong = json.loads(json.dumps(call))
+    wrong["tool_calls"][0]["function"]["arguments"] = {"name": "Ann Lea"}
+    pair = tokenize_pair(OPENAI[:1], [call], [wrong], tokenizer, data, TOOLS)
+    assert '"name": "lookup_contact"' in tokenizer.decode(pair["input_ids"])  # the tools' schema, in the prompt
+    chosen = tokenizer.decode([t for t, label in zip(pair["input_ids"], pair["labels"]) if label != IGNORE_INDEX])
+    rejected = tokenizer.decode([t for t, label in zip(pair["rejected_input_ids"], pair["rejected_labels"])
+                                 if label != IGNORE_INDEX])
+    assert chosen.endswith('{"name": "Ann Lee"}}\n</tool_call><|im_end|>\n') and "Ann Lea" in rejected
+    row = tokenize_row(OPENAI[:3], OPENAI[3:], True, tokenizer, data, json.dumps(TOOLS))
+    assert tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]) == \
+        "<think>\nThe tool says Oslo.\n</think>\n\nAnn Lee lives in Oslo.<|im_end|>\n"
+
+
+def test_a_preference_row_whose_template_drops_its_tool_call_is_refused(tiny_model_dir):
+    from hfsdp.builtin.preference import tokenize_pair
+
+    plain = AutoTokenizer.from_pretrained(str(tiny_model_dir))  # SmolLM2's template: content only
+    with pytest.raises(RowError, match="drops part of this row: tools entry 0 \\(lookup_contact\\) is not in the text"):
+        tokenize_pair(OPENAI[:1], [OPENAI[1]], [{"role": "assistant", "content": "No."}], plain,
+                      DataConfig(path="x", format="preference"), TOOLS)
+
+
+def test_grpo_prompts_carry_their_tools(tokenizer):
+    from hfsdp.builtin.prompt import prompt_ids
+
+    data = DataConfig(path="x", format="prompt")
+    with_tools, without = prompt_ids(OPENAI[:1], tokenizer, data, TOOLS), prompt_ids(OPENAI[:1], tokenizer, data)
+    assert '"name": "lookup_contact"' in tokenizer.decode(with_tools) and len(without) < len(with_tools)
+    assert tokenizer.decode(with_tools).endswith("<|im_start|>assistant\n")
+
+
+COMPLETIONS = [
+    '<tool_call>\n{"name": "lookup_contact", "arguments": {"name": "Ann Lee"}}\n</tool_call><|im_end|>',
+    '<think>\nLook her up.\n</think>\n\n<tool_call>\n{"name": "lookup_contact", "arguments": {"name": "Ann"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "lookup_contact", "arguments": {"name": "Lee"}}\n</tool_call><|im_end|>',
+    "Ann Lee lives in Oslo.<|im_end|>",
+    '<tool_call>\n{"name": "lookup_contact", "argu</tool_call><|im_end|>',  # malformed: its text
+    '<tool_call>\n{"name": "lookup_contact", "arguments": {"name": "Ann Lee"}}',  # cut by max_new_tokens
+    "no end of turn",
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
+def test_rewards_receive_each_completion_as_trls_grpo_parses_it(tiny_model_dir, family):
+    """A conversational GRPO completion reaches the reward functions as the assistant message TRL 1.16's
+    GRPOTrainer gives them (``parse_response`` with the family's response template): tool calls with their
+    arguments, thinking, content; a malformed one as its text."""
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    ours = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ours.chat_template = chat_template.resolve(family)
+    theirs = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    theirs.chat_template = ours.chat_template
+    theirs = add_response_schema(theirs)
+    prompt = chat.chat_ids(chat.conversation(OPENAI[:1], DataConfig(path="x")), ours, chat.tools_of(TOOLS),
+                           add_generation_prompt=True)
+    parsed = []
+    for text in COMPLETIONS:
+        ids = ours(text, add_special_tokens=False)["input_ids"]
+        parsed.append(chat.parse_completion(ours, ids, prompt, chat.tools_of(TOOLS)))
+        assert parsed[-1] == parse_response(theirs, ids, prefix=prompt, tools=TOOLS), text
+    assert parsed[1]["tool_calls"][1]["function"]["arguments"] == {"name": "Lee"}
+    assert parsed[3] == {"role": "assistant", "content": COMPLETIONS[3].removesuffix("<|im_end|>")}

@@ -252,6 +252,47 @@ def _rerendered(tokenizer, messages, tools, text) -> int | None:
                  if not text.startswith(_render(tokenizer, messages[: i + 1], tools))), None)
 
 
+def _check_parts(text: str, messages: list[dict], tools, template: str) -> None:
+    """A RowError when ``text`` (the rendered row) lacks a part of it (see :func:`_missing_part`)."""
+    if missing := _missing_part(text, messages, tools):
+        raise RowError(f"{_named(template)} drops part of this row: {missing}. Remove that part from the rows, or "
+                       "set data.chat_template to a template that renders it (a .jinja file; chatml_tools renders "
+                       "tool calls, tool results and thinking)")
+
+
+def chat_ids(messages: list[dict], tokenizer, tools=None, add_generation_prompt: bool = False) -> list[int]:
+    """The token ids of messages (from :func:`conversation`) rendered with the chat template, as
+    ``apply_chat_template(tokenize=True)`` gives them, or a RowError when the text leaves out a part of them: what
+    the preference, unpaired and prompt formats tokenize."""
+    text = _render(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    _check_parts(text, messages, tools, tokenizer.chat_template)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def parse_completion(tokenizer, ids: list[int], prompt_ids: list[int], tools=None) -> dict[str, Any]:
+    """A sampled completion as the assistant message it is, as TRL's GRPOTrainer gives its reward functions: read
+    with the template's response format (:func:`hfsdp.model.chat_template.response_template`: content, thinking as
+    ``reasoning_content``, ``tool_calls`` with their arguments typed by the tools' schemas); a completion it cannot
+    read (a malformed call), or a template without one, gives its decoded text as the content."""
+    text = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    schema = chat_template.response_template(tokenizer)
+    if schema is None:
+        return text
+    try:
+        parsed = tokenizer.parse_response(ids, schema=schema, prefix=prompt_ids, tools=tools)
+    except (ValueError, TypeError):
+        return text
+    if parsed is None:
+        return text
+    parsed["content"] = (parsed.get("content") or "").removesuffix(tokenizer.eos_token or "")
+    for call in parsed.get("tool_calls", ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", {}), dict)):
+            return text
+    return parsed
+
+
 def _prefix_spans(tokenizer, messages, tools, text) -> list[tuple[int, int]]:
     """The characters of each assistant turn: from the end of the conversation before it (with the generation prompt)
     to the end of the conversation through it; a RowError when those are not prefixes of the whole text."""
@@ -312,10 +353,7 @@ def tokenize_conversation(messages, tokenizer, tools=None, train_earlier_thinkin
                    "earlier turns: e.g. drops their thinking)" if changed is not None else
                    "it renders this conversation differently from its training version")
             raise RowError(f"{_named(template)} cannot be masked on this conversation: {why}. {_fix(template)}")
-    if missing := _missing_part(text, messages, tools):
-        raise RowError(f"{_named(template)} drops part of this row: {missing}. Remove that part from the rows, or "
-                       "set data.chat_template to a template that renders it (a .jinja file; chatml_tools renders "
-                       "tool calls, tool results and thinking)")
+    _check_parts(text, messages, tools, template)
     if mask_template is not None:
         out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=mask_template, tokenize=True,
                                             return_dict=True, return_assistant_tokens_mask=True)

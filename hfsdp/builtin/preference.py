@@ -6,8 +6,8 @@ The rows' shapes are TRL's preference datasets', read without configuration:
 * plain text: ``prompt``, ``chosen``, ``rejected`` strings; the tokenizer's EOS text ends each completion (added
   where it is missing);
 * conversational: ``prompt`` a list of messages, ``chosen`` and ``rejected`` lists of messages (the answers), rendered
-  with the tokenizer's chat template (messages read as the ``chat`` format reads them: ``data.message_keys`` and
-  ``data.roles`` apply);
+  with the chat template (messages read as the ``chat`` format reads them: tool calls, tool results and thinking,
+  ``data.message_keys`` and ``data.roles``; a ``tools`` column is given to the template);
 * implicit prompt: no ``prompt`` column; ``chosen`` and ``rejected`` are whole conversations (or texts), and their
   shared beginning is the prompt (TRL's ``extract_prompt``).
 
@@ -29,7 +29,7 @@ import math
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.builtin.chat import conversation
+from hfsdp.builtin.chat import TOOLS_FIELD, chat_ids, conversation, tools_of
 from hfsdp.errors import RowError, UserError
 
 ALWAYS_ON = True
@@ -62,7 +62,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config) -> dict[str, Any]:
+def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config, tools: Any = None) -> dict[str, Any]:
     """One row's token ids and labels (see the module docstring), or a RowError saying what is wrong with it."""
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if _is_empty(value):
@@ -80,12 +80,9 @@ def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_confi
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("conversational preference data needs a tokenizer with a chat template; this one has none")
         prompt, chosen, rejected = (conversation(m, data_config) if m else [] for m in (prompt, chosen, rejected))
-
-        def ids(messages, **kw):
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
-
-        prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
-        chosen_ids, rejected_ids = ids(prompt + chosen), ids(prompt + rejected)
+        tools = tools_of(tools)
+        prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True) if prompt else []
+        chosen_ids, rejected_ids = chat_ids(prompt + chosen, tokenizer, tools), chat_ids(prompt + rejected, tokenizer, tools)
     else:
         eos = tokenizer.eos_token or ""
         chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
@@ -122,7 +119,8 @@ def tokenize_preference(batch, tokenizer, data_config):
         out[MARGIN] = []
     for position, (prompt, chosen, rejected) in enumerate(zip(prompts, batch["chosen"], batch["rejected"])):
         try:
-            row = tokenize_pair(prompt, chosen, rejected, tokenizer, data_config)
+            row = tokenize_pair(prompt, chosen, rejected, tokenizer, data_config,
+                                batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
             if margins is not None:
                 row[MARGIN] = margin_of(margins[position])
         except RowError as err:

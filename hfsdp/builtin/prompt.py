@@ -2,9 +2,11 @@
 ``data.format: prompt`` needs one enabled).
 
 A row has a ``prompt`` (a text, or a list of messages read as the ``chat`` format reads them: ``data.message_keys``
-and ``data.roles`` apply) and any other columns, which the reward functions receive as they are (TRL's
-``GRPOTrainer`` datasets, read unchanged). A text prompt is tokenized as it is; a conversational one with the
-tokenizer's chat template and the generation prompt. A row becomes ``input_ids`` (the prompt's tokens), ``labels``
+and ``data.roles`` apply; a ``tools`` column is given to the chat template) and any other columns, which the reward
+functions receive as they are (TRL's ``GRPOTrainer`` datasets, read unchanged). A text prompt is tokenized as it is;
+a conversational one with the chat template and the generation prompt, and the rewards then receive each completion
+as the assistant message it is (its tool calls parsed where the template's response format is known:
+:func:`hfsdp.builtin.chat.parse_completion`). A row becomes ``input_ids`` (the prompt's tokens), ``labels``
 (the same tokens: nothing trains on them, they only keep the row through the length policy) and ``prompt_row``
 (the raw row as JSON, what the rewards are given). ``data.max_seq_len`` bounds the prompt; ``data.too_long:
 truncate`` would cut its end (where the generation prompt is), so a prompt that is too long is refused, naming the
@@ -17,7 +19,7 @@ import json
 from typing import Any
 
 from hfsdp import hookimpl
-from hfsdp.builtin.chat import conversation
+from hfsdp.builtin.chat import TOOLS_FIELD, chat_ids, conversation, tools_of
 from hfsdp.errors import RowError, UserError
 
 ALWAYS_ON = True
@@ -25,9 +27,9 @@ FORMAT = "prompt"
 ROW_COLUMN = "prompt_row"  # the raw row as JSON, for the reward functions
 
 
-def prompt_ids(prompt: Any, tokenizer, data_config) -> list[int]:
-    """The token ids of one prompt (a text, or messages rendered with the chat template and generation prompt), or
-    a RowError saying what is wrong with it."""
+def prompt_ids(prompt: Any, tokenizer, data_config, tools: Any = None) -> list[int]:
+    """The token ids of one prompt (a text, or messages rendered with the chat template, its ``tools`` and the
+    generation prompt), or a RowError saying what is wrong with it."""
     if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
                                                                     else prompt)):
         raise RowError(f"the prompt is {'missing' if prompt is None else 'empty'}: every row needs a non-empty "
@@ -38,9 +40,7 @@ def prompt_ids(prompt: Any, tokenizer, data_config) -> list[int]:
         raise RowError(f"the prompt is a {type(prompt).__name__}: give a text, or a list of {{role, content}} messages")
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("conversational prompts need a tokenizer with a chat template; this one has none")
-    messages = conversation(prompt, data_config)
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                              add_generation_prompt=True)["input_ids"])
+    return chat_ids(conversation(prompt, data_config), tokenizer, tools_of(tools), add_generation_prompt=True)
 
 
 def tokenize_prompt(batch, tokenizer, data_config):
@@ -51,7 +51,7 @@ def tokenize_prompt(batch, tokenizer, data_config):
     columns = list(batch)
     for position, prompt in enumerate(batch["prompt"]):
         try:
-            ids = prompt_ids(prompt, tokenizer, data_config)
+            ids = prompt_ids(prompt, tokenizer, data_config, batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
             if len(ids) > data_config.max_seq_len and data_config.too_long != "drop":
                 raise RowError(f"the prompt has {len(ids)} tokens, over data.max_seq_len ({data_config.max_seq_len}); "
                                "cutting it would cut the generation prompt: raise data.max_seq_len, shorten the "

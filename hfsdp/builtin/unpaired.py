@@ -4,8 +4,8 @@
 * plain text: ``prompt`` and ``completion`` strings, ``label`` ``true`` (desirable) or ``false``; the tokenizer's EOS
   text ends each completion (added where it is missing);
 * conversational: ``prompt`` a list of messages, ``completion`` a list of messages (the answer), rendered with the
-  tokenizer's chat template (messages read as the ``chat`` format reads them: ``data.message_keys`` and
-  ``data.roles`` apply).
+  chat template (messages read as the ``chat`` format reads them: tool calls, tool results and thinking,
+  ``data.message_keys`` and ``data.roles``; a ``tools`` column is given to the template).
 
 Tokenization is TRL's ``KTOTrainer``'s: the prompt alone (conversational: with the generation prompt) and prompt +
 completion are tokenized, and the completion starts where the two first differ. Only completion tokens carry labels.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.builtin.chat import conversation
+from hfsdp.builtin.chat import TOOLS_FIELD, chat_ids, conversation, tools_of
 from hfsdp.builtin.preference import _common_prefix, _is_empty
 from hfsdp.errors import RowError, UserError
 
@@ -28,7 +28,7 @@ FORMAT = "unpaired"
 COLUMNS = ("prompt", "completion", "label")
 
 
-def tokenize_row(prompt: Any, completion: Any, label: Any, tokenizer, data_config) -> dict[str, Any]:
+def tokenize_row(prompt: Any, completion: Any, label: Any, tokenizer, data_config, tools: Any = None) -> dict[str, Any]:
     """One row's token ids, labels and ``label`` (see the module docstring), or a RowError saying what is wrong."""
     if not isinstance(label, bool):
         raise RowError(f"label {label!r} is not true or false: the label column says whether the completion is "
@@ -45,12 +45,9 @@ def tokenize_row(prompt: Any, completion: Any, label: Any, tokenizer, data_confi
     if conversational:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("conversational unpaired data needs a tokenizer with a chat template; this one has none")
-        prompt, completion = conversation(prompt, data_config), conversation(completion, data_config)
-
-        def ids(messages, **kw):
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
-
-        prompt_ids, full_ids = ids(prompt, add_generation_prompt=True), ids(prompt + completion)
+        prompt, completion, tools = conversation(prompt, data_config), conversation(completion, data_config), tools_of(tools)
+        prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True)
+        full_ids = chat_ids(prompt + completion, tokenizer, tools)
     else:
         eos = tokenizer.eos_token or ""
         completion = completion if completion.endswith(eos) else completion + eos
@@ -70,7 +67,8 @@ def tokenize_unpaired(batch, tokenizer, data_config):
     out: dict[str, list] = {"input_ids": [], "labels": [], "label": []}
     for position, values in enumerate(zip(*(batch[c] for c in COLUMNS))):
         try:
-            row = tokenize_row(*values, tokenizer, data_config)
+            row = tokenize_row(*values, tokenizer, data_config,
+                               batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
         except RowError as err:
             err.position = position
             raise

@@ -68,3 +68,30 @@ def training_version(name: str) -> str | None:
     """The name of the ``_training`` version of a shipped original, or None when there is none."""
     twin = f"{name}{TRAINING_SUFFIX}"
     return twin if (TEMPLATES_DIR / f"{twin}.jinja").is_file() else None
+
+
+# How a completion of the Hermes format (Qwen 2.5 and 3, chatml_tools) is read back into a message: thinking in
+# <think>, each tool call a JSON object in <tool_call>, the rest content; TRL 1.16's ``qwen3_template``, which its
+# GRPOTrainer sets for these families (transformers' ``parse_response`` reads it).
+HERMES_RESPONSE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+HERMES_TEMPLATES = ("chatml_tools", "qwen2_5", "qwen3", "qwen3_instruct_2507", "qwen3_vl")
+
+
+def response_template(tokenizer) -> dict | None:
+    """How to read a completion back into a message (tool calls, thinking): the tokenizer's own
+    ``response_template``, else the Hermes format's for a template of that family (or its training version), else
+    None."""
+    own = getattr(tokenizer, "response_template", None)
+    if own:
+        return own
+    name = known(tokenizer.chat_template or "")
+    return HERMES_RESPONSE if name and name.removesuffix(TRAINING_SUFFIX) in HERMES_TEMPLATES else None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.chat import TOOLS_FIELD, parse_completion, tools_of
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
 from hfsdp.errors import UserError
@@ -365,9 +366,12 @@ class OnlineObjective(Objective):
 
     def _reward_inputs(self, dataset, entry: dict[str, Any], group: int) -> dict[str, list]:
         raw = [json.loads(dataset[i][ROW_COLUMN]) for i in entry["rows"] for _ in range(group)]
-        texts = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
-        conversational = isinstance(raw[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        if isinstance(raw[0]["prompt"], list):  # conversational: each completion the message it is (tool calls...)
+            prompts = [dataset[i]["input_ids"] for i in entry["rows"] for _ in range(group)]
+            completions = [[parse_completion(self.tokenizer, ids, prompt, tools_of(r.get(TOOLS_FIELD)))]
+                           for ids, prompt, r in zip(entry["completion_ids"], prompts, raw)]
+        else:
+            completions = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
         columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
         return {"prompts": [r["prompt"] for r in raw], "completions": completions,
                 "completion_ids": entry["completion_ids"], **columns}
