@@ -120,6 +120,18 @@ class Objective:
         """The metrics recorded since the last call, over all ranks (collective), each name with ``prefix``."""
         return {}
 
+    def step_sums(self) -> dict[str, Any] | None:
+        """This rank's sums that a training step's metrics are made of (numbers or 0-dim tensors, the same names on
+        every rank), taken (recorded afresh after), for the step's own all-reduce to carry: the gradient norm's, so
+        the metrics cost no collective of their own. The step then calls :meth:`metrics_of` with their totals over
+        all ranks instead of :meth:`take_metrics`. None (the default): the step calls :meth:`take_metrics`, which
+        reduces them itself. Evals always call :meth:`take_metrics`."""
+        return None
+
+    def metrics_of(self, totals: dict[str, float]) -> dict[str, float]:
+        """A training step's metrics from the totals over all ranks of what :meth:`step_sums` returned."""
+        return {}
+
     def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
         """An eval's metrics from its mean loss over ``targets`` units (before :meth:`take_metrics`'s)."""
         return {"eval_loss": loss}
@@ -157,15 +169,20 @@ def adapters_disabled(unwrapped):
     return disable() if disable is not None else contextlib.nullcontext()
 
 
+def means_of(totals: dict[str, float], unit: str, prefix: str = "") -> dict[str, float]:
+    """Each of ``totals`` (summed over all ranks) divided by the total count ``totals[unit]`` (NaN where no rank
+    counted any): a metric per unit (a pair, a token) whatever the ranks' shares."""
+    count = totals.get(unit, 0)
+    return {f"{prefix}{name}": total / count if count else math.nan for name, total in totals.items() if name != unit}
+
+
 def means_over_ranks(accelerator, sums: dict[str, Any], unit: str, prefix: str = "") -> dict[str, float]:
-    """Each of ``sums`` (this rank's, of a step or an eval) summed over all ranks and divided by the summed count
-    ``sums[unit]`` (NaN where no rank counted any): a metric per unit (a pair, a token) whatever the ranks' shares.
-    Collective: every rank calls it with the same keys."""
+    """:func:`means_of` the ``sums`` of this rank (of a step or an eval) summed over all ranks. Collective: every
+    rank calls it with the same keys."""
     from hfsdp.parallel.world import all_sum
 
-    names = [k for k in sums if k != unit]
-    totals = all_sum(accelerator, [float(sums.get(unit, 0))] + [float(sums[k]) for k in names])
-    return {f"{prefix}{name}": total / totals[0] if totals[0] else math.nan for name, total in zip(names, totals[1:])}
+    names = [unit, *(k for k in sums if k != unit)]
+    return means_of(dict(zip(names, all_sum(accelerator, [float(sums.get(k, 0)) for k in names]))), unit, prefix)
 
 
 def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
@@ -234,3 +251,10 @@ class PreferenceObjective(Objective):
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         metrics, self._sums = means_over_ranks(accelerator, self._sums, "pairs", prefix), {}
         return metrics
+
+    def step_sums(self) -> dict[str, Any]:
+        sums, self._sums = self._sums, {}
+        return sums
+
+    def metrics_of(self, totals: dict[str, float]) -> dict[str, float]:
+        return means_of(totals, "pairs")

@@ -13,27 +13,26 @@ import json
 
 import pytest
 
-from conftest import PRESET_DATA, REPO, base_env, run_torchrun, tiny_config
+from conftest import PRESET_DATA, REPO, base_env, run_torchrun, tiny_config, tiny_teacher_folder
 
 pytestmark = pytest.mark.slow
 
 ENV = base_env(PYTHONPATH=f"{REPO / 'tests' / 'fault_plugin'}:{REPO / 'tests' / 'reward_plugin'}")
 
 # Every objective's step: the global batch's counts (the loss is divided by them; summed while the first forward
-# runs), the gradient norm's squares with the loss sum (one all-reduce), and the end of step's flags (a background
-# save written on every rank, a stop signal on any rank) in one all-reduce.
+# runs), the gradient norm's squares with the loss sum and the objective's metric sums (one all-reduce:
+# Objective.step_sums), and the end of step's flags (a background save written on every rank, a stop signal on any
+# rank) in one all-reduce.
 STEP = {"run.step:train_step > all_reduce": 2, "checkpoint.store:poll > all_reduce": 1}
-METRICS = {"objective:means_over_ranks > all_reduce": 1}  # the step's metrics per pair
 EXPECTED = {
     "sft": STEP,
-    "dpo": {**STEP, **METRICS},
-    # KTO: each micro-step's KL estimate (summed over the ranks before its loss, as TRL's: 2 micro-steps here), and
-    # the step's metrics by kind of row
-    "kto": {**STEP, "builtin.kto.loss:kl_estimate > all_reduce": 2,
-            "builtin.kto.loss:take_metrics > all_reduce": 1},
+    "dpo": STEP,
+    # KTO: each micro-step's KL estimate (summed over the ranks before its loss, as TRL's: 2 micro-steps here)
+    "kto": {**STEP, "builtin.kto.loss:kl_estimate > all_reduce": 2},
+    "distill": STEP,  # the frozen teacher's forwards gather its shards as FSDP's own collectives
     # GRPO (a new round each step): every rank's completions and rewards gathered, and the lock-step of sampling
     # (transformers' synced_gpus: one all-reduce per decode step, max_new_tokens 4 + the last)
-    "grpo": {**STEP, **METRICS,
+    "grpo": {**STEP,
              "builtin.online.sampler:_generate > all_gather_object": 1,
              "builtin.online.sampler:_gathered_scores > all_gather_object": 1,
              "builtin.online.sampler:_sample > all_reduce": 5},
@@ -41,7 +40,8 @@ EXPECTED = {
 DATA = {"sft": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl")},
         "dpo": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")},
         "kto": {"format": "unpaired", "path": str(PRESET_DATA / "contacts_unpaired_train.jsonl")},
-        "grpo": {"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl")}}
+        "grpo": {"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl")},
+        "distill": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl")}}
 
 
 @pytest.mark.parametrize("objective", EXPECTED)
@@ -50,6 +50,8 @@ def test_a_step_on_2_ranks_issues_only_the_listed_collectives_beyond_fsdps(tmp_p
                 "data": {**DATA[objective], "max_seq_len": 96, "eval_path": None},
                 "train": {"max_steps": 3, "gradient_accumulation_steps": 2, "eval_at_start": False,
                           "export_final": False}}
+    if objective == "distill":
+        sections["distill"] = {"teacher": str(tiny_teacher_folder()), "loss": "jsd"}
     if objective == "grpo":
         sections["grpo"] = {"num_generations": 2, "max_new_tokens": 4,
                             "rewards": [{"name": "grpo_test_rewards:letters"}]}

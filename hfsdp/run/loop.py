@@ -172,7 +172,7 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                     **meter.step(result.tokens, result.sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
                     **compile_metrics(config),
-                    **objective.take_metrics(accelerator),
+                    **result.metrics,
                 }
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:

@@ -38,6 +38,7 @@ class StepResult:
     tokens: float  # in the global batch (rows' lengths), and the sum of their squares (attention FLOPs)
     sq_lengths: float
     stepped: bool  # False: a non-finite loss or gradient norm skipped the step (train.on_nonfinite: skip)
+    metrics: dict[str, float]  # the objective's, over all ranks
 
 
 def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> StepResult:
@@ -70,9 +71,16 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         if all(batch.skip for batch in micro):  # the gradient of a step without a backward is 0, not absent (the
             for p in trainable:  # optimizer steps as it would have: its step count, moments and weight decay)
                 p.grad = torch.zeros_like(p)
-        norm, (total_loss,) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config, run.world,
-                                             summed_with=loss_sum.reshape(1) / tp)  # one all-reduce for both
+        # the objective's metric sums, where it gives them, ride the same all-reduce (no collective of their own)
+        sums = run.objective.step_sums()
+        names = sorted(sums or {})
+        summed = torch.stack([loss_sum / tp, *(torch.as_tensor(sums[k], dtype=torch.float64).to(loss_sum.device)
+                                               for k in names)])
+        norm, (total_loss, *totals) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config,
+                                                     run.world, summed_with=summed)  # one all-reduce for all
         grad_norm = float(norm)
+    metrics = (run.objective.metrics_of(dict(zip(names, totals))) if sums is not None
+               else run.objective.take_metrics(accelerator))
     global_labels, global_tokens, global_sq_lengths = (total / tp for total in counts.result())
     step_loss = total_loss / max(global_labels, 1)
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
@@ -93,7 +101,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     scheduler.step()
     run.state.step += 1
     run.state.tokens_seen += int(global_tokens)
-    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite)
+    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite, metrics)
 
 
 def compile_metrics(config: HfsdpConfig) -> dict[str, int]:

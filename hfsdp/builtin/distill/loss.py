@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.errors import UserError
-from hfsdp.objective import FrozenModel, Objective, means_over_ranks
+from hfsdp.objective import FrozenModel, Objective, means_of, means_over_ranks
 
 BETA_OF = {"forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's beta of each named divergence; jsd: the section's beta
 
@@ -161,6 +162,13 @@ class Distill(Objective):
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         metrics, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
         return metrics
+
+    def step_sums(self) -> dict[str, Any]:
+        sums, self._sums = self._sums, {}
+        return sums
+
+    def metrics_of(self, totals: dict[str, float]) -> dict[str, float]:
+        return means_of(totals, "tokens")
 
     def eval_metrics(self, loss: float, targets: int) -> dict[str, float]:
         return {"eval_loss": loss, "eval_tokens": int(targets)}

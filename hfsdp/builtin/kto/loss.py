@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -139,13 +139,20 @@ class KTO(ReferenceRoutes):
             sums["kl"] = sums.get("kl", 0) + kl
             sums["micro_steps"] = sums.get("micro_steps", 0) + 1
 
+    SUMS = ("rows/chosen", "rows/rejected", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
+            "kl", "micro_steps")  # what a step's or an eval's metrics are made of
+
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         from hfsdp.parallel.world import all_sum
 
-        names = ("rows/chosen", "rows/rejected", "rewards/chosen", "rewards/rejected", "logps/chosen",
-                 "logps/rejected", "kl", "micro_steps")
-        totals = dict(zip(names, all_sum(accelerator, [float(self._sums.get(k, 0)) for k in names])))
-        self._sums = {}
+        sums = [float(v) for v in self.step_sums().values()]
+        return self.metrics_of(dict(zip(self.SUMS, all_sum(accelerator, sums))), prefix)
+
+    def step_sums(self) -> dict[str, Any]:
+        sums, self._sums = {k: self._sums.get(k, 0) for k in self.SUMS}, {}
+        return sums
+
+    def metrics_of(self, totals: dict[str, float], prefix: str = "") -> dict[str, float]:
         out: dict[str, float] = {}
         for side in ("chosen", "rejected"):
             if totals[f"rows/{side}"]:

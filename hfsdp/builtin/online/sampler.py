@@ -28,7 +28,7 @@ from hfsdp.builtin.chat import TOOLS_FIELD, parse_completion, tools_of
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
 from hfsdp.errors import UserError
-from hfsdp.objective import Objective, Sampling, adapters_disabled, means_over_ranks, target_logps
+from hfsdp.objective import Objective, Sampling, adapters_disabled, means_of, means_over_ranks, target_logps
 
 if TYPE_CHECKING:
     from hfsdp.builtin.online.schema import OnlineSection
@@ -472,7 +472,18 @@ class OnlineObjective(Objective):
 
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         means, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
+        return {**self._own_metrics(prefix), **means}
+
+    def step_sums(self) -> dict[str, Any]:
+        sums, self._sums = self._sums, {}
+        return sums
+
+    def metrics_of(self, totals: dict[str, float]) -> dict[str, float]:
+        return {**self._own_metrics(), **means_of(totals, "tokens")}
+
+    def _own_metrics(self, prefix: str = "") -> dict[str, float]:
+        """The round's statistics (the same on every rank), the time spent sampling and the skipped micro-steps."""
         generation_s, self._generation_s = self._generation_s, 0.0
         skipped, self._skipped = self._skipped, 0
         return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
-                f"{prefix}skipped_zero_advantage": skipped, **means}
+                f"{prefix}skipped_zero_advantage": skipped}

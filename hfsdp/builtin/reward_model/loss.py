@@ -76,6 +76,9 @@ class RewardModel(PreferenceObjective):
         self._high = torch.maximum(torch.as_tensor(self._high), torch.where(real, kept, -math.inf).max().cpu())
         return (losses * batch.weights).sum()
 
+    def step_sums(self) -> None:
+        return None  # its extremes are a maximum over the ranks, not a sum: take_metrics reduces them with the means
+
     def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
         metrics = super().take_metrics(accelerator, prefix)
         low, high = extremes(accelerator, float(self._low), float(self._high))
