@@ -113,11 +113,10 @@ def unpaired_splits() -> dict[str, list[dict]]:
             for split, pairs in preference_splits().items()}
 
 
+# Short: every row's system turn lists it, and the rows' length is the preset's training time.
 TOOL = {"type": "function", "function": {
-    "name": "lookup_contact",
-    "description": "Look up a person in the contacts by their full name: their age, city and job.",
-    "parameters": {"type": "object", "properties": {"name": {"type": "string", "description": "the full name"}},
-                   "required": ["name"]}}}
+    "name": "lookup_contact", "description": "A contact's age, city and job, by full name.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
 # (field asked about, question, answer from the record); {name} the person's full name. The eval rows also use
 # EVAL_QUESTIONS, which no training row does.
 QUESTIONS = [
