@@ -10,6 +10,12 @@ files (contacts_prompts_<split>.jsonl, for ``data.format: prompt``) hold the pro
 The unpaired files (contacts_unpaired_<split>.jsonl, for ``data.format: unpaired`` and KTO) are the preference pairs
 unpaired as TRL's ``unpair_preference_dataset`` does (the chosen answer labelled true, the rejected one false), each
 pair's two rows side by side.
+
+The tool files (contacts_tools_<split>.jsonl, for ``data.format: chat`` with a tool-calling template: the ``tools``
+preset) are conversations about the bundled contacts in OpenAI's shape: a question about one person by name, the
+assistant's call of the ``lookup_contact`` tool (``TOOL``) with that name, the tool's answer (the contact as JSON)
+and the assistant's answer from it, the tool listed in each row's ``tools``. The eval rows ask about people no
+training row names, some in phrasings no training row uses.
 """
 
 import json
@@ -107,10 +113,66 @@ def unpaired_splits() -> dict[str, list[dict]]:
             for split, pairs in preference_splits().items()}
 
 
+# Short: every row's system turn lists it, and the rows' length is the preset's training time.
+TOOL = {"type": "function", "function": {
+    "name": "lookup_contact", "description": "A contact's age, city and job, by full name.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+# (field asked about, question, answer from the record); {name} the person's full name. The eval rows also use
+# EVAL_QUESTIONS, which no training row does.
+QUESTIONS = [
+    ("age", "How old is {name}?", "{name} is {age} years old."),
+    ("age", "What is {name}'s age?", "{name} is {age}."),
+    ("age", "Can you tell me the age of {name}?", "{name} is {age} years old."),
+    ("age", "{name} - how old are they?", "They are {age}."),
+    ("city", "Where does {name} live?", "{name} lives in {city}."),
+    ("city", "Which city is {name} based in?", "{name} is based in {city}."),
+    ("city", "In what city can I find {name}?", "You can find {name} in {city}."),
+    ("job", "What does {name} do for a living?", "{name} works as {a_job}."),
+    ("job", "What is {name}'s job?", "{name} is {a_job}."),
+    ("job", "Look up {name} and tell me their profession.", "{name} is {a_job}."),
+    ("all", "Tell me about {name}.", "{name} is {a_job} in {city}, {age} years old."),
+    ("all", "Who is {name}?", "{name} is {age}, lives in {city} and works as {a_job}."),
+]
+EVAL_QUESTIONS = [
+    ("age", "Do you know how old {name} is?", "{name} is {age} years old."),
+    ("city", "Where is {name} from?", "{name} lives in {city}."),
+    ("job", "What kind of work does {name} do?", "{name} works as {a_job}."),
+]
+
+
+def tool_conversation(person: dict, question: tuple[str, str, str], number: int) -> dict:
+    """One tool row: the question about ``person``, the lookup call, its result and the answer from it."""
+    _, asked, answer = question
+    fields = {**person, "a_job": with_article(person["job"])}
+    call_id = f"call_{number}"
+    return {"messages": [
+        {"role": "user", "content": asked.format(**fields)},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": TOOL["function"]["name"], "arguments": {"name": person["name"]}}}]},
+        {"role": "tool", "name": TOOL["function"]["name"], "tool_call_id": call_id, "content": json.dumps(person)},
+        {"role": "assistant", "content": answer.format(**fields)},
+    ], "tools": [TOOL]}
+
+
+def tool_splits() -> dict[str, list[dict]]:
+    """The rows of each tool file (contacts_tools_<split>.jsonl): the contacts of the first rows of each split; the
+    eval rows only those whose name no training row has, a quarter of them asked in EVAL_QUESTIONS' words."""
+    rng = random.Random(2468)
+    people = {split: [json.loads(row["messages"][-1]["content"]) for row in rows] for split, rows in splits().items()}
+    train = [tool_conversation(p, rng.choice(QUESTIONS), i) for i, p in enumerate(people["train"][:400])]
+    seen = {p["name"] for p in people["train"][:400]}
+    held_out = [p for p in people["eval"] if p["name"] not in seen][:32]
+    evaluation = [tool_conversation(p, rng.choice(EVAL_QUESTIONS if i % 4 == 3 else QUESTIONS), i)
+                  for i, p in enumerate(held_out)]
+    return {"train": train, "eval": evaluation}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
-                             ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits())):
+                             ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits()),
+                             ("contacts_tools", tool_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

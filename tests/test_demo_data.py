@@ -44,3 +44,29 @@ def test_bundled_prompt_rows_are_the_generators_prompts_with_their_answers():
         bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_prompts_{split}.jsonl").read_text().splitlines()]
         assert bundled == expected, f"contacts_prompts_{split}.jsonl is stale: run python scripts/make_demo_data.py"
         assert all(row["prompt"][-1]["role"] == "user" and json.loads(row["answer"]) for row in bundled)
+
+
+def test_bundled_tool_rows_are_the_generators_calls_of_the_asked_name_and_eval_names_are_held_out():
+    module = generator()
+    rows = module.tool_splits()
+    for split, expected in rows.items():
+        bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_tools_{split}.jsonl").read_text().splitlines()]
+        assert bundled == expected, f"contacts_tools_{split}.jsonl is stale: run python scripts/make_demo_data.py"
+        for row in bundled:
+            question, call, result, answer = row["messages"]
+            assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
+            assert row["tools"] == [module.TOOL] and call["content"] == "" and "tool_calls" not in answer
+            (tool_call,) = call["tool_calls"]
+            name = tool_call["function"]["arguments"]["name"]
+            assert tool_call["function"]["name"] == result["name"] == "lookup_contact"
+            assert tool_call["id"] == result["tool_call_id"] and json.loads(result["content"])["name"] == name
+            assert name in question["content"] and name in answer["content"] or answer["content"].startswith("They")
+            assert not re.search(r"\ba [aeiou]", answer["content"]), answer["content"]
+    names = {split: {r["messages"][1]["tool_calls"][0]["function"]["arguments"]["name"] for r in split_rows}
+             for split, split_rows in rows.items()}
+    assert len(rows["eval"]) == 32 and not names["train"] & names["eval"]
+    trained = {row["messages"][0]["content"].replace(name, "{name}")
+               for row, name in zip(rows["train"], [r["messages"][1]["tool_calls"][0]["function"]["arguments"]["name"]
+                                                    for r in rows["train"]])}
+    assert {q for _, q, _ in module.QUESTIONS} == trained  # every training phrasing used; the eval ones never
+    assert not trained & {q for _, q, _ in module.EVAL_QUESTIONS}

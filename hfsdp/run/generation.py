@@ -1,7 +1,9 @@
 """Generation eval: greedy answers to held-out prompts, exact-match accuracy against the references.
 
 The format's plugin splits each eval row into a prompt and its reference answer (hook ``hfsdp_generation_prompts``:
-the built-in chat and instruction formats register theirs).
+the built-in chat and instruction formats register theirs), and may give the row its own ``score(generated) -> bool``
+in place of the whitespace-normalised comparison (chat does for a tool-calling turn: the first tool call's name and
+arguments, compared as JSON values).
 Every rank generates the same prompts: under FSDP each forward is a collective, so ranks must stay in lockstep,
 and identical inputs make identical stopping decisions.
 """
@@ -9,7 +11,9 @@ and identical inputs make identical stopping decisions.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -20,18 +24,57 @@ from hfsdp.errors import RowError, UserError
 class GenerationResult:
     accuracy: float
     examples: list[tuple[str, str, str]]  # (prompt shown, reference, generated)
+    compared: str | None = None  # what the rows' own scores compare (see GenerationItem.compared); None: the text
 
 
-def prompts_and_references(raw_eval, data_config, tokenizer, limit: int, split) -> list[tuple[str, str, str]]:
-    """(model input text, short prompt for display, reference answer) for the first ``limit`` eval rows, each split
-    by ``split`` (the format plugin's, hook ``hfsdp_generation_prompts``)."""
+class GenerationItem(NamedTuple):
+    """One eval row split for generation (hook ``hfsdp_generation_prompts``): the text the model continues, the
+    prompt shown, the reference and, where the split gave one, the row's own ``score(generated) -> bool``."""
+
+    text: str
+    shown: str
+    reference: str
+    score: Callable[[str], bool] | None = None
+
+    def hit(self, generated: str) -> bool:
+        """Whether ``generated`` is right: the row's score, else whitespace-normalised equality with the reference."""
+        return bool(self.score(generated)) if self.score is not None else _normalise(generated) == _normalise(
+            self.reference)
+
+    @property
+    def compared(self) -> str | None:
+        """What the row's score compares, as its ``compared`` attribute says (e.g. "the first tool call (name and
+        arguments)"); None for the plain text comparison."""
+        return None if self.score is None else getattr(self.score, "compared", "the row's own score")
+
+
+def prompts_and_references(raw_eval, data_config, tokenizer, limit: int, split) -> list[GenerationItem]:
+    """The first ``limit`` eval rows, each split by ``split`` (the format plugin's, hook ``hfsdp_generation_prompts``)
+    into (model input text, short prompt for display, reference answer[, score])."""
     rows = []
     for index, row in enumerate(raw_eval.select(range(min(limit, len(raw_eval))))):
         try:
-            rows.append(tuple(split(row, data_config, tokenizer)))
+            parts = tuple(split(row, data_config, tokenizer))
         except RowError as err:
             raise UserError(f"generation_eval: eval row {index} {err}") from None
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] is not None and not callable(parts[3])):
+            raise UserError(f"generation_eval: the split of eval row {index} returned {len(parts)} values; a split "
+                            "returns (prompt, shown, reference) or (prompt, shown, reference, score), score a "
+                            "callable score(generated) -> bool or None")
+        text, shown, reference, *score = parts
+        rows.append(GenerationItem(text, shown, str(reference), score[0] if score else None))
     return rows
+
+
+def compared(items: list[GenerationItem]) -> str | None:
+    """What generation eval compares where rows bring their own scores (the summary says it): their ``compared``,
+    and on how many rows when not on all; None when every row is compared as text."""
+    kinds = Counter(item.compared for item in items if item.compared is not None)
+    if not kinds:
+        return None
+    described = ", ".join(kind if count == len(items) else f"{kind} on {count} of {len(items)} rows"
+                          for kind, count in kinds.items())
+    return described if sum(kinds.values()) == len(items) else described + ", the text on the others"
 
 
 def _normalise(text: str) -> str:
@@ -90,7 +133,7 @@ def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch
     try:
         with generating(model, gather):
             for start in range(0, len(items), batch_size):
-                texts = [text for text, _, _ in items[start:start + batch_size]]
+                texts = [item.text for item in items[start:start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
                 generated = unwrapped.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
@@ -100,6 +143,8 @@ def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch
                 outputs += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = padding_side
-    hits = sum(_normalise(out) == _normalise(ref) for out, (_, _, ref) in zip(outputs, items))
-    examples = [(shown, ref, out.strip()) for out, (_, shown, ref) in zip(outputs, items)]
-    return GenerationResult(accuracy=hits / max(1, len(items)), examples=examples)
+    hits = sum(item.hit(out) for out, item in zip(outputs, items))
+    # a row scored its own way (a tool call, written over lines) is shown on one line
+    examples = [(item.shown, item.reference, out.strip() if item.score is None else _normalise(out))
+                for out, item in zip(outputs, items)]
+    return GenerationResult(accuracy=hits / max(1, len(items)), examples=examples, compared=compared(items))

@@ -61,10 +61,12 @@ def format_summary(summary: dict[str, Any], generations: dict[str, generation.Ge
     if "eval_reward" in after:
         lines.append(f"eval reward {before['eval_reward']:.4f} -> {after['eval_reward']:.4f}" if "eval_reward" in before
                      else f"eval reward {after['eval_reward']:.4f}")
-    if "gen_exact_match" in before and "gen_exact_match" in after:
-        lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}")
-    show = config.generation_eval.show if config.generation_eval else 0
     gen_before, gen_after = generations.get("before"), generations.get("after")
+    if "gen_exact_match" in before and "gen_exact_match" in after:
+        what = gen_after.compared if gen_after else None  # rows scored their own way: what they compare
+        lines.append(f"generation exact match {before['gen_exact_match']:.1%} -> {after['gen_exact_match']:.1%}"
+                     + (f" (compared: {what})" if what else ""))
+    show = config.generation_eval.show if config.generation_eval else 0
     if gen_before and gen_after:
         for (prompt, ref, out_before), (_, _, out_after) in list(zip(gen_before.examples, gen_after.examples))[:show]:
             lines += ["", f"prompt:    {prompt}", f"expected:  {ref}", f"before:    {out_before}", f"after:     {out_after}"]
