@@ -15,7 +15,9 @@ The tool files (contacts_tools_<split>.jsonl, for ``data.format: chat`` with a t
 preset) are conversations about the bundled contacts in OpenAI's shape: a question about one person by name, the
 assistant's call of the ``lookup_contact`` tool (``TOOL``) with that name, the tool's answer (the contact as JSON)
 and the assistant's answer from it, the tool listed in each row's ``tools``. The eval rows ask about people no
-training row names, some in phrasings no training row uses.
+training row names, some in phrasings no training row uses. Their preference files (contacts_tools_pref_<split>.jsonl)
+pair the right call with a call naming someone else; their prompt files (contacts_tools_prompts_<split>.jsonl) hold
+the question, the tools and the expected call as ``answer``.
 """
 
 import json
@@ -168,11 +170,38 @@ def tool_splits() -> dict[str, list[dict]]:
     return {"train": train, "eval": evaluation}
 
 
+def tool_preference_splits() -> dict[str, list[dict]]:
+    """The tool preference files (contacts_tools_pref_<split>.jsonl): the first tool rows' question as the prompt,
+    the right call as chosen and a call with another person's name as rejected, the tools column kept."""
+    rng = random.Random(1357)
+    out = {}
+    for split, rows in tool_splits().items():
+        pairs = []
+        for row in rows[:{"train": 128, "eval": 16}[split]]:
+            call = row["messages"][1]
+            wrong = json.loads(json.dumps(call))
+            name = call["tool_calls"][0]["function"]["arguments"]["name"]
+            wrong["tool_calls"][0]["function"]["arguments"]["name"] = rng.choice(
+                [f"{first} {name.split()[1]}" for first in FIRST if first != name.split()[0]])
+            pairs.append({"prompt": row["messages"][:1], "chosen": [call], "rejected": [wrong], "tools": row["tools"]})
+        out[split] = pairs
+    return out
+
+
+def tool_prompt_splits() -> dict[str, list[dict]]:
+    """The tool prompt files (contacts_tools_prompts_<split>.jsonl, for GRPO): each tool row's question with the
+    tools, and its call as ``answer`` (what the ``tool_call`` reward compares the completion's first call with)."""
+    return {split: [{"prompt": row["messages"][:1], "tools": row["tools"],
+                     "answer": {k: row["messages"][1]["tool_calls"][0]["function"][k] for k in ("name", "arguments")}}
+                    for row in rows] for split, rows in tool_splits().items()}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
                              ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits()),
-                             ("contacts_tools", tool_splits())):
+                             ("contacts_tools", tool_splits()), ("contacts_tools_pref", tool_preference_splits()),
+                             ("contacts_tools_prompts", tool_prompt_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

@@ -56,6 +56,25 @@ GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DAT
                  "rewards": [{"name": "grpo_test_rewards:letters"}]}}
 
 
+# Agent data (issue 57): the bundled tool conversations (tool calls, results, a tools column) under hfsdp's
+# chatml_tools template, in the format the other options chose: SFT rows, DPO pairs (the right call against one naming
+# someone else), GRPO prompts with their tools (the tool_call reward reads each completion's parsed calls; letters
+# varies within a group)
+TOOLS_FILES = {"chat": "contacts_tools", "preference": "contacts_tools_pref", "prompt": "contacts_tools_prompts"}
+
+
+def with_tools(sections: dict) -> dict:
+    """``sections`` training on the tool conversations of their format (``chat`` when unset)."""
+    data = sections.get("data", {})
+    name = TOOLS_FILES[data.get("format", "chat")]
+    tools = {"data": {"path": str(PRESET_DATA / f"{name}_train.jsonl"), "chat_template": "chatml_tools",
+                      "eval_path": None if data.get("eval_path") is None and "format" in data
+                      else str(PRESET_DATA / f"{name}_eval.jsonl"), "max_seq_len": 320}}
+    if "grpo" in sections:
+        tools["grpo"] = {"rewards": [{"name": "tool_call"}, *sections["grpo"]["rewards"]]}
+    return _merge(sections, tools)
+
+
 def grpo_with(*plugins: str, **keys) -> dict:
     """:data:`GRPO` with more ``grpo`` keys (TRL's loss options, issue 50) and plugins before it."""
     return {**GRPO, "plugins": [*plugins, "grpo"], "grpo": {**GRPO["grpo"], **keys}}
@@ -157,10 +176,14 @@ OPTIONS = {
     # tensor parallelism: the decoder layers' projections split over 2 ranks (on 2 ranks: one data-parallel rank,
     # the rows of one process; tests/test_tensor_parallel.py: 2 x 2 on 4 ranks)
     "tp2": {"parallel": {"tp_size": 2}},
+    "agent": with_tools,
+    "dpo_tools": lambda sections: with_tools(_merge(sections, DPO)),
+    "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2")
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools",
+              "grpo_tools")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -235,7 +258,7 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "checkpointing", "size_wrap",
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
-                          "adamw_8bit", "adafactor")
+                          "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools")
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill")
@@ -326,6 +349,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert all(m["distill/divergence"] > 1e-4 for m in read_metrics(run) if "loss" in m)
         sharded = "loaded frozen, sharded over 2 ranks (FSDP2)" in proc.stdout + proc.stderr
         assert sharded == (world == 2 and version == 2), (proc.stdout + proc.stderr)[-3000:]
+    if any(option in ("agent", "dpo_tools", "grpo_tools") for option in options):  # the template chose and saved
+        assert "<tool_call>" in (run / "final" / "chat_template.jinja").read_text()
     if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if "tp2" in options:  # the decoder layers split, the embedding whole on both (one data-parallel rank)
@@ -528,6 +553,28 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
     assert all(m["kl"] > 0 for m in a if "kl" in m and m["step"] > 1), a  # compared above 0, not clamped
 
 
+@pytest.mark.parametrize("option", ["dpo_tools", "grpo_tools"])
+def test_two_ranks_compute_what_one_process_computes_on_tool_conversations(runs, option):
+    """DPO on tool conversations and GRPO with a tools column: 2 ranks of 2 rows each give the losses, metrics and
+    (GRPO) completions of one process of 4 rows."""
+    two, _ = smoke_run(runs, 2, 2, option)
+    sections = _merge(smoke_sections(2, 1, option), {"train": {"per_device_batch_size": 4}})
+    one, _ = runs.run(f"fsdp2-x1-{option}-4rows", 1, sections)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
+    compared = 0
+    for x, y in zip(a, b):
+        for key in x:
+            if key.startswith(("loss", "rewards/", "eval_loss", "eval_rewards/", "reward", "logps/")):
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x, y)
+                compared += 1
+        if "grad_norm" in x:  # float32 sums of other orders over the shards
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
+    assert compared >= 2 * STEPS
+    if option == "grpo_tools":
+        assert [c["completion_ids"] for c in completions(one)] == [c["completion_ids"] for c in completions(two)]
+
+
 def test_options_act(runs):
     """Each option changes the run it is added to (a matrix of options that silently did nothing would pass)."""
     base = losses(smoke_run(runs, 2, 2, "base")[0])
@@ -568,6 +615,8 @@ def test_plan_counts_the_teacher_each_rank_holds(runs):
 # part run in CI, and those that meet in a resumed part are resumed; the others, which share no code, run with
 # ``pytest --full-matrix``. A feature that lands adds a row here and so meets every other one.
 FEATURES = {
+    # first: its data is that of the format the other feature chose (with_tools), before a mixture is made of it
+    "agent": {"rows"},                          # tool conversations, masked by a template's generation markers
     "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
     "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
     "size_wrap": {"layers", "units"},           # FSDP units of its own policy
@@ -740,7 +789,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
-                                      "adafactor", "qlora_adamw_8bit", "tp2", *GRPO_LOSS_OPTIONS)]
+                                      "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools", "grpo_tools",
+                                      *GRPO_LOSS_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
           + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
@@ -750,7 +800,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
 # CI as the pair schedule_free+fsdp1 (test_pair_resumes_exactly), 8-bit AdamW in tests/test_optimizers.py.
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
-             and o not in ("plain_loss", "orpo", "reward_model", "kto") and o not in CI_ELSEWHERE
+             and o not in ("plain_loss", "orpo", "reward_model", "kto", "agent", "dpo_tools", "grpo_tools")
+             and o not in CI_ELSEWHERE
              and (v, o) != (1, "schedule_free") and (o not in GRPO_LOSS_OPTIONS or o == "lora_grpo_cispo")]
 
 

@@ -70,3 +70,15 @@ def test_bundled_tool_rows_are_the_generators_calls_of_the_asked_name_and_eval_n
                                                     for r in rows["train"]])}
     assert {q for _, q, _ in module.QUESTIONS} == trained  # every training phrasing used; the eval ones never
     assert not trained & {q for _, q, _ in module.EVAL_QUESTIONS}
+
+
+def test_bundled_tool_pairs_and_prompts_are_the_generators_right_and_wrong_calls():
+    module = generator()
+    for kind, make in (("pref", module.tool_preference_splits), ("prompts", module.tool_prompt_splits)):
+        for split, expected in make().items():
+            path = PRESET_DATA / f"contacts_tools_{kind}_{split}.jsonl"
+            bundled = [json.loads(line) for line in path.read_text().splitlines()]
+            assert bundled == expected, f"{path.name} is stale: run python scripts/make_demo_data.py"
+    for pair in module.tool_preference_splits()["train"]:
+        right, wrong = (pair[k][0]["tool_calls"][0]["function"]["arguments"]["name"] for k in ("chosen", "rejected"))
+        assert right != wrong and right.split()[1] == wrong.split()[1] and right in pair["prompt"][0]["content"]

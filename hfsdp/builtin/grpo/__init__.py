@@ -1,10 +1,10 @@
 """Plugin ``grpo``: Group Relative Policy Optimization (online RL with reward functions) on ``prompt`` rows. Enable with
 ``plugins: [grpo]`` and ``data.format: prompt``. Config section ``grpo:``:
 :class:`~hfsdp.builtin.grpo.schema.GrpoSection` (``hfsdp config-reference grpo``, docs/configuration.md). Rewards come
-from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields``) or ``module:function`` names, resolved
-as every online objective's (:mod:`hfsdp.builtin.online.rewards`). The objective, its advantages and its loss:
-:mod:`hfsdp.builtin.grpo.loss`, on the online objectives' sampler (:mod:`hfsdp.builtin.online.sampler`; both imported
-when a run trains, so that ``hfsdp validate`` needs no torch).
+from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields`` and ``tool_call``) or
+``module:function`` names, resolved as every online objective's (:mod:`hfsdp.builtin.online.rewards`). The
+objective, its advantages and its loss: :mod:`hfsdp.builtin.grpo.loss`, on the online objectives' sampler
+(:mod:`hfsdp.builtin.online.sampler`; both imported when a run trains, so that ``hfsdp validate`` needs no torch).
 
 ``train.per_device_batch_size`` counts completions, as TRL's: each micro-batch holds ``per_device_batch_size /
 num_generations`` prompts with their whole groups.
@@ -17,6 +17,7 @@ import json
 from hfsdp import hookimpl
 from hfsdp.builtin.grpo.schema import GrpoSection
 from hfsdp.builtin.online.rewards import online_problems, reward_functions
+from hfsdp.builtin.tool_calls import _call, same_json
 
 
 @hookimpl
@@ -46,9 +47,23 @@ def json_fields(completions: list, answer: list, **kwargs) -> list[float]:
     return out
 
 
+def tool_call(completions: list, answer: list, **kwargs) -> list[float]:
+    """1 where the completion's first tool call (the message's ``tool_calls``, as the chat template's response format
+    parses them: :func:`hfsdp.builtin.chat.parse_completion`) is the expected one (the ``answer`` column: ``{name,
+    arguments}``, or a JSON text of it), its name and arguments equal as JSON values; else 0."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        message = completion[-1] if isinstance(completion, list) else {}
+        calls = [c for c in map(_call, message.get("tool_calls") or []) if c is not None]
+        want = _call(json.loads(expected) if isinstance(expected, str) else expected)
+        out.append(float(bool(calls) and want is not None and calls[0]["name"] == want["name"]
+                         and same_json(calls[0]["arguments"], want["arguments"])))
+    return out
+
+
 @hookimpl
 def hfsdp_reward_functions():
-    return {"json_fields": json_fields}
+    return {"json_fields": json_fields, "tool_call": tool_call}
 
 
 @hookimpl
