@@ -36,10 +36,10 @@ def resolve(value: str) -> str:
             return path.read_text()
         except (OSError, UnicodeDecodeError) as err:
             raise UserError(f"data.chat_template: cannot read {path}: {err}") from None
-    training = ", ".join(n for n in names() if n.endswith(TRAINING_SUFFIX) or n == "chatml_tools")
     raise UserError(f"data.chat_template: '{value}' is neither a file nor a template hfsdp ships. Give a .jinja "
-                    f"file's path, or one of the training templates: {training} (the originals' names work too: "
-                    f"{TEMPLATES_DIR})")
+                    "file's path, or a shipped template's name: chatml_tools, or a model family's training template "
+                    f"such as qwen3_training, qwen2_5_training, llama3_training, gptoss_training (all of them: the "
+                    f".jinja files in {TEMPLATES_DIR})")
 
 
 def use(tokenizer, value: str | None) -> None:
