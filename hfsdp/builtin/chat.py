@@ -87,7 +87,7 @@ def _json_object(value: Any, what: str, expected: str) -> Any:
         raise RowError(f"{what} is not JSON ({err.msg} at character {err.pos}): give {expected}") from None
 
 
-def tool_call(call: Any, where: str) -> dict[str, Any]:
+def _row_call(call: Any, where: str) -> dict[str, Any]:
     """One tool call as ``{type: function, function: {name, arguments}}`` (arguments an object), or a RowError."""
     if not isinstance(call, dict):
         raise RowError(f"{where} is a {type(call).__name__}, not a mapping with a function name and arguments")
@@ -109,7 +109,7 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     calls = calls if isinstance(calls, list) else [calls]
     if not calls:
         raise RowError(f"{where} has an empty list of tool calls: drop the key, or give the calls")
-    return [tool_call(c, f"{where}'s tool call {k}") for k, c in enumerate(calls)]
+    return [_row_call(c, f"{where}'s tool call {k}") for k, c in enumerate(calls)]
 
 
 def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
