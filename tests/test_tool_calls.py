@@ -75,3 +75,42 @@ def test_a_rows_own_score_replaces_the_text_comparison_and_the_summary_says_what
     assert compared([tool, tool]) == "the first tool call (name and arguments)"
     assert compared([tool, plain]) == ("the first tool call (name and arguments) on 1 of 2 rows, "
                                        "the text on the others")
+
+
+def test_chat_evaluates_a_bundled_tool_row_by_its_first_tool_call_and_trains_only_what_the_model_writes(
+        tiny_model_dir):
+    """The tools preset's rows read through Arrow, rendered with chatml_tools: generation eval's prompt ends at the
+    generation prompt before the tool call, with the tools listed; the reference is the call; the loss covers the
+    call and the answer (each with its <|im_end|>), never the tools preamble, the question or the tool's result."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from conftest import PRESET_DATA
+    from hfsdp import IGNORE_INDEX
+    from hfsdp.builtin import chat
+    from hfsdp.config.schema import DataConfig
+    from hfsdp.data import prepare
+    from hfsdp.model import chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.chat_template = chat_template.resolve("chatml_tools")
+    data = DataConfig(path="x", format="chat", chat_template="chatml_tools")
+    rows = datasets.load_dataset("json", data_files=str(PRESET_DATA / "contacts_tools_eval.jsonl"), split="train")
+    text, shown, reference, score = chat.generation_prompt(rows[0], data, tokenizer)
+    name = rows[0]["messages"][1]["tool_calls"][0]["function"]["arguments"]["name"]
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face")
+    assert '"name": "lookup_contact"' in text and text.endswith(f"{shown}<|im_end|>\n<|im_start|>assistant\n")
+    assert name in shown and reference == f'{{"name": "lookup_contact", "arguments": {{"name": "{name}"}}}}'
+    assert score(f"<tool_call>\n{reference}\n</tool_call>") and not score(shown)
+    assert score.compared == "the first tool call (name and arguments)"
+
+    row = prepare.tokenize(rows.select(range(1)), chat.tokenize_chat, tokenizer, data, None)[0][0]
+    trained, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            trained, current = [*trained, tokenizer.decode(current)], []
+    trained += [tokenizer.decode(current)] if current else []
+    answer = rows[0]["messages"][3]["content"]
+    assert trained == [f"<tool_call>\n{reference}\n</tool_call><|im_end|>\n", f"{answer}<|im_end|>\n"]

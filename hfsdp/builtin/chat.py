@@ -36,6 +36,7 @@ import json
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
+from hfsdp.builtin import tool_calls
 from hfsdp.errors import RowError, UserError
 from hfsdp.model import chat_template
 
@@ -397,18 +398,24 @@ def tokenize_chat(batch, tokenizer, data_config):
     return {"input_ids": ids, "labels": labels}
 
 
-def generation_prompt(row, data_config, tokenizer) -> tuple[str, str, str]:
-    """Generation eval of a conversation: the conversation before its last assistant turn (chat template, generation
-    prompt), the turn before that answer shown, and the answer."""
+def generation_prompt(row, data_config, tokenizer) -> tuple:
+    """Generation eval of a conversation: the conversation before its first assistant turn that calls tools, else
+    before its last assistant turn (chat template, the row's tools, generation prompt), the turn before it shown, and
+    the reference: that turn's tool calls, with the score that compares the first call generated with them (name and
+    arguments as JSON values, :class:`hfsdp.builtin.tool_calls.ToolCallMatch`), else the answer's text."""
     messages = conversation(row[messages_field(data_config, list(row))], data_config)
     tools = tools_of(row[TOOLS_FIELD]) if TOOLS_FIELD in row else None
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise RowError("has no assistant turn to compare with; give every eval conversation an assistant answer, or "
                        "remove the generation_eval section")
-    last = answers[-1]
-    text = _render(tokenizer, messages[:last], tools, add_generation_prompt=True)
-    return text, messages[last - 1]["content"] if last else "", messages[last]["content"]
+    turn = next((i for i in answers if messages[i].get("tool_calls")), answers[-1])
+    text = _render(tokenizer, messages[:turn], tools, add_generation_prompt=True)
+    shown = messages[turn - 1]["content"] if turn else ""
+    if not messages[turn].get("tool_calls"):
+        return text, shown, messages[turn]["content"]
+    match = tool_calls.ToolCallMatch(messages[turn]["tool_calls"])
+    return text, shown, str(match), match
 
 
 @hookimpl
