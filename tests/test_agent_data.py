@@ -262,3 +262,20 @@ def test_rewards_receive_each_completion_as_trls_grpo_parses_it(tiny_model_dir, 
         assert parsed[-1] == parse_response(theirs, ids, prefix=prompt, tools=TOOLS), text
     assert parsed[1]["tool_calls"][1]["function"]["arguments"] == {"name": "Lee"}
     assert parsed[3] == {"role": "assistant", "content": COMPLETIONS[3].removesuffix("<|im_end|>")}
+
+
+def test_the_tool_call_reward_scores_the_first_parsed_call(tiny_model_dir):
+    """GRPO's built-in tool_call reward: 1 where the completion's first parsed call is the row's answer (arguments
+    as JSON values, a JSON-text answer too), 0 for another argument, no call, or a malformed one (read as text)."""
+    from hfsdp.builtin.grpo import tool_call
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = chat_template.resolve("chatml_tools")
+    tools = chat.tools_of(TOOLS)
+    prompt = chat.chat_ids(chat.conversation(OPENAI[:1], DataConfig(path="x")), tok, tools, add_generation_prompt=True)
+    completions = [[chat.parse_completion(tok, tok(text, add_special_tokens=False)["input_ids"], prompt, tools)]
+                   for text in COMPLETIONS]
+    answer = {"name": "lookup_contact", "arguments": {"name": "Ann Lee"}}
+    # the fifth: cut by max_new_tokens after its JSON, before </tool_call>: read as a call (as TRL reads it)
+    assert tool_call(completions, [answer] * 5 + [json.dumps(answer)]) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert tool_call(completions[:1], [json.dumps(answer)]) == [1.0]

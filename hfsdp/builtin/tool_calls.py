@@ -26,7 +26,7 @@ def _arguments(value: Any) -> Any:
     return value
 
 
-def _call(value: Any) -> dict[str, Any] | None:
+def call_of(value: Any) -> dict[str, Any] | None:
     """``{"name", "arguments"}`` of a tool call: an OpenAI call (``{"type": "function", "function": {...}}``), a
     ``{name, arguments}`` or ``{name, parameters}`` object; None for anything else."""
     if not isinstance(value, dict):
@@ -52,7 +52,7 @@ def parse_calls(text: str) -> list[dict[str, Any]]:
         except ValueError:
             at = text.find("{", at + 1)
             continue
-        call = _call(value)
+        call = call_of(value)
         if call is not None:
             calls.append(call)
             at = text.find("{", end)  # past this object: its arguments are not a call of their own
@@ -84,7 +84,7 @@ class ToolCallMatch:
     compared = "the first tool call (name and arguments)"
 
     def __init__(self, tool_calls: list[Any]):
-        self.calls = [_call(call) for call in tool_calls]
+        self.calls = [call_of(call) for call in tool_calls]
         if not self.calls or any(call is None for call in self.calls):
             raise ValueError(f"not a list of tool calls ({{name, arguments}} or OpenAI's "
                              f"{{type: function, function: {{name, arguments}}}}): {tool_calls!r}")

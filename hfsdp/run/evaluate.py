@@ -85,5 +85,6 @@ class Evaluator:
             self.run.accelerator.print(
                 "eval before training: " + (f"reward {before['eval_reward']:.4f}" if "eval_reward" in before else
                                             f"loss {before.get('eval_loss', float('nan')):.4f}")
-                + (f", exact match {before['gen_exact_match']:.1%}" if "gen_exact_match" in before else ""))
+                + (f", exact match {before['gen_exact_match']:.1%}" if "gen_exact_match" in before else "")
+                + (f" (compared: {gen.compared})" if (gen := self.generations.get("before")) and gen.compared else ""))
         return before

@@ -17,7 +17,7 @@ import json
 from hfsdp import hookimpl
 from hfsdp.builtin.grpo.schema import GrpoSection
 from hfsdp.builtin.online.rewards import online_problems, reward_functions
-from hfsdp.builtin.tool_calls import _call, same_json
+from hfsdp.builtin.tool_calls import call_of, same_json
 
 
 @hookimpl
@@ -54,8 +54,8 @@ def tool_call(completions: list, answer: list, **kwargs) -> list[float]:
     out = []
     for completion, expected in zip(completions, answer):
         message = completion[-1] if isinstance(completion, list) else {}
-        calls = [c for c in map(_call, message.get("tool_calls") or []) if c is not None]
-        want = _call(json.loads(expected) if isinstance(expected, str) else expected)
+        calls = [c for c in map(call_of, message.get("tool_calls") or []) if c is not None]
+        want = call_of(json.loads(expected) if isinstance(expected, str) else expected)
         out.append(float(bool(calls) and want is not None and calls[0]["name"] == want["name"]
                          and same_json(calls[0]["arguments"], want["arguments"])))
     return out
