@@ -113,7 +113,7 @@ CASES: dict[str, Case] = {
                                         "raise data.max_seq_len (8): a truncated row keeps only the labelled tokens"),
     "chat data, tokenizer without template": (
         lambda d, s: ["train", _cfg(d, model={"name_or_path": s["no_template"]})],
-        "chat data needs a tokenizer with a chat template"),
+        "chat data needs a chat template; this tokenizer has none: set data.chat_template"),
     "chat rows without roles": (lambda d, s: ["train", _cfg(d, data={
         "path": _write(d / "rows.jsonl", '{"messages": [{"content": "hi"}, {"content": "yo"}]}\n'), "eval_path": None})],
         "data.format 'chat': row 0 (counting from 0): message 0 has the keys ['content'], not role/content or "
@@ -361,7 +361,7 @@ CASES: dict[str, Case] = {
                                  "data.format: prompt rows (without answers) train an objective that generates"),
     "grpo unknown reward": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "brevity"}])],
                             "grpo.rewards[0].name: unknown reward 'brevity' (offered by the enabled plugins: "
-                            "json_fields)"),
+                            "json_fields, tool_call)"),
     "grpo reward module missing": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "mypkg.rewards:brevity"}])],
                                    "grpo.rewards[0].name: 'mypkg.rewards:brevity': cannot import module 'mypkg.rewards'"),
     "grpo group not dividing the batch": (
