@@ -10,12 +10,15 @@ training loop (blocks up to 1 GiB come from the heap, which is trimmed only past
 second or third step on a step faults in almost nothing; after the loop :func:`give_back_free_memory` returns the
 free memory and the thresholds stay raised (the final eval and export allocate as the steps did). Numbers are
 unchanged: the same ops on the same values, only where their memory comes from changes. Anywhere but Linux with
-glibc it does nothing.
+glibc it does nothing, and where the environment sets glibc's malloc itself (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ... or ``GLIBC_TUNABLES`` with ``glibc.malloc.``) that wins: ``hfsdp bench`` sets it so
+that freed memory goes back and RSS follows what a rank holds (``hfsdp.tools.bench.MALLOC_RETURNS_FREED``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 # mallopt parameters (malloc.h)
@@ -35,10 +38,14 @@ def _glibc():
         return None
 
 
-def keep_freed_memory(device) -> bool:
-    """From now on freed blocks stay in the process for the next step (CPU devices with glibc); whether it
-    applied."""
-    libc = _glibc() if getattr(device, "type", device) == "cpu" else None
+def malloc_set_by_environment(env=os.environ) -> bool:
+    return any(k.startswith("MALLOC_") for k in env) or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+
+
+def keep_freed_memory(device, env=os.environ) -> bool:
+    """From now on freed blocks stay in the process for the next step (CPU devices with glibc, unless the
+    environment sets malloc); whether it applied."""
+    libc = _glibc() if getattr(device, "type", device) == "cpu" and not malloc_set_by_environment(env) else None
     return bool(libc) and bool(libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD))
 
