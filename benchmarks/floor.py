@@ -15,6 +15,10 @@ the collated micro-batch shapes), the sum of, each timed alone with torch at its
 Norms, activations, the embedding lookup, the cross entropy's softmax and everything else count zero, so a tool's
 step time divided by this is how far it is from the arithmetic alone.
 
+Timed alone, a layer's GEMMs find their weight in cache, where a step reads each of its 425 MB of layer weights from
+memory; issue 56 part 4 measured that this does not make the floor too low: the real model's own GEMMs, each its
+fastest over a few steps, run at 0.94-1.09x of these times (``benchmarks/gemm_memory.py``; docs/benchmarks.md).
+
 On N ranks (``torchrun --nproc-per-node N``, gloo; ``peers.py --nproc N --tools hfsdp,floor``) each rank times its
 own rows of the step (``BatchPlan`` for N ranks) and AdamW over its 1/N shard of every parameter, and all ranks
 time together, at each FSDP unit's size (every decoder layer, and the root: the rest of the model) and in the
