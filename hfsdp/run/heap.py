@@ -18,8 +18,8 @@ that freed memory goes back and RSS follows what a rank holds (``hfsdp.tools.ben
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+from collections.abc import Mapping
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -38,14 +38,15 @@ def _glibc():
         return None
 
 
-def malloc_set_by_environment(env=os.environ) -> bool:
+def malloc_set_by_environment(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` (the CLI's environment) sets glibc's malloc itself, whose settings then win."""
     return any(k.startswith("MALLOC_") for k in env) or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
 
 
-def keep_freed_memory(device, env=os.environ) -> bool:
-    """From now on freed blocks stay in the process for the next step (CPU devices with glibc, unless the
-    environment sets malloc); whether it applied."""
-    libc = _glibc() if getattr(device, "type", device) == "cpu" and not malloc_set_by_environment(env) else None
+def keep_freed_memory(device) -> bool:
+    """From now on freed blocks stay in the process for the next step (CPU devices with glibc; the caller leaves
+    out an environment that sets malloc); whether it applied."""
+    libc = _glibc() if getattr(device, "type", device) == "cpu" else None
     return bool(libc) and bool(libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD))
 

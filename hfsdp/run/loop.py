@@ -156,7 +156,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         model.train()
         last_eval: dict[str, Any] = {}
         loop_started = time.perf_counter()
-        kept = heap.keep_freed_memory(accelerator.device)  # CPU: no page faults for what each step reallocates
+        # CPU: no page faults for what each step reallocates (unless the environment sets malloc itself)
+        kept = not opts.malloc_set and heap.keep_freed_memory(accelerator.device)
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
