@@ -35,7 +35,7 @@ from hfsdp.errors import ConfigError
 from hfsdp.rules import quantization
 from hfsdp.rules.table import Facts, check
 from hfsdp.model import token_loss
-from hfsdp.run import generation, heap, optimizers, throughput
+from hfsdp.run import generation, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
 from hfsdp.run.folder import prepare_run
 from hfsdp.run.metrics import MetricsWriter
@@ -156,8 +156,6 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         model.train()
         last_eval: dict[str, Any] = {}
         loop_started = time.perf_counter()
-        # CPU: no page faults for what each step reallocates (unless the environment sets malloc itself)
-        kept = not opts.malloc_set and heap.keep_freed_memory(accelerator.device)
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
@@ -192,8 +190,6 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             saver.abandon()
             raise
         finally:
-            if kept:
-                heap.give_back_free_memory()
             preemption.uninstall()
             if progress is not None:
                 progress.close()
