@@ -29,19 +29,11 @@ import resource
 import time
 from pathlib import Path
 
+from floor import best_of  # benchmarks/, next to this file: the floor's own timing
+
 
 def minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def per_op_min(runs: list[list[tuple[str, float]]]) -> dict[str, float]:

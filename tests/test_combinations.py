@@ -534,23 +534,31 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
     sections = _merge(smoke_sections(2, 1, "kto"), {"train": {"per_device_batch_size": 4}})
     one, _ = runs.run("fsdp2-x1-kto-4rows", 1, sections)
     a, b = read_metrics(one), read_metrics(two)
+    assert compare_log_prob_metrics(a, b, ("loss", "rewards/", "logps/", "kl")) >= 5 * STEPS
+    assert all(m["kl"] > 0 for m in a if "kl" in m and m["step"] > 1), a  # compared above 0, not clamped
+
+
+def compare_log_prob_metrics(a: list[dict], b: list[dict], names: tuple[str, ...], left_out: tuple[str, ...] = ()) -> int:
+    """One process's metrics ``a`` and 2 ranks' ``b`` of an objective made of log-prob differences: the same names
+    each step, those starting with ``names`` (and not in ``left_out``; evals' too) equal, the gradient norms within
+    float32 sums of other orders. Returns how many values it compared.
+
+    Rewards and KL are differences of float32 log-probs of hundreds (the reference's computed in batches of other
+    padding on 2 ranks): within 4e-7 of those log-probs (about 3 float32 ulps for each of the up to four sums in a
+    margin; times beta, 0.1, for rewards). A CI machine measured 1.1e-7 for KTO's rewards/margins."""
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     compared = 0
     for x, y in zip(a, b):
-        # rewards and KL are differences of float32 log-probs of hundreds (the reference's computed in batches of
-        # other padding on 2 ranks): within 4e-7 of those log-probs (about 3 float32 ulps for each of the up to four
-        # sums in a margin; times beta, 0.1, for rewards). A CI machine measured 1.1e-7 for rewards/margins.
         logps = max((abs(v) for k, v in x.items() if "logps/" in k), default=0.0)
         for key in x:
             name = key.removeprefix("eval_")
-            if name.startswith(("loss", "rewards/", "logps/", "kl")):
+            if name.startswith(names) and name not in left_out:
                 near = 4e-7 * logps * (0.1 if name.startswith("rewards/") else 1.0)
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=max(near, 1e-6)), (key, x, y)
                 compared += 1
         if "grad_norm" in x:  # float32 sums of other orders over the shards
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
-    assert compared >= 5 * STEPS
-    assert all(m["kl"] > 0 for m in a if "kl" in m and m["step"] > 1), a  # compared above 0, not clamped
+    return compared
 
 
 @pytest.mark.parametrize("option", ["dpo_tools", "grpo_tools"])
@@ -561,21 +569,8 @@ def test_two_ranks_compute_what_one_process_computes_on_tool_conversations(runs,
     sections = _merge(smoke_sections(2, 1, option), {"train": {"per_device_batch_size": 4}})
     one, _ = runs.run(f"fsdp2-x1-{option}-4rows", 1, sections)
     a, b = read_metrics(one), read_metrics(two)
-    assert [sorted(m) for m in a] == [sorted(m) for m in b]
-    compared = 0
-    for x, y in zip(a, b):
-        # DPO's rewards are differences of float32 log-probs of hundreds, computed in batches of other padding: within
-        # 4e-7 of those log-probs (times beta, 0.1), as KTO's; its accuracy counts margins of that size at step 1
-        logps = max((abs(v) for k, v in x.items() if "logps/" in k), default=0.0)
-        for key in x:
-            name = key.removeprefix("eval_")
-            if name.startswith(("loss", "rewards/", "reward", "logps/")) and name != "rewards/accuracy":
-                near = 4e-7 * logps * (0.1 if name.startswith("rewards/") else 1.0)
-                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=max(near, 1e-6)), (key, x, y)
-                compared += 1
-        if "grad_norm" in x:  # float32 sums of other orders over the shards
-            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
-    assert compared >= 2 * STEPS
+    # DPO's accuracy counts margins of float32 rounding's size at step 1: left out
+    assert compare_log_prob_metrics(a, b, ("loss", "rewards/", "reward", "logps/"), ("rewards/accuracy",)) >= 2 * STEPS
     if option == "grpo_tools":
         assert [c["completion_ids"] for c in completions(one)] == [c["completion_ids"] for c in completions(two)]
 

@@ -26,10 +26,16 @@ def names() -> list[str]:
     return sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
 
 
+@functools.cache
+def _shipped(name: str) -> str:
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text()
+
+
 def resolve(value: str) -> str:
-    """The template text ``data.chat_template`` names: a shipped template's name, or a file's path."""
+    """The template text ``data.chat_template`` names: a shipped template's name (read once a process: chat reads a
+    family's training version for every row), or a file's path."""
     if (TEMPLATES_DIR / f"{value}.jinja").is_file() and "/" not in value:
-        return (TEMPLATES_DIR / f"{value}.jinja").read_text()
+        return _shipped(value)
     path = Path(value).expanduser()
     if path.is_file():
         try:
@@ -56,7 +62,7 @@ def has_generation_markers(template: str) -> bool:
 
 @functools.cache
 def _by_text() -> dict[str, str]:
-    return {(TEMPLATES_DIR / f"{name}.jinja").read_text().strip(): name for name in names()}
+    return {_shipped(name).strip(): name for name in names()}
 
 
 def known(template: str) -> str | None:
