@@ -24,6 +24,7 @@ import torch
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
+from hfsdp.data.layout import packed_micro_batch
 from hfsdp.errors import ConfigError
 from hfsdp.model.token_loss import token_loss_sum
 
@@ -66,6 +67,11 @@ class Objective:
     #: sequences :meth:`micro_batch` forwards per dataset row (``hfsdp plan`` traces a micro-batch that many times
     #: larger; a loss other than :class:`TokenCrossEntropy` is planned with the full logits, as it computes them).
     sequences_per_row: int = 1
+    #: its loss reads per-sequence values through ``MicroBatch.per_sequence`` (or sums over tokens only), so its
+    #: micro-batches may be packed (hook ``hfsdp_pack_micro_batches``); :meth:`micro_batch` then packs them.
+    packs_micro_batches: bool = False
+    #: set by hfsdp before :meth:`prepare` when micro-batches are packed: the most tokens of a packed row.
+    pack_len: int | None = None
 
     def frozen_models(self) -> list[FrozenModel]:
         """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
@@ -79,8 +85,17 @@ class Objective:
         return None
 
     def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
-        """The micro-batch of these dataset rows; its ``num_targets`` is what :meth:`loss` sums over."""
-        return micro_batch(rows, pad_id, device, select_logits)
+        """The micro-batch of these dataset rows (packed with :attr:`pack_len`); its ``num_targets`` is what
+        :meth:`loss` sums over."""
+        return self.collate(rows, [[i] for i in range(len(rows))], pad_id, device, select_logits)
+
+    def collate(self, sequences: list[dict[str, list[int]]], items: list[list[int]], pad_id: int, device,
+                select_logits: bool) -> MicroBatch:
+        """The micro-batch of ``sequences`` (``input_ids``, ``labels``): one per row, or with :attr:`pack_len`
+        laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two)."""
+        if self.pack_len is None:
+            return micro_batch(sequences, pad_id, device, select_logits)
+        return packed_micro_batch(sequences, items, self.pack_len, pad_id, device, select_logits)
 
     def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
         """Which rows each optimizer step trains on (a pure function of seed and step; its ``steps_for_epochs`` is
@@ -141,6 +156,8 @@ class TokenCrossEntropy(Objective):
     """The default objective: the summed next-token cross entropy of the labelled tokens, computed by ``loss_sum``
     (``hfsdp.model.token_loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""
 
+    packs_micro_batches = True  # a sum over labelled tokens, wherever they lie
+
     def __init__(self, loss_sum=token_loss_sum):
         self.loss_sum = loss_sum
 
@@ -200,6 +217,23 @@ def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
     return objective
 
 
+def micro_batch_packing(host, config, objective: Objective) -> int | None:
+    """The most tokens of a packed row when an enabled plugin packs micro-batches (``hfsdp_pack_micro_batches``),
+    or None; a ConfigError (before any weight loads) when two do, or when ``objective`` cannot read packed ones."""
+    returned = host.call("hfsdp_pack_micro_batches", config=config)
+    if len(returned) > 1:
+        raise ConfigError([("plugins", "two plugins pack micro-batches: "
+                                       f"{', '.join(name for name, _ in returned)}; enable one of them")])
+    if not returned:
+        return None
+    plugin, pack_len = returned[0]
+    if not objective.packs_micro_batches:
+        raise ConfigError([("plugins", f"{plugin} packs micro-batches, but the objective {type(objective).__name__} "
+                                       "reads one sequence per row (its packs_micro_batches is False): remove "
+                                       f"{plugin} from plugins")])
+    return int(pack_len)
+
+
 @dataclass
 class PairBatch(MicroBatch):
     """A micro-batch of preference pairs: rows ``0..pairs-1`` are the chosen sequences, ``pairs..2*pairs-1`` the
@@ -221,6 +255,7 @@ class PreferenceObjective(Objective):
 
     progress_metrics = ("rewards/margins", "rewards/accuracy")
     sequences_per_row = 2  # the chosen and the rejected completion
+    packs_micro_batches = True  # the log-probs through completion_logps, a pair's two sequences in one packed row
 
     def __init__(self):
         self._sums: dict[str, torch.Tensor] = {}
@@ -228,18 +263,19 @@ class PreferenceObjective(Objective):
     def micro_batch(self, rows, pad_id, device, select_logits) -> PairBatch:
         chosen = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
         rejected = [{"input_ids": r[REJECTED_IDS], "labels": r[REJECTED_LABELS]} for r in rows]
-        batch = micro_batch(chosen + rejected, pad_id, device, select_logits)
+        batch = self.collate(chosen + rejected, [[i, len(rows) + i] for i in range(len(rows))], pad_id, device,
+                             select_logits)
         numbers = [k for k, v in rows[0].items() if isinstance(v, float)]
         return PairBatch(**vars(batch) | {"num_targets": len(rows)}, pairs=len(rows),
                          weights=torch.ones(len(rows), device=device),
-                         completion_tokens=(batch.targets != IGNORE_INDEX).sum(1),
+                         completion_tokens=(batch.sequence_targets != IGNORE_INDEX).sum(1),
                          values={k: torch.tensor([r[k] for r in rows], dtype=torch.float32, device=device)
                                  for k in numbers})
 
     @staticmethod
     def completion_logps(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected): each pair's summed log-probability of its completion tokens, in float32."""
-        logps = target_logps(model(**batch.inputs).logits, batch.targets).sum(1)
+        logps = batch.per_sequence(target_logps(model(**batch.inputs).logits, batch.targets)).sum(1)
         return logps[:batch.pairs], logps[batch.pairs:]
 
     def record(self, batch: PairBatch, **per_pair: torch.Tensor) -> None:

@@ -1,8 +1,19 @@
-"""Plugin ``packing``: concatenate tokenized samples into rows of up to ``max_len`` tokens. Enable with
+"""Plugin ``packing``: lay tokenized samples end to end in rows of up to ``max_len`` tokens. Enable with
 ``plugins: [packing]``.
 
-Config section ``packing:`` (``max_len``, ``pack_eval``, ``window``): its keys, types and defaults are those of
-:class:`PackingSection` (``hfsdp config-reference packing``, docs/configuration.md).
+Config section ``packing:`` (``scope``, ``max_len``, ``pack_eval``, ``window``): its keys, types and defaults are
+those of :class:`PackingSection` (``hfsdp config-reference packing``, docs/configuration.md).
+
+Two scopes:
+
+* ``dataset`` (the default for token rows: ``text``, ``instruction``, ``chat``): the training rows are packed once,
+  before training, window by window (:func:`pack`), so a row holds several samples and a step trains on more of
+  them;
+* ``micro_batch`` (the only one for rows scored whole: ``preference``, ``unpaired``, ``prompt``; a choice for token
+  rows): each micro-batch's sequences are laid end to end when it is made (:mod:`hfsdp.data.layout`), a preference
+  pair's chosen and rejected (a KTO row and its KL row) in one row, GRPO's prompt + completion rows each whole. A
+  step trains on the rows it trains on without packing, with the same per-sequence log-probs, so the same losses;
+  only the padding goes.
 
 Each packed row carries ``position_ids`` that restart at 0 for every sample. Attention stays inside each sample:
 when a batch has ``position_ids``, hfsdp gives the model no 2D attention mask (:func:`hfsdp.data.batches.model_inputs`),
@@ -14,6 +25,8 @@ A packed row therefore has exactly the summed token loss of its samples trained 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from hfsdp import IGNORE_INDEX, hookimpl
@@ -22,9 +35,35 @@ from hfsdp.errors import UserError
 
 
 class PackingSection(Section):
-    max_len: int | None = Field(None, gt=1, description="tokens per packed row (default: data.max_seq_len)")
-    pack_eval: bool = Field(False, description="also pack the eval split (same eval loss, faster)")
-    window: int = Field(10000, gt=0, description="samples packed together (datasets.map batch size)")
+    scope: Literal["dataset", "micro_batch"] | None = Field(
+        None, description="dataset: pack the training rows once, several samples a row (token rows only); "
+                          "micro_batch: pack each micro-batch's sequences, the same rows per step as unpacked "
+                          "(default: dataset for text, instruction and chat rows, micro_batch for preference, "
+                          "unpaired and prompt rows)")
+    max_len: int | None = Field(None, gt=1, description="tokens per packed row (default: data.max_seq_len; "
+                                                        "micro_batch: a longer pair or completion gets a row of its own)")
+    pack_eval: bool = Field(False, description="dataset scope: also pack the eval split (same eval loss, faster); "
+                                               "micro_batch scope packs eval micro-batches always")
+    window: int = Field(10000, gt=0, description="dataset scope: samples packed together (best-fit decreasing "
+                                                 "within each window of the split, in order)")
+
+
+# The built-in formats whose rows are scored whole (a pair, a row beside its KL row, a prompt's completions): their
+# micro-batches are packed, never their rows.
+WHOLE_ROW_FORMATS = ("preference", "unpaired", "prompt")
+
+
+def formats_of(config) -> set[str]:
+    """The data formats of the run's sources."""
+    return {s.format or config.data.format for s in config.data.datasets or []} or {config.data.format}
+
+
+def scope_of(config) -> str:
+    """The packing scope of the run: the section's, else micro_batch for rows scored whole, else dataset."""
+    section: PackingSection = config.section("packing")
+    if section.scope is not None:
+        return section.scope
+    return "micro_batch" if formats_of(config) & set(WHOLE_ROW_FORMATS) else "dataset"
 
 
 @hookimpl
@@ -35,9 +74,22 @@ def hfsdp_config_section():
 @hookimpl
 def hfsdp_validate_config(config):
     section: PackingSection = config.section("packing")
+    problems = []
     if section.max_len is not None and section.max_len < config.data.max_seq_len:
-        return [("packing.max_len", f"{section.max_len} is shorter than data.max_seq_len ({config.data.max_seq_len}): "
-                                    "a sample would not fit in a packed row")]
+        problems.append(("packing.max_len", f"{section.max_len} is shorter than data.max_seq_len "
+                                            f"({config.data.max_seq_len}): a sample would not fit in a packed row"))
+    whole = sorted(formats_of(config) & set(WHOLE_ROW_FORMATS))
+    if section.scope == "dataset" and whole:
+        problems.append(("packing.scope", f"{', '.join(whole)} rows are scored whole (a pair side by side, a row "
+                                          "beside its KL row, a prompt's completions): they pack per micro-batch; "
+                                          "set packing.scope: micro_batch or leave it out"))
+    return problems or None
+
+
+@hookimpl
+def hfsdp_pack_micro_batches(config):
+    if scope_of(config) == "micro_batch":
+        return config.section("packing").max_len or config.data.max_seq_len
     return None
 
 
@@ -73,6 +125,8 @@ def hfsdp_transform_dataset(dataset, config):
     import datasets
 
     section: PackingSection = config.section("packing")
+    if scope_of(config) != "dataset":
+        return None
     max_len = section.max_len or config.data.max_seq_len
     out = {}
     for split, ds in dataset.items():

@@ -142,11 +142,3 @@ def format_problems(config, plugin: str) -> list[tuple[str, str]]:
 @hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_preference}
-
-
-@hookimpl
-def hfsdp_validate_config(config):
-    if config.data.format == FORMAT and "packing" in config.plugins:
-        return [("plugins", "packing cannot pack preference rows: a pair's chosen and rejected sequences are scored "
-                            "whole, side by side; remove packing from plugins")]
-    return None

@@ -31,7 +31,8 @@ from hfsdp.objective import PairBatch, PreferenceObjective, target_logps
 
 @dataclass
 class NllPairBatch(PairBatch):
-    """A :class:`PairBatch` with the targets of the chosen rows' NLL term (one per logit of the chosen rows)."""
+    """A :class:`PairBatch` with the targets of the chosen sequences' NLL term, in the logits' layout (the
+    rejected sequences' unlabelled)."""
 
     nll_targets: torch.Tensor | None = None
     nll_tokens: int = 0  # how many of them are labelled
@@ -71,13 +72,16 @@ class ReferenceFree(PreferenceObjective):
 
     def micro_batch(self, rows, pad_id, device, select_logits) -> NllPairBatch:
         batch = super().micro_batch(rows, pad_id, device, select_logits and not self.nll_over_prompt)
-        chosen = batch.targets[:batch.pairs]
-        if self.nll_over_prompt:  # every next token of the chosen rows but padding
-            ids = batch.inputs["input_ids"][:batch.pairs]
+        targets = batch.sequence_targets  # one sequence per row: the chosen ones first
+        chosen = targets[:batch.pairs]
+        if self.nll_over_prompt:  # every next token of the chosen rows but padding (no logits_to_keep)
+            ids = batch.per_sequence(batch.inputs["input_ids"])[:batch.pairs]
             lengths = torch.tensor(batch.lengths[:batch.pairs], device=ids.device)
             inside = torch.arange(ids.size(1), device=ids.device)[None, :] < lengths[:, None] - 1
             chosen = torch.where(inside, ids.roll(-1, 1), IGNORE_INDEX)
-        return NllPairBatch(**vars(batch), nll_targets=chosen, nll_tokens=int((chosen != IGNORE_INDEX).sum()))
+        nll = torch.cat([chosen, torch.full_like(targets[batch.pairs:], IGNORE_INDEX)])
+        return NllPairBatch(**vars(batch), nll_targets=batch.in_rows(nll, IGNORE_INDEX),
+                            nll_tokens=int((chosen != IGNORE_INDEX).sum()))
 
     def start_step(self, accelerator, micro) -> None:
         from hfsdp.parallel.world import all_sum
@@ -93,7 +97,7 @@ class ReferenceFree(PreferenceObjective):
 
     def loss(self, model, batch: NllPairBatch) -> torch.Tensor:
         logits = model(**batch.inputs).logits.float()
-        average = target_logps(logits, batch.targets).sum(1) / batch.completion_tokens.clamp(min=1)
+        average = batch.per_sequence(target_logps(logits, batch.targets)).sum(1) / batch.completion_tokens.clamp(min=1)
         chosen, rejected = average[:batch.pairs], average[batch.pairs:]
         per_pair, own = self.pair_losses(chosen, rejected)
         beta = self.section.beta
@@ -102,8 +106,10 @@ class ReferenceFree(PreferenceObjective):
                    "logps/chosen": chosen, "logps/rejected": rejected}
         loss = (per_pair * batch.weights).sum()
         if self.nll_weight:
-            nll = F.cross_entropy(logits[:batch.pairs].reshape(-1, logits.size(-1)), batch.nll_targets.reshape(-1),
-                                  ignore_index=IGNORE_INDEX, reduction="none").view(batch.nll_targets.shape).sum(1)
+            labelled = batch.nll_targets != IGNORE_INDEX  # the chosen sequences' NLL positions, wherever they lie
+            per_position = torch.zeros(labelled.shape, dtype=logits.dtype, device=logits.device)
+            per_position[labelled] = F.cross_entropy(logits[labelled], batch.nll_targets[labelled], reduction="none")
+            nll = batch.per_sequence(per_position).sum(1)[:batch.pairs]
             metrics["nll_loss"] = nll * self.nll_scale  # its mean over the pairs: the global token mean
             loss = loss + self.nll_weight * self.nll_scale * nll.sum()
         self.record(batch, **metrics, **own)

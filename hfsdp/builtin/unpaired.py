@@ -88,11 +88,3 @@ def format_problems(config, plugin: str) -> list[tuple[str, str]]:
 @hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_unpaired}
-
-
-@hookimpl
-def hfsdp_validate_config(config):
-    if config.data.format == FORMAT and "packing" in config.plugins:
-        return [("plugins", "packing cannot pack unpaired rows: each row is scored whole, with a mismatched "
-                            "completion beside it for the KL estimate; remove packing from plugins")]
-    return None

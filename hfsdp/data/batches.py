@@ -315,10 +315,27 @@ class MicroBatch:
     # No forward or backward: its gradient is 0 (an online objective's micro-step without signal), decided alike on
     # every rank for the same micro-step, as FSDP's collectives need.
     skip: bool = False
+    # Sequences laid end to end in its rows (``hfsdp.data.layout``): where each lies; None: one sequence per row.
+    packing: Any = None
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    def per_sequence(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """Per-position ``values`` in the logits' layout (``[rows, positions]``, as ``targets``) with one sequence
+        per row: a packed micro-batch's unpacked (each sequence from column 0, ``fill`` after it), others as they
+        are. A loss that reads per-sequence values (a completion's log-prob) reads them through this."""
+        return values if self.packing is None else self.packing.unpack(values, fill)
+
+    def in_rows(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """The inverse of :meth:`per_sequence`: values with one sequence per row in the logits' layout."""
+        return values if self.packing is None else self.packing.pack(values, self.targets.shape, fill)
+
+    @property
+    def sequence_targets(self) -> torch.Tensor:
+        """``targets`` with one sequence per row (:meth:`per_sequence`)."""
+        return self.per_sequence(self.targets, IGNORE_INDEX)
 
     def make_filler(self) -> None:
         """No loss in this batch: a filler forward, so that every rank runs the same number of them (eval)."""

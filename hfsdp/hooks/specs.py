@@ -114,6 +114,17 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 
 
 @hookspec
+def hfsdp_pack_micro_batches(config):
+    """Say whether each micro-batch's sequences are laid end to end in packed rows (padding-free micro-batches, as
+    the packing plugin's ``scope: micro_batch``): return the most tokens of a packed row (an item longer than that,
+    e.g. a preference pair's two sequences, gets a row of its own), or None. The same rows train each step as
+    without it; only the padding goes. At most one enabled plugin may return a number; the objective must read
+    per-sequence values through ``MicroBatch.per_sequence`` (``Objective.packs_micro_batches``), else the run is
+    refused before any weight loads. Called once on every rank, after the objective is made.
+    """
+
+
+@hookspec
 def hfsdp_trains_adapters(config):
     """Say whether this plugin, as ``config`` configures it, trains adapters on a frozen base model (LoRA does):
     return True, or None. A 4-bit base (``model.quantization``) has no gradients of its own, so a config that

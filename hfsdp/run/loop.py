@@ -27,7 +27,7 @@ from hfsdp.data import batches, cache, prepare
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.hooks.host import PluginHost
 from hfsdp.model import chat_template, loading, quantized
-from hfsdp.objective import Objective, TokenCrossEntropy, objective_of
+from hfsdp.objective import Objective, TokenCrossEntropy, micro_batch_packing, objective_of
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import per_rank
@@ -107,12 +107,14 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         chat_template.use(tokenizer, config.data.chat_template)
         train_set, eval_set, gen_items, data_report = load_data(accelerator, config, host, tokenizer, opts.cache_dir)
         replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
+        pack_len = micro_batch_packing(host, config, replaced or TokenCrossEntropy())
         plan, max_steps, identity = plan_steps(setup, train_set, data_report, say, replaced or TokenCrossEntropy())
 
         # ---- model: load, let plugins modify it (LoRA), shard
         model, optimizer, flops, objective = load_and_shard(accelerator, setup, host, model_path, model_config,
-                                                            tokenizer, packed=batches.is_packed(train_set.column_names),
-                                                            replaced=replaced)
+                                                            tokenizer, packed=batches.is_packed(train_set.column_names)
+                                                            or pack_len is not None, replaced=replaced)
+        objective.pack_len = pack_len
         # before a resume restores the checkpoint: e.g. DPO's reference log-probs of the base
         splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set
                                    is not None else {})}, opts.cache_dir, model_path)

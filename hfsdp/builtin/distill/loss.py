@@ -76,6 +76,7 @@ def check_teacher(teacher_path: str, student_config, tokenizer, model_cfg) -> No
 
 class Distill(Objective):
     progress_metrics = ("distill/divergence",)
+    packs_micro_batches = True  # sums over labelled tokens; the teacher sees the same packed rows
 
     def __init__(self, section, config, tokenizer, cache_dir):
         self.section, self.config, self.tokenizer, self.cache_dir = section, config, tokenizer, cache_dir

@@ -203,7 +203,7 @@ class GRPO(OnlineObjective):
         from hfsdp.parallel.world import gather_objects
 
         with torch.no_grad():
-            mine = [token_logps(self.model, batch, self.section.temperature)[1][batch.targets != IGNORE_INDEX].cpu()
+            mine = [token_logps(self.model, batch, self.section.temperature)[1][batch.sequence_targets != IGNORE_INDEX].cpu()
                     for batch in micro]
         reshard(self.model)
         everyone = torch.cat([t for part in gather_objects(accelerator, mine) for t in part])
@@ -214,7 +214,7 @@ class GRPO(OnlineObjective):
     def loss(self, model, batch: GroupBatch) -> torch.Tensor:
         s = self.section
         logps, entropy = token_logps(model, batch, s.temperature)
-        mask = batch.targets != IGNORE_INDEX
+        mask = batch.sequence_targets != IGNORE_INDEX
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         keep = high_entropy(entropy, mask, batch.entropy_threshold) if batch.entropy_threshold is not None else None
         loss, parts = token_loss(logps, old, batch.advantages, batch.ref_logps, mask, s, s.max_new_tokens, keep)

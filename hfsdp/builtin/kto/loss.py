@@ -35,7 +35,6 @@ import torch
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.reference_model.routes import ReferenceRoutes
-from hfsdp.data.batches import micro_batch
 from hfsdp.objective import PairBatch
 
 if TYPE_CHECKING:
@@ -92,10 +91,11 @@ class KTO(ReferenceRoutes):
     def micro_batch(self, rows, pad_id, device, select_logits) -> KtoBatch:
         matched = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
         kl = [{"input_ids": r[KL_IDS], "labels": r[KL_LABELS]} for r in rows]
-        batch = micro_batch(matched + kl, pad_id, device, select_logits)
+        batch = self.collate(matched + kl, [[i, len(rows) + i] for i in range(len(rows))], pad_id, device,
+                             select_logits)
         return KtoBatch(**vars(batch) | {"num_targets": len(rows)}, pairs=len(rows),
                         weights=torch.ones(len(rows), device=device),
-                        completion_tokens=(batch.targets != IGNORE_INDEX).sum(1),
+                        completion_tokens=(batch.sequence_targets != IGNORE_INDEX).sum(1),
                         values={k: torch.tensor([r[k] for r in rows], dtype=torch.float32, device=device)
                                 for k in REFERENCE_COLUMNS if k in rows[0]},
                         desirable=torch.tensor([bool(r["label"]) for r in rows], device=device))

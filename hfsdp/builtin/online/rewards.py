@@ -71,7 +71,7 @@ def reward_functions(config, plugin: str) -> list[tuple[str, str, Callable[..., 
 
 def online_problems(config, plugin: str) -> list[tuple[str, str]]:
     """What an online objective (``plugin``'s section, an :class:`OnlineSection`) needs of the config: prompt rows,
-    whole groups per micro-batch, lora for the KL reference, no generation eval, grouping or packing, and reward
+    whole groups per micro-batch, lora for the KL reference, no generation eval or grouping, and reward
     functions that resolve."""
     section: OnlineSection = config.section(plugin)
     problems = []
@@ -91,8 +91,6 @@ def online_problems(config, plugin: str) -> list[tuple[str, str]]:
                                             "prompt (eval_reward): remove the generation_eval section"))
     if config.train.group_by_length:
         problems.append(("train.group_by_length", f"{plugin}'s batches are prompts with their groups: remove it"))
-    if "packing" in config.plugins:
-        problems.append(("plugins", f"packing cannot pack {plugin}'s rows: each completion is scored whole; remove packing"))
     try:
         offered = installed_rewards(config.plugins, plugin)
     except Exception as err:  # noqa: BLE001 (a ConfigError's problems, or a broken plugin)

@@ -143,13 +143,15 @@ class RoundBuffer:
 
 
 def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere."""
+    """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere,
+    one completion per row (``batch.sequence_targets``' layout)."""
     logits = model(**batch.inputs).logits.float() / temperature
     with torch.no_grad():  # a metric: no graph through more logits-sized tensors
         probs = logits.softmax(-1)
         entropy = torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
         del probs
-    return target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
+    logps, entropy = target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
+    return batch.per_sequence(logps), batch.per_sequence(entropy)
 
 
 def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
@@ -199,6 +201,7 @@ class OnlineObjective(Objective):
 
     progress_metrics = ("reward",)
     name = "online"
+    packs_micro_batches = True  # the per-token values through token_logps, one completion per row
 
     def __init__(self, section: OnlineSection, rewards: list, config, tokenizer):
         self.section, self.rewards, self.config, self.tokenizer = section, rewards, config, tokenizer
@@ -262,9 +265,15 @@ class OnlineObjective(Objective):
         if self.section.mask_truncated_completions:
             ends = {*self._eos_ids(), pad_id}
             labelled = [c[-1] in ends for c in entry["completion_ids"]]
-        batch = prompt_completion_batch(entry["prompt_ids"], entry["completion_ids"], pad_id, device, select_logits,
-                                        labelled)
-        mask = batch.targets != IGNORE_INDEX
+        prompts, completions = entry["prompt_ids"], entry["completion_ids"]
+        if self.pack_len is None:
+            batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled)
+        else:  # each prompt + completion whole, laid end to end
+            sequences = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + (c if labelled is None or labelled[i]
+                                                                                  else [IGNORE_INDEX] * len(c))}
+                         for i, (p, c) in enumerate(zip(prompts, completions))]
+            batch = self.collate(sequences, [[i] for i in range(len(sequences))], pad_id, device, select_logits)
+        mask = batch.sequence_targets != IGNORE_INDEX
         units = self.units(batch, len(entry["completion_ids"]))
         return GroupBatch(**vars(batch) | {"num_targets": units},
                           advantages=torch.tensor(entry["advantages"], dtype=torch.float32, device=device),
@@ -306,7 +315,7 @@ class OnlineObjective(Objective):
             with torch.no_grad():
                 for k in mine:
                     batch = self._batch(entries[k], pad_id, device, select_logits)
-                    mask = batch.targets != IGNORE_INDEX
+                    mask = batch.sequence_targets != IGNORE_INDEX
                     kept[k] = {}
                     if s.num_iterations > 1:
                         kept[k]["old_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)

@@ -40,11 +40,36 @@ def extremes(accelerator, low: float, high: float) -> tuple[float, float]:
     return -float(t[0]), float(t[1])
 
 
+def reward_head(unwrapped) -> torch.nn.Module:
+    """The sequence-classification model's head (``score``; under peft its ``modules_to_save`` wrapper): its output
+    is a reward at every position, of which transformers' pooling keeps each row's last."""
+    heads = sorted((name.count("."), name, module) for name, module in unwrapped.named_modules()
+                   if name.rsplit(".", 1)[-1] == "score")
+    if not heads:
+        raise UserError("reward_model with packing: the model has no `score` head to read each packed sequence's "
+                        "reward from; remove packing from plugins")
+    return heads[0][2]
+
+
 class RewardModel(PreferenceObjective):
     def __init__(self, section):
         super().__init__()
         self.section = section
         self._low, self._high = math.inf, -math.inf
+        self.head = None  # packed micro-batches: the head whose per-position rewards hold each sequence's
+
+    def rewards(self, model, batch: PairBatch) -> torch.Tensor:
+        """Each sequence's reward: the model's pooled output (its last token's), or for a packed micro-batch the
+        head's output at each sequence's last token."""
+        if batch.packing is None:
+            return model(**batch.inputs).logits.squeeze(-1).float()
+        seen: list[torch.Tensor] = []
+        handle = self.head.register_forward_hook(lambda module, args, output: seen.append(output))
+        try:
+            model(**batch.inputs)
+        finally:
+            handle.remove()
+        return seen[-1].float().reshape(-1)[batch.packing.last]
 
     def micro_batch(self, rows, pad_id, device, select_logits) -> PairBatch:
         return super().micro_batch(rows, pad_id, device, select_logits=False)  # one reward per row, no token logits
@@ -59,12 +84,14 @@ class RewardModel(PreferenceObjective):
         return super().batch_plan(dataset, train_config, world_size, mixture)
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
+        if self.pack_len is not None:
+            self.head = reward_head(accelerator.unwrap_model(model))
         if "eval" in splits:
             self.check_margin(splits["eval"], "eval")
         return splits
 
     def loss(self, model, batch: PairBatch) -> torch.Tensor:
-        rewards = model(**batch.inputs).logits.squeeze(-1).float()
+        rewards = self.rewards(model, batch)
         chosen, rejected = rewards[:batch.pairs], rewards[batch.pairs:]
         margin = batch.values[MARGIN] if self.section.margin else None
         losses = pair_losses(chosen, rejected, margin, self.section.center_rewards_coefficient)
