@@ -152,6 +152,31 @@ class Objective:
         return {"eval_loss": loss}
 
 
+# The steps whose micro-batches :func:`micro_batch_padding` measures.
+PADDING_STEPS = 32
+
+
+def micro_batch_padding(objective: Objective, dataset, plan: BatchPlan, steps: int, pad_id: int,
+                        select_logits: bool) -> str:
+    """The share of padding in rank 0's micro-batches of the first steps (at most :data:`PADDING_STEPS`), each made
+    one sequence per row and packed (``objective.pack_len``): what packing saves on these rows, said at start."""
+    steps, pack_len = min(steps, PADDING_STEPS), objective.pack_len
+    shares = []
+    try:
+        for objective.pack_len in (None, pack_len):
+            tokens = positions = 0
+            for step in range(steps):
+                for m in range(plan.accumulation):
+                    batch = objective.micro_batch([dataset[i] for i in plan.rows(step, m, 0)], pad_id,
+                                                  torch.device("cpu"), select_logits)
+                    tokens, positions = tokens + batch.tokens, positions + batch.inputs["input_ids"].numel()
+            shares.append(1 - tokens / max(positions, 1))
+    finally:
+        objective.pack_len = pack_len
+    return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions (micro-batches packed in rows of up to "
+            f"{pack_len} tokens or their longest item; rank 0's first {steps} steps)")
+
+
 class TokenCrossEntropy(Objective):
     """The default objective: the summed next-token cross entropy of the labelled tokens, computed by ``loss_sum``
     (``hfsdp.model.token_loss``: the chunked loss, or the plain one from the full logits). Its eval adds the perplexity."""

@@ -129,6 +129,33 @@ def compose(*parts) -> dict:
     return sections
 
 
+IPO = _merge(DPO, {"dpo": {"loss_type": "ipo", "beta": 0.5}})  # a loss of (1 / (2 beta))^2 = 1 at step 1
+ORPO = {"plugins": ["orpo"], "data": PAIRS_DATA}
+LORA_SIMPO = {"plugins": ["lora", "simpo"], "data": PAIRS_DATA, "simpo": {"nll_weight": 1.0}}
+REWARD_MODEL = {"plugins": ["reward_model"], "data": PAIRS_DATA, "reward_model": {"center_rewards_coefficient": 0.01}}
+
+
+def distill(sections: dict) -> dict:
+    return _merge(sections, {"plugins": ["distill"], "distill": {
+        "teacher": str(tiny_teacher_folder()), "loss": "jsd", "alpha": 0.5, "temperature": 2.0}})
+
+
+# Packing for every objective (issue 51): each objective's micro-batches packed (the only scope of preference,
+# unpaired and prompt rows; distillation's token rows with scope micro_batch), a pair's two sequences in one row,
+# against the option unpacked (PACKED_FROM: the same rows each step). packing_dpo and packing_grpo are the pairs
+# packing+dpo and packing+grpo (the same sections: one run).
+PACKED_FROM = {"packing_dpo": "dpo", "packing_ipo": "ipo", "packing_orpo": "orpo", "lora_packing_simpo": "lora_simpo",
+               "packing_kto": "kto", "packing_reward_model": "reward_model", "packing_distill": "distill",
+               "packing_grpo": "grpo"}
+PACKED_OPTIONS = {
+    "packing_dpo": _merge(PACKING, DPO), "packing_ipo": _merge(PACKING, IPO), "packing_orpo": _merge(PACKING, ORPO),
+    "lora_packing_simpo": _merge(LORA, PACKING, LORA_SIMPO), "packing_kto": _merge(PACKING, KTO),
+    "packing_reward_model": _merge(PACKING, REWARD_MODEL),
+    "packing_distill": lambda sections: distill(_merge(sections, PACKING, {"packing": {"scope": "micro_batch"}})),
+    "packing_grpo": _merge(PACKING, GRPO),
+}
+
+
 # option name -> config sections merged over the tiny preset (or a function of them: :func:`compose`)
 OPTIONS = {
     "base": {},
@@ -147,22 +174,22 @@ OPTIONS = {
     "compile": {"train": {"compile": True}},  # each block compiled in place (Inductor)
     "async_save": {"train": {"async_save": True}},  # checkpoints written in the background
     "dpo": DPO,
-    "orpo": {"plugins": ["orpo"], "data": PAIRS_DATA},
-    "lora_simpo": {"plugins": ["lora", "simpo"], "data": PAIRS_DATA, "simpo": {"nll_weight": 1.0}},
+    "ipo": IPO,
+    "orpo": ORPO,
+    "lora_simpo": LORA_SIMPO,
     # a reward model: the causal LM as its sequence-classification model (a new score head), the pairwise loss with
     # the centring term, exported as a folder AutoModelForSequenceClassification loads
-    "reward_model": {"plugins": ["reward_model"], "data": PAIRS_DATA,
-                     "reward_model": {"center_rewards_coefficient": 0.01}},
+    "reward_model": REWARD_MODEL,
     "kto": KTO,
     # distillation from a frozen teacher (another seed of the tiny model, sharded over the ranks), the JSD mixed
     # with the token loss
-    "distill": lambda sections: _merge(sections, {"plugins": ["distill"], "distill": {
-        "teacher": str(tiny_teacher_folder()), "loss": "jsd", "alpha": 0.5, "temperature": 2.0}}),
+    "distill": distill,
     "mixture": mixture_of,  # the run's own train and eval files as two sources, 3:1
     "qlora": {**LORA, "model": {"quantization": {"bits": 4}}},  # 4-bit nf4 base, sharded (float32 storage)
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
     **GRPO_LOSS_OPTIONS,
+    **PACKED_OPTIONS,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
     # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
     # FSDP2's shards), Adafactor (the gathered matrices' rows and columns factored)
@@ -258,10 +285,11 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "checkpointing", "size_wrap",
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
-                          "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools")
+                          "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
-FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill")
+FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
+              *PACKED_OPTIONS)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -302,7 +330,8 @@ def assert_mixture_shares(sources: list[dict], train: dict, world: int) -> None:
 
 def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], version: int, world: int) -> None:
     """A smoke run trained every step, checkpointed, exported, and each of ``options`` acted."""
-    bars = 2 if "distill" in options else 1  # distill: the teacher's too
+    distill = any("distill" in option for option in options)
+    bars = 2 if distill else 1  # distill: the teacher's too
     assert proc.stderr.count("Loading weights:   0%") == bars, proc.stderr[-3000:]  # rank 0's bar alone
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
@@ -322,7 +351,12 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert "model.safetensors" in weights
     if any(option.startswith("qlora") for option in options):
         assert report["quantized_base"]["sharded"], report  # a DTensor on one rank too (single_process: fsdp)
-    if any("packing" in option for option in options):
+    if "packing" in sections.get("plugins", []) and (sections.get("packing", {}).get("scope") == "micro_batch" or
+                                                     sections["data"].get("format") in ("preference", "unpaired", "prompt")):
+        said = summary["data"]["padding"]  # each micro-batch's sequences packed: measured on the first steps'
+        assert ("sampled completions packed" in said if grpo else re.fullmatch(
+            r"padding (\d+\.\d)% -> (\d+\.\d)% of positions \(micro-batches packed .*\)", said)), said
+    elif any("packing" in option for option in options):
         packed = summary["data"]["padding"]
         assert "samples packed into" in packed and int(packed.split("into ")[1].split()[0]) < 1000, packed
     if "mixture" in options:
@@ -343,9 +377,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert all(loss == 0 and norm == 0 for loss, norm in steps.values()), steps
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
-    if "reward_model" in options:
+    if any("reward_model" in option for option in options):
         assert_scores_as_it_evaluated(run, sections, world)
-    if "distill" in options:  # the teacher's logits reached the loss; FSDP2 on 2 ranks shards the teacher too
+    if distill:  # the teacher's logits reached the loss; FSDP2 on 2 ranks shards the teacher too
         assert all(m["distill/divergence"] > 1e-4 for m in read_metrics(run) if "loss" in m)
         sharded = "loaded frozen, sharded over 2 ranks (FSDP2)" in proc.stdout + proc.stderr
         assert sharded == (world == 2 and version == 2), (proc.stdout + proc.stderr)[-3000:]
@@ -491,21 +525,24 @@ def test_two_ranks_of_one_pair_each_compute_what_one_process_of_two_pairs_comput
 
 def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
     """The reward model on 2 ranks of 2 pairs each gives the losses, metrics (the extreme rewards over both ranks)
-    and evals of one process of 4 pairs.
-
-    The loss is the same for every reward shifted by one constant, so nothing holds the rewards' common level but
-    the small centring term: Adam's per-element steps turn float32 noise in that direction's tiny gradient into a
-    shift of every reward of a step alike (measured: 8e-6 at step 3, 1.5e-5 at step 4, with lr 3e-3). The rewards
-    are compared as their distances from the step's mean reward (within 1e-5: a CI rehearsal measured 3.5e-6 for
-    rewards/min at step 2, where an earlier machine gave under 1e-6), their level within 1e-3 (this machine: 4.0e-4
-    at step 3, whose gradient norm is 0.044, where Adam's normalised steps amplify the noise most; the 2-rank run is
-    bit for bit the one of the code before tensor parallelism); the loss, margins and accuracy within 1e-4. Steps 1
-    to 3 and their evals are compared: step 3's Adam update on a gradient of norm 0.044 turns that noise into a
-    step 4 2e-3 apart in gradient norm on this machine."""
+    and evals of one process of 4 pairs (within :func:`compare_reward_model_metrics`' bounds)."""
     two, _ = smoke_run(runs, 2, 2, "reward_model")
     sections = _merge(smoke_sections(2, 1, "reward_model"), {"train": {"per_device_batch_size": 4}})
     one, _ = runs.run("fsdp2-x1-reward_model-4pairs", 1, sections)
-    a, b = read_metrics(one), read_metrics(two)
+    assert compare_reward_model_metrics(read_metrics(one), read_metrics(two)) >= 8 * 3
+
+
+def compare_reward_model_metrics(a: list[dict], b: list[dict]) -> int:
+    """Two reward-model runs' metrics ``a`` and ``b`` of the same steps computed in other float32 orders (2 ranks or
+    one process, packed or not). The loss is the same for every reward shifted by one constant, so nothing holds the
+    rewards' common level but the small centring term: Adam's per-element steps turn float32 noise in that
+    direction's tiny gradient into a shift of every reward of a step alike (measured: 8e-6 at step 3, 1.5e-5 at step
+    4, with lr 3e-3, 1 process against 2 ranks). The rewards are compared as their distances from the step's mean
+    reward (within 1e-5: a CI rehearsal measured 3.5e-6 for rewards/min at step 2, where an earlier machine gave
+    under 1e-6), their level within 1e-3 (this machine: 4.0e-4 at step 3, whose gradient norm is 0.044, where Adam's
+    normalised steps amplify the noise most); the loss, margins and accuracy within 1e-4. Steps 1 to 3 and their
+    evals are compared: step 3's Adam update on a gradient of norm 0.044 turns that noise into a step 4 2e-3 apart in
+    gradient norm on this machine. Returns how many values it compared."""
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     levels = ("rewards/chosen", "rewards/rejected", "rewards/mean", "rewards/min", "rewards/max")
     compared = 0
@@ -523,7 +560,7 @@ def test_two_ranks_compute_what_one_process_computes_for_the_reward_model(runs):
                 compared += 1
         if "grad_norm" in x:  # float32 sums of other orders over the shards
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
-    assert compared >= 8 * 3
+    return compared
 
 
 def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
@@ -538,14 +575,16 @@ def test_two_ranks_compute_what_one_process_computes_for_kto(runs):
     assert all(m["kl"] > 0 for m in a if "kl" in m and m["step"] > 1), a  # compared above 0, not clamped
 
 
-def compare_log_prob_metrics(a: list[dict], b: list[dict], names: tuple[str, ...], left_out: tuple[str, ...] = ()) -> int:
+def compare_log_prob_metrics(a: list[dict], b: list[dict], names: tuple[str, ...], left_out: tuple[str, ...] = (),
+                             beta: float = 0.1) -> int:
     """One process's metrics ``a`` and 2 ranks' ``b`` of an objective made of log-prob differences: the same names
     each step, those starting with ``names`` (and not in ``left_out``; evals' too) equal, the gradient norms within
     float32 sums of other orders. Returns how many values it compared.
 
     Rewards and KL are differences of float32 log-probs of hundreds (the reference's computed in batches of other
     padding on 2 ranks): within 4e-7 of those log-probs (about 3 float32 ulps for each of the up to four sums in a
-    margin; times beta, 0.1, for rewards). A CI machine measured 1.1e-7 for KTO's rewards/margins."""
+    margin; times ``beta`` for rewards: DPO's and KTO's 0.1). A CI machine measured 1.1e-7 for KTO's
+    rewards/margins."""
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     compared = 0
     for x, y in zip(a, b):
@@ -553,12 +592,36 @@ def compare_log_prob_metrics(a: list[dict], b: list[dict], names: tuple[str, ...
         for key in x:
             name = key.removeprefix("eval_")
             if name.startswith(names) and name not in left_out:
-                near = 4e-7 * logps * (0.1 if name.startswith("rewards/") else 1.0)
+                near = 4e-7 * logps * (beta if name.startswith("rewards/") else 1.0)
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=max(near, 1e-6)), (key, x, y)
                 compared += 1
         if "grad_norm" in x:  # float32 sums of other orders over the shards
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3), (x, y)
     return compared
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("option", list(PACKED_FROM))
+def test_packed_micro_batches_compute_the_unpacked_steps(runs, option, world):
+    """Each objective with its micro-batches packed trains on the rows its unpacked run trains on, each step, with
+    the same per-sequence log-probs (float32 sums of other orders: other matrix shapes): the losses, metrics and
+    evals of the unpacked run, as 2 ranks give those of one process (:func:`compare_log_prob_metrics`; the reward
+    model's: :func:`compare_reward_model_metrics`), GRPO the same completions; with less padding each step. The
+    accuracy is left out: at step 1 the policy is the reference and a pair's margin is float32 noise (the reference's
+    log-probs computed in micro-batches of other padding), whose sign each layout draws anew."""
+    packed, _ = smoke_run(runs, 2, world, option)
+    plain, _ = smoke_run(runs, 2, world, PACKED_FROM[option])
+    a, b = read_metrics(plain), read_metrics(packed)
+    if option == "packing_reward_model":
+        assert compare_reward_model_metrics(a, b) >= 8 * 3
+    else:
+        names = ("loss", "rewards/", "logps/", "nll_loss", "log_odds", "kl", "distill/", "entropy", "reward")
+        beta = {"lora_packing_simpo": 2.0, "packing_ipo": 0.5}.get(option, 0.1)  # SimPO's default; IPO's above
+        assert compare_log_prob_metrics(a, b, names, left_out=("rewards/accuracy",), beta=beta) >= 2 * STEPS
+    steps = [(x["padding"], y["padding"]) for x, y in zip(a, b) if "padding" in x]
+    assert len(steps) == STEPS and all(y <= x for x, y in steps), steps
+    if option == "packing_grpo":
+        assert completions(packed) == completions(plain)
 
 
 @pytest.mark.parametrize("option", ["dpo_tools", "grpo_tools"])
@@ -642,8 +705,6 @@ REFUSED_PAIRS = {
     frozenset(("compile", "fsdp1")): "train.compile: FSDP1 flattens each unit's parameters",
     frozenset(("qlora", "fsdp1")): "QLoRA runs under FSDP2 only",
     frozenset(("async_save", "fsdp1")): "train.async_save: FSDP1's sharded state dict holds ShardedTensors",
-    frozenset(("packing", "dpo")): "packing cannot pack preference rows",
-    frozenset(("packing", "grpo")): "packing cannot pack grpo's rows",
     frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
     frozenset(("muon", "fsdp1")): "muon cannot run under FSDP1",
     frozenset(("tp2", "fsdp1")): "parallel.tp_size 2 composes with FSDP2 only",
@@ -790,7 +851,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools", "grpo_tools",
-                                      *GRPO_LOSS_OPTIONS)]
+                                      *GRPO_LOSS_OPTIONS, *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
           + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
@@ -801,6 +862,9 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
              and o not in ("plain_loss", "orpo", "reward_model", "kto", "agent", "dpo_tools", "grpo_tools")
+             # packed micro-batches are a pure function of the step's rows: CI resumes packing+dpo and packing+grpo
+             # (the pairs, the same runs as packing_dpo and packing_grpo), the other objectives with --full-matrix
+             and o not in PACKED_OPTIONS
              and o not in CI_ELSEWHERE
              and (v, o) != (1, "schedule_free") and (o not in GRPO_LOSS_OPTIONS or o == "lora_grpo_cispo")]
 

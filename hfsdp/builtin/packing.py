@@ -41,7 +41,8 @@ class PackingSection(Section):
                           "(default: dataset for text, instruction and chat rows, micro_batch for preference, "
                           "unpaired and prompt rows)")
     max_len: int | None = Field(None, gt=1, description="tokens per packed row (default: data.max_seq_len; "
-                                                        "micro_batch: a longer pair or completion gets a row of its own)")
+                                                        "micro_batch: or the micro-batch's longest pair or "
+                                                        "completion, if longer)")
     pack_eval: bool = Field(False, description="dataset scope: also pack the eval split (same eval loss, faster); "
                                                "micro_batch scope packs eval micro-batches always")
     window: int = Field(10000, gt=0, description="dataset scope: samples packed together (best-fit decreasing "

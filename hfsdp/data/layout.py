@@ -90,11 +90,13 @@ def pack_rows(sequences: list[dict[str, list[int]]], bins: list[list[int]], item
 def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[int]], capacity: int, pad_id: int,
                        device, select_logits: bool):
     """The micro-batch of ``sequences`` (``input_ids``, ``labels``) packed in rows of at most ``capacity`` tokens
-    (the longest item, if longer), ``items`` (lists of sequence indices) never split over rows; its ``packing``
-    maps the rows back to the sequences, its ``lengths`` are the sequences'."""
+    or of the longest item, if longer (the micro-batch is as wide as that item needs anyway), ``items`` (lists of
+    sequence indices) never split over rows; its ``packing`` maps the rows back to the sequences, its ``lengths``
+    are the sequences'."""
     from hfsdp.data.batches import micro_batch
 
-    bins = best_fit_decreasing([sum(len(sequences[s]["input_ids"]) for s in item) for item in items], capacity)
+    lengths = [sum(len(sequences[s]["input_ids"]) for s in item) for item in items]
+    bins = best_fit_decreasing(lengths, max(capacity, *lengths))  # never wider than the longest item needs
     rows, places = pack_rows(sequences, bins, items)
     batch = micro_batch(rows, pad_id, device, select_logits)
     lasts = [max((t for t, i in enumerate(seq["input_ids"]) if i != pad_id), default=0) for seq in sequences]

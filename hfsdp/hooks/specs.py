@@ -116,8 +116,8 @@ def hfsdp_transform_dataset(dataset, config, tokenizer):
 @hookspec
 def hfsdp_pack_micro_batches(config):
     """Say whether each micro-batch's sequences are laid end to end in packed rows (padding-free micro-batches, as
-    the packing plugin's ``scope: micro_batch``): return the most tokens of a packed row (an item longer than that,
-    e.g. a preference pair's two sequences, gets a row of its own), or None. The same rows train each step as
+    the packing plugin's ``scope: micro_batch``): return the most tokens of a packed row (or of the micro-batch's
+    longest item, if longer: e.g. a preference pair's two sequences, which share a row), or None. The same rows train each step as
     without it; only the padding goes. At most one enabled plugin may return a number; the objective must read
     per-sequence values through ``MicroBatch.per_sequence`` (``Objective.packs_micro_batches``), else the run is
     refused before any weight loads. Called once on every rank, after the objective is made.

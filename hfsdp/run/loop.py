@@ -27,7 +27,7 @@ from hfsdp.data import batches, cache, prepare
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.hooks.host import PluginHost
 from hfsdp.model import chat_template, loading, quantized
-from hfsdp.objective import Objective, TokenCrossEntropy, micro_batch_packing, objective_of
+from hfsdp.objective import Objective, TokenCrossEntropy, micro_batch_packing, micro_batch_padding, objective_of
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import per_rank
@@ -121,6 +121,12 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         train_set, eval_set = splits["train"], splits.get("eval")
         unwrapped = accelerator.unwrap_model(model)
         select_logits = loading.accepts_logits_to_keep(unwrapped)
+        if pack_len is not None:
+            data_report["padding"] = (micro_batch_padding(objective, train_set, plan, max_steps, tokenizer.pad_token_id,
+                                                          select_logits) if objective.sampling() is None else
+                                      f"micro-batches of sampled completions packed in rows of up to {pack_len} "
+                                      "tokens (each step's share of padding: metric padding)")
+            say(f"packing: {data_report['padding']}")
         report = report_startup(setup, accelerator, model, output_dir)
 
         scheduler = optimizers.build_scheduler(optimizer, config.train, max_steps)
@@ -170,7 +176,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 elapsed = time.perf_counter() - t0
                 step_metrics = {
                     "loss": result.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
-                    "tokens": int(result.tokens), "step_time_s": elapsed,
+                    "tokens": int(result.tokens), "padding": 1 - result.tokens / max(result.positions, 1),
+                    "step_time_s": elapsed,
                     **meter.step(result.tokens, result.sq_lengths, elapsed),
                     "epoch": plan.epoch_of(state.step), "skipped_steps": state.skipped_steps,
                     **compile_metrics(config),

@@ -37,6 +37,7 @@ class StepResult:
     grad_norm: float
     tokens: float  # in the global batch (rows' lengths), and the sum of their squares (attention FLOPs)
     sq_lengths: float
+    positions: float  # the input positions the model computed (tokens and padding) over the global batch
     stepped: bool  # False: a non-finite loss or gradient norm skipped the step (train.on_nonfinite: skip)
     metrics: dict[str, float]  # the objective's, over all ranks
 
@@ -50,7 +51,9 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
     tp = run.world.dims.tp  # the ranks of a tensor-parallel group train on the same rows: the sums count them tp times
     # the global batch's counts, summed while the first forward runs (the loss is divided by them)
-    counts = StartedSum(accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths])
+    local_positions = sum(b.inputs["input_ids"].numel() for b in micro)
+    counts = StartedSum(accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths,
+                                      local_positions])
     run.objective.start_step(accelerator, micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
@@ -81,7 +84,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         grad_norm = float(norm)
     metrics = (run.objective.metrics_of(dict(zip(names, totals))) if sums is not None
                else run.objective.take_metrics(accelerator))
-    global_labels, global_tokens, global_sq_lengths = (total / tp for total in counts.result())
+    global_labels, global_tokens, global_sq_lengths, global_positions = (total / tp for total in counts.result())
     step_loss = total_loss / max(global_labels, 1)
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):
@@ -101,7 +104,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     scheduler.step()
     run.state.step += 1
     run.state.tokens_seen += int(global_tokens)
-    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, finite, metrics)
+    return StepResult(step_loss, grad_norm, global_tokens, global_sq_lengths, global_positions, finite, metrics)
 
 
 def compile_metrics(config: HfsdpConfig) -> dict[str, int]:
