@@ -95,6 +95,13 @@ def hfsdp_pack_micro_batches(config):
     return None
 
 
+@hookimpl
+def hfsdp_packed_row_tokens(config):
+    if scope_of(config) == "dataset":
+        return config.section("packing").max_len or config.data.max_seq_len
+    return None
+
+
 def pack(input_ids: list[list[int]], labels: list[list[int]], max_len: int) -> dict[str, list[list[int]]]:
     """The samples in rows of at most ``max_len`` tokens, chosen by best-fit decreasing
     (:func:`hfsdp.data.layout.best_fit_decreasing`: the longest first, each into the fullest row it fits), each
