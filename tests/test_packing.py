@@ -75,7 +75,7 @@ def test_best_fit_decreasing_packs_the_bundled_chats_into_fewer_rows_than_next_f
             starts = [t for t, p in enumerate(positions) if p == 0] + [len(positions)]
             assert positions == [p for a, b in zip(starts, starts[1:]) for p in range(b - a)]
             unpacked.update((tuple(row_ids[a:b]), tuple(row_labels[a:b])) for a, b in zip(starts, starts[1:]))
-        assert unpacked == Counter((tuple(i), (-100, *l[1:])) for i, l in samples)
+        assert unpacked == Counter((tuple(i), (-100, *labs[1:])) for i, labs in samples)
         assert pack(ids, labels, max_len) == rows
         assert next_fit_rows(lengths, max_len, window=10000) == counts[max_len][1]
     print("\nrows for 1000 chats, best-fit decreasing vs next-fit in order: "
