@@ -367,12 +367,12 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget,
                       cache_dir())
     rows = run_plan(planner, names, sizes, nodes, tp_sizes)
-    facts = planner.facts(tuple(cfg.plugins))
+    facts, shape = planner.facts(tuple(cfg.plugins)), planner.shape(tuple(cfg.plugins))
     if as_json:
-        click.echo(json.dumps(to_json(rows, facts, budget), indent=2))
+        click.echo(json.dumps(to_json(rows, facts, budget, shape), indent=2))
     else:
         click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins)),
-                          planner.frozen(tuple(cfg.plugins))))
+                          planner.frozen(tuple(cfg.plugins)), shape))
         click.echo(text_table(rows))
     if png is not None:
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")

@@ -155,6 +155,53 @@ def test_dpo_is_planned_with_both_completions_and_full_logits(tmp_path):
     assert "micro-batch 1 x 96 tokens" in header and "loss DPO (2 sequences a row, full logits)" in header
 
 
+def test_packed_micro_batches_are_planned_as_the_unpacked_tokens_in_rows_of_the_packed_length(tmp_path):
+    """plugin packing (issue 51 item 3). DPO, 3 pairs of sequences of up to 96 tokens: 576 tokens, which packed
+    micro-batches lay end to end in rows of packing.max_len or of a pair (192), if longer: 3 rows of 192 (the same
+    tokens, so the same activations under sdpa, up to the rotary tables; more under eager, whose scores are 192 x
+    192 a row), or with max_len 384 2 rows of 384 (768 tokens, the last row padded). Rows packed before training
+    (scope dataset) are planned as rows of packing.max_len, as a run whose rows are that long."""
+    pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")}
+    configs = {"dpo": {"plugins": ["dpo"], "data": pairs},
+               "packed": {"plugins": ["dpo", "packing"], "data": pairs},
+               "packed_384": {"plugins": ["dpo", "packing"], "data": pairs, "packing": {"max_len": 384}},
+               "chat_packed_384": {"plugins": ["packing"], "packing": {"max_len": 384}},
+               "chat_384": {"data": {"max_seq_len": 384}}}
+    paths = {}
+    for name, sections in configs.items():
+        (tmp_path / name).mkdir()
+        paths[name] = str(tiny_config(tmp_path / name, train={"per_device_batch_size": 3, "chunked_loss": False},
+                                      **sections))
+
+    def plan_of(name: str, attn: str = "sdpa") -> tuple[dict, dict]:
+        data = plan_json(paths[name], "--nproc", "2", "--strategies", "FULL_SHARD", "--set",
+                         f"model.attn_implementation={attn}")
+        return data["micro_batch"], row(data, "FULL_SHARD", 2)
+
+    shapes, rows = {}, {}
+    for name in configs:
+        shapes[name], rows[name] = plan_of(name)
+    assert {k: v for k, v in shapes["dpo"].items() if k != "logits_positions_per_row"} == \
+        {"rows": 6, "tokens_per_row": 96, "tokens": 576, "packing": None}
+    assert shapes["packed"] == {"rows": 3, "tokens_per_row": 192, "tokens": 576, "logits_positions_per_row": 192,
+                                "packing": "packed micro-batches: 6 sequences of up to 96 tokens laid end to end in "
+                                           "rows of up to 192 tokens"}
+    assert (shapes["packed_384"]["rows"], shapes["packed_384"]["tokens_per_row"], shapes["packed_384"]["tokens"]) \
+        == (2, 384, 768)
+    assert rows["packed"]["activations"] == pytest.approx(rows["dpo"]["activations"], rel=1e-3)
+    assert rows["packed"]["loss_transient"] == rows["dpo"]["loss_transient"]
+    assert rows["packed_384"]["activations"] == pytest.approx(rows["dpo"]["activations"] * 768 / 576, rel=1e-3)
+    eager = {name: plan_of(name, "eager")[1]["activations"] for name in ("dpo", "packed")}
+    assert eager["packed"] > eager["dpo"], eager
+    assert shapes["chat_packed_384"] == {**shapes["chat_384"], "packing": "packed rows of up to 384 tokens"}
+    assert (shapes["chat_384"]["rows"], shapes["chat_384"]["tokens_per_row"]) == (3, 384)
+    for key in ("activations", "loss_transient", "device_peak"):
+        assert rows["chat_packed_384"][key] == rows["chat_384"][key] > 0, key
+    header = run_cli("plan", paths["packed_384"], "--nproc", "2", "--strategies", "FULL_SHARD").stdout.splitlines()[1]
+    assert header.startswith("micro-batch 2 x 384 tokens (packed micro-batches: 6 sequences of up to 96 tokens "
+                             "laid end to end in rows of up to 384 tokens), attention sdpa"), header
+
+
 def test_the_reward_model_is_planned_with_its_head_and_without_vocabulary_logits(tmp_path):
     """plugin reward_model: the sequence-classification model (the tied LM head gone, a 1 x hidden score head) on
     both completions, one output per token instead of the vocabulary's logits."""

@@ -395,8 +395,15 @@ def padding_fraction(lengths, batch_size: int, seed: int, grouped: bool = False)
     return 1.0 - float(lengths.sum()) / padded
 
 
-def padding_report(dataset, batch_size: int, seed: int, grouped: bool = False) -> str:
-    """Padding of the training micro-batches; for packed rows (with ``position_ids``) also before packing."""
+#: The attribute under which a transform that packs samples (``hfsdp_transform_dataset``; the packing plugin) may
+#: leave on the train split it returns how many rows next-fit in order would have needed: the data report keeps it
+#: (``meta["next_fit_rows"]``, cached with the rows) and :func:`padding_report` shows it beside the rows it made.
+NEXT_FIT_ROWS = "hfsdp_next_fit_rows"
+
+
+def padding_report(dataset, batch_size: int, seed: int, grouped: bool = False, next_fit: int | None = None) -> str:
+    """Padding of the training micro-batches; for packed rows (with ``position_ids``) also before packing, and how
+    many rows ``next_fit`` in order would have needed, if known."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -409,7 +416,8 @@ def padding_report(dataset, batch_size: int, seed: int, grouped: bool = False) -
     starts = np.flatnonzero(flat == 0)
     samples = np.diff(np.append(starts, flat.size))
     before = padding_fraction(samples, batch_size, seed)
-    return f"padding {before:.1%} -> {after:.1%} ({samples.size} samples packed into {rows.size} rows)"
+    compared = f"; next-fit: {next_fit}" if next_fit is not None else ""
+    return f"padding {before:.1%} -> {after:.1%} ({samples.size} samples packed into {rows.size} rows{compared})"
 
 
 def eval_batches(num_rows: int, per_device_batch: int, world_size: int, rank: int) -> list[list[int] | None]:

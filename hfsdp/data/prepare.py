@@ -20,7 +20,7 @@ from hfsdp.config.data_paths import (
     shard_files,
 )
 from hfsdp.config.schema import DataConfig, HfsdpConfig
-from hfsdp.data.batches import Mixture, padding_report, row_lengths
+from hfsdp.data.batches import NEXT_FIT_ROWS, Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
 from hfsdp.errors import PluginError, RowError, UserError
 
@@ -321,7 +321,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
         return ds, stats
 
     def build():
-        trains, evals, stats, columns = [], [], [], []
+        trains, evals, stats, columns, next_fit = [], [], [], [], []
         for i, (raw_train, raw_eval) in enumerate(raws):
             train, train_stats = tokenized(raw_train, i, "train")
             stats.append(dataclasses.asdict(train_stats))
@@ -333,12 +333,16 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
             part = host.chain("hfsdp_transform_dataset", "dataset", datasets.DatasetDict(splits), config=config,
                               tokenizer=tokenizer)
             trains.append(part["train"])
+            next_fit.append(getattr(part["train"], NEXT_FIT_ROWS, None))
             if "eval" in part:
                 evals.append(part["eval"])
         result = {"train": datasets.concatenate_datasets(trains) if len(trains) > 1 else trains[0]}
         if evals:
             result["eval"] = datasets.concatenate_datasets(evals) if len(evals) > 1 else evals[0]
-        return datasets.DatasetDict(result), {"sources": [len(t) for t in trains], "train": stats}
+        meta = {"sources": [len(t) for t in trains], "train": stats}
+        if None not in next_fit:  # every source's transform packed its rows and counted next-fit's
+            meta["next_fit_rows"] = sum(next_fit)
+        return datasets.DatasetDict(result), meta
 
     t0 = time.perf_counter()
     result, meta, hit = load_or_build(cache_dir, key, build, who)
@@ -347,7 +351,7 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
     totals = _add(*(TokenizeStats(**s) for s in meta["train"]))
     report = {"train": f"{len(train)} rows ({totals.summary()})", "cache_hit": hit, "preprocess_s": seconds,
               "padding": padding_report(train, config.train.per_device_batch_size, config.train.seed,
-                                        config.train.group_by_length),
+                                        config.train.group_by_length, meta.get("next_fit_rows")),
               "sources": source_rows(train, sources, top, meta)}
     if "eval" in result:
         report["eval"] = f"{len(result['eval'])} rows"

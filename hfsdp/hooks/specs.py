@@ -133,6 +133,15 @@ def hfsdp_trains_adapters(config):
 
 
 @hookspec
+def hfsdp_packed_row_tokens(config):
+    """Say how long the training rows are that your ``hfsdp_transform_dataset`` packs several samples into (as the
+    packing plugin's ``scope: dataset`` does): return the most tokens of such a row, or None. ``hfsdp plan`` then
+    traces micro-batches of rows that long instead of ``data.max_seq_len`` (the most any enabled plugin returns).
+    Called by ``hfsdp plan``, before anything loads.
+    """
+
+
+@hookspec
 def hfsdp_before_model_load(config, world, model_config, setup):
     """The process group is up and the data is prepared; the model is about to be loaded. Every rank.
 

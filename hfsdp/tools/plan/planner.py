@@ -30,7 +30,7 @@ from hfsdp.rules.table import Facts, check
 from hfsdp.setup.degrees import World
 from hfsdp.tools.plan.estimate import Estimate, Generation, Setup, compute_dtype, estimate, setup_from_config
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
-from hfsdp.tools.plan.trace import trace_activations
+from hfsdp.tools.plan.trace import MicroBatchShape, micro_batch_shape, trace_activations
 from hfsdp.units import GIB
 
 
@@ -101,6 +101,11 @@ class Planner:
         config, _ = self.variant(plugins)
         return Generation(config.train.per_device_batch_size, config.data.max_seq_len, sampling.new_tokens,
                           sampling.whole_global_batch)
+
+    def shape(self, plugins: tuple[str, ...]) -> MicroBatchShape:
+        """The micro-batch traced with these plugins (:func:`micro_batch_shape`)."""
+        config, host = self.variant(plugins)
+        return micro_batch_shape(config, host, self.objective(plugins))
 
     def facts(self, plugins: tuple[str, ...]) -> ModelFacts:
         if plugins not in self._facts:

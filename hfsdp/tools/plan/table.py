@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import quantization
 from hfsdp.tools.plan.estimate import Estimate
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts
 from hfsdp.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from hfsdp.tools.plan.trace import MicroBatchShape
 
 
 def _count(n: int) -> str:
@@ -60,7 +63,7 @@ def text_table(rows: list[Estimate]) -> str:
 
 
 def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None,
-           frozen: tuple[FrozenFacts, ...] = ()) -> str:
+           frozen: tuple[FrozenFacts, ...] = (), shape: MicroBatchShape | None = None) -> str:
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
     sampling = objective.sampling() if objective is not None else None
@@ -75,8 +78,9 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
             + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
-            f"micro-batch {config.train.per_device_batch_size} x {tokens} tokens, "
-            f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
+            + (f"micro-batch {shape.rows} x {shape.width} tokens ({shape.packing}), " if shape and shape.packing else
+               f"micro-batch {config.train.per_device_batch_size} x {tokens} tokens, ")
+            + f"attention {config.model.attn_implementation}, loss {loss}; device budget {budget / GIB:.1f} GiB per rank; "
             f"sizes in {table_unit(rows)[0]} per rank" + quantized_line(facts, config)
             + "".join(f"\nfrozen beside it: {m.name} ({_count(m.numel)} parameters, {m.itemsize} bytes each"
                       + (", sharded by FSDP2 over the ranks of a run that has several, else whole on each"
@@ -106,7 +110,8 @@ def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
             f"({(packed_bytes + state) / (2 * weights):.2f} of it)")
 
 
-def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, Any]:
+def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBatchShape | None = None
+            ) -> dict[str, Any]:
     out = []
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
@@ -117,7 +122,11 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int) -> dict[str, A
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
-            "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget, "rows": out}
+            "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget,
+            **({"micro_batch": {"rows": shape.rows, "tokens_per_row": shape.width, "tokens": shape.tokens,
+                                "logits_positions_per_row": shape.positions, "packing": shape.packing}}
+               if shape is not None else {}),
+            "rows": out}
 
 
 def plot(rows: list[Estimate], budget: int, path, title: str) -> None:

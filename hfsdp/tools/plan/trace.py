@@ -4,6 +4,7 @@ saved-tensors hook that records every tensor autograd keeps for the backward pas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
@@ -36,11 +37,61 @@ def _fused_sdpa():
     return sdpa
 
 
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """The micro-batch ``hfsdp plan`` traces: ``rows`` of ``width`` tokens, with logits at the last ``positions`` of
+    each; ``packing``: what the plan assumed of packed rows (None: not packed)."""
+
+    rows: int
+    width: int
+    positions: int
+    packing: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+def micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchShape:
+    """The training micro-batch at its largest, as ``hfsdp plan`` traces it:
+
+    * one sequence a row: ``train.per_device_batch_size`` x a plugin ``objective``'s ``sequences_per_row`` rows of
+      ``data.max_seq_len`` tokens; an objective that samples completions: its rows that much longer, with logits at
+      the completions' positions only (its rows align them at the end);
+    * rows packed before training (hook ``hfsdp_packed_row_tokens``; the packing plugin's ``scope: dataset``): as
+      many rows, each as long as a packed row (``packing.max_len``);
+    * packed micro-batches (hook ``hfsdp_pack_micro_batches``; ``scope: micro_batch``): the tokens of the unpacked
+      micro-batch (every sequence at its longest) laid end to end in rows as wide as a packed row, or as the
+      longest item if longer (a pair's two sequences, a row and its KL row, a prompt and its completion, which
+      share a row): ``ceil(tokens / width)`` rows of ``width``, the last padded to it as collation pads it, with
+      logits at every position (a completion may lie anywhere in a row). The activations that grow with the tokens
+      are then those of the unpacked micro-batch (plus the last row's padding); eager attention, whose scores are
+      ``width`` x ``width`` a row, costs more than one sequence a row. (A mix of lengths that best-fit decreasing
+      leaves in more, part-filled rows of that width can exceed this: at most a row per item.)"""
+    from hfsdp.objective import TokenCrossEntropy, micro_batch_packing
+
+    batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
+    per_row = objective.sequences_per_row if objective is not None else 1
+    sampling = objective.sampling() if objective is not None else None
+    seq += sampling.new_tokens if sampling is not None else 0
+    pack_len = micro_batch_packing(host, config, objective or TokenCrossEntropy())
+    if pack_len is not None:
+        item = per_row * seq
+        width = max(pack_len, item)
+        rows = -(-batch * item // width)
+        return MicroBatchShape(rows, width, width, f"packed micro-batches: {batch * per_row} sequences of up to "
+                                                   f"{seq} tokens laid end to end in rows of up to {width} tokens")
+    packed = [n for _, n in host.call("hfsdp_packed_row_tokens", config=config) if n is not None]
+    if packed:
+        width = max(max(packed), seq)
+        return MicroBatchShape(batch * per_row, width, width, f"packed rows of up to {width} tokens")
+    return MicroBatchShape(batch * per_row, seq, sampling.new_tokens if sampling is not None else seq)
+
+
 def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
-    """Saved tensors of one training micro-batch (``train.per_device_batch_size`` x ``data.max_seq_len`` tokens,
-    times a plugin ``objective``'s sequences per row; an objective that samples completions: its rows that much
-    longer, with logits at the completions' positions) in the compute dtype of ``precision``. Only the default
-    objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full logits."""
+    """Saved tensors of one training micro-batch (:func:`micro_batch_shape`) in the compute dtype of ``precision``.
+    Only the default objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full
+    logits."""
     import contextlib
     from unittest import mock
 
@@ -51,12 +102,9 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
 
     from hfsdp.model.token_loss import token_loss_sum
 
-    batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
-    batch *= objective.sequences_per_row if objective is not None else 1
-    sampling = objective.sampling() if objective is not None else None
-    seq += sampling.new_tokens if sampling is not None else 0
+    shape = micro_batch_shape(config, host, objective)
     # logits at every position, or (an objective that samples) at the completions' only, where its rows align them
-    positions = sampling.new_tokens if sampling is not None else seq
+    batch, seq, positions = shape.rows, shape.width, shape.positions
     chunked = config.train.chunked_loss and objective is None
     model = build_meta_model(model_config, one_process(config), host, compute_dtype(config, precision))
     model.train()
