@@ -11,8 +11,9 @@ input positions that were padding, on the same rows). The issue's target: packed
 
 Cases: ``dpo``, the dpo preset (SmolLM2-135M-Instruct, the bundled pairs, full fine-tuning, reference log-probs
 precomputed once into a shared cache before the timed steps); ``grpo``, the grpo preset with completions of mixed
-lengths (temperature 1.5 and 64 new tokens: some stop at EOS early, some run to the limit; ``num_iterations`` 4 so
-that most steps train on a round's completions without sampling).
+lengths (temperature 1.2 and 96 new tokens: some stop at EOS after a line of JSON, some ramble to the limit; the
+reward is the completion's length, tests/reward_plugin's ``characters``, so that no group is without signal;
+``num_iterations`` 4 so that most steps train on a round's completions without sampling).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 CASES = {
     "dpo": {"base": "dpo", "plugins": ["dpo"], "train": {"eval_every": None, "eval_at_start": False}},
     "grpo": {"base": "grpo", "plugins": ["grpo"], "data": {"eval_path": None},
-             "grpo": {"temperature": 1.5, "max_new_tokens": 64, "num_iterations": 4},
+             "grpo": {"temperature": 1.2, "max_new_tokens": 96, "num_iterations": 4,
+                      "rewards": [{"name": "grpo_test_rewards:characters"}]},
              "train": {"eval_every": None, "eval_at_start": False}},
 }
 
@@ -44,7 +46,8 @@ def run(case: str, packed: bool, steps: int, work: Path, cache: Path) -> dict:
     config["train"] = {**config["train"], "output_dir": str(work / "run"), "max_steps": steps, "log_every": 1}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))},
-           "HFSDP_CACHE_DIR": str(cache), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+           "HFSDP_CACHE_DIR": str(cache), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(REPO / "tests" / "reward_plugin")}
     cmd = [sys.executable, "-m", "hfsdp", "train", str(work / "config.yaml"), "--overwrite"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:

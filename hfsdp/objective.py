@@ -70,8 +70,14 @@ class Objective:
     #: its loss reads per-sequence values through ``MicroBatch.per_sequence`` (or sums over tokens only), so its
     #: micro-batches may be packed (hook ``hfsdp_pack_micro_batches``); :meth:`micro_batch` then packs them.
     packs_micro_batches: bool = False
-    #: set by hfsdp before :meth:`prepare` when micro-batches are packed: the most tokens of a packed row.
+    #: set by hfsdp before :meth:`prepare` when micro-batches are packed: the most tokens of a packed row (0: no
+    #: limit), what the
+    #: model's attention costs per (query, key) pair of a row in a token's linear cost (``layout_cost``; 0 where it
+    #: attends each packed sequence on its own), and whether the inputs name each row's sequences for it
+    #: (``hfsdp.model.packed_attention``).
     pack_len: int | None = None
+    pack_attention: float = 0.0
+    pack_segments: bool = False
 
     def frozen_models(self) -> list[FrozenModel]:
         """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
@@ -95,7 +101,8 @@ class Objective:
         laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two)."""
         if self.pack_len is None:
             return micro_batch(sequences, pad_id, device, select_logits)
-        return packed_micro_batch(sequences, items, self.pack_len, pad_id, device, select_logits)
+        return packed_micro_batch(sequences, items, self.pack_len or None, pad_id, device, select_logits,
+                                  self.pack_attention, self.pack_segments)
 
     def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
         """Which rows each optimizer step trains on (a pure function of seed and step; its ``steps_for_epochs`` is
@@ -161,7 +168,7 @@ def micro_batch_padding(objective: Objective, dataset, plan: BatchPlan, steps: i
     """The share of padding in rank 0's micro-batches of the first steps (at most :data:`PADDING_STEPS`), each made
     one sequence per row and packed (``objective.pack_len``): what packing saves on these rows, said at start."""
     steps, pack_len = min(steps, PADDING_STEPS), objective.pack_len
-    shares = []
+    shares, packed = [], 0
     try:
         for objective.pack_len in (None, pack_len):
             tokens = positions = 0
@@ -170,11 +177,19 @@ def micro_batch_padding(objective: Objective, dataset, plan: BatchPlan, steps: i
                     batch = objective.micro_batch([dataset[i] for i in plan.rows(step, m, 0)], pad_id,
                                                   torch.device("cpu"), select_logits)
                     tokens, positions = tokens + batch.tokens, positions + batch.inputs["input_ids"].numel()
+                    packed += batch.packing is not None
             shares.append(1 - tokens / max(positions, 1))
     finally:
         objective.pack_len = pack_len
-    return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions (micro-batches packed in rows of up to "
-            f"{pack_len} tokens or their longest item; rank 0's first {steps} steps)")
+    return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions ({packed} of {steps * plan.accumulation} "
+            f"micro-batches packed in {rows_said(pack_len)}, the others cheaper one sequence a row; rank 0's first "
+            f"{steps} steps)")
+
+
+def rows_said(pack_len: int) -> str:
+    """The packed rows a ``pack_len`` asks for, in words."""
+    return (f"the cheapest rows of up to {pack_len} tokens (or their longest item)" if pack_len
+            else "the cheapest rows")
 
 
 class TokenCrossEntropy(Objective):

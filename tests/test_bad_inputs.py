@@ -349,8 +349,10 @@ CASES: dict[str, Case] = {
         lambda d, s: ["train", _pref(d, [], dpo={"reference": "adapter"})],
         "dpo.reference: adapter: the reference is the base model with the LoRA adapters disabled, but lora is not "
         "enabled"),
-    "dpo with packing": (lambda d, s: ["train", _pref(d, [], plugins=["dpo", "packing"])],
-                         "packing cannot pack preference rows"),
+    "preference rows packed before training": (
+        lambda d, s: ["train", _pref(d, [], plugins=["dpo", "packing"], packing={"scope": "dataset"})],
+        "packing.scope: preference rows are scored whole (a pair side by side, a row beside its KL row, a prompt's "
+        "completions): they pack per micro-batch; set packing.scope: micro_batch or leave it out"),
     "dpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["dpo"])],
                          "data.format: dpo trains on preference rows (prompt, chosen, rejected), not 'chat'"),
     "preference rows without a preference objective": (lambda d, s: ["train", _pref(d, [], plugins=[])],

@@ -148,3 +148,54 @@ def test_a_packed_reward_model_scores_each_sequence_at_its_last_token(tiny):
         want, got = (objective.rewards(model, batch) for batch in (plain, packed))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(want.std()) > 1e-3  # rewards that differ: a wrong position would show
+
+
+def test_packing_an_objective_that_reads_one_sequence_per_row_is_refused_naming_it(tmp_path):
+    """A third-party objective packs when it says so (``packs_micro_batches``, reading per-sequence values through
+    ``MicroBatch.per_sequence``); one that does not is refused before any weight loads, naming it. The preference
+    objectives' shared base packs, so a third-party loss built on ``completion_logps`` packs too."""
+    from conftest import tiny_config
+
+    from hfsdp.config.files import load_config
+    from hfsdp.errors import ConfigError
+    from hfsdp.hooks.host import PluginHost
+    from hfsdp.objective import Objective, PreferenceObjective, TokenCrossEntropy, micro_batch_packing
+
+    class OnePerRow(Objective):
+        def loss(self, model, batch):
+            return model(**batch.inputs).logits[:, -1].sum()
+
+    config, _ = load_config(str(tiny_config(tmp_path, plugins=["packing"], packing={"scope": "micro_batch"})))
+    host = PluginHost(config.plugins)
+    assert micro_batch_packing(host, config, TokenCrossEntropy()) == 0  # no limit: the rows that cost least
+    assert micro_batch_packing(host, config, PreferenceObjective()) == 0
+    with pytest.raises(ConfigError, match="packing packs micro-batches, but the objective OnePerRow reads one "
+                                          "sequence per row"):
+        micro_batch_packing(host, config, OnePerRow())
+    config, _ = load_config(str(tiny_config(tmp_path, plugins=["packing"])))  # chat rows: packed before training
+    assert micro_batch_packing(PluginHost(config.plugins), config, OnePerRow()) is None
+
+
+def test_a_micro_batch_is_packed_only_where_its_rows_cost_less(tiny):
+    """Pairs of about 90 tokens each side pad little one sequence a row; packed, each pair is a row twice as wide,
+    whose masked attention computes its whole square: with the shrunk model's attention cost per (query, key) pair
+    the micro-batch stays one sequence a row, with flash attention's (each sequence's own, 0) it packs. Prompts
+    with completions of very different lengths pad much: they pack at that cost too."""
+    from hfsdp.data.layout import layout_cost
+    from hfsdp.objective import Objective, PreferenceObjective
+
+    _, tokenizer = tiny
+    objective = PreferenceObjective()
+    objective.pack_len = 256
+    rows = pairs(tokenizer, 4)
+    for attention, packs in ((0.0, True), (5e-3, False)):
+        objective.pack_attention = attention
+        batch = objective.micro_batch(rows, tokenizer.pad_token_id, torch.device("cpu"), True)
+        assert (batch.packing is not None) == packs, attention
+    lengths = [12, 90, 20, 85, 15, 30, 18, 60]
+    plain = Objective()
+    plain.pack_len, plain.pack_attention = 96, 5e-3
+    batch = plain.micro_batch([{"input_ids": [7] * n, "labels": [7] * n} for n in lengths], tokenizer.pad_token_id,
+                              torch.device("cpu"), False)
+    assert batch.packing is not None and batch.inputs["input_ids"].shape == (4, 90)  # 90 | 85 | 60+30 | 20+18+15+12
+    assert layout_cost([96] * 4, 5e-3) < layout_cost([90] * 8, 5e-3)

@@ -157,9 +157,10 @@ def test_dpo_is_planned_with_both_completions_and_full_logits(tmp_path):
 
 def test_packed_micro_batches_are_planned_as_the_unpacked_tokens_in_rows_of_the_packed_length(tmp_path):
     """plugin packing (issue 51 item 3). DPO, 3 pairs of sequences of up to 96 tokens: 576 tokens, which packed
-    micro-batches lay end to end in rows of packing.max_len or of a pair (192), if longer: 3 rows of 192 (the same
-    tokens, so the same activations under sdpa, up to the rotary tables; more under eager, whose scores are 192 x
-    192 a row), or with max_len 384 2 rows of 384 (768 tokens, the last row padded). Rows packed before training
+    micro-batches lay end to end in the rows that cost least, at their widest one row of all (no packing.max_len:
+    the same tokens, so the same activations under sdpa, up to the rotary tables; more under eager, whose scores are
+    576 x 576), or with max_len 384 in rows of 384 or of a pair (192), if longer: 2 rows of 384 (768 tokens, the
+    last row padded). Rows packed before training
     (scope dataset) are planned as rows of packing.max_len, as a run whose rows are that long."""
     pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")}
     configs = {"dpo": {"plugins": ["dpo"], "data": pairs},
@@ -183,9 +184,9 @@ def test_packed_micro_batches_are_planned_as_the_unpacked_tokens_in_rows_of_the_
         shapes[name], rows[name] = plan_of(name)
     assert {k: v for k, v in shapes["dpo"].items() if k != "logits_positions_per_row"} == \
         {"rows": 6, "tokens_per_row": 96, "tokens": 576, "packing": None}
-    assert shapes["packed"] == {"rows": 3, "tokens_per_row": 192, "tokens": 576, "logits_positions_per_row": 192,
+    assert shapes["packed"] == {"rows": 1, "tokens_per_row": 576, "tokens": 576, "logits_positions_per_row": 576,
                                 "packing": "packed micro-batches: 6 sequences of up to 96 tokens laid end to end in "
-                                           "rows of up to 192 tokens"}
+                                           "rows of up to 576 tokens"}
     assert (shapes["packed_384"]["rows"], shapes["packed_384"]["tokens_per_row"], shapes["packed_384"]["tokens"]) \
         == (2, 384, 768)
     assert rows["packed"]["activations"] == pytest.approx(rows["dpo"]["activations"], rel=1e-3)

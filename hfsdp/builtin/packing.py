@@ -15,7 +15,9 @@ Two scopes:
   rows): each micro-batch's sequences are laid end to end when it is made (:mod:`hfsdp.data.layout`), a preference
   pair's chosen and rejected (a KTO row and its KL row) in one row, GRPO's prompt + completion rows each whole. A
   step trains on the rows it trains on without packing, with the same per-sequence log-probs, so the same losses;
-  only the padding goes.
+  only the padding goes. A micro-batch whose packed rows would cost more than one sequence a row (little padding
+  to save, rows whose masked attention computes a wider square: :func:`hfsdp.data.layout.layout_cost`) stays one
+  sequence a row.
 
 Each packed row carries ``position_ids`` that restart at 0 for every sample. Attention stays inside each sample:
 when a batch has ``position_ids``, hfsdp gives the model no 2D attention mask (:func:`hfsdp.data.batches.model_inputs`),
@@ -42,9 +44,10 @@ class PackingSection(Section):
                           "micro_batch: pack each micro-batch's sequences, the same rows per step as unpacked "
                           "(default: dataset for text, instruction and chat rows, micro_batch for preference, "
                           "unpaired and prompt rows)")
-    max_len: int | None = Field(None, gt=1, description="tokens per packed row (default: data.max_seq_len; "
-                                                        "micro_batch: or the micro-batch's longest pair or "
-                                                        "completion, if longer)")
+    max_len: int | None = Field(None, gt=1, description="tokens per packed row (dataset scope default: "
+                                                        "data.max_seq_len; micro_batch scope: the most, or the "
+                                                        "micro-batch's longest pair or completion if longer; "
+                                                        "default: no limit, the rows that cost least)")
     pack_eval: bool = Field(False, description="dataset scope: also pack the eval split (same eval loss, faster); "
                                                "micro_batch scope packs eval micro-batches always")
     window: int = Field(10000, gt=0, description="dataset scope: samples packed together (best-fit decreasing "
@@ -92,7 +95,7 @@ def hfsdp_validate_config(config):
 @hookimpl
 def hfsdp_pack_micro_batches(config):
     if scope_of(config) == "micro_batch":
-        return config.section("packing").max_len or config.data.max_seq_len
+        return config.section("packing").max_len or 0
     return None
 
 

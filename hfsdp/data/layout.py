@@ -87,20 +87,59 @@ def pack_rows(sequences: list[dict[str, list[int]]], bins: list[list[int]], item
     return rows, places
 
 
-def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[int]], capacity: int, pad_id: int,
-                       device, select_logits: bool):
-    """The micro-batch of ``sequences`` (``input_ids``, ``labels``) packed in rows of at most ``capacity`` tokens
-    or of the longest item, if longer (the micro-batch is as wide as that item needs anyway), ``items`` (lists of
-    sequence indices) never split over rows; its ``packing`` maps the rows back to the sequences, its ``lengths``
-    are the sequences'."""
+def layout_cost(widths: list[int], attention: float) -> float:
+    """What a forward of rows of these widths (padding included) costs, in a token's linear cost: each position one,
+    plus ``attention`` per (query, key) pair of a row (an attention that computes a row's whole square: sdpa or eager
+    with a mask; 0 for one that computes each packed sequence's own, as flash attention's variable-length kernels)."""
+    return sum(w + attention * w * w for w in widths)
+
+
+def cheapest_rows(lengths: list[int], capacity: int | None, attention: float) -> list[list[int]]:
+    """The bins of :func:`best_fit_decreasing` whose rows cost least (:func:`layout_cost`, each row as wide as the
+    widest): of rows of at most ``k`` times the longest item, for every ``k`` up to one row of all (none wider than
+    ``capacity``, unless an item is; None: no limit)."""
+    longest = max(lengths)
+    best: tuple[float, list[list[int]]] | None = None
+    for k in range(1, len(lengths) + 1):
+        width = max(longest, min(k * longest, capacity or k * longest))
+        bins = best_fit_decreasing(lengths, width)
+        cost = layout_cost([max(sum(lengths[i] for i in b) for b in bins)] * len(bins), attention)
+        if best is None or cost < best[0]:
+            best = (cost, bins)
+        if capacity is not None and k * longest >= capacity:
+            break
+    return best[1]
+
+
+def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[int]], capacity: int | None,
+                       pad_id: int, device, select_logits: bool, attention: float = 0.0, segments: bool = False):
+    """The micro-batch of ``sequences`` (``input_ids``, ``labels``) packed in the rows that cost least
+    (:func:`cheapest_rows`: at most ``capacity`` tokens, or the longest item, if longer; None: no limit), ``items``
+    (lists of sequence indices) never split over rows; its ``packing`` maps the rows back to the sequences, its
+    ``lengths`` are the sequences'. Where those rows would cost more than one sequence a row (:func:`layout_cost`
+    with ``attention``: little padding to save, and rows twice as wide whose masked attention computes the whole
+    square), the micro-batch is one sequence a row, without ``packing``: the same values either way. ``segments``:
+    the inputs name each row's sequences (:data:`hfsdp.model.packed_attention.SEGMENTS`), for an attention that
+    runs them one at a time."""
     from hfsdp.data.batches import micro_batch
 
     lengths = [sum(len(sequences[s]["input_ids"]) for s in item) for item in items]
-    bins = best_fit_decreasing(lengths, max(capacity, *lengths))  # never wider than the longest item needs
+    bins = cheapest_rows(lengths, capacity, attention)
+    widest = max(len(s["input_ids"]) for s in sequences)
+    row_width = max(sum(lengths[i] for i in b) for b in bins)
+    if layout_cost([row_width] * len(bins), attention) > layout_cost([widest] * len(sequences), attention):
+        return micro_batch(sequences, pad_id, device, select_logits)
     rows, places = pack_rows(sequences, bins, items)
     batch = micro_batch(rows, pad_id, device, select_logits)
     lasts = [max((t for t, i in enumerate(seq["input_ids"]) if i != pad_id), default=0) for seq in sequences]
     batch.packing = packing_of(places, lasts, batch.inputs, batch.targets.shape, device)
+    if segments:
+        from hfsdp.model.packed_attention import SEGMENTS
+
+        spans: list[list[tuple[int, int]]] = [[] for _ in rows]
+        for r, offset, n in sorted(places):
+            spans[r].append((offset, offset + n))
+        batch.inputs[SEGMENTS] = spans
     batch.lengths = [n for _, _, n in places]
     return batch
 

@@ -26,8 +26,9 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches, cache, prepare
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, loading, quantized
-from hfsdp.objective import Objective, TokenCrossEntropy, micro_batch_packing, micro_batch_padding, objective_of
+from hfsdp.model import chat_template, loading, packed_attention, quantized
+from hfsdp.objective import (Objective, TokenCrossEntropy, micro_batch_packing, micro_batch_padding, objective_of,
+                             rows_said)
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import per_rank
@@ -114,7 +115,14 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         model, optimizer, flops, objective = load_and_shard(accelerator, setup, host, model_path, model_config,
                                                             tokenizer, packed=batches.is_packed(train_set.column_names)
                                                             or pack_len is not None, replaced=replaced)
-        objective.pack_len = pack_len
+        if pack_len is not None:
+            objective.pack_len = pack_len
+            # sdpa attends each packed sequence on its own (hfsdp.model.packed_attention), flash attention's
+            # variable-length kernels too (transformers finds the sequences from position_ids); another attention
+            # computes a packed row's whole square, which the packer weighs against the padding it saves
+            objective.pack_segments = packed_attention.use_sequence_sdpa(accelerator.unwrap_model(model))
+            flash = str(accelerator.unwrap_model(model).config._attn_implementation).startswith("flash")
+            objective.pack_attention = 0.0 if objective.pack_segments or flash else flops.attention_per_pair()
         # before a resume restores the checkpoint: e.g. DPO's reference log-probs of the base
         splits = objective.prepare(model, accelerator, {"train": train_set, **({"eval": eval_set} if eval_set
                                    is not None else {})}, opts.cache_dir, model_path)
@@ -124,8 +132,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         if pack_len is not None:
             data_report["padding"] = (micro_batch_padding(objective, train_set, plan, max_steps, tokenizer.pad_token_id,
                                                           select_logits) if objective.sampling() is None else
-                                      f"micro-batches of sampled completions packed in rows of up to {pack_len} "
-                                      "tokens (each step's share of padding: metric padding)")
+                                      f"micro-batches of sampled completions packed in {rows_said(pack_len)} (each "
+                                      "step's share of padding: metric padding)")
             say(f"packing: {data_report['padding']}")
         report = report_startup(setup, accelerator, model, output_dir)
 

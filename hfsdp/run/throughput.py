@@ -70,6 +70,10 @@ class FlopsModel:
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         return cls(params, trainable, model_config.num_hidden_layers, heads * head_dim)
 
+    def attention_per_pair(self) -> float:
+        """An attention (query, key) pair's FLOPs in a token's linear FLOPs (what packing weighs a wider row by)."""
+        return 6 * self.layers * self.attention_width / (4 * self.params + 2 * self.trainable)
+
     def step_flops(self, tokens: float, sum_sq_lengths: float) -> float:
         """Model FLOPs of one step over ``tokens`` tokens in rows whose squared lengths sum to ``sum_sq_lengths``."""
         return (4 * self.params + 2 * self.trainable) * tokens + 6 * self.layers * self.attention_width * sum_sq_lengths

@@ -117,6 +117,10 @@ class Distill(Objective):
         teacher.requires_grad_(False)
         teacher.eval()
         self.teacher_selects = accepts_logits_to_keep(teacher)
+        if self.pack_segments:  # the packed rows' sequences attended one at a time, as the student's
+            from hfsdp.model.packed_attention import use_sequence_sdpa
+
+            use_sequence_sdpa(teacher)
         teacher.to(accelerator.device)
         self.sharded = accelerator.num_processes > 1 and self.config.fsdp.version == 2
         if self.sharded:

@@ -77,7 +77,7 @@ def micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchSh
     pack_len = micro_batch_packing(host, config, objective or TokenCrossEntropy())
     if pack_len is not None:
         item = per_row * seq
-        width = max(pack_len, item)
+        width = max(pack_len, item) if pack_len else batch * item  # no limit: at most one row of all
         rows = -(-batch * item // width)
         return MicroBatchShape(rows, width, width, f"packed micro-batches: {batch * per_row} sequences of up to "
                                                    f"{seq} tokens laid end to end in rows of up to {width} tokens")
