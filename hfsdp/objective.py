@@ -181,9 +181,10 @@ def micro_batch_padding(objective: Objective, dataset, plan: BatchPlan, steps: i
             shares.append(1 - tokens / max(positions, 1))
     finally:
         objective.pack_len = pack_len
-    return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions ({packed} of {steps * plan.accumulation} "
-            f"micro-batches packed in {rows_said(pack_len)}, the others cheaper one sequence a row; rank 0's first "
-            f"{steps} steps)")
+    total = steps * plan.accumulation
+    others = ", the others cheaper one sequence a row" if packed < total else ""
+    return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions ({packed} of {total} micro-batches packed in "
+            f"{rows_said(pack_len)}{others}; rank 0's first {steps} steps)")
 
 
 def rows_said(pack_len: int) -> str:
