@@ -188,7 +188,8 @@ UNPAIRED = {"format": "unpaired", "eval_path": None}
 
 
 @pytest.mark.parametrize("plugins,sections,says", [
-    (["kto", "packing"], {}, "packing cannot pack unpaired rows"),
+    (["kto", "packing"], {"packing": {"scope": "dataset"}},
+     "packing.scope: unpaired rows are scored whole (a pair side by side, a row beside its KL row"),
     (["kto", "grpo"], {"grpo": {"rewards": [{"name": "json_fields"}]}},
      "grpo generates completions of prompts: set data.format: prompt"),
     (["kto", "dpo"], {}, "dpo trains on preference rows"),

@@ -118,10 +118,11 @@ def hfsdp_pack_micro_batches(config):
     """Say whether each micro-batch's sequences are laid end to end in packed rows (padding-free micro-batches, as
     the packing plugin's ``scope: micro_batch``): return the most tokens of a packed row (or of the micro-batch's
     longest item, if longer: e.g. a preference pair's two sequences, which share a row; 0: no limit), or None.
-    Within it, hfsdp packs each micro-batch in the rows that cost least (``hfsdp.data.layout.cheapest_rows``). The same rows train each step as
-    without it; only the padding goes. At most one enabled plugin may return a number; the objective must read
-    per-sequence values through ``MicroBatch.per_sequence`` (``Objective.packs_micro_batches``), else the run is
-    refused before any weight loads. Called once on every rank, after the objective is made.
+    Within it, hfsdp packs each micro-batch in the rows that cost least (``hfsdp.data.layout.cheapest_rows``). The
+    same rows train each step as without it; only the padding goes. At most one enabled plugin may return a
+    number; the objective must read per-sequence values through ``MicroBatch.per_sequence``
+    (``Objective.packs_micro_batches``), else the run is refused before any weight loads. Called once on every
+    rank, after the objective is made.
     """
 
 
