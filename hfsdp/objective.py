@@ -243,15 +243,23 @@ def means_over_ranks(accelerator, sums: dict[str, Any], unit: str, prefix: str =
     return means_of(dict(zip(names, all_sum(accelerator, [float(sums.get(k, 0)) for k in names]))), unit, prefix)
 
 
+def one_plugin(host, hook: str, doing: str, **kwargs) -> tuple[str, Any] | None:
+    """(plugin, result) of the one enabled plugin that returns something from ``hook``, or None; a ConfigError
+    naming them where two do (``doing``: what they do, in the message)."""
+    returned = host.call(hook, **kwargs)
+    if len(returned) > 1:
+        raise ConfigError([("plugins", f"two plugins {doing}: {', '.join(name for name, _ in returned)}; enable "
+                                       "one of them")])
+    return returned[0] if returned else None
+
+
 def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
     """The objective an enabled plugin returns from ``hfsdp_objective``, or None (next-token cross entropy)."""
-    returned = host.call("hfsdp_objective", config=config, tokenizer=tokenizer, cache_dir=cache_dir)
-    if len(returned) > 1:
-        raise ConfigError([("plugins", "two plugins replace the training objective: "
-                                       f"{', '.join(name for name, _ in returned)}; enable one of them")])
-    if not returned:
+    returned = one_plugin(host, "hfsdp_objective", "replace the training objective", config=config,
+                          tokenizer=tokenizer, cache_dir=cache_dir)
+    if returned is None:
         return None
-    plugin, objective = returned[0]
+    plugin, objective = returned
     if not isinstance(objective, Objective):
         raise ConfigError([(f"plugins.{plugin}", "hfsdp_objective must return an hfsdp.objective.Objective or None, "
                                                  f"got {type(objective).__name__}")])
@@ -261,13 +269,10 @@ def objective_of(host, config, tokenizer, cache_dir=None) -> Objective | None:
 def micro_batch_packing(host, config, objective: Objective) -> int | None:
     """The most tokens of a packed row when an enabled plugin packs micro-batches (``hfsdp_pack_micro_batches``),
     or None; a ConfigError (before any weight loads) when two do, or when ``objective`` cannot read packed ones."""
-    returned = host.call("hfsdp_pack_micro_batches", config=config)
-    if len(returned) > 1:
-        raise ConfigError([("plugins", "two plugins pack micro-batches: "
-                                       f"{', '.join(name for name, _ in returned)}; enable one of them")])
-    if not returned:
+    returned = one_plugin(host, "hfsdp_pack_micro_batches", "pack micro-batches", config=config)
+    if returned is None:
         return None
-    plugin, pack_len = returned[0]
+    plugin, pack_len = returned
     if not objective.packs_micro_batches:
         raise ConfigError([("plugins", f"{plugin} packs micro-batches, but the objective {type(objective).__name__} "
                                        "reads one sequence per row (its packs_micro_batches is False): remove "

@@ -199,3 +199,20 @@ def test_a_micro_batch_is_packed_only_where_its_rows_cost_less(tiny):
                               torch.device("cpu"), False)
     assert batch.packing is not None and batch.inputs["input_ids"].shape == (4, 90)  # 90 | 85 | 60+30 | 20+18+15+12
     assert layout_cost([96] * 4, 5e-3) < layout_cost([90] * 8, 5e-3)
+
+
+def test_two_plugins_that_replace_the_objective_are_refused_naming_both(tmp_path):
+    """hook ``hfsdp_objective`` (and ``hfsdp_pack_micro_batches``, through the same check): at most one enabled
+    plugin returns something; two are refused before any weight loads, named in the config's order."""
+    from conftest import tiny_config
+
+    from hfsdp.config.files import load_config
+    from hfsdp.errors import ConfigError
+    from hfsdp.hooks.host import PluginHost
+    from hfsdp.objective import objective_of
+
+    pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"), "eval_path": None}
+    config, _ = load_config(str(tiny_config(tmp_path, plugins=["simpo"], data=pairs)))
+    with pytest.raises(ConfigError, match="two plugins replace the training objective: simpo, reward_model; enable "
+                                          "one of them"):
+        objective_of(PluginHost(["simpo", "reward_model"]), config, tokenizer=None)

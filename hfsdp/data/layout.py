@@ -67,13 +67,13 @@ class Packing:
         return flat[:self.slots].view(shape)
 
 
-def pack_rows(sequences: list[dict[str, list[int]]], bins: list[list[int]], items: list[list[int]],
-              keys: tuple[str, ...] = ("labels",)) -> tuple[list[dict[str, list[int]]], list[tuple[int, int, int]]]:
-    """The packed rows of ``sequences`` (``input_ids`` and each of ``keys``) for ``bins`` of ``items``, and where
-    each sequence went: ``(row, offset, length)``."""
+def pack_rows(sequences: list[dict[str, list[int]]], bins: list[list[int]],
+              items: list[list[int]]) -> tuple[list[dict[str, list[int]]], list[tuple[int, int, int]]]:
+    """The packed rows of ``sequences`` (``input_ids``, ``labels``) for ``bins`` of ``items``, and where each
+    sequence went: ``(row, offset, length)``."""
     rows, places = [], [(0, 0, 0)] * len(sequences)
     for r, b in enumerate(bins):
-        row: dict[str, list[int]] = {"input_ids": [], "position_ids": [], **{k: [] for k in keys}}
+        row: dict[str, list[int]] = {"input_ids": [], "position_ids": [], "labels": []}
         for item in b:
             for s in items[item]:
                 seq = sequences[s]
@@ -81,8 +81,7 @@ def pack_rows(sequences: list[dict[str, list[int]]], bins: list[list[int]], item
                 places[s] = (r, len(row["input_ids"]), n)
                 row["input_ids"].extend(seq["input_ids"])
                 row["position_ids"].extend(range(n))
-                for k in keys:
-                    row[k].extend([IGNORE_INDEX] + list(seq[k][1:]))
+                row["labels"].extend([IGNORE_INDEX] + list(seq["labels"][1:]))
         rows.append(row)
     return rows, places
 
@@ -98,7 +97,7 @@ def cheapest_rows(lengths: list[int], capacity: int | None, attention: float) ->
     """The bins of :func:`best_fit_decreasing` whose rows cost least (:func:`layout_cost`, each row as wide as the
     widest): of rows of at most ``k`` times the longest item, for every ``k`` up to one row of all (none wider than
     ``capacity``, unless an item is; None: no limit)."""
-    longest = max(lengths)
+    longest, total = max(lengths), sum(lengths)
     best: tuple[float, list[list[int]]] | None = None
     for k in range(1, len(lengths) + 1):
         width = max(longest, min(k * longest, capacity or k * longest))
@@ -106,7 +105,7 @@ def cheapest_rows(lengths: list[int], capacity: int | None, attention: float) ->
         cost = layout_cost([max(sum(lengths[i] for i in b) for b in bins)] * len(bins), attention)
         if best is None or cost < best[0]:
             best = (cost, bins)
-        if capacity is not None and k * longest >= capacity:
+        if width >= min(total, capacity or total):  # wider rows hold the same bins: one row of all, or the limit
             break
     return best[1]
 
@@ -131,7 +130,8 @@ def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[i
         return micro_batch(sequences, pad_id, device, select_logits)
     rows, places = pack_rows(sequences, bins, items)
     batch = micro_batch(rows, pad_id, device, select_logits)
-    lasts = [max((t for t, i in enumerate(seq["input_ids"]) if i != pad_id), default=0) for seq in sequences]
+    lasts = [next((t for t in reversed(range(len(seq["input_ids"]))) if seq["input_ids"][t] != pad_id), 0)
+             for seq in sequences]
     batch.packing = packing_of(places, lasts, batch.inputs, batch.targets.shape, device)
     if segments:
         from hfsdp.model.packed_attention import SEGMENTS
