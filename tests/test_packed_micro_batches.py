@@ -199,6 +199,13 @@ def test_a_micro_batch_is_packed_only_where_its_rows_cost_less(tiny):
                               torch.device("cpu"), False)
     assert batch.packing is not None and batch.inputs["input_ids"].shape == (4, 90)  # 90 | 85 | 60+30 | 20+18+15+12
     assert layout_cost([96] * 4, 5e-3) < layout_cost([90] * 8, 5e-3)
+    # packing.max_len bounds the rows: where attention costs nothing more in a wider row (sdpa one sequence at a
+    # time, flash attention), the cheapest is one row of all; with max_len 96, rows of at most 96
+    samples = [{"input_ids": [7] * n, "labels": [7] * n} for n in lengths]
+    for pack_len, shape in ((0, (1, sum(lengths))), (96, (4, 90))):
+        plain.pack_len, plain.pack_attention = pack_len, 0.0
+        batch = plain.micro_batch(samples, tokenizer.pad_token_id, torch.device("cpu"), False)
+        assert batch.inputs["input_ids"].shape == shape, pack_len
 
 
 def test_two_plugins_that_replace_the_objective_are_refused_naming_both(tmp_path):
