@@ -1,4 +1,7 @@
-"""hfsdp's GRPO against TRL's ``GRPOTrainer``, step by step, on the same completions (issue 35).
+"""hfsdp's GRPO against TRL's ``GRPOTrainer`` (issue 35), and its RLOO against TRL's ``RLOOTrainer`` (issue 52,
+the same comparison: benchmarks/trl_rloo.py), step by step, on the same completions. The objective is the config's:
+``grpo`` or ``rloo`` in its plugins (below, ``grpo`` stands for either; TRL's trainer and config are the matching
+ones).
 
 hfsdp trains first and writes every completion it sampled (``completions.jsonl`` with ``grpo.log_completions``
 large). TRL then trains the same model folder on the same prompts in the same order (hfsdp's plan, read
@@ -19,8 +22,11 @@ adapters disabled as the KL reference. LoRA's A is random: this module, enabled 
 it trains (the output says whether TRL's own seeding had given the same weights; it does on the tiny model, both
 seed with ``train.seed`` before peft draws A). With beta > 0 each step's mean KL of both sides is printed too
 (TRL's is after the bias correction, so with ``use_bias_correction_kl`` and ``num_iterations`` > 1 only a round's
-first step, whose ratio is 1, compares). Every loss, advantage and masking key of the ``grpo`` section
-(``use_bias_correction_kl`` included) goes to ``GRPOConfig`` under the same name (``trl_loss_keys``).
+first step, whose ratio is 1, compares; RLOO's is the mean per-token log-ratio to the reference when sampled, logged
+at a round's first step). Every loss, advantage and masking key of the ``grpo`` section (``use_bias_correction_kl``
+included; RLOO's ``epsilon``, ``normalize_advantages``, ``reward_clip_range``...) goes to ``GRPOConfig`` (or
+``RLOOConfig``) under the same name (``trl_loss_keys``); RLOO's ``beta`` is the one the run uses (TRL's 0.05 by
+default with lora).
 
 ``--speed``: each side generates its own completions (TRL's ``transformers.generate`` path, ``use_vllm=False``;
 hfsdp's seeded sampling), on the same model, prompts in the same order, group size and completion length, ``--rounds``
@@ -94,8 +100,24 @@ def run_hfsdp(config: str, overrides: list[str], out: Path, plugins: list[str]
     return metrics, rounds, initial
 
 
+def objective_of(cfg) -> str:
+    """The online objective the config trains (its plugin's name)."""
+    return "rloo" if "rloo" in cfg.plugins else "grpo"
+
+
+def run_section(cfg):
+    """The objective's section as the run uses it (RLOO's ``beta`` resolved)."""
+    objective = objective_of(cfg)
+    section = cfg.section(objective)
+    if objective == "rloo":
+        from hfsdp.builtin.rloo.schema import resolved_beta
+
+        section = section.model_copy(update={"beta": resolved_beta(section, cfg.plugins)})
+    return section
+
+
 def trl_loss_keys(section) -> dict:
-    """The GRPOConfig values of the grpo section's loss, advantage and masking keys (named as TRL's)."""
+    """The GRPOConfig (RLOOConfig) values of the section's loss, advantage and masking keys (named as TRL's)."""
     from hfsdp.builtin.online.schema import OnlineSection
 
     names = [*(type(section).model_fields.keys() - OnlineSection.model_fields.keys()), "mask_truncated_completions"]
@@ -117,24 +139,25 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
     import datasets
     import torch
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from hfsdp.data import prepare as data
     from hfsdp.model import loading
     from hfsdp.builtin.online.rewards import reward_functions
-    from hfsdp.builtin.grpo.loss import GRPO
+    from hfsdp.builtin.online.sampler import OnlineObjective
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import cache_dir
     from trl_sft import float64_norms, step_times, training_args  # benchmarks/, next to this file
 
-    t, s = cfg.train, cfg.section("grpo")
+    t, s, objective = cfg.train, run_section(cfg), objective_of(cfg)
+    Trainer, Config = (RLOOTrainer, RLOOConfig) if objective == "rloo" else (GRPOTrainer, GRPOConfig)
     path = loading.resolve_model_path(cfg.model.name_or_path, cache_dir())
     tokenizer = loading.load_tokenizer(path, cfg.model)
     raw, _ = data.load_raw(cfg.data, t.seed, host.data_readers(cfg))
     train_set = data.prepare_datasets(cfg, host, tokenizer, cache_dir())[0]
     assert len(train_set) == len(raw), "rows dropped in tokenization: the plans would differ"
-    rewards = reward_functions(cfg, "grpo")
-    plan = GRPO(s, rewards, cfg, tokenizer).batch_plan(train_set, t, 1, None)
+    rewards = reward_functions(cfg, objective)
+    plan = OnlineObjective(s, rewards, cfg, tokenizer).batch_plan(train_set, t, 1, None)
     order = [i for step in range(0, steps, s.num_iterations) for i in plan.rows(step, 0, 0)]
     ordered = datasets.Dataset.from_list([raw[i] for i in order])
     expected_prompts = [prompt_ids(raw[i]["prompt"], tokenizer, cfg.data) for i in order]
@@ -144,22 +167,23 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
                                      "generation_s", "lengths", "kl")}
     losses, grad_norms, times = logged["losses"], logged["grad_norms"], logged["step_times"]
 
-    class InPlanOrder(GRPOTrainer):  # shuffle_dataset=False: TRL's sampler reads the prompts in hfsdp's order
+    class InPlanOrder(Trainer):  # shuffle_dataset=False: TRL's sampler reads the prompts in hfsdp's order
         rounds = 0
 
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+            # GRPO's takes num_generations and returns (completions, logprobs); RLOO's returns the completions
             first = self.rounds * per_round
-            assert [list(p) for p in prompt_ids[::num_generations]] == \
+            assert [list(p) for p in prompt_ids[::s.num_generations]] == \
                 expected_prompts[first:first + per_round], "TRL tokenized the prompts otherwise than hfsdp"
             self.rounds += 1
             if given is not None:
-                return next(given), None
+                return next(given) if objective == "rloo" else (next(given), None)
             started = time.perf_counter()
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                     num_generations, **kwargs)
+            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+            completion_ids = out if objective == "rloo" else out[0]
             logged["generation_s"].append(time.perf_counter() - started)
             logged["lengths"].append(statistics.mean(len(c) for c in completion_ids))
-            return completion_ids, logprobs
+            return out
 
         def _calculate_rewards(self, *args, **kwargs):  # scoring is part of hfsdp's generation_s too
             started = time.perf_counter()
@@ -177,8 +201,10 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "grad_norm" in logs:
                 grad_norms.append(float(logs["grad_norm"]))
-                if "kl" in logs:
+                if "kl" in logs:  # RLOO's: at a round's first step only (None at the others)
                     logged["kl"].append(float(logs["kl"]))
+                elif objective == "rloo":
+                    logged["kl"].append(None)
 
     torch.manual_seed(t.seed)
     model = loading.load_model(path, cfg.model)
@@ -189,7 +215,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
         section = cfg.section("lora")
         peft = lora.peft_config(section, lora.resolved_targets(model, cfg, section))
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
+        args = Config(
             **training_args(t, out, steps), num_generations=s.num_generations,
             max_completion_length=s.max_new_tokens, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, beta=s.beta, num_iterations=s.num_iterations,
@@ -225,7 +251,7 @@ def trained(cfg) -> str:
 
 def compare(cfg, s, ours: list[dict], trl: dict[str, list[float]], steps_asked: int) -> None:
     """Both columns of per-step loss and gradient norm on the same completions, and their largest differences."""
-    print(f"\nGRPO on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
+    print(f"\n{objective_of(cfg).upper()} on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
           f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens), num_iterations {s.num_iterations}, "
           f"lr {cfg.train.learning_rate}, fp32, one process, the same completions, beta {s.beta}, "
           + (trained(cfg) + "; ") + ", ".join(f"{k} {v}" for k, v in sorted(trl_loss_keys(s).items())))
@@ -268,7 +294,10 @@ def compare_kl(s, ours: list[dict], theirs: list[float]) -> float:
     print(f"{'step':>4} {'hfsdp kl':>13} {'TRL kl':>13} {'abs diff':>9} {'rel diff':>9}")
     worst = 0.0
     for step, (m, kl) in enumerate(zip(ours, theirs), start=1):
-        compared = not (s.use_bias_correction_kl and s.num_iterations > 1) or (step - 1) % s.num_iterations == 0
+        if kl is None:  # RLOO's: logged at a round's first step only
+            continue
+        compared = not (getattr(s, "use_bias_correction_kl", False) and s.num_iterations > 1) \
+            or (step - 1) % s.num_iterations == 0
         diff = abs(m["kl"] - kl)
         rel = diff / max(abs(kl), 1e-12)
         worst = max(worst, rel) if compared and diff > ABS_FLOOR else worst
@@ -290,7 +319,8 @@ def speed(cfg, s, rounds: list[tuple[list[dict], dict[str, list[float]]]]) -> No
         rows["TRL"].append((statistics.mean(trl["step_times"][1:]),
                             sum(trl["generation_s"][1:]) / len(trl["step_times"][1:]),
                             statistics.mean(trl["lengths"][1:])))
-    print(f"\nGRPO speed on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} completions per step "
+    print(f"\n{objective_of(cfg).upper()} speed on {cfg.model.name_or_path}: {cfg.train.per_device_batch_size} "
+          "completions per step "
           f"({s.num_generations} per prompt, at most {s.max_new_tokens} tokens, temperature {s.temperature}), "
           f"num_iterations {s.num_iterations}, fp32, one process, each side its own generation; mean over steps "
           f"2.. of each of {len(rounds)} interleaved round(s), then the median")
@@ -306,9 +336,10 @@ def speed(cfg, s, rounds: list[tuple[list[dict], dict[str, list[float]]]]) -> No
           f"{medians['TRL'][1] / medians['hfsdp'][1]:.2f}x per completion token")
 
 
-def main() -> None:
+def main(default_config: str = "grpo") -> None:
+    script = Path(sys.argv[0]).name
     parser = argparse.ArgumentParser()
-    parser.add_argument("config", nargs="?", default="grpo")
+    parser.add_argument("config", nargs="?", default=default_config)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--speed", action="store_true", help="each side its own generation: compare step times")
     parser.add_argument("--rounds", type=int, default=1, help="with --speed: interleaved rounds (median)")
@@ -318,21 +349,23 @@ def main() -> None:
     from hfsdp.config.files import load_config
     from hfsdp.errors import ConfigError
 
-    overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
-                 "data.eval_path=null", "train.log_every=1",
-                 "train.export_final=false", "grpo.log_completions=100000", *args.overrides]
+    fixed = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
+             "data.eval_path=null", "train.log_every=1", "train.export_final=false"]
     try:
+        objective = objective_of(load_config(args.config, [*fixed, *args.overrides])[0])
+        overrides = [*fixed, f"{objective}.log_completions=100000", *args.overrides]
         cfg, host = load_config(args.config, overrides)
     except ConfigError as err:  # e.g. beta > 0 without lora: hfsdp refuses it too
-        raise SystemExit(f"trl_grpo.py: {err}") from None
-    s = cfg.section("grpo")
+        raise SystemExit(f"{script}: {err}") from None
+    s = run_section(cfg)
     if (cfg.train.gradient_accumulation_steps != 1 or cfg.fsdp.mixed_precision != "no"
-            or sorted(cfg.plugins) not in (["grpo"], ["grpo", "lora"])):
-        raise SystemExit("trl_grpo.py compares one process, fp32, plugins [grpo] (full fine-tuning) or [grpo, lora] "
-                         "(LoRA), without accumulation")
+            or sorted(cfg.plugins) not in ([objective], sorted([objective, "lora"]))):
+        raise SystemExit(f"{script} compares one process, fp32, plugins [{objective}] (full fine-tuning) or "
+                         f"[{objective}, lora] (LoRA), without accumulation")
     if s.beta and "lora" not in cfg.plugins:
-        raise SystemExit("trl_grpo.py: beta > 0 needs lora in plugins (hfsdp's KL reference is the base model with "
-                         "LoRA's adapters disabled, as TRL's with a peft_config): --set \"plugins=[grpo, lora]\"")
+        raise SystemExit(f"{script}: beta > 0 needs lora in plugins (hfsdp's KL reference is the base model with "
+                         "LoRA's adapters disabled, as TRL's with a peft_config): "
+                         f"--set \"plugins=[{objective}, lora]\"")
     if args.speed and args.steps < 2:
         raise SystemExit("--speed times steps 2..: give --steps 2 or more")
     results = []

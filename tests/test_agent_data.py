@@ -267,7 +267,7 @@ def test_rewards_receive_each_completion_as_trls_grpo_parses_it(tiny_model_dir, 
 def test_the_tool_call_reward_scores_the_first_parsed_call(tiny_model_dir):
     """GRPO's built-in tool_call reward: 1 where the completion's first parsed call is the row's answer (arguments
     as JSON values, a JSON-text answer too), 0 for another argument, no call, or a malformed one (read as text)."""
-    from hfsdp.builtin.grpo import tool_call
+    from hfsdp.builtin.online.rewards import tool_call
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tok.chat_template = chat_template.resolve("chatml_tools")

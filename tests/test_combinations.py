@@ -55,6 +55,12 @@ GRPO = {"plugins": ["grpo"], "data": {"format": "prompt", "path": str(PRESET_DAT
         "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 3, "log_completions": 2,
                  "rewards": [{"name": "grpo_test_rewards:letters"}]}}
 
+# RLOO (plugin rloo, issue 52) on GRPO's prompts, reward and rounds: full fine-tuning (beta 0 without lora); with
+# LoRA, TRL's default KL penalty in the reward (0.05, towards the adapters' base), the rewards clamped (the letters
+# reward lies in [0, 1]: clamped at 0.95 some differ from 1), the advantages normalised over the batch
+RLOO = {"plugins": ["rloo"], "data": GRPO["data"], "rloo": GRPO["grpo"]}
+LORA_RLOO = {**RLOO, "plugins": ["lora", "rloo"],
+             "rloo": {**GRPO["grpo"], "reward_clip_range": [0.0, 0.95], "normalize_advantages": True}}
 
 # Agent data (issue 57): the bundled tool conversations (tool calls, results, a tools column) under hfsdp's
 # chatml_tools template, in the format the other options chose: SFT rows, DPO pairs (the right call against one naming
@@ -189,6 +195,8 @@ OPTIONS = {
     "qlora_checkpointing": {**LORA, "model": {"quantization": {"bits": 4}}, "fsdp": {"activation_checkpointing": True}},
     "grpo": GRPO,
     **GRPO_LOSS_OPTIONS,
+    "rloo": RLOO,
+    "lora_rloo": LORA_RLOO,
     **PACKED_OPTIONS,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
     # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
@@ -285,11 +293,12 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "checkpointing", "size_wrap",
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
-                          "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", *PACKED_OPTIONS)
+                          "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
+                          *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
-              *PACKED_OPTIONS)
+              "rloo", "lora_rloo", *PACKED_OPTIONS)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -336,8 +345,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    grpo = any("grpo" in option for option in options)
-    assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's loss may be <= 0
+    grpo = any("grpo" in option or "rloo" in option for option in options)  # an online objective
+    assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's and RLOO's loss may be <= 0
                for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
     weights = exported(run)
@@ -377,6 +386,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "grpo_masked" in options:  # every completion cut at max_new_tokens: nothing left to train on
         assert all(len(c["completion_ids"]) == 4 for c in completions(run))
         assert all(loss == 0 and norm == 0 for loss, norm in steps.values()), steps
+    if "lora_rloo" in options:  # the KL penalty: 0 at the first round (the adapters' B is 0), then not
+        kl = [m["kl"] for m in read_metrics(run) if "loss" in m]
+        assert kl[0] == 0 and kl[3] != 0 and all(0 <= m["clip_ratio"] <= 1 for m in read_metrics(run) if "loss" in m)
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -697,6 +709,8 @@ FEATURES = {
     "dpo": {"rows", "loss"},                    # preference rows, two completions a row
     "async_save": {"model_state", "optim_state"},  # checkpoints staged, then written in the background
     "grpo": {"layers", "rows", "loss"},         # generation through every layer, rounds of completions
+    # RLOO's own code is its advantages and loss: its sampling and rounds are GRPO's (the pairs of "grpo")
+    "rloo": {"loss"},
     "muon": {"params", "optim_state"},          # whole-matrix updates of the 2-D weights; AdamW for the rest
     "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
@@ -712,6 +726,8 @@ REFUSED_PAIRS = {
     frozenset(("qlora", "fsdp1")): "QLoRA runs under FSDP2 only",
     frozenset(("async_save", "fsdp1")): "train.async_save: FSDP1's sharded state dict holds ShardedTensors",
     frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("dpo", "rloo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("grpo", "rloo")): "two plugins replace the training objective: grpo, rloo",
     frozenset(("muon", "fsdp1")): "muon cannot run under FSDP1",
     frozenset(("tp2", "fsdp1")): "parallel.tp_size 2 composes with FSDP2 only",
     frozenset(("tp2", "compile")): "torch 2.13 cannot yet trace the split blocks",
@@ -857,7 +873,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools", "grpo_tools",
-                                      *GRPO_LOSS_OPTIONS, *PACKED_OPTIONS)]
+                                      "rloo", "lora_rloo", *GRPO_LOSS_OPTIONS, *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
           + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
@@ -880,7 +896,8 @@ def test_resume_is_exact(runs, resume_cell):
     run, _ = smoke_run(runs, version, world, option)
     resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
     assert_resumed_exactly(resumed, run)
-    if "grpo" in option:  # step 3 trained on the restored round's completions; step 4 sampled the same ones
+    if "grpo" in option or "rloo" in option:  # step 3 trained on the restored round's completions; step 4 sampled
+        # the same ones
         assert completions(resumed) == [c for c in completions(run) if c["step"] == 4]
 
 

@@ -254,7 +254,7 @@ def test_normalize_then_sum_advantages_are_trls(scale):
 
 
 def test_json_fields_is_the_share_of_expected_fields_right():
-    from hfsdp.builtin.grpo import json_fields
+    from hfsdp.builtin.online.rewards import json_fields
 
     answer = '{"name": "Olga Khan", "age": 30, "city": "Nairobi", "job": "chef"}'
     completions = [[{"role": "assistant", "content": answer}],

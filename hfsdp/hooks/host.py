@@ -252,11 +252,13 @@ class PluginHost:
                  same: Callable[[Any], Any] = lambda name: name) -> dict[str, tuple[str, Any]]:
         """Name -> (plugin, value) of what the enabled plugins register through ``hook`` (each returns a dict); a
         name two plugins register (compared as ``same`` makes them) is a ConfigError at ``key``: "{named} '{name}'
-        is {verb} by two plugins"."""
+        is {verb} by two plugins", unless both register the same object (grpo's and rloo's built-in rewards)."""
         found: dict[str, tuple[str, Any]] = {}
         seen: dict[Any, str] = {}
         for plugin, registered in self.call(hook):
             for name, value in registered.items():
+                if same(name) in seen and found[seen[same(name)]][1] is value:
+                    continue
                 if same(name) in seen:
                     first = seen[same(name)]
                     raise ConfigError([(key, f"{named} '{name}' is {verb} by two plugins: '{found[first][0]}' and "

@@ -186,7 +186,7 @@ class GRPO(OnlineObjective):
     def units(self, batch: MicroBatch, completions: int) -> int:
         return batch.num_targets if self.section.loss_type in TOKEN_MEAN_LOSSES else completions
 
-    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int, entries) -> torch.Tensor:
         return advantages_of(rewards, weights, group, self.section.scale_rewards,
                              self.section.multi_objective_aggregation)
 

@@ -1,13 +1,16 @@
 """The reward functions of an online objective, torch-free: offered by the enabled plugins (hook
 ``hfsdp_reward_functions``) or named as ``module:function``, resolved with a message that says how to fix a name
-(:func:`reward_functions`), and what such an objective needs of the config (:func:`online_problems`)."""
+(:func:`reward_functions`), what such an objective needs of the config (:func:`online_problems`), and the reward
+functions hfsdp's online plugins offer (:data:`BUILTIN_REWARDS`)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any, Callable
 
 from hfsdp.builtin.online.schema import OnlineSection
+from hfsdp.builtin.tool_calls import call_of, same_json
 
 
 def installed_rewards(enabled: list[str], plugin: str) -> dict[str, tuple[str, Callable[..., Any]]]:
@@ -83,7 +86,7 @@ def online_problems(config, plugin: str) -> list[tuple[str, str]]:
         problems.append((f"{plugin}.num_generations", f"{section.num_generations} does not divide "
                                                  f"train.per_device_batch_size ({batch}), which counts completions: "
                                                  "a micro-batch holds whole groups; make the batch a multiple of it"))
-    if section.beta > 0 and "lora" not in config.plugins:
+    if (section.beta or 0) > 0 and "lora" not in config.plugins:  # (None: the objective's default)
         problems.append((f"{plugin}.beta", "the KL reference is the base model with the LoRA adapters disabled: add lora "
                                       "to plugins, or set beta: 0 (a frozen copy for full fine-tuning is not built yet)"))
     if config.generation_eval:
@@ -101,3 +104,43 @@ def online_problems(config, plugin: str) -> list[tuple[str, str]]:
         except ValueError as err:
             problems.append((f"{plugin}.rewards[{i}].name", str(err)))
     return problems
+
+
+def _json_object(text: str) -> dict | None:
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        return None
+    try:
+        value = json.loads(text[start:end + 1])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def json_fields(completions: list, answer: list, **kwargs) -> list[float]:
+    """The share of the expected JSON fields (the ``answer`` column: a JSON object) that the completion's JSON object
+    gets right; 0 when it holds none."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        got, want = _json_object(text), json.loads(expected) if isinstance(expected, str) else expected
+        out.append(0.0 if got is None or not want else sum(got.get(k) == v for k, v in want.items()) / len(want))
+    return out
+
+
+def tool_call(completions: list, answer: list, **kwargs) -> list[float]:
+    """1 where the completion's first tool call (the message's ``tool_calls``, as the chat template's response format
+    parses them: :func:`hfsdp.builtin.chat.parse_completion`) is the expected one (the ``answer`` column: ``{name,
+    arguments}``, or a JSON text of it), its name and arguments equal as JSON values; else 0."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        message = completion[-1] if isinstance(completion, list) else {}
+        calls = [c for c in map(call_of, message.get("tool_calls") or []) if c is not None]
+        want = call_of(json.loads(expected) if isinstance(expected, str) else expected)
+        out.append(float(bool(calls) and want is not None and calls[0]["name"] == want["name"]
+                         and same_json(calls[0]["arguments"], want["arguments"])))
+    return out
+
+
+# What the online plugins (grpo, rloo) offer through hfsdp_reward_functions.
+BUILTIN_REWARDS = {"json_fields": json_fields, "tool_call": tool_call}

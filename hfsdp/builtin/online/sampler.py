@@ -8,7 +8,7 @@ reference kept where the objective needs them, the round kept for ``num_iteratio
 checkpointed buffer (:class:`RoundBuffer`), the reward eval, the completions log and the per-token metrics. A
 subclass of :class:`OnlineObjective` says how rewards become advantages (:meth:`OnlineObjective.advantages`), what
 its loss sums over (:meth:`OnlineObjective.units`) and the loss itself (``loss``): GRPO's is
-:class:`hfsdp.builtin.grpo.loss.GRPO`.
+:class:`hfsdp.builtin.grpo.loss.GRPO`, RLOO's :class:`hfsdp.builtin.rloo.loss.RLOO`.
 """
 
 from __future__ import annotations
@@ -243,18 +243,25 @@ class OnlineObjective(Objective):
 
     def without_signal(self, slots: list[dict[str, Any]]) -> bool:
         """Whether a micro-step (``slots``: its entry on each rank) has a zero gradient, so that every rank skips
-        its forward and backward: every completion's advantage is 0 and there is no KL term (``beta`` 0), the loss
-        then being 0 whatever the log-probs."""
+        its forward and backward: every completion's advantage is 0 and there is no KL term in the loss (``beta``
+        0), the loss then being 0 whatever the log-probs."""
         return not self.section.beta and all(a == 0 for slot in slots for a in slot["advantages"])
+
+    def keeps_old_logps(self) -> bool:
+        """Whether the round keeps each completion's per-token log-probs when sampled (``old_logps``): for the
+        ratio of a round's later steps (``num_iterations`` > 1)."""
+        return self.section.num_iterations > 1
 
     def units(self, batch: MicroBatch, completions: int) -> int:
         """What the loss of a micro-batch of ``completions`` sums over (hfsdp divides by the global batch's):
         completions; a loss summed over tokens returns ``batch.num_targets``."""
         return completions
 
-    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int,
+                   entries: list[dict[str, Any]]) -> torch.Tensor:
         """Each completion's advantage from the round's rewards ``[completions, functions]`` (NaN: no reward), the
-        functions' ``weights`` and the ``group`` of completions per prompt (consecutive)."""
+        functions' ``weights`` and the ``group`` of completions per prompt (consecutive); ``entries``: the round's
+        micro-batches in order, with the kept per-token log-probs (``old_logps``, ``ref_logps``) where kept."""
         raise NotImplementedError
 
     def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
@@ -276,7 +283,8 @@ class OnlineObjective(Objective):
         mask = batch.sequence_targets != IGNORE_INDEX
         units = self.units(batch, len(entry["completion_ids"]))
         return GroupBatch(**vars(batch) | {"num_targets": units},
-                          advantages=torch.tensor(entry["advantages"], dtype=torch.float32, device=device),
+                          advantages=(torch.tensor(entry["advantages"], dtype=torch.float32, device=device)
+                                      if "advantages" in entry else None),
                           old_logps=_spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
                           ref_logps=_spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
 
@@ -302,14 +310,26 @@ class OnlineObjective(Objective):
         entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
                     "completion_ids": completions_of[k]} for k, part in enumerate(rows)]
         rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
+        self._keep_logps(model, entries, mine, pad_id, device, select_logits)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
-        advantages = self.advantages(rewards, weights, group)
+        advantages = self.advantages(rewards, weights, group, entries)
         for k, entry in enumerate(entries):
             entry["rewards"] = rewards_of[k]
             entry["advantages"] = advantages[k * per_micro:(k + 1) * per_micro].tolist()
+        self.buffer.round, self.buffer.entries = round_, entries
+        self.buffer.stats = self._round_stats(rewards, entries)
+        self._log_completions(step, dataset, entries)
+
+    def _keep_logps(self, model, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
+                    select_logits: bool) -> None:
+        """The per-token log-probs when sampled (:meth:`keeps_old_logps`) and of the reference (``beta`` > 0) of
+        this rank's entries (``mine``), gathered into every rank's ``entries`` (collective)."""
+        from hfsdp.parallel.world import gather_objects
+
+        s, accelerator = self.section, self.accelerator
         kept = {}
-        if s.num_iterations > 1 or s.beta:  # log-probs when sampled, and of the reference
+        if self.keeps_old_logps() or s.beta:
             was_training = model.training
             model.eval()
             with torch.no_grad():
@@ -317,7 +337,7 @@ class OnlineObjective(Objective):
                     batch = self._batch(entries[k], pad_id, device, select_logits)
                     mask = batch.sequence_targets != IGNORE_INDEX
                     kept[k] = {}
-                    if s.num_iterations > 1:
+                    if self.keeps_old_logps():
                         kept[k]["old_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
                     if s.beta:
                         with adapters_disabled(self.unwrapped):
@@ -327,9 +347,6 @@ class OnlineObjective(Objective):
             for part in gather_objects(accelerator, kept):
                 for k, values in part.items():
                     entries[k].update(values)
-        self.buffer.round, self.buffer.entries = round_, entries
-        self.buffer.stats = self._round_stats(rewards, entries)
-        self._log_completions(step, dataset, entries)
 
     def _eos_ids(self) -> list[int]:
         """The token ids that end a completion: the model's generation config's, else the tokenizer's EOS."""
