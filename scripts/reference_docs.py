@@ -20,7 +20,8 @@ DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
 PACKAGES = ["config", "disk", "hooks", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
             "run/sharded", "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
-            "builtin/rloo", "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/online",
+            "builtin/rloo", "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
+            "builtin/online",
             "builtin/reference_model"]
 FLOW = """\
 # Architecture

@@ -15,7 +15,8 @@ OBJECTIVE_FORMATS = {
     "preference": ("preference rows train a preference objective", ("dpo", "orpo", "simpo", "reward_model")),
     "unpaired": ("unpaired rows (a completion labelled desirable or not) train an unpaired preference objective",
                  ("kto",)),
-    "prompt": ("prompt rows (without answers) train an objective that generates the completions", ("grpo", "rloo")),
+    "prompt": ("prompt rows (without answers) train an objective that generates the completions",
+               ("grpo", "rloo", "distill_online")),
 }
 
 

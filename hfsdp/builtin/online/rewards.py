@@ -72,10 +72,10 @@ def reward_functions(config, plugin: str) -> list[tuple[str, str, Callable[..., 
     return out
 
 
-def online_problems(config, plugin: str) -> list[tuple[str, str]]:
+def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tuple[str, str]]:
     """What an online objective (``plugin``'s section, an :class:`OnlineSection`) needs of the config: prompt rows,
-    whole groups per micro-batch, lora for the KL reference, no generation eval or grouping, and reward
-    functions that resolve."""
+    whole groups per micro-batch, lora for the KL reference (``kl_reference``: its ``beta`` weighs a KL to the
+    base), no generation eval or grouping, and reward functions that resolve."""
     section: OnlineSection = config.section(plugin)
     problems = []
     if config.data.format != "prompt":
@@ -86,7 +86,7 @@ def online_problems(config, plugin: str) -> list[tuple[str, str]]:
         problems.append((f"{plugin}.num_generations", f"{section.num_generations} does not divide "
                                                  f"train.per_device_batch_size ({batch}), which counts completions: "
                                                  "a micro-batch holds whole groups; make the batch a multiple of it"))
-    if (section.beta or 0) > 0 and "lora" not in config.plugins:  # (None: the objective's default)
+    if kl_reference and (section.beta or 0) > 0 and "lora" not in config.plugins:  # (None: the objective's default)
         problems.append((f"{plugin}.beta", "the KL reference is the base model with the LoRA adapters disabled: add lora "
                                       "to plugins, or set beta: 0 (a frozen copy for full fine-tuning is not built yet)"))
     if config.generation_eval:

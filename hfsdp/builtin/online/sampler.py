@@ -252,6 +252,11 @@ class OnlineObjective(Objective):
         ratio of a round's later steps (``num_iterations`` > 1)."""
         return self.section.num_iterations > 1
 
+    def keeps_ref_logps(self) -> bool:
+        """Whether the round keeps the reference's per-token log-probs (``ref_logps``: the base, LoRA's adapters
+        disabled): for the KL to it (``beta`` > 0)."""
+        return bool(self.section.beta)
+
     def units(self, batch: MicroBatch, completions: int) -> int:
         """What the loss of a micro-batch of ``completions`` sums over (hfsdp divides by the global batch's):
         completions; a loss summed over tokens returns ``batch.num_targets``."""
@@ -329,7 +334,7 @@ class OnlineObjective(Objective):
 
         s, accelerator = self.section, self.accelerator
         kept = {}
-        if self.keeps_old_logps() or s.beta:
+        if self.keeps_old_logps() or self.keeps_ref_logps():
             was_training = model.training
             model.eval()
             with torch.no_grad():
@@ -339,7 +344,7 @@ class OnlineObjective(Objective):
                     kept[k] = {}
                     if self.keeps_old_logps():
                         kept[k]["old_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
-                    if s.beta:
+                    if self.keeps_ref_logps():
                         with adapters_disabled(self.unwrapped):
                             kept[k]["ref_logps"] = _per_row(token_logps(model, batch, s.temperature)[0], mask)
             model.train(was_training)
@@ -404,9 +409,11 @@ class OnlineObjective(Objective):
 
     def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
         """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
-        went wrong."""
-        kwargs = self._reward_inputs(dataset, entry, group)
+        went wrong (an objective without reward functions: an empty list per completion)."""
         count = len(entry["completion_ids"])
+        if not self.rewards:
+            return [[] for _ in range(count)]
+        kwargs = self._reward_inputs(dataset, entry, group)
         columns = []
         for name, source, fn, _ in self.rewards:
             where = f"{self.name} reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
@@ -459,6 +466,8 @@ class OnlineObjective(Objective):
         return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}
 
     def _reward_stats(self, rewards: torch.Tensor) -> dict[str, float]:
+        if not self.rewards:
+            return {}
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
         total = (rewards * weights[None]).nansum(1)
         total[torch.isnan(rewards).all(1)] = math.nan

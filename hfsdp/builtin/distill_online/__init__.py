@@ -1,0 +1,65 @@
+"""Plugin ``distill_online``: on-policy distillation as TRL 1.16's ``DistillationTrainer`` (the student samples
+completions of ``prompt`` rows and a frozen teacher scores every token of them; the loss is the generalized
+Jensen-Shannon divergence between the two next-token distributions at the sampled positions, ``beta`` 0 forward KL,
+1 reverse KL). Enable with ``plugins: [distill_online]`` and ``data.format: prompt``. Config section
+``distill_online:``: :class:`DistillOnlineSection` (``hfsdp config-reference distill_online``). Sampling, rounds and
+the completions log are the online objectives' (:mod:`hfsdp.builtin.online.sampler`: the same completions on any
+world size and after a resume); the teacher is ``distill``'s (:mod:`hfsdp.builtin.distill.teacher`: frozen, sharded
+over the ranks); the loss: :mod:`hfsdp.builtin.distill_online.loss`. Reward functions are optional: named, they
+score the completions for the metrics and ``eval_reward``, not the loss. ``distill`` is the off-policy one (GKD at
+``lmbda`` 0, on labelled tokens).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from hfsdp import hookimpl
+from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
+from hfsdp.builtin.online.schema import OnlineSection, RewardSpec
+
+
+class DistillOnlineSection(OnlineSection):
+    teacher: str = Field(..., description="the teacher: a Hugging Face folder or a built-in model name, with the "
+                                          "student's tokenizer and vocabulary (loaded frozen, in model.dtype)")
+    beta: float = Field(1.0, ge=0.0, le=1.0, description="TRL's: the divergence, 0 forward KL(teacher || student), 1 "
+                                                         "reverse KL(student || teacher), between: the generalized "
+                                                         "JSD of that teacher weight (not a KL to a reference)")
+    num_generations: int = Field(1, ge=1, description="completions sampled per prompt (TRL's: 1); divides "
+                                                      "train.per_device_batch_size")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature, and both models' logits are divided by "
+                                                      "it before the divergence (TRL's one key)")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="optional: reward functions that score the "
+                                                                        "completions for the metrics and eval_reward "
+                                                                        "(not part of the loss)")
+
+    @model_validator(mode="after")
+    def _has_rewards(self):  # (OnlineSection's check, replaced: rewards are optional here)
+        return self
+
+
+@hookimpl
+def hfsdp_config_section():
+    return "distill_online", DistillOnlineSection
+
+
+@hookimpl
+def hfsdp_reward_functions():
+    return dict(BUILTIN_REWARDS)
+
+
+@hookimpl
+def hfsdp_validate_config(config):
+    problems = online_problems(config, "distill_online", kl_reference=False)
+    if "lora" in config.plugins:
+        problems.append(("plugins", "distill_online is not combined with lora yet (the teacher would be sharded "
+                                    "beside a peft model): remove lora from plugins"))
+    return problems
+
+
+@hookimpl
+def hfsdp_objective(config, tokenizer, cache_dir):
+    from hfsdp.builtin.distill_online.loss import DistillOnline
+
+    return DistillOnline(config.section("distill_online"), reward_functions(config, "distill_online"), config,
+                         tokenizer, cache_dir)

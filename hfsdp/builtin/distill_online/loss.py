@@ -1,0 +1,111 @@
+"""The objective of plugin ``distill_online`` (:mod:`hfsdp.builtin.distill_online`): on-policy distillation as TRL
+1.16's ``DistillationTrainer``.
+
+Each round (``num_iterations`` steps, 1 by default as TRL's) the student samples ``num_generations`` completions of
+each of the step's prompts on the online objectives' sampler (seeded per completion: the same on any world size);
+each step the teacher (:class:`hfsdp.builtin.distill.teacher.Teacher`, frozen, sharded) and the student run on the
+same prompt + completion rows, and the loss is the generalized JSD of their next-token distributions (both logits
+divided by ``temperature``; :func:`hfsdp.builtin.distill.loss.divergence_sum`, TRL's divergence) summed over the
+completions' tokens and divided by the global batch's (TRL's ``num_items_in_batch`` reduction of its chunked
+divergence). No advantages, no reference, no ratio: every micro-step trains. Metrics: ``distill/divergence`` and the
+student's ``entropy`` per completion token, the completions' length, and the rewards where functions are named. The
+eval samples ``num_generations_eval`` completions of each eval prompt as GRPO's does and reports their divergence
+per token (``eval_loss``) and, with reward functions, ``eval_reward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.distill.loss import divergence_sum
+from hfsdp.builtin.distill.teacher import Teacher
+from hfsdp.builtin.online.sampler import EVAL_ROUND, OnlineObjective, sample_seed
+from hfsdp.data.batches import MicroBatch, reshard
+
+
+class DistillOnline(OnlineObjective):
+    name = "distill_online"
+    progress_metrics = ("distill/divergence",)
+
+    def __init__(self, section, rewards, config, tokenizer, cache_dir):
+        super().__init__(section, rewards, config, tokenizer)
+        self.teacher = Teacher(section.teacher, "distill_online.teacher", config, tokenizer, cache_dir)
+
+    def frozen_models(self):
+        return [self.teacher.frozen_model()]
+
+    def batch_plan(self, dataset, train_config, world_size, mixture):
+        self.teacher.check()  # before any weight loads
+        return super().batch_plan(dataset, train_config, world_size, mixture)
+
+    def prepare(self, model, accelerator, splits, cache_dir, model_path):
+        splits = super().prepare(model, accelerator, splits, cache_dir, model_path)
+        self.teacher.load(accelerator, self.pack_segments)
+        return splits
+
+    def keeps_ref_logps(self) -> bool:
+        return False  # beta chooses the divergence here: there is no reference
+
+    def without_signal(self, slots) -> bool:
+        return False  # no advantages: every completion is trained on
+
+    def units(self, batch: MicroBatch, completions: int) -> int:
+        return batch.num_targets  # the global batch's completion tokens
+
+    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int, entries) -> torch.Tensor:
+        return torch.zeros(rewards.size(0))
+
+    def divergence(self, model, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed divergence over the batch's labelled tokens, the student's summed entropy there)."""
+        s = self.section
+        teacher = self.teacher.logits(batch)
+        logits = model(**batch.inputs).logits
+        with torch.no_grad():
+            scaled = logits.float() / s.temperature
+            entropy = torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
+            entropy = entropy[batch.targets != IGNORE_INDEX].sum()
+            del scaled
+        return divergence_sum(logits, teacher, batch.targets, s.beta, s.temperature), entropy
+
+    def loss(self, model, batch: MicroBatch) -> torch.Tensor:
+        divergence, entropy = self.divergence(model, batch)
+        self._add("tokens", (batch.targets != IGNORE_INDEX).sum())
+        self._add("distill/divergence", divergence)
+        self._add("entropy", entropy)
+        return divergence
+
+    def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
+        """``eval_loss``: the divergence per token of ``num_generations_eval`` completions of every eval prompt,
+        sampled as GRPO's eval samples them; ``eval_reward`` with reward functions. Each rank samples its share of
+        the prompts and runs one forward of the student and the teacher over them (a rank without prompts: one
+        padding row, in step)."""
+        from hfsdp.builtin.online.sampler import prompt_completion_batch
+        from hfsdp.parallel.world import all_sum
+
+        world, rank = accelerator.num_processes, accelerator.process_index
+        group = self.section.num_generations_eval or self.section.num_generations
+        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        mine = list(range(rank, len(dataset), world))
+        seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in mine for j in range(group)]
+        sampled = self._sample([prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
+                               width=max(map(len, prompts)), model=model)
+        results = {}
+        if self.rewards:
+            scores = self._gathered_scores(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1)
+                                                                                                  * group]}
+                                                     for n, i in enumerate(mine)}, group)
+            rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
+            results = {f"eval_{k}": v for k, v in self._reward_stats(rewards).items() if not k.endswith("std")}
+        rows = [prompts[p] for p in mine for _ in range(group)] or [[pad_id]]
+        completions = sampled or [[pad_id]]
+        labelled = [bool(sampled)] * len(rows)  # the padding row: nothing labelled
+        batch = prompt_completion_batch(rows, completions, pad_id, accelerator.device, select_logits, labelled)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            divergence, _ = self.divergence(model, batch)
+        model.train(was_training)
+        reshard(model)
+        total, tokens = all_sum(accelerator, [float(divergence), float((batch.targets != IGNORE_INDEX).sum())])
+        return {**results, "eval_loss": total / tokens if tokens else float("nan"), "eval_tokens": int(tokens)}
