@@ -146,6 +146,15 @@ def distill(sections: dict) -> dict:
         "teacher": str(tiny_teacher_folder()), "loss": "jsd", "alpha": 0.5, "temperature": 2.0}})
 
 
+# On-policy distillation (plugin distill_online, issue 52) on GRPO's prompts: the student samples, the frozen teacher
+# (another seed of the tiny model, sharded over the ranks) scores every token, the JSD of beta 0.5; 3 steps a round
+# (TRL's is 1), so that the step-2 checkpoint is inside a round; lmbda 0.5 (seed 7's draws: the first round sampled,
+# the second on the rows' own answers)
+DISTILL_ONLINE = {"plugins": ["distill_online"], "data": GRPO["data"], "distill_online": {
+    "teacher": str(tiny_teacher_folder()), "beta": 0.5, "max_new_tokens": 4, "num_iterations": 3, "log_completions": 2,
+    "lmbda": 0.5, "completion_column": "answer"}}
+
+
 # Packing for every objective (issue 51): each objective's micro-batches packed (the only scope of preference,
 # unpaired and prompt rows; distillation's token rows with scope micro_batch), a pair's two sequences in one row,
 # against the option unpacked (PACKED_FROM: the same rows each step). packing_dpo and packing_grpo are the pairs
@@ -197,6 +206,7 @@ OPTIONS = {
     **GRPO_LOSS_OPTIONS,
     "rloo": RLOO,
     "lora_rloo": LORA_RLOO,
+    "distill_online": DISTILL_ONLINE,
     **PACKED_OPTIONS,
     # train.optimizer: Muon (whole-matrix Newton-Schulz on FSDP2's shards), schedule-free AdamW (its averaged
     # weights evaluated, checkpointed and exported), 8-bit AdamW (its moments quantized in one process's blocks on
@@ -294,11 +304,11 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          *PACKED_OPTIONS)
+                          "distill_online", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
-              "rloo", "lora_rloo", *PACKED_OPTIONS)
+              "rloo", "lora_rloo", "distill_online", *PACKED_OPTIONS)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -345,7 +355,7 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    grpo = any("grpo" in option or "rloo" in option for option in options)  # an online objective
+    grpo = any(name in option for option in options for name in ("grpo", "rloo", "distill_online"))  # online
     assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's and RLOO's loss may be <= 0
                for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -389,6 +399,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "lora_rloo" in options:  # the KL penalty: 0 at the first round (the adapters' B is 0), then not
         kl = [m["kl"] for m in read_metrics(run) if "loss" in m]
         assert kl[0] == 0 and kl[3] != 0 and all(0 <= m["clip_ratio"] <= 1 for m in read_metrics(run) if "loss" in m)
+    if "distill_online" in options:  # lmbda 0.5: the first round sampled, the second the rows' answers (JSON)
+        assert [m["on_policy"] for m in read_metrics(run) if "loss" in m] == [1, 1, 1, 0]
+        assert [c["completion"].startswith('{"name"') for c in completions(run)] == [False, False, True, True]
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -711,6 +724,8 @@ FEATURES = {
     "grpo": {"layers", "rows", "loss"},         # generation through every layer, rounds of completions
     # RLOO's own code is its advantages and loss: its sampling and rounds are GRPO's (the pairs of "grpo")
     "rloo": {"loss"},
+    # on-policy distillation's own code is its loss (a teacher's, distill's): its sampling is GRPO's
+    "distill_online": {"loss"},
     "muon": {"params", "optim_state"},          # whole-matrix updates of the 2-D weights; AdamW for the rest
     "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
@@ -728,6 +743,13 @@ REFUSED_PAIRS = {
     frozenset(("dpo", "grpo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
     frozenset(("dpo", "rloo")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
     frozenset(("grpo", "rloo")): "two plugins replace the training objective: grpo, rloo",
+    frozenset(("dpo", "distill_online")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("grpo", "distill_online")): "two plugins replace the training objective: grpo, distill_online",
+    frozenset(("rloo", "distill_online")): "two plugins replace the training objective: rloo, distill_online",
+    frozenset(("lora", "distill_online")): "distill_online is not combined with lora yet",
+    frozenset(("qlora", "distill_online")): "distill_online is not combined with lora yet",
+    frozenset(("tp2", "distill_online")): "(a plugin's objective) is not composed with tensor parallelism yet",
+    frozenset(("tp2", "rloo")): "(a plugin's objective) is not composed with tensor parallelism yet",
     frozenset(("muon", "fsdp1")): "muon cannot run under FSDP1",
     frozenset(("tp2", "fsdp1")): "parallel.tp_size 2 composes with FSDP2 only",
     frozenset(("tp2", "compile")): "torch 2.13 cannot yet trace the split blocks",
@@ -873,7 +895,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools", "grpo_tools",
-                                      "rloo", "lora_rloo", *GRPO_LOSS_OPTIONS, *PACKED_OPTIONS)]
+                                      "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
+                                      *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
           + [(1, 2, "schedule_free")]
           + [(2, 2, "qlora"), (2, 1, "qlora_checkpointing")])  # 2 ranks: test_pair_resumes_exactly[checkpointing+qlora]
@@ -896,8 +919,8 @@ def test_resume_is_exact(runs, resume_cell):
     run, _ = smoke_run(runs, version, world, option)
     resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
     assert_resumed_exactly(resumed, run)
-    if "grpo" in option or "rloo" in option:  # step 3 trained on the restored round's completions; step 4 sampled
-        # the same ones
+    if any(name in option for name in ("grpo", "rloo", "distill_online")):  # step 3 trained on the restored
+        # round's completions; step 4 sampled the same ones
         assert completions(resumed) == [c for c in completions(run) if c["step"] == 4]
 
 

@@ -1,7 +1,8 @@
 """Plugin ``distill_online``: on-policy distillation as TRL 1.16's ``DistillationTrainer`` (the student samples
 completions of ``prompt`` rows and a frozen teacher scores every token of them; the loss is the generalized
 Jensen-Shannon divergence between the two next-token distributions at the sampled positions, ``beta`` 0 forward KL,
-1 reverse KL). Enable with ``plugins: [distill_online]`` and ``data.format: prompt``. Config section
+1 reverse KL), with GKD's ``lmbda``: the share of rounds the student samples, the others training on the rows' own
+completions. Enable with ``plugins: [distill_online]`` and ``data.format: prompt``. Config section
 ``distill_online:``: :class:`DistillOnlineSection` (``hfsdp config-reference distill_online``). Sampling, rounds and
 the completions log are the online objectives' (:mod:`hfsdp.builtin.online.sampler`: the same completions on any
 world size and after a resume); the teacher is ``distill``'s (:mod:`hfsdp.builtin.distill.teacher`: frozen, sharded
@@ -29,6 +30,12 @@ class DistillOnlineSection(OnlineSection):
                                                       "train.per_device_batch_size")
     temperature: float = Field(1.0, gt=0, description="sampling temperature, and both models' logits are divided by "
                                                       "it before the divergence (TRL's one key)")
+    lmbda: float = Field(1.0, ge=0.0, le=1.0, description="the share of rounds whose completions the student "
+                                                          "samples (GKD's lmbda, drawn per round from the seed; 1: "
+                                                          "every round, as TRL's DistillationTrainer); the other "
+                                                          "rounds train on the rows' own completion_column")
+    completion_column: str = Field("completion", description="with lmbda < 1: the prompt rows' column holding their "
+                                                             "own completion (a text: the assistant's reply)")
     rewards: list[RewardSpec] = Field(default_factory=list, description="optional: reward functions that score the "
                                                                         "completions for the metrics and eval_reward "
                                                                         "(not part of the loss)")

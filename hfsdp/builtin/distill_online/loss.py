@@ -2,7 +2,11 @@
 1.16's ``DistillationTrainer``.
 
 Each round (``num_iterations`` steps, 1 by default as TRL's) the student samples ``num_generations`` completions of
-each of the step's prompts on the online objectives' sampler (seeded per completion: the same on any world size);
+each of the step's prompts on the online objectives' sampler (seeded per completion: the same on any world size),
+or, with ``lmbda`` < 1, in a round drawn off-policy (:meth:`DistillOnline.samples_round`: a draw from the seed and
+the round, under ``lmbda`` samples; the same on every rank and after a resume), trains on each row's own completion
+(``completion_column``: the assistant reply rendered after the prompt by the chat template, up to its first EOS and
+``max_new_tokens``; GKD's off-policy rounds). The round's ``on_policy`` metric says which;
 each step the teacher (:class:`hfsdp.builtin.distill.teacher.Teacher`, frozen, sharded) and the student run on the
 same prompt + completion rows, and the loss is the generalized JSD of their next-token distributions (both logits
 divided by ``temperature``; :func:`hfsdp.builtin.distill.loss.divergence_sum`, TRL's divergence) summed over the
@@ -15,13 +19,17 @@ per token (``eval_loss``) and, with reward functions, ``eval_reward``.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.distill.loss import divergence_sum
 from hfsdp.builtin.distill.teacher import Teacher
 from hfsdp.builtin.online.sampler import EVAL_ROUND, OnlineObjective, sample_seed
+from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import MicroBatch, reshard
+from hfsdp.errors import UserError
 
 
 class DistillOnline(OnlineObjective):
@@ -31,13 +39,58 @@ class DistillOnline(OnlineObjective):
     def __init__(self, section, rewards, config, tokenizer, cache_dir):
         super().__init__(section, rewards, config, tokenizer)
         self.teacher = Teacher(section.teacher, "distill_online.teacher", config, tokenizer, cache_dir)
+        self._given: dict[int, list[int]] = {}  # row -> its own completion's token ids (rounds that do not sample)
 
     def frozen_models(self):
         return [self.teacher.frozen_model()]
 
     def batch_plan(self, dataset, train_config, world_size, mixture):
         self.teacher.check()  # before any weight loads
+        if self.section.lmbda < 1:  # every row has its own completion (before any weight loads)
+            column = self.section.completion_column
+            for i in range(len(dataset)):
+                value = json.loads(dataset[i][ROW_COLUMN]).get(column)
+                if not isinstance(value, str) or not value:
+                    raise UserError(f"distill_online.lmbda {self.section.lmbda:g} trains some rounds on the rows' own "
+                                    f"completions, but training row {i} (counting from 0) has no text in column "
+                                    f"'{column}': set distill_online.completion_column to the column holding them, "
+                                    "or lmbda: 1")
         return super().batch_plan(dataset, train_config, world_size, mixture)
+
+    def samples_round(self, round_: int) -> bool:
+        """Under ``lmbda``: a draw in [0, 1) from (seed, round), the same on every rank and after a resume."""
+        draw = sample_seed("distill_online-lmbda", self.config.train.seed, round_, 0, 0) / 2 ** 63
+        return draw < self.section.lmbda
+
+    def given_completions(self, dataset, row: int, group: int) -> list[list[int]]:
+        if row not in self._given:
+            self._given[row] = self._own_completion(dataset, row)
+        return [self._given[row]] * group
+
+    def _own_completion(self, dataset, row: int) -> list[int]:
+        """Row ``row``'s ``completion_column`` as the tokens the chat template puts after its prompt (a text prompt:
+        the text's tokens), up to and including the first EOS, at most ``max_new_tokens``."""
+        from hfsdp.builtin.chat import chat_ids, conversation
+
+        raw = json.loads(dataset[row][ROW_COLUMN])
+        prompt, text = raw["prompt"], raw[self.section.completion_column]
+        prompt_ids = list(dataset[row]["input_ids"])
+        if isinstance(prompt, list):
+            full = chat_ids(conversation([*prompt, {"role": "assistant", "content": text}], self.config.data),
+                            self.tokenizer)
+            if full[:len(prompt_ids)] != prompt_ids:
+                raise UserError(f"distill_online: the chat template renders training row {row}'s prompt otherwise "
+                                "with its completion after it than alone, so its completion's tokens cannot be "
+                                "told apart: use text prompts, or lmbda: 1")
+            ids = full[len(prompt_ids):]
+        else:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [self._eos_ids()[0]]
+        eos = set(self._eos_ids())
+        end = next((n + 1 for n, token in enumerate(ids) if token in eos), len(ids))
+        return ids[:min(end, self.section.max_new_tokens)]
+
+    def _round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
+        return {**super()._round_stats(rewards, entries), "on_policy": float(self.samples_round(self.buffer.round))}
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         splits = super().prepare(model, accelerator, splits, cache_dir, model_path)

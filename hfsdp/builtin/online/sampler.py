@@ -252,6 +252,15 @@ class OnlineObjective(Objective):
         ratio of a round's later steps (``num_iterations`` > 1)."""
         return self.section.num_iterations > 1
 
+    def samples_round(self, round_: int) -> bool:
+        """Whether round ``round_``'s completions are sampled (else :meth:`given_completions`); the same on every
+        rank, a function of the seed and the round."""
+        return True
+
+    def given_completions(self, dataset, row: int, group: int) -> list[list[int]]:
+        """The ``group`` completions of dataset row ``row`` in a round that does not sample."""
+        raise NotImplementedError
+
     def keeps_ref_logps(self) -> bool:
         """Whether the round keeps the reference's per-token log-probs (``ref_logps``: the base, LoRA's adapters
         disabled): for the KL to it (``beta`` > 0)."""
@@ -307,8 +316,11 @@ class OnlineObjective(Objective):
         mine = [k for k, (m, r) in enumerate(slots) if r == rank]
         positions = [k * per_slot + q for k in mine for q in range(per_slot)]  # my prompts' places in the round
         seeds = [sample_seed(self.name, self.config.train.seed, round_, p, j) for p in positions for j in range(group)]
-        sampled = self._sample([prompts[p] for p in positions for _ in range(group)], seeds, pad_id,
-                               width=max(map(len, prompts)), model=model)
+        if self.samples_round(round_):
+            sampled = self._sample([prompts[p] for p in positions for _ in range(group)], seeds, pad_id,
+                                   width=max(map(len, prompts)), model=model)
+        else:  # the rows' own completions (the same decision on every rank: none samples)
+            sampled = [c for k in mine for i in rows[k] for c in self.given_completions(dataset, i, group)]
         per_micro = per_slot * group
         completions_of = {k: v for part in gather_objects(accelerator, {
             k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(mine)}) for k, v in part.items()}
