@@ -225,9 +225,9 @@ def hfsdp_objective(config, tokenizer, cache_dir):
 
 @hookspec
 def hfsdp_reward_functions():
-    """Offer reward functions to ``grpo`` (and any plugin that scores completions): return ``{name: function}`` or
-    None. ``grpo.rewards`` names them (a name two enabled plugins offer is a config error; ``module:function``
-    names any importable function without a plugin).
+    """Offer reward functions to ``grpo``, ``rloo`` and ``distill_online`` (any plugin that scores completions):
+    return ``{name: function}`` or None. ``grpo.rewards`` names them (a name two enabled plugins offer, as other
+    functions, is a config error; ``module:function`` names any importable function without a plugin).
 
     The calling convention is TRL's ``GRPOTrainer``'s, so reward code written for it runs unchanged:
     ``function(prompts=..., completions=..., completion_ids=..., **columns)``, one list entry per completion:
