@@ -340,8 +340,9 @@ class OnlineObjective(Objective):
 
     def _keep_logps(self, model, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
                     select_logits: bool) -> None:
-        """The per-token log-probs when sampled (:meth:`keeps_old_logps`) and of the reference (``beta`` > 0) of
-        this rank's entries (``mine``), gathered into every rank's ``entries`` (collective)."""
+        """The per-token log-probs when sampled (:meth:`keeps_old_logps`) and of the reference
+        (:meth:`keeps_ref_logps`) of this rank's entries (``mine``), gathered into every rank's ``entries``
+        (collective)."""
         from hfsdp.parallel.world import gather_objects
 
         s, accelerator = self.section, self.accelerator
