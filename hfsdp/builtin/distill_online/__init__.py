@@ -28,6 +28,7 @@ class DistillOnlineSection(OnlineSection):
                                                          "JSD of that teacher weight (not a KL to a reference)")
     num_generations: int = Field(1, ge=1, description="completions sampled per prompt (TRL's: 1); divides "
                                                       "train.per_device_batch_size")
+    num_iterations: int = Field(1, ge=1, description="optimizer steps on each round's completions (TRL's: 1)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature, and both models' logits are divided by "
                                                       "it before the divergence (TRL's one key)")
     lmbda: float = Field(1.0, ge=0.0, le=1.0, description="the share of rounds whose completions the student "
