@@ -15,6 +15,11 @@ completions (``distill_online``) reach a better held-out task score than the one
    (the share of the four expected fields right) and exact match of the JSON object.
 
     python benchmarks/distill_online.py [--teacher-steps 20] [--warm-steps 40] [--seconds 240] [--lmbda 1.0]
+    python benchmarks/distill_online.py --student smollm2-135m-instruct --warm-steps 0 --lr 2e-5
+
+``--student``: another student than the presets' shrunk one (``--warm-steps 0``: no warm start, the student as it
+is, e.g. the un-tuned SmolLM2-135M-Instruct taught by its fine-tuned copy); ``--lr``: both ways' learning rate
+(default: the presets', 3e-3, for the shrunk student).
 
 One process; prints each stage's time and both scores.
 """
@@ -77,6 +82,8 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=240.0, help="each way's training budget")
     parser.add_argument("--lmbda", type=float, default=1.0, help="distill_online.lmbda")
+    parser.add_argument("--student", default=None, help="the student (default: the presets' smollm2-tiny)")
+    parser.add_argument("--lr", type=float, default=None, help="both ways' train.learning_rate")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -84,16 +91,26 @@ def main() -> None:
         teacher = root / "teacher" / "final"
         print(f"teacher: SmolLM2-135M-Instruct fine-tuned {args.teacher_steps} steps in {teacher_s:.0f} s: "
               f"{score(teacher)}")
-        _, warm_s = train("distill", root / "warm", args.warm_steps, [f"distill.teacher={teacher}"])
-        warm = root / "warm" / "final"
-        print(f"student warm start: distilled off-policy {args.warm_steps} steps in {warm_s:.0f} s: {score(warm)}")
+        student = [f"model.name_or_path={args.student}"] if args.student else []
+        if args.warm_steps:
+            _, warm_s = train("distill", root / "warm", args.warm_steps, [f"distill.teacher={teacher}", *student])
+            warm = str(root / "warm" / "final")
+            print(f"student warm start: distilled off-policy {args.warm_steps} steps in {warm_s:.0f} s: "
+                  f"{score(Path(warm))}")
+        else:
+            from hfsdp.cli import cache_dir
+            from hfsdp.model.loading import resolve_model_path
+
+            warm = resolve_model_path(args.student or "smollm2-tiny", cache_dir())
+            print(f"student {args.student or 'smollm2-tiny'} as it is: {score(Path(warm))}")
         ways = {"off-policy (distill)": ("distill", [f"distill.teacher={teacher}"]),
                 f"on-policy (distill_online, lmbda {args.lmbda:g})": (
                     "distill-online", [f"distill_online.teacher={teacher}", f"distill_online.lmbda={args.lmbda}",
                                        "distill_online.completion_column=answer", "data.eval_path=null"])}
         results = {}
         for name, (preset, keys) in ways.items():
-            keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys]
+            keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys,
+                    *([f"train.learning_rate={args.lr}"] if args.lr else [])]
             probe, _ = train(preset, root / "probe", 3, keys)
             steps = max(int(args.seconds / step_s(probe)), 1)
             metrics, wall = train(preset, root / name.split()[0], steps, keys)
