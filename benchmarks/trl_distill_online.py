@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trl_grpo import ABS_FLOOR, run_hfsdp  # benchmarks/, next to this file
+from trl_grpo import ABS_FLOOR, run_hfsdp, speed  # benchmarks/, next to this file
 
 PLUGIN = "distill_online"
 
@@ -130,28 +130,6 @@ def compare(cfg, ours: list[dict], trl: dict[str, list[float]], steps_asked: int
           f"{worst_norm:.2e} relative (target 1e-5): {'MET' if met else 'NOT MET'}")
 
 
-def speed(cfg, rounds: list[tuple[list[dict], dict[str, list[float]]]]) -> None:
-    rows = {"hfsdp": [], "TRL": []}
-    for ours, trl in rounds:
-        timed = ours[1:]
-        rows["hfsdp"].append((statistics.mean(m["step_time_s"] for m in timed),
-                              statistics.mean(m["generation_s"] for m in timed),
-                              statistics.mean(m["completion_length"] for m in timed)))
-        rows["TRL"].append((statistics.mean(trl["step_times"][1:]), statistics.mean(trl["generation_s"][1:]),
-                            statistics.mean(trl["lengths"][1:])))
-    print(f"\nOn-policy distillation speed, {cfg.model.name_or_path} from {cfg.section(PLUGIN).teacher}: "
-          f"{cfg.train.per_device_batch_size} completions per step, fp32, one process, each side its own sampling; "
-          f"mean over steps 2.. of each of {len(rounds)} interleaved round(s), then the median")
-    print(f"{'':>6} {'step s':>8} {'generation s':>13} {'training s':>11} {'completion tokens':>18}")
-    medians = {}
-    for name, values in rows.items():
-        step, gen, length = (statistics.median(v[i] for v in values) for i in range(3))
-        medians[name] = (step, statistics.median(v[0] / v[2] for v in values))
-        print(f"{name:>6} {step:>8.3f} {gen:>13.3f} {step - gen:>11.3f} {length:>18.1f}")
-    print(f"hfsdp speed / TRL's: {medians['TRL'][0] / medians['hfsdp'][0]:.2f}x per step, "
-          f"{medians['TRL'][1] / medians['hfsdp'][1]:.2f}x per completion token")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config", nargs="?", default="distill-online")
@@ -183,7 +161,7 @@ def main() -> None:
             ours, completions, _ = run_hfsdp(args.config, overrides, Path(out) / "run", cfg.plugins)
         results.append((ours, run_trl(cfg, host, args.steps, None if args.speed else completions)))
     if args.speed:
-        speed(cfg, results)
+        speed(cfg, cfg.section(PLUGIN), results)
         return
     ours, trl = results[0]
     compare(cfg, ours, trl, args.steps)

@@ -106,7 +106,7 @@ def run_hfsdp(config: str, overrides: list[str], out: Path, plugins: list[str]
 
 def objective_of(cfg) -> str:
     """The online objective the config trains (its plugin's name)."""
-    return "rloo" if "rloo" in cfg.plugins else "grpo"
+    return next((name for name in ("rloo", "distill_online") if name in cfg.plugins), "grpo")
 
 
 def run_section(cfg):

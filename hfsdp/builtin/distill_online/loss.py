@@ -26,7 +26,7 @@ import torch
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.distill.loss import divergence_sum
 from hfsdp.builtin.distill.teacher import Teacher
-from hfsdp.builtin.online.sampler import EVAL_ROUND, OnlineObjective, sample_seed
+from hfsdp.builtin.online.sampler import OnlineObjective, entropies, prompt_completion_batch, sample_seed
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import MicroBatch, reshard
 from hfsdp.errors import UserError
@@ -114,11 +114,7 @@ class DistillOnline(OnlineObjective):
         s = self.section
         teacher = self.teacher.logits(batch)
         logits = model(**batch.inputs).logits
-        with torch.no_grad():
-            scaled = logits.float() / s.temperature
-            entropy = torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
-            entropy = entropy[batch.targets != IGNORE_INDEX].sum()
-            del scaled
+        entropy = entropies(logits[batch.targets != IGNORE_INDEX].float() / s.temperature).sum()
         return divergence_sum(logits, teacher, batch.targets, s.beta, s.temperature), entropy
 
     def loss(self, model, batch: MicroBatch) -> torch.Tensor:
@@ -133,23 +129,10 @@ class DistillOnline(OnlineObjective):
         sampled as GRPO's eval samples them; ``eval_reward`` with reward functions. Each rank samples its share of
         the prompts and runs one forward of the student and the teacher over them (a rank without prompts: one
         padding row, in step)."""
-        from hfsdp.builtin.online.sampler import prompt_completion_batch
         from hfsdp.parallel.world import all_sum
 
-        world, rank = accelerator.num_processes, accelerator.process_index
-        group = self.section.num_generations_eval or self.section.num_generations
-        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
-        mine = list(range(rank, len(dataset), world))
-        seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in mine for j in range(group)]
-        sampled = self._sample([prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
-                               width=max(map(len, prompts)), model=model)
-        results = {}
-        if self.rewards:
-            scores = self._gathered_scores(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1)
-                                                                                                  * group]}
-                                                     for n, i in enumerate(mine)}, group)
-            rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
-            results = {f"eval_{k}": v for k, v in self._reward_stats(rewards).items() if not k.endswith("std")}
+        prompts, mine, group, sampled = self._eval_samples(model, dataset, accelerator, pad_id)
+        results = self._eval_rewards(dataset, prompts, mine, group, sampled)
         rows = [prompts[p] for p in mine for _ in range(group)] or [[pad_id]]
         completions = sampled or [[pad_id]]
         labelled = [bool(sampled)] * len(rows)  # the padding row: nothing labelled

@@ -142,14 +142,17 @@ class RoundBuffer:
         self.round, self.entries, self.stats = int(state["round"]), state["entries"], state["stats"]
 
 
+@torch.no_grad()  # a metric: no graph through more logits-sized tensors
+def entropies(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's distribution (``logits``: float32, already over the temperature)."""
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
+
 def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere,
     one completion per row (``batch.sequence_targets``' layout)."""
     logits = model(**batch.inputs).logits.float() / temperature
-    with torch.no_grad():  # a metric: no graph through more logits-sized tensors
-        probs = logits.softmax(-1)
-        entropy = torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
-        del probs
+    entropy = entropies(logits)
     logps, entropy = target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
     return batch.per_sequence(logps), batch.per_sequence(entropy)
 
@@ -326,7 +329,8 @@ class OnlineObjective(Objective):
             k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(mine)}) for k, v in part.items()}
         entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
                     "completion_ids": completions_of[k]} for k, part in enumerate(rows)]
-        rewards_of = self._gathered_scores(dataset, {k: entries[k] for k in mine}, group)
+        rewards_of = (self._gathered_scores(dataset, {k: entries[k] for k in mine}, group) if self.rewards
+                      else {k: [[]] * len(e["completion_ids"]) for k, e in enumerate(entries)})  # none to gather
         self._keep_logps(model, entries, mine, pad_id, device, select_logits)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
@@ -422,10 +426,8 @@ class OnlineObjective(Objective):
 
     def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
         """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
-        went wrong (an objective without reward functions: an empty list per completion)."""
+        went wrong."""
         count = len(entry["completion_ids"])
-        if not self.rewards:
-            return [[] for _ in range(count)]
         kwargs = self._reward_inputs(dataset, entry, group)
         columns = []
         for name, source, fn, _ in self.rewards:
@@ -465,6 +467,12 @@ class OnlineObjective(Objective):
         generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
         weights gives the same completions, on any number of ranks. Each rank samples and scores its share of the
         prompts (every ``world``-th)."""
+        return self._eval_rewards(dataset, *self._eval_samples(model, dataset, accelerator, pad_id))
+
+    def _eval_samples(self, model, dataset, accelerator, pad_id) -> tuple[list[list[int]], list[int], int,
+                                                                         list[list[int]]]:
+        """(every eval prompt's ids, this rank's prompts, completions per prompt, this rank's completions in
+        order) of the eval's sampling (see :meth:`evaluate`; collective: every rank samples in lock-step)."""
         world, rank = accelerator.num_processes, accelerator.process_index
         group = self.section.num_generations_eval or self.section.num_generations
         prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
@@ -472,6 +480,13 @@ class OnlineObjective(Objective):
         seeds = [sample_seed(self.name, self.config.train.seed, EVAL_ROUND, p, j) for p in mine for j in range(group)]
         sampled = self._sample([prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
                                width=max(map(len, prompts)), model=model)
+        return prompts, mine, group, sampled
+
+    def _eval_rewards(self, dataset, prompts, mine: list[int], group: int, sampled) -> dict[str, float]:
+        """``eval_reward`` and each function's ``eval_rewards/<name>/mean`` of the eval's completions (none without
+        reward functions; collective otherwise)."""
+        if not self.rewards:
+            return {}
         scores = self._gathered_scores(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1) * group]}
                                                  for n, i in enumerate(mine)}, group)
         rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
