@@ -371,6 +371,10 @@ CASES: dict[str, Case] = {
         "grpo.num_generations: 3 does not divide train.per_device_batch_size (2), which counts completions"),
     "grpo beta without a reference": (lambda d, s: ["train", _prompts(d, [], beta=0.1)],
                                       "grpo.beta: the KL reference is the base model with the LoRA adapters disabled"),
+    "grpo reward timeout not below the collective timeout": (
+        lambda d, s: ["train", _prompts(d, [], reward_timeout_s=600)],
+        "grpo.reward_timeout_s: 600 s is not below train.collective_timeout_s (600 s): the other ranks, waiting for "
+        "this rank's rewards, would time out first"),
     "grpo on chat rows": (lambda d, s: ["train", _cfg(d, plugins=["grpo"], data={"eval_path": None},
                                                       grpo={"rewards": [{"name": "json_fields"}]})],
                           "data.format: grpo generates completions of prompts: set data.format: prompt"),

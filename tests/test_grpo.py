@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from hfsdp.checkpoint import store
 
 from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
 
@@ -158,9 +161,58 @@ def test_a_reward_that_raises_on_one_rank_stops_both(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
     assert len(errors) == 2, proc.stderr[-3000:]  # each rank stops with the same message (no rank waits)
     assert all("grpo reward 'grpo_test_rewards:fails_on_rank_1' (from grpo_test_rewards: fails_on_rank_1) raised "
-               "ValueError: a reward server is down (scoring the completions of training rows" in e
+               "ValueError: a reward server is down (scoring the completions of eval rows" in e  # the eval before training
                for e in errors), errors
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_reward_that_hangs_on_one_rank_stops_both_naming_it_and_the_checkpoint_stays(tmp_path):
+    """grpo_test_rewards:hangs_on_rank_1 sleeps (catching what interrupts it) at the second round on rank 1, after
+    the step-2 checkpoint: it is stopped after reward_timeout_s, rank 0 (waiting in the gather) stops with the same
+    message, and step-2 is complete for --resume."""
+    config = grpo_config(tmp_path, 2, rewards=[{"name": "grpo_test_rewards:hangs_on_rank_1"}],
+                         data={"eval_path": None}, grpo={"reward_timeout_s": 5}, train={"save_every": 2})
+    started = time.monotonic()
+    proc = run_torchrun(2, "train", str(config), env=base_env(PYTHONPATH=str(REWARDS)), check=False, timeout=300)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # each rank: a user error
+    assert time.monotonic() - started < 100  # not the collective timeout (120 s), nor the hour
+    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
+    assert len(errors) == 2, proc.stderr[-3000:]
+    assert all("grpo reward 'grpo_test_rewards:hangs_on_rank_1' (from grpo_test_rewards: hangs_on_rank_1) did not "
+               "return within 5 s (grpo.reward_timeout_s), scoring the completions of training rows" in e
+               and "on rank 1: it was stopped there" in e for e in errors), errors
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert store.latest(checkpoints) == checkpoints / "step-2" and not list(checkpoints.glob(".tmp-*"))
+    assert sorted(steps(tmp_path / "run")) == [1, 2]
+
+
+def test_a_reward_that_reads_the_rank_is_found_unless_the_check_is_off(tmp_path):
+    """Rank 1's copy of the round's first completion scores another value than rank 0 gave it: both ranks stop
+    before the first step, naming the function; with check_reward_determinism off the run trains."""
+    env = base_env(PYTHONPATH=str(REWARDS))
+    config = grpo_config(tmp_path, 2, rewards=[{"name": "grpo_test_rewards:rank_dependent"}], data={"eval_path": None})
+    proc = run_torchrun(2, "train", str(config), env=env, check=False, timeout=300)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
+    assert len(errors) == 2, proc.stderr[-3000:]
+    assert all("grpo reward 'grpo_test_rewards:rank_dependent' (from grpo_test_rewards: rank_dependent) is not a "
+               "function of its inputs: the first completion of training row" in e
+               and "scored again alone on rank 1" in e for e in errors), errors
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not steps(tmp_path / "run")
+    config = grpo_config(tmp_path / "off", 2, rewards=[{"name": "grpo_test_rewards:rank_dependent"}],
+                         data={"eval_path": None}, grpo={"check_reward_determinism": False})
+    run_torchrun(2, "train", str(config), env=env, timeout=300)
+    assert sorted(steps(tmp_path / "off" / "run")) == [1, 2, 3]
+
+
+def test_a_reward_that_returns_nan_stops_the_run_naming_it_and_the_row(tmp_path):
+    config = grpo_config(tmp_path, 1, rewards=[{"name": "grpo_test_rewards:nan_for_the_last"}],
+                         data={"eval_path": None})
+    proc = run_cli("train", str(config), env=base_env(PYTHONPATH=str(REWARDS)), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("hfsdp: error: grpo reward 'grpo_test_rewards:nan_for_the_last' (from grpo_test_rewards: "
+            "nan_for_the_last) returned nan for completion 1 of training row") in proc.stderr, proc.stderr[-3000:]
+    assert "a reward is a finite number; return None where a function gives no reward" in proc.stderr
 
 
 # ---- micro-steps without signal: skipped on every rank alike (grpo_test_rewards:letters_where_signal)

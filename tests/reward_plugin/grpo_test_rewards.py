@@ -36,6 +36,38 @@ def fails_on_rank_1(completions, **kwargs):
     return [0.5] * len(completions)
 
 
+_calls = {"hangs_on_rank_1": 0}
+
+
+def hangs_on_rank_1(completions, **kwargs):
+    """``letters``, but its third call on the second rank (the first of the second round: each round calls it for the
+    micro-batch and for the determinism check) sleeps for an hour, catching what interrupts it as code that retries
+    does."""
+    import os
+    import time
+
+    _calls["hangs_on_rank_1"] += 1
+    if os.environ.get("RANK") == "1" and _calls["hangs_on_rank_1"] == 3:
+        while True:
+            try:
+                time.sleep(3600)
+            except Exception:  # noqa: BLE001, S112 (a retry loop that swallows errors)
+                continue
+    return letters(completions)
+
+
+def rank_dependent(completions, **kwargs):
+    """``letters`` plus a tenth of the rank: the same completion scores differently on each rank."""
+    import os
+
+    return [v + 0.1 * int(os.environ.get("RANK", "0")) for v in letters(completions)]
+
+
+def nan_for_the_last(completions, **kwargs):
+    """``letters``, NaN for the last completion (0 / 0, as a reward's arithmetic can give it)."""
+    return [*letters(completions)[:-1], float("nan")]
+
+
 @hfsdp.hookimpl
 def hfsdp_reward_functions():
     return {"letters": letters}

@@ -1,13 +1,19 @@
 """The reward functions of an online objective, torch-free: offered by the enabled plugins (hook
 ``hfsdp_reward_functions``) or named as ``module:function``, resolved with a message that says how to fix a name
-(:func:`reward_functions`), what such an objective needs of the config (:func:`online_problems`), and the reward
-functions hfsdp's online plugins offer (:data:`BUILTIN_REWARDS`)."""
+(:func:`reward_functions`), what such an objective needs of the config (:func:`online_problems`), how they are called
+and what is checked of each call (:class:`RewardCaller`: a time limit, the values' count, types and finiteness, the
+memory a function keeps), and the reward functions hfsdp's online plugins offer (:data:`BUILTIN_REWARDS`)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
-from typing import Any, Callable
+import math
+import signal
+import sys
+import threading
+from typing import Any, Callable, Iterator
 
 from hfsdp.builtin.online.schema import OnlineSection
 from hfsdp.builtin.tool_calls import call_of, same_json
@@ -94,6 +100,12 @@ def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tupl
                                             "prompt (eval_reward): remove the generation_eval section"))
     if config.train.group_by_length:
         problems.append(("train.group_by_length", f"{plugin}'s batches are prompts with their groups: remove it"))
+    if section.reward_timeout_s is not None and section.reward_timeout_s >= config.train.collective_timeout_s:
+        problems.append((f"{plugin}.reward_timeout_s", f"{section.reward_timeout_s:g} s is not below "
+                                                       f"train.collective_timeout_s ({config.train.collective_timeout_s:g}"
+                                                       " s): the other ranks, waiting for this rank's rewards, would "
+                                                       "time out first without naming the function; lower it or raise "
+                                                       "train.collective_timeout_s"))
     try:
         offered = installed_rewards(config.plugins, plugin)
     except Exception as err:  # noqa: BLE001 (a ConfigError's problems, or a broken plugin)
@@ -104,6 +116,115 @@ def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tupl
         except ValueError as err:
             problems.append((f"{plugin}.rewards[{i}].name", str(err)))
     return problems
+
+
+def reward_timeout_s(section: OnlineSection, collective_timeout_s: float) -> float:
+    """The seconds one call of a reward function may take: ``reward_timeout_s``, by default half of
+    ``train.collective_timeout_s`` (the other ranks wait for this rank's rewards in a collective: they learn of the
+    timeout before theirs)."""
+    return section.reward_timeout_s if section.reward_timeout_s is not None else collective_timeout_s / 2
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward function by :func:`time_limit`'s alarm (a BaseException, so that the function's own
+    ``except Exception`` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`RewardTimeout` in the code inside after ``seconds`` (a real-time alarm, SIGALRM: it interrupts
+    Python code and the system calls it waits in, such as a socket read or a sleep, not a C loop that never returns
+    to the interpreter). Only the main thread receives signals: elsewhere there is no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# A reward function whose calls (after its first, which may load a model or a cache) have kept this much more of the
+# process's resident memory than they found is named in a warning, once.
+KEPT_MEMORY_WARNING = 256 * 2**20
+
+
+def resident_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class RewardCaller:
+    """Calls an online objective's reward functions (``(name, source, function, weight)``) on a micro-batch's
+    completions, TRL's calling convention, and checks each call: it returns within ``timeout_s``, one number (or None:
+    no reward) per completion, each finite; the memory a function's calls keep (the resident memory after a call
+    minus before it, summed over the calls after the first) is named in a warning past
+    :data:`KEPT_MEMORY_WARNING`. A failed check is the message that names the plugin, the function and the rows."""
+
+    def __init__(self, plugin: str, rewards: list, timeout_s: float, rank: int):
+        self.plugin, self.rewards, self.timeout_s, self.rank = plugin, rewards, timeout_s, rank
+        self.calls: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def where(self, name: str, source: str, fn: Callable[..., Any]) -> str:
+        return f"{self.plugin} reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
+
+    def score(self, kwargs: dict[str, list], rows: list[int], group: int,
+              split: str = "training") -> list[list[float]] | str:
+        """``[completion][function]`` rewards (NaN: None) of the ``group`` completions of each of ``rows`` (the
+        functions' keyword arguments ``kwargs``), or the message of what went wrong."""
+        count = len(kwargs["completions"])
+        listed = ", ".join(str(i) for i in rows)
+        columns = []
+        for name, source, fn, _ in self.rewards:
+            where = self.where(name, source, fn)
+            before = resident_bytes()
+            try:
+                with time_limit(self.timeout_s):
+                    values = fn(**kwargs)
+            except RewardTimeout:
+                return (f"{where} did not return within {self.timeout_s:g} s ({self.plugin}.reward_timeout_s), "
+                        f"scoring the completions of {split} rows {listed} (counting from 0) on rank {self.rank}: it "
+                        "was stopped there; make it return in time (a timeout on what it waits for), or raise "
+                        f"{self.plugin}.reward_timeout_s")
+            except Exception as err:  # noqa: BLE001 (the user's function: reported with where it failed)
+                return (f"{where} raised {type(err).__name__}: {err} (scoring the completions of {split} rows "
+                        f"{listed}, counting from 0)")
+            self._count_kept(name, where, resident_bytes() - before)
+            if not isinstance(values, (list, tuple)) or len(values) != count:
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+                return (f"{where} returned {got} for {count} completions ({split} rows {listed}): return a list of "
+                        "one float (or None) per completion")
+            for index, v in enumerate(values):
+                if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                    return (f"{where} returned {v!r} for the completion of {split} row {rows[index // group]}: "
+                            "rewards are numbers (or None for no reward)")
+                if v is not None and not math.isfinite(v):
+                    return (f"{where} returned {v!r} for completion {index % group} of {split} row "
+                            f"{rows[index // group]}: a reward is a finite number; return None where a function gives "
+                            "no reward")
+            columns.append([math.nan if v is None else float(v) for v in values])
+        return [list(r) for r in zip(*columns)]
+
+    def _count_kept(self, name: str, where: str, grown: int) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.calls[name] == 1:
+            return  # a first call may load what the function then keeps on purpose (a model, a cache)
+        self.kept[name] = self.kept.get(name, 0) + grown
+        if self.kept[name] > KEPT_MEMORY_WARNING and name not in self.warned:
+            self.warned.add(name)
+            print(f"hfsdp: warning: rank {self.rank}: {where} has kept {self.kept[name] / 2**20:.0f} MiB more "
+                  f"resident memory over its {self.calls[name] - 1} calls after the first (a list or a cache that "
+                  "grows with every call?); a run of many steps may run out of memory", file=sys.stderr, flush=True)
 
 
 def _json_object(text: str) -> dict | None:

@@ -25,6 +25,7 @@ import torch
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.chat import TOOLS_FIELD, parse_completion, tools_of
+from hfsdp.builtin.online.rewards import RewardCaller, reward_timeout_s
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import BatchPlan, MicroBatch, reshard
 from hfsdp.errors import UserError
@@ -226,6 +227,9 @@ class OnlineObjective(Objective):
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        self.caller = RewardCaller(self.name, self.rewards,
+                                   reward_timeout_s(self.section, self.config.train.collective_timeout_s),
+                                   accelerator.process_index)
         accelerator.register_for_checkpointing(self.buffer)
         return splits
 
@@ -329,7 +333,9 @@ class OnlineObjective(Objective):
             k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(mine)}) for k, v in part.items()}
         entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
                     "completion_ids": completions_of[k]} for k, part in enumerate(rows)]
-        rewards_of = (self._gathered_scores(dataset, {k: entries[k] for k in mine}, group) if self.rewards
+        probe = ({"rows": entries[0]["rows"][:1], "completion_ids": entries[0]["completion_ids"][:1]}
+                 if self.section.check_reward_determinism else None)
+        rewards_of = (self._gathered_scores(dataset, {k: entries[k] for k in mine}, group, probe=probe) if self.rewards
                       else {k: [[]] * len(e["completion_ids"]) for k, e in enumerate(entries)})  # none to gather
         self._keep_logps(model, entries, mine, pad_id, device, select_logits)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
@@ -424,42 +430,42 @@ class OnlineObjective(Objective):
         return {"prompts": [r["prompt"] for r in raw], "completions": completions,
                 "completion_ids": entry["completion_ids"], **columns}
 
-    def _score(self, dataset, entry: dict[str, Any], group: int) -> list[list[float]] | str:
+    def _score(self, dataset, entry: dict[str, Any], group: int, split: str) -> list[list[float]] | str:
         """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what
-        went wrong."""
-        count = len(entry["completion_ids"])
-        kwargs = self._reward_inputs(dataset, entry, group)
-        columns = []
-        for name, source, fn, _ in self.rewards:
-            where = f"{self.name} reward '{name}' (from {source}: {getattr(fn, '__qualname__', fn)})"
-            rows = ", ".join(str(i) for i in entry["rows"])
-            try:
-                values = fn(**kwargs)
-            except Exception as err:  # noqa: BLE001 (the user's function: reported with where it failed)
-                return (f"{where} raised {type(err).__name__}: {err} (scoring the completions of training rows "
-                        f"{rows}, counting from 0)")
-            if not isinstance(values, (list, tuple)) or len(values) != count:
-                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-                return (f"{where} returned {got} for {count} completions (training rows {rows}): return a list of "
-                        "one float (or None) per completion")
-            bad = next((v for v in values if v is not None and not (isinstance(v, (int, float)) and
-                                                                  not isinstance(v, bool))), None)
-            if bad is not None:
-                index = list(values).index(bad)
-                return (f"{where} returned {bad!r} for the completion of training row {entry['rows'][index // group]}: "
-                        "rewards are numbers (or None for no reward)")
-            columns.append([math.nan if v is None else float(v) for v in values])
-        return [list(r) for r in zip(*columns)]
+        went wrong (:class:`~hfsdp.builtin.online.rewards.RewardCaller`)."""
+        return self.caller.score(self._reward_inputs(dataset, entry, group), entry["rows"], group, split)
 
-    def _gathered_scores(self, dataset, mine: dict[int, dict[str, Any]], group: int) -> dict[int, list]:
-        """Every rank's scores of its entries (key -> rewards), on every rank; a failure on any rank raises on all."""
+    def _gathered_scores(self, dataset, mine: dict[int, dict[str, Any]], group: int, split: str = "training",
+                         probe: dict[str, Any] | None = None) -> dict[int, list]:
+        """Every rank's scores of its entries (key -> rewards), on every rank; a failure on any rank raises on all.
+        ``probe``: the first completion of entry 0, which every rank scores again alone (in the same gather) and
+        which must get the value entry 0's owner gave it in its micro-batch (:meth:`_check_determinism`)."""
         from hfsdp.parallel.world import gather_objects
 
-        everyone = gather_objects(self.accelerator, {k: self._score(dataset, e, group) for k, e in mine.items()})
-        failure = next((v for part in everyone for v in part.values() if isinstance(v, str)), None)
+        mine_scored = {k: self._score(dataset, e, group, split) for k, e in mine.items()}
+        again = self._score(dataset, probe, 1, split) if probe is not None else None
+        everyone = gather_objects(self.accelerator, (mine_scored, again))
+        failure = next((v for part, probed in everyone for v in [*part.values(), probed] if isinstance(v, str)), None)
         if failure is not None:
             raise UserError(failure)
-        return {k: v for part in everyone for k, v in part.items()}
+        scores = {k: v for part, _ in everyone for k, v in part.items()}
+        if probe is not None:
+            self._check_determinism(scores[0][0], [probed[0] for _, probed in everyone], probe["rows"][0], split)
+        return scores
+
+    def _check_determinism(self, owner: list[float], again: list[list[float]], row: int, split: str) -> None:
+        """Each function's value of one completion scored in its micro-batch (``owner``) against every rank's score
+        of it alone (``again``, in rank order); the first that differs stops the run, on every rank alike."""
+        for f, (name, source, fn, _) in enumerate(self.rewards):
+            for rank, values in enumerate(again):
+                a, b = owner[f], values[f]
+                if a != b and not (math.isnan(a) and math.isnan(b)):
+                    raise UserError(
+                        f"{self.caller.where(name, source, fn)} is not a function of its inputs: the first completion "
+                        f"of {split} row {row} got {a!r} in its micro-batch and {b!r} scored again alone on rank "
+                        f"{rank}. One process and N ranks (and a resume) would train on other rewards; make it "
+                        "deterministic (seed what it samples, do not read the rank or the batch around it), or set "
+                        f"{self.name}.check_reward_determinism: false for a reward that samples on purpose")
 
     def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
         """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
@@ -488,7 +494,7 @@ class OnlineObjective(Objective):
         if not self.rewards:
             return {}
         scores = self._gathered_scores(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1) * group]}
-                                                 for n, i in enumerate(mine)}, group)
+                                                 for n, i in enumerate(mine)}, group, "eval")
         rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
         stats = self._reward_stats(rewards)
         return {f"eval_{k}": v for k, v in stats.items() if not k.endswith("std")}

@@ -28,6 +28,15 @@ class OnlineSection(Section):
     beta: float = Field(0.0, ge=0, description="KL to the reference (the base with the LoRA adapters disabled)")
     num_iterations: int = Field(1, ge=1, description="optimizer steps on each generated batch (old log-probs kept)")
     log_completions: int = Field(4, ge=0, description="completions written to completions.jsonl per generation")
+    reward_timeout_s: float | None = Field(None, gt=0, description="seconds one call of a reward function may take "
+                                                                   "before the run stops, naming it and the rows "
+                                                                   "(default: half of train.collective_timeout_s)")
+    check_reward_determinism: bool = Field(True, description="every round, each rank scores the round's first "
+                                                             "completion again and the run stops where a function "
+                                                             "gives it another value (on another rank, or alone "
+                                                             "against in its micro-batch): such rewards break 1 "
+                                                             "process = N ranks and resume; false for a reward "
+                                                             "that samples on purpose")
     num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
                                                                       "name; default num_generations): eval_reward "
                                                                       "is their mean reward")
