@@ -857,16 +857,21 @@ def test_pair_resumes_exactly(runs, resumed_pair):
 
 def resume(runs: RunRegistry, key: str, uninterrupted: Path, world: int) -> Path:
     """A copy of ``uninterrupted``'s step-2 checkpoint resumed to step 4 in a run folder of its own."""
-    folder = runs.root / f"{key}-resumed"
+    return resume_from(runs, f"{key}-resumed", uninterrupted, world, step=2)
+
+
+def resume_from(runs: RunRegistry, key: str, uninterrupted: Path, world: int, step: int) -> Path:
+    """A copy of ``uninterrupted``'s checkpoint of ``step`` resumed to its last step in the run folder ``key``."""
+    folder = runs.root / key
     target = folder / "run" / "checkpoints"
     target.mkdir(parents=True)
-    shutil.copytree(uninterrupted / "checkpoints" / "step-2", target / "step-2")
+    shutil.copytree(uninterrupted / "checkpoints" / f"step-{step}", target / f"step-{step}")
     config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
     config["train"]["output_dir"] = str(folder / "run")
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     args = ("train", str(folder / "config.yaml"), "--resume")
     proc = run_cli(*args, env=RUN_ENV) if world == 1 else run_torchrun(world, *args, env=RUN_ENV)
-    assert f"resumed from {target / 'step-2'} at step 2" in proc.stdout + proc.stderr
+    assert f"resumed from {target / f'step-{step}'} at step {step}" in proc.stdout + proc.stderr
     assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # FSDP1's load printed torch's deprecations
     return folder / "run"
 

@@ -7,8 +7,9 @@ removed, the checkpoint loaded, and the optimizer state proved to be the one tha
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from hfsdp.checkpoint import store
 from hfsdp.checkpoint.safe_load import verify_checkpoint
@@ -17,11 +18,12 @@ from hfsdp.errors import UserError
 from hfsdp.setup.record import Record, Resume
 
 def restore(accelerator, optimizer, point: Resume | None, config: HfsdpConfig, checkpoints: Path, state,
-            world) -> None:
+            world, loading: Callable[[Record], ContextManager[None]] = lambda record: contextlib.nullcontext()) -> None:
     """Phase 3 of ``--resume``, once everything a checkpoint holds is built and registered: remove the saves a
     stopped run left incomplete, then load the checkpoint of ``point`` (``RunSetup.resume``, checked before anything
-    loaded; None: no complete checkpoint yet, the run starts from step 0; ``state.step`` tells where) and prove that
-    the optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
+    loaded; None: no complete checkpoint yet, the run starts from step 0; ``state.step`` tells where) inside
+    ``loading(record)`` (what the optimizer does around a load: schedule-free's training weights) and prove that the
+    optimizer state it restored is the one that was saved (:func:`check_optimizer_state`)."""
     say = accelerator.print
     if accelerator.is_main_process:  # folders of saves killed midway (kill -9, node loss) are never used: remove them
         for stale in store.remove_incomplete(checkpoints):
@@ -37,7 +39,8 @@ def restore(accelerator, optimizer, point: Resume | None, config: HfsdpConfig, c
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(getattr(optimizer, "optimizer", optimizer))
-    accelerator.load_state(str(path))
+    with loading(record):
+        accelerator.load_state(str(path))
     check_optimizer_state(record, optimizer_digest(accelerator, optimizer, config, world), path)
     say(f"resumed from {path} at step {state.step}")
 

@@ -12,6 +12,7 @@ from hfsdp.data import batches
 from hfsdp.objective import Objective
 from hfsdp.parallel.world import all_sum
 from hfsdp.setup.degrees import World
+from hfsdp.parallel.accelerator import fsdp1_drop_stale_gathers
 from hfsdp.run import generation, optimizers
 from hfsdp.run.metrics import MetricsWriter
 from hfsdp.run.state import Run
@@ -55,6 +56,10 @@ class Evaluator:
         run = self.run
         with optimizers.evaluation_weights(run.optimizer):
             results = self._evaluate(step, label)
+        if optimizers.keeps_training_weights(run.optimizer):
+            # FSDP1 keeps the root unit gathered after a forward: the eval's averaged weights would be the next
+            # training step's (schedule-free's weights changed back underneath)
+            fsdp1_drop_stale_gathers(run.model)
         if results:
             self.metrics.write(step, results)
             run.plugins.call("hfsdp_on_eval", run=run, step=step, metrics=results)

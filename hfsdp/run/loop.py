@@ -143,10 +143,12 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         scaler = grad_scaler(setup, accelerator)
         optimizers.set_training(optimizer)  # schedule-free steps in train mode (resume's state-making step too)
         if setup.resume_asked:
-            resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world)
+            resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world,
+                           loading=lambda record: optimizers.loading_training_weights(optimizer,
+                                                                                       bool(record.training_weights)))
             if setup.wrapper == "fsdp1":
                 fsdp1_drop_stale_gathers(model)  # before set_training changes the weights the load gathered
-            optimizers.set_training(optimizer)  # a checkpoint holds schedule-free's evaluation weights
+            optimizers.set_training(optimizer)  # (a checkpoint written before hfsdp kept schedule-free's training weights)
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
@@ -315,10 +317,12 @@ def save_checkpoint(run: Run, saver: store.Saver) -> None:
     """Save the current step (``train.async_save``: start writing it; :func:`checkpoint_complete` follows once it
     is complete)."""
     accelerator = run.accelerator
-    record = Record.of_run(run.config, run.state.step, run.world.dims, run.plugins,
-                                  run.resume_identity,
-                                  resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world)).to_json()
-    with optimizers.evaluation_weights(run.optimizer):  # staged before save returns, also when asynchronous
+    kept = optimizers.keeps_training_weights(run.optimizer)
+    record = Record.of_run(run.config, run.state.step, run.world.dims, run.plugins, run.resume_identity,
+                           resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world),
+                           training_weights=kept or None).to_json()
+    # staged before save returns, also when asynchronous
+    with optimizers.evaluation_weights(run.optimizer, for_checkpoint=kept):
         saver.save(store.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
                                       run.model_files, yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
 

@@ -140,8 +140,8 @@ def build_scheduler(optimizer: "torch.optim.Optimizer", cfg: "TrainConfig",
 def training_mode(optimizer) -> Iterator[None]:
     """Schedule-free optimizers step in train mode (the parameters hold the point gradients are taken at);
     others have no mode."""
-    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
-    if hasattr(torch_optimizer, "train") and hasattr(torch_optimizer, "eval"):
+    torch_optimizer = _schedule_free(optimizer)
+    if torch_optimizer is not None:
         torch_optimizer.train()
         # train() reads self.state[p] of every parameter, which leaves empty entries in the defaultdict before the
         # first step; torch's _init_optim_state (a resume's load target) then takes the state as made and loads
@@ -157,22 +157,77 @@ def set_training(optimizer) -> None:
         pass
 
 
-@contextlib.contextmanager
-def evaluation_weights(optimizer) -> Iterator[None]:
-    """While inside: the parameters hold the weights a schedule-free optimizer defines for evaluation and export
-    (its average ``x``, its ``eval()``); afterwards its train mode again if it was in it. Other optimizers' weights
-    are the parameters themselves."""
+# The optimizer-state key under which a checkpoint of a schedule-free run keeps its training weights (y) beside the
+# averaged weights (x) its model files hold.
+TRAINING_WEIGHTS = "hfsdp_training_weights"
+
+
+def _schedule_free(optimizer):
+    """The schedule-free torch optimizer inside ``optimizer`` (Accelerate wraps it), or None for any other."""
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
-    switch = hasattr(torch_optimizer, "eval") and any(g.get("train_mode") for g in torch_optimizer.param_groups)
-    if switch:
-        torch_optimizer.eval()
+    return torch_optimizer if hasattr(torch_optimizer, "eval") and hasattr(torch_optimizer, "train") else None
+
+
+def keeps_training_weights(optimizer) -> bool:
+    """Whether checkpoints of ``optimizer`` keep the training weights in its state (:func:`evaluation_weights`
+    ``for_checkpoint``): schedule-free's."""
+    return _schedule_free(optimizer) is not None
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer, for_checkpoint: bool = False) -> Iterator[None]:
+    """While inside: the parameters hold the weights a schedule-free optimizer defines for evaluation and export
+    (its average ``x``, its ``eval()``); afterwards the training weights (``y``) it had, restored bit for bit from a
+    copy (schedulefree's ``train()`` computes them back from ``x``, which rounds differently: a run that saves or
+    evaluates more often would train other weights). ``for_checkpoint``: the copy is also in the optimizer state
+    (:data:`TRAINING_WEIGHTS`) while inside, so that the checkpoint saved there resumes on exactly these training
+    weights (:func:`loading_training_weights`). Other optimizers' weights are the parameters themselves."""
+    import torch
+
+    torch_optimizer = _schedule_free(optimizer)
+    if torch_optimizer is None or not any(g.get("train_mode") for g in torch_optimizer.param_groups):
+        yield
+        return
+    kept = {p: p.detach().clone() for g in torch_optimizer.param_groups for p in g["params"]
+            if "z" in torch_optimizer.state.get(p, {})}
+    if for_checkpoint:
+        for p, y in kept.items():
+            torch_optimizer.state[p][TRAINING_WEIGHTS] = y
+    torch_optimizer.eval()
     try:
         yield
     finally:
-        if switch:
-            torch_optimizer.train()
+        with torch.no_grad():
+            for p, y in kept.items():
+                p.copy_(y)
+                torch_optimizer.state[p].pop(TRAINING_WEIGHTS, None)
+        for g in torch_optimizer.param_groups:
+            g["train_mode"] = True
 
 
+@contextlib.contextmanager
+def loading_training_weights(optimizer, kept: bool) -> Iterator[None]:
+    """Around the load of a checkpoint whose optimizer state ``kept`` the training weights
+    (:func:`evaluation_weights` ``for_checkpoint``): a place for them in the state to load into (a sharded load fills
+    what is there), and afterwards the parameters set to them, the optimizer in train mode and the copy dropped (the
+    state the optimizer digest was taken of). A checkpoint without them (written before hfsdp kept them) resumes as
+    it was written: :func:`set_training` computes the training weights from the averaged ones."""
+    import torch
+
+    torch_optimizer = _schedule_free(optimizer)
+    if torch_optimizer is None or not kept:
+        yield
+        return
+    params = [p for g in torch_optimizer.param_groups for p in g["params"] if "z" in torch_optimizer.state.get(p, {})]
+    for p in params:
+        torch_optimizer.state[p][TRAINING_WEIGHTS] = p.detach().clone()
+    yield
+    with torch.no_grad():
+        for p in params:
+            if p.numel():  # (FSDP1 loads no state for a rank's empty slice of a flat parameter)
+                p.copy_(torch_optimizer.state[p].pop(TRAINING_WEIGHTS))
+    for g in torch_optimizer.param_groups:
+        g["train_mode"] = True
 
 
 def blocks_follow_shards(shape: "tuple[int, ...] | torch.Size", shards: int, block: int = BNB_BLOCK) -> bool:

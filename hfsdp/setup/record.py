@@ -129,6 +129,9 @@ class Record:
     optimizer: list[dict[str, Any]] | None = None  # optimizer_digest
     tp_size: int | None = None  # parallel.tp_size (None: written before hfsdp had tensor parallelism, i.e. 1)
     state_dict_type: str | None = None
+    # schedule-free's training weights kept in the optimizer state (hfsdp.run.optimizers.evaluation_weights; None:
+    # written before hfsdp kept them, or another optimizer)
+    training_weights: bool | None = None
     versions: dict[str, str] = field(default_factory=dict)
     plugins: dict[str, Any] = field(default_factory=dict)
 
@@ -146,14 +149,16 @@ class Record:
 
     @classmethod
     def of_run(cls, config: HfsdpConfig, step: int, dims: "ParallelDims", plugins: "PluginHost",
-               identity: dict[str, Any], optimizer: list[dict[str, Any]]) -> "Record":
+               identity: dict[str, Any], optimizer: list[dict[str, Any]],
+               training_weights: bool | None = None) -> "Record":
         """The record of this run's checkpoint of ``step``. ``identity``: the run's schedule length and training
-        data (``max_steps``, ``train_rows``, ``train_fingerprint``); ``optimizer``: :func:`optimizer_digest`."""
+        data (``max_steps``, ``train_rows``, ``train_fingerprint``); ``optimizer``: :func:`optimizer_digest`;
+        ``training_weights``: the optimizer state holds the training weights beside the model's averaged ones."""
         from importlib.metadata import version
 
         return cls(step=step, world_size=dims.world_size, config_hash=run_fingerprint(config),
                    global_batch=global_batch(config, dims), optimizer=optimizer,
-                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp,
+                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, training_weights=training_weights,
                    versions={"hfsdp": __version__, "torch": version("torch"), "accelerate": version("accelerate"),
                              "transformers": version("transformers")},
                    plugins={p.name: p.version for p in plugins.plugins}, **identity)
