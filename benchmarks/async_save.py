@@ -19,10 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "hfsdp" / "config" / "presets" / "bench.yaml"
@@ -38,7 +39,7 @@ def run(out: Path, name: str, steps: int, save_every: int | None, asynchronous: 
            *[arg for s in sets for arg in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocesses.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     summary = json.loads((folder / "summary.json").read_text())

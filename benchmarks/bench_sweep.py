@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import subprocesses
 
 from plan_accuracy import long_text_data  # benchmarks/, next to this file
 
@@ -40,7 +41,7 @@ def main() -> None:
            "--warmup", "1", "--out", str(args.out),
            "--set", f"model.name_or_path={args.model}", "--set", "data.format=text", "--set", f"data.path={data}"]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocesses.run(cmd, check=True)
     rows = json.loads((args.out / "bench.json").read_text())["rows"]
     worst = max(abs(r["plan_vs_measured"] - 1) for r in rows)
     print(f"plan ÷ measured peak per rank over {len(rows)} points: "

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
@@ -75,7 +76,7 @@ VARIANTS = [  # name, processes, overrides
 def plan_peak(config: Path, sets: list[str], nproc: int) -> float:
     cmd = [sys.executable, "-m", "hfsdp", "plan", str(config), "--nproc", str(nproc), "--strategies", "FULL_SHARD",
            "--json", *[x for s in sets for x in ("--set", s)]]
-    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["rows"]
+    rows = json.loads(subprocesses.run(cmd, capture_output=True, text=True, check=True).stdout)["rows"]
     return rows[0]["device_peak"] / 2**20
 
 

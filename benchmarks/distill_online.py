@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import subprocesses
+
 PRESETS = Path(__file__).resolve().parents[1] / "hfsdp" / "config" / "presets"
 EVAL_PROMPTS = PRESETS / "data" / "contacts_prompts_eval.jsonl"
 
@@ -44,7 +46,7 @@ def train(config: str, out: Path, steps: int, overrides: list[str]) -> tuple[lis
            "--set", f"train.max_steps={steps}", "--set", "train.eval_at_start=false", "--set", "train.eval_every=null",
            "--set", "train.log_every=1", *[a for o in overrides for a in ("--set", o)]]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocesses.run(cmd, check=True, stdout=subprocess.DEVNULL)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return metrics, time.perf_counter() - started
 

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import subprocesses
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import PY, env, peak_rss_of  # noqa: E402
 
@@ -64,7 +66,7 @@ def sharded_checkpoint(work: Path, name: str, model: str) -> Path:
            "--set", "train.export_final=false", "--set", "train.eval_at_start=false", "--set", "data.max_seq_len=64",
            "--set", "train.per_device_batch_size=1", "--set", "fsdp.sharding_strategy=FULL_SHARD",
            "--set", "fsdp.state_dict_type=SHARDED_STATE_DICT"]
-    subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
+    subprocesses.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
     return ckpt
 
 

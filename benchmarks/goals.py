@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -42,18 +44,21 @@ def wall(cmd: list[str], reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env())
+        subprocesses.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env())
         times.append(time.perf_counter() - t0)
     return times
 
 
 def peak_rss_of(cmd: list[str]) -> tuple[int, float]:
     """Peak RSS (bytes) of ``cmd`` and its children, measured in a fresh wrapper process (RUSAGE_CHILDREN)."""
-    code = ("import resource, subprocess, sys, time, json; t=time.perf_counter(); "
-            "r=subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True); "
-            "print(json.dumps([r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "
-            "time.perf_counter()-t, r.stderr[-2000:]]))")
-    out = subprocess.run([PY, "-c", code, *cmd], capture_output=True, text=True, env=env(), check=True)
+    # (the wrapper passes SIGTERM / SIGINT on to the command, as benchmarks/subprocesses.py does)
+    code = ("import resource, signal, subprocess, sys, time, json; t=time.perf_counter(); "
+            "p=subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True); "
+            "[signal.signal(s, lambda n, f: p.send_signal(n)) for s in (signal.SIGTERM, signal.SIGINT)]; "
+            "err=p.communicate()[1]; "
+            "print(json.dumps([p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "
+            "time.perf_counter()-t, err[-2000:]]))")
+    out = subprocesses.run([PY, "-c", code, *cmd], capture_output=True, text=True, env=env(), check=True)
     rc, peak, seconds, err = json.loads(out.stdout.strip().splitlines()[-1])
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}: {err}")
@@ -82,7 +87,7 @@ def goal_preprocess(config: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         runs = []
         for _ in range(2):
-            out = subprocess.run([PY, "-c", code, config, cache, models_cache], capture_output=True, text=True,
+            out = subprocesses.run([PY, "-c", code, config, cache, models_cache], capture_output=True, text=True,
                                  env=env(), check=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
@@ -100,7 +105,7 @@ def goal_export(work: Path, config: str, max_shard: str) -> dict:
            f"--master-port={free_port()}", "-m", "hfsdp", "train", config, "--set", f"train.output_dir={run}",
            "--set", "train.max_steps=1", "--set", "train.save_every=1", "--set", "train.export_final=false",
            "--set", "fsdp.sharding_strategy=FULL_SHARD", "--set", "fsdp.state_dict_type=SHARDED_STATE_DICT"]
-    subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocesses.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = run / "checkpoints" / "step-1"
     hfsdp = shutil.which("hfsdp") or str(Path(PY).parent / "hfsdp")
     accelerate = shutil.which("accelerate") or str(Path(PY).parent / "accelerate")
@@ -129,7 +134,7 @@ def goal_overhead(work: Path, config: str, nproc: int, steps: int, rounds: int, 
         rank_times = [rec["step_times_s"] for rec in result["ranks"]]
         hf += [max(ts) for ts in zip(*rank_times)][1:]
         out = work / "overhead" / f"bare-{r}.json"
-        subprocess.run([PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+        subprocesses.run([PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                         f"--master-port={free_port()}", str(REPO / "benchmarks" / "bare_accelerate_loop.py"), config,
                         "--steps", str(steps), "--json", str(out), "--set", f"fsdp.sharding_strategy={strategy}"],
                        check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

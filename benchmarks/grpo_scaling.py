@@ -19,9 +19,10 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+import subprocesses
 
 GLOBAL_MICRO_BATCHES = 4  # of the preset's 8 completions (2 prompts): 8 prompts x 4 completions a step
 COMMON = ["train.eval_at_start=false", "data.eval_path=null", "train.export_final=false", "grpo.log_completions=1000"]
@@ -34,7 +35,7 @@ def train(name: str, out: Path, ranks: int, threads: int, steps: int, overrides:
     launcher = ([sys.executable, "-m", "hfsdp"] if ranks == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "hfsdp"])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([*launcher, "train", "grpo", "--overwrite", *[a for s in sets for a in ("--set", s)]],
+    proc = subprocesses.run([*launcher, "train", "grpo", "--overwrite", *[a for s in sets for a in ("--set", s)]],
                           env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "hfsdp" / "config" / "presets" / "tiny.yaml"
@@ -65,7 +66,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))}
     if not a.report_only:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocesses.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     checkpoints = sorted((run / "checkpoints").glob("step-*"))

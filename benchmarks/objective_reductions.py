@@ -19,10 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "hfsdp" / "config" / "presets" / "data"
@@ -57,7 +58,7 @@ def run(objective: str, nproc: int, steps: int, work: Path) -> dict:
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "-m", "hfsdp", "train", str(work / "config.yaml"), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocesses.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"{objective} failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     out = work / "run"

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import subprocesses
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def run(folder: Path, world: int, config: Path) -> Path:
     cmd = ([sys.executable, "-m", "hfsdp", "train", str(config)] if world == 1 else
            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}", "-m", "hfsdp", "train", str(config)])
-    subprocess.run(cmd, check=True, env=base_env(), capture_output=True, text=True)
+    subprocesses.run(cmd, check=True, env=base_env(), capture_output=True, text=True)
     return folder / "run"
 
 
@@ -54,7 +55,7 @@ def weights(run_dir: Path) -> dict:
 
 
 def planned_optimizer_bytes(config: Path, world: int, strategy: str) -> int:
-    out = subprocess.run([sys.executable, "-m", "hfsdp", "plan", str(config), "--nproc", str(world),
+    out = subprocesses.run([sys.executable, "-m", "hfsdp", "plan", str(config), "--nproc", str(world),
                           "--strategies", strategy, "--json"], check=True, env=base_env(), capture_output=True,
                          text=True).stdout
     return next(r["optimizer"] for r in json.loads(out)["rows"] if r["strategy"] == strategy)

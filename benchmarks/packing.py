@@ -22,10 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = {
@@ -49,7 +50,7 @@ def run(case: str, packed: bool, steps: int, work: Path, cache: Path) -> dict:
            "HFSDP_CACHE_DIR": str(cache), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO / "tests" / "reward_plugin")}
     cmd = [sys.executable, "-m", "hfsdp", "train", str(work / "config.yaml"), "--overwrite"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocesses.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         raise SystemExit(f"{case} failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     steady = [m for m in map(json.loads, (work / "run" / "metrics.jsonl").read_text().splitlines())

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 # hfsdp as it runs by default, and with its transformer blocks compiled (train.compile: Inductor); both log every
@@ -97,7 +99,7 @@ def run_round(tools: list[str], a: argparse.Namespace, r: int) -> dict[str, dict
         cmd, where = _command(tool, a, work)
         t0 = time.perf_counter()
         with open(work / "log.txt", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, timeout=a.timeout)
+            proc = subprocesses.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, timeout=a.timeout)
         if proc.returncode != 0:
             tail = (work / "log.txt").read_text()[-3000:]
             raise SystemExit(f"{tool} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")

@@ -29,10 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -65,7 +66,7 @@ def bench(config: Path, strategy: str, nproc: int, out: Path, sets: list[str], e
         return json.loads(done.read_text())["rows"][0] if done.is_file() else None
     cmd = [sys.executable, "-m", "hfsdp", "bench", str(config), "--strategies", strategy, "--nproc", str(nproc),
            "--steps", str(steps), "--out", str(out)] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocesses.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         (out / "failed.txt").write_text(proc.stdout[-3000:] + proc.stderr[-6000:])
         return None

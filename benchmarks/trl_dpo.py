@@ -20,16 +20,17 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import subprocesses
 
 
 def run_hfsdp(config: str, overrides: list[str], out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "hfsdp", "train", config, "--overwrite", "--set", f"train.output_dir={out}",
            *[a for o in overrides for a in ("--set", o)]]
-    subprocess.run(cmd, check=True)
+    subprocesses.run(cmd, check=True)
     return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
 
 

@@ -48,10 +48,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import subprocesses
 
 from hfsdp import hookimpl
 
@@ -90,7 +91,7 @@ def run_hfsdp(config: str, overrides: list[str], out: Path, plugins: list[str]
         cmd += ["--set", f"plugins=[{', '.join([*plugins, 'trl_grpo'])}]"]
         here = str(Path(__file__).resolve().parent)
         env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
-    subprocess.run(cmd, check=True, env=env)
+    subprocesses.run(cmd, check=True, env=env)
     metrics = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     rounds: dict[int, list[list[int]]] = {}
     for line in (out / "completions.jsonl").read_text().splitlines():

@@ -22,6 +22,9 @@ a reference run and an interrupted run can share one config (the plugin list is 
 * ``delete_output``: at the end of step STEP, before its save, ``train.output_dir`` is deleted, as a cleanup job
   (or a user) would.
 
+``HFSDP_TEST_PROGRESS`` (a file path): the first rank appends each optimizer step it ends to it, one line each, flushed
+(the chaos harness, tests/chaos.py, counts an attempt's steps there).
+
 Faults fire in a job's first attempt only: workers that ``torchrun --max-restarts`` started again
 (``TORCHELASTIC_RESTART_COUNT`` > 0) run clean.
 """
@@ -102,6 +105,10 @@ def hfsdp_on_train_start(run):
 @hookimpl
 def hfsdp_on_step_end(run, step):
     _state["step"] = step
+    progress = os.environ.get("HFSDP_TEST_PROGRESS")
+    if progress and run.accelerator.process_index == 0:
+        with open(progress, "a") as out:
+            out.write(f"{step}\n")
     if step in _faults("replace_record"):
         import json
 
