@@ -831,6 +831,47 @@ def test_a_save_slower_than_save_timeout_stops_the_run_with_the_step_path_and_ti
     assert_same_training(solo_reference, run)
 
 
+@pytest.mark.slow
+def test_a_save_hung_on_one_of_two_ranks_stops_both_within_the_save_timeout_then_resumes(tmp_path):
+    """Rank 1's write of step 2 hangs (rank 0's completes): every rank stops after train.save_timeout_s with the
+    step, the folder and the intact checkpoint named (exit 1 each, no traceback), none waits for a collective's
+    timeout; --resume removes the incomplete folder and finishes from step 1."""
+    config, run = fault_config(tmp_path, save_every=1, save_timeout_s=4, max_steps=3), tmp_path / "run"
+    t0 = time.monotonic()
+    proc = train(config, "slow_write@2:1", nproc=2)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0 and "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
+    assert len(errors) == 2, proc.stderr[-4000:]
+    assert all(f"checkpoint for step 2 ({run}/checkpoints/.tmp-step-2) was not complete after 4 s, more than "
+               "train.save_timeout_s (4 s)" in e and f"the last complete checkpoint, {run}/checkpoints/step-1, is "
+               "intact" in e for e in errors), errors
+    assert elapsed < 100, f"took {elapsed:.0f}s"
+    assert complete_steps(run) == [1]
+    finish = train(config, "", "--resume", nproc=2)
+    assert_finished(finish)
+    assert_resumed_from(finish, 1, removed=".tmp-step-2")
+
+
+@pytest.mark.slow
+def test_a_resume_removes_what_an_export_killed_midway_left_and_writes_final(tmp_path):
+    """A job killed inside its final export leaves ``.final.tmp-*`` (the export's temporary folder; the chaos tests
+    found one left for good) or, while replacing an earlier ``final/``, ``.final.old-*``; the ``--resume`` from the
+    last checkpoint (at the last step: no step to train) removes them, says so, and writes ``final/``."""
+    config, run = fault_config(tmp_path, save_every=2, max_steps=2), tmp_path / "run"
+    assert_finished(train(config, ""))
+    shutil.rmtree(run / "final")
+    for name in (".final.tmp-4242-0a1b2c3d", ".final.old-4242-4e5f6a7b"):
+        (run / name).mkdir()
+        (run / name / "model.safetensors").write_bytes(b"half written")
+    finish = train(config, "", "--resume")
+    assert_finished(finish)
+    assert_resumed_from(finish, 2)
+    for name in (".final.tmp-4242-0a1b2c3d", ".final.old-4242-4e5f6a7b"):
+        assert f"removed {name}, an export a stopped run left unfinished" in finish.stdout, finish.stdout[-2000:]
+    assert sorted(p.name for p in run.glob(".final*")) == [] and (run / "final" / "model.safetensors").is_file()
+
+
 def test_memory_soak_benchmark_answers_help():
     """The soak itself (1,500 steps on 2 ranks) is a benchmark, not CI: docs/benchmarks.md has its figures."""
     import sys

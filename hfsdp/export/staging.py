@@ -110,6 +110,17 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
                                  "space there or export to a folder with more room") from err
 
 
+def remove_unfinished(out_dir: Path) -> list[Path]:
+    """Remove what exports into ``out_dir`` that were stopped midway left beside it (a temporary folder
+    ``.OUT.tmp-*``, an old copy renamed aside ``.OUT.old-*``); returns them. Only for a folder no other process can be
+    exporting into: ``final/`` of a run whose lock this process holds."""
+    out_dir = Path(out_dir)
+    stale = sorted([*out_dir.parent.glob(f".{out_dir.name}.tmp-*"), *out_dir.parent.glob(f".{out_dir.name}.old-*")])
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
+
+
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists() and any(out_dir.iterdir()):  # an earlier export, checked to hold only its own files
         replace_folder(tmp, out_dir)

@@ -33,6 +33,7 @@ from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gath
                                         prepare_model_and_optimizer)
 from hfsdp.parallel.world import per_rank
 from hfsdp.errors import ConfigError
+from hfsdp.export import staging
 from hfsdp.rules import quantization
 from hfsdp.rules.table import Facts, check
 from hfsdp.model import token_loss
@@ -149,6 +150,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             if setup.wrapper == "fsdp1":
                 fsdp1_drop_stale_gathers(model)  # before set_training changes the weights the load gathered
             optimizers.set_training(optimizer)  # (a checkpoint written before hfsdp kept schedule-free's training weights)
+            if is_main:  # (the run lock is this run's: no other process exports into its final/)
+                for stale in staging.remove_unfinished(output_dir / "final"):
+                    say(f"removed {stale.name}, an export a stopped run left unfinished")
         if is_main:
             (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
