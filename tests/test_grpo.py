@@ -117,6 +117,12 @@ def test_two_ranks_killed_inside_a_round_resume_with_the_same_completions_and_st
     for step in (2, 3):
         for key in ("loss", "grad_norm") + METRICS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key, a[step], b[step])
+    # and what the uninterrupted 2-rank run trained and exported, bit for bit
+    two = runs["x2"][0]
+    assert {k: (v["loss"], v["grad_norm"]) for k, v in steps(run).items()} == {
+        k: (v["loss"], v["grad_norm"]) for k, v in steps(two).items()}
+    got, want = final_weights(run), final_weights(two)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_two_ranks_train_the_same_steps_whether_sampling_gathers_the_model_once_or_a_layer_per_token(runs):
