@@ -685,12 +685,25 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_even_with_overwrite_and
         assert "Loading weights" not in second.stderr
         assert snapshot(run) == before  # the first run's metrics, config and checkpoint, byte for byte
         assert listing(run) == ["step-1"]
+        # a run into another folder that resumes from the live run's checkpoint (which keep_last may prune): refused
+        elsewhere = tmp_path / "elsewhere"
+        borrower = train(config, "", f"--resume={run}/checkpoints/step-1", "--set", f"train.output_dir={elsewhere}")
+        assert borrower.returncode == 2, borrower.stderr[-3000:]
+        assert error_line(borrower).startswith(
+            f"hfsdp: error: --resume {run}/checkpoints/step-1: that checkpoint is in the folder of a run that is "
+            f"still training (pid {first.pid} on host {socket.gethostname()}, started "), error_line(borrower)
+        assert "Loading weights" not in borrower.stderr
     finally:
         first.kill()  # kill -9: the lock goes with the process, its file stays
         first.wait()
         log.close()
     assert (run / ".hfsdp-run.lock").is_file()
-    finish = train(config, "", "--resume")  # the lock of the killed run is free: the requeued job continues
+    # that run ended: its checkpoint resumes into the other folder (the hold on it released once loaded) ...
+    borrower = train(config, "", f"--resume={run}/checkpoints/step-1", "--set", f"train.output_dir={elsewhere}")
+    assert_finished(borrower)
+    assert_resumed_from(borrower, 1)
+    assert_same_training(solo_reference, elsewhere, first_step=2)
+    finish = train(config, "", "--resume")  # ... and the lock of the killed run is free: the requeued job continues
     assert_finished(finish)
     assert_resumed_from(finish, 1)
     assert_same_training(solo_reference, run)

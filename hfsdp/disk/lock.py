@@ -53,6 +53,33 @@ class RunLock:
         os.fsync(fd)
         return cls(path, fd, os.fstat(fd).st_ino)
 
+    @classmethod
+    def borrow(cls, checkpoint: Path) -> "RunLock | None":
+        """A shared hold on the run folder that holds ``checkpoint`` (``<run>/checkpoints/step-N``), for a run that
+        resumes from another run's checkpoint, until it has loaded it: refused while a live run holds that folder
+        (it may prune or replace the checkpoint meanwhile, ``train.keep_last``), and a run started into that folder
+        meanwhile is refused until :meth:`release`. None where the folder has no lock file (no hfsdp run wrote it)
+        or its file system has no locks."""
+        checkpoint = Path(checkpoint)
+        path = checkpoint.parent.parent / LOCK_NAME
+        if checkpoint.parent.name != "checkpoints" or not path.is_file():
+            return None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = _holder(fd)
+            os.close(fd)
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return None
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise UserError(f"--resume {checkpoint}: that checkpoint is in the folder of a run that is still training "
+                            f"({holder}, which holds {path}); it may prune or replace the checkpoint while this run "
+                            "loads it (train.keep_last). Wait for that run to end, or copy the checkpoint folder "
+                            "elsewhere and resume from the copy") from None
+        return cls(path, fd, os.fstat(fd).st_ino)
+
     def still_ours(self) -> bool:
         """The lock file this run holds is still at its path (the folder was neither deleted nor replaced)."""
         try:

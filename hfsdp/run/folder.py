@@ -57,19 +57,25 @@ def _check_writable(folder: Path, what: str, fix: str) -> None:
         raise UserError(f"{what} {folder}: cannot write there ({err.strerror}); {fix}") from None
 
 
-def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, RunLock | None]:
+def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, RunLock | None, RunLock | None]:
     """The model's local path (built-in models are converted once into the cache; concurrent ranks wait on its file
-    lock), the prepared output folder and its lock (main process), for a run whose checks
-    :func:`hfsdp.setup.decide.decide` made. The cache folder and the output folder are checked writable first."""
+    lock), the prepared output folder and its lock (main process), and a shared hold on another run's folder whose
+    checkpoint ``--resume`` names (main process; :meth:`RunLock.borrow`, to release once it is loaded), for a run
+    whose checks :func:`hfsdp.setup.decide.decide` made. The cache folder and the output folder are checked
+    writable first."""
     config = setup.config
     _check_writable(opts.cache_dir, "the hfsdp cache folder", "set HFSDP_CACHE_DIR to a folder you can write to")
     output_dir = Path(config.train.output_dir)
     lock = prepare_output_dir(output_dir, opts, resuming=setup.resume_asked, is_main=setup.world.rank == 0)
+    borrowed = None
     try:
+        if setup.resume is not None and setup.world.rank == 0 and not _inside(setup.resume.path, output_dir):
+            borrowed = RunLock.borrow(setup.resume.path)
         model_path = loading.resolve_model_path(config.model.name_or_path, opts.cache_dir)
     except BaseException:
-        if lock is not None:
-            lock.release()
+        for held in (lock, borrowed):
+            if held is not None:
+                held.release()
         raise
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -78,4 +84,8 @@ def prepare_run(setup: RunSetup, opts: Options) -> tuple[str, Path, RunLock | No
     hf_logging.set_verbosity_error()
     if setup.world.rank != 0:  # one "Loading weights" bar, beside rank 0's other bars (not one per rank)
         hf_logging.disable_progress_bar()
-    return model_path, output_dir, lock
+    return model_path, output_dir, lock, borrowed
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))

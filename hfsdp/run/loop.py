@@ -85,7 +85,7 @@ class PreemptionFlag:
 def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
     # ---- set up: the run was decided and checked before anything loads (hfsdp.setup.decide.decide)
     config, world = setup.config, setup.world
-    model_path, output_dir, lock = prepare_run(setup, opts)
+    model_path, output_dir, lock, borrowed = prepare_run(setup, opts)
     from accelerate.utils import set_seed
 
     accelerator = None
@@ -147,6 +147,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             resume.restore(accelerator, optimizer, setup.resume, config, output_dir / "checkpoints", state, world,
                            loading=lambda record: optimizers.loading_training_weights(optimizer,
                                                                                        bool(record.training_weights)))
+            if borrowed is not None:  # another run's checkpoint, loaded: that run may start again
+                borrowed.release()
             if setup.wrapper == "fsdp1":
                 fsdp1_drop_stale_gathers(model)  # before set_training changes the weights the load gathered
             optimizers.set_training(optimizer)  # (a checkpoint written before hfsdp kept schedule-free's training weights)
@@ -245,8 +247,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             model = run = run_eval = None  # noqa: F841
             accelerator.free_memory()
             accelerator.end_training()
-        if lock is not None:
-            lock.release()
+        for held in (lock, borrowed):
+            if held is not None:
+                held.release()
 
 
 def plan_steps(setup: RunSetup, train_set, data_report: dict[str, Any], say,
