@@ -7,6 +7,7 @@ Checkpoints here are the tiny model's weights in a FULL (torch.save) checkpoint,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,27 @@ def test_new_empty_and_earlier_exports(run, tmp_path):
     empty.mkdir()
     export_checkpoint(ckpt, empty, [])
     assert (empty / "model.safetensors").is_file()
+
+
+def test_an_export_killed_midway_leaves_a_folder_the_next_export_into_its_out_removes(run, tmp_path, capsys):
+    """``hfsdp export`` killed (kill -9) leaves ``.OUT.tmp-HOST-PID-*``; the next export into OUT removes the ones
+    whose process on this host is gone, says so, and leaves another host's and a live process's alone."""
+    import socket
+
+    ckpt, out = run / "checkpoints" / "step-2", tmp_path / "out"
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()  # a pid no process has now
+    host = socket.gethostname()
+    dead, other_host, live = (tmp_path / f".out.tmp-{host}-{gone.pid}-0a1b2c3d",
+                              tmp_path / f".out.tmp-{host}x-{gone.pid}-0a1b2c3d",
+                              tmp_path / f".out.tmp-{host}-{os.getppid()}-4e5f6a7b")
+    for folder in (dead, other_host, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half written")
+    export_checkpoint(ckpt, out, [])
+    assert f"removed {dead}, the temporary folder of an export into {out} that was stopped midway" in \
+        capsys.readouterr().out
+    assert not dead.exists() and other_host.is_dir() and live.is_dir() and (out / "model.safetensors").is_file()
 
 
 def test_a_failed_export_leaves_nothing_and_keeps_the_earlier_export(run, tmp_path):

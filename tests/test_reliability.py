@@ -894,6 +894,23 @@ def test_memory_soak_benchmark_answers_help():
     assert proc.returncode == 0 and "--check-step" in proc.stdout and "RSS" in proc.stdout, proc.stderr
 
 
+def test_a_preprocessing_killed_midway_leaves_a_folder_the_next_builder_removes(tmp_path):
+    """A builder killed while it wrote its entry leaves ``KEY.tmp-*`` (the size of the tokenized data) beside the
+    entry; the next builder of that key, under the entry's lock, removes it (and builds); other keys' are left."""
+    import datasets
+
+    from hfsdp.data import cache as data_cache
+
+    entries = tmp_path / "datasets"
+    for leftover in ("entry.tmp-killed1", "other.tmp-killed2"):
+        (entries / leftover / "data").mkdir(parents=True)
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+    data, meta, hit = data_cache.load_or_build(tmp_path, "entry", lambda: (rows, {"n": 1}),
+                                               data_cache.Preprocessing(builder=True, run="r"))
+    assert (data["input_ids"], meta, hit) == ([[1, 2, 3]], {"n": 1}, False)
+    assert sorted(p.name for p in entries.iterdir()) == ["entry", "entry.lock", "other.tmp-killed2"]
+
+
 def test_a_full_disk_under_the_preprocessing_cache_is_reported_as_a_full_disk(tmp_path, tmpfs):
     import datasets
 

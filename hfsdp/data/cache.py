@@ -130,6 +130,8 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[An
                 raise RuntimeError(f"the preprocessing of this node failed in its first process: {failure['message']}")
             time.sleep(POLL_S)
     with FileLock(str(target) + ".lock"):
+        for stale in target.parent.glob(f"{key}.tmp-*"):  # a builder killed midway (only a lock holder makes them)
+            shutil.rmtree(stale, ignore_errors=True)
         if (target / CACHE_META).is_file():
             try:
                 return *_load_entry(target), True

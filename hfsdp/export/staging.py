@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -87,7 +88,10 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
     out_dir = Path(out_dir)
     check_export_target(out_dir, overwrite=overwrite, source=source)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    for stale in _left_by_dead_exports(out_dir):
+        shutil.rmtree(stale, ignore_errors=True)
+        print(f"removed {stale}, the temporary folder of an export into {out_dir} that was stopped midway")
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         yield tmp
@@ -108,6 +112,29 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
                                  f"the {size_text(written)} written before the disk filled "
                                  f"({type(err).__name__}: {err}); nothing was changed: {kept} as they were. Free "
                                  "space there or export to a folder with more room") from err
+
+
+def _left_by_dead_exports(out_dir: Path) -> list[Path]:
+    """The temporary folders (``.OUT.tmp-HOST-PID-*``) of exports into ``out_dir`` whose process, on this host, is
+    gone (a kill -9, a lost session): never renamed into place, never to be. Another host's, or a live process's
+    (an export running beside this one), are left alone."""
+    prefix = f".{out_dir.name}.tmp-{socket.gethostname()}-"
+    dead = []
+    for folder in out_dir.parent.glob(f"{prefix}*"):
+        pid = folder.name[len(prefix):].rsplit("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            dead.append(folder)
+    return sorted(dead)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def remove_unfinished(out_dir: Path) -> list[Path]:

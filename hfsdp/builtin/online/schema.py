@@ -32,11 +32,11 @@ class OnlineSection(Section):
                                                                    "before the run stops, naming it and the rows "
                                                                    "(default: half of train.collective_timeout_s)")
     check_reward_determinism: bool = Field(True, description="every round, each rank scores the round's first "
-                                                             "completion again and the run stops where a function "
-                                                             "gives it another value (on another rank, or alone "
-                                                             "against in its micro-batch): such rewards break 1 "
-                                                             "process = N ranks and resume; false for a reward "
-                                                             "that samples on purpose")
+                                                             "completion again, alone, and the run stops where a "
+                                                             "function gives it another value than in its "
+                                                             "micro-batch: such rewards break 1 process = N ranks "
+                                                             "and resume; false for a reward that samples on "
+                                                             "purpose")
     num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
                                                                       "name; default num_generations): eval_reward "
                                                                       "is their mean reward")
