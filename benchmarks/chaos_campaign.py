@@ -8,7 +8,8 @@ and exports its weights, bit for bit.
                                         [--seed 1000] [--out bench-results/chaos]
 
 Prints a row per feature (trials, kills that interrupted the job, what they interrupted, failures) and the total;
-exits 1 if a trial failed (its seed and attempts are printed; the logs stay in --out).
+exits 1 if a trial failed (its seed and attempts are printed; the logs stay in --out). SIGTERM or Ctrl-C stops it and
+the job it is running.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1000, help="trial t of feature f uses seed + 100 f + t")
     p.add_argument("--out", default="bench-results/chaos")
     a = p.parse_args()
+    # SIGTERM as Ctrl-C: the campaign stops, and the job it was running is killed with it (tests/chaos.py)
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
     features = a.features.split(",")
     unknown = [f for f in features if f not in CHAOS]
     if unknown:
@@ -111,4 +115,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("chaos_campaign.py: stopped; the job in flight was killed", file=sys.stderr)
+        sys.exit(130)

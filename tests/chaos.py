@@ -123,6 +123,9 @@ def campaign(nproc: int, config: Path, run_dir: Path, max_steps: int, kills: lis
                 kill_job(proc)
                 raise AssertionError(f"attempt {number} ran past {attempt_timeout} s; {result.describe()}\n"
                                      f"{log.read_text()[-4000:]}") from None
+            except BaseException:  # the harness itself stopped (Ctrl-C, SIGTERM): no job left running
+                kill_job(proc)
+                raise
         steps = [int(s) for s in progress.read_text().split()]
         result.attempts.append(Attempt(number, kill, proc.returncode, steps, what, time.monotonic() - started, log))
         if not what or what == "nothing (finished)":

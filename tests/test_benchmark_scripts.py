@@ -38,7 +38,8 @@ def test_every_benchmark_answers_help(script):
 
 # the scripts that start a process themselves, not through benchmarks/subprocesses.py: data_scale.py (itself, to
 # measure one tokenization; no training), goals.py (inside the wrapper that measures a command's peak memory, which
-# passes the signals on itself), chaos_campaign.py (tests/chaos.py kills and restarts the jobs it starts)
+# passes the signals on itself), chaos_campaign.py (tests/chaos.py kills and restarts the jobs it starts, and kills
+# the one in flight when it is stopped itself)
 OWN_CHILDREN = {"data_scale.py", "goals.py", "chaos_campaign.py", "subprocesses.py"}
 
 
