@@ -193,6 +193,11 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_completions(output_dir: Path) -> list[dict[str, Any]]:
+    """An online objective's ``completions.jsonl`` (GRPO, RLOO, on-policy distillation), a record per line."""
+    return [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
+
+
 def step_losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (PRESET_DATA, RUN_ENV, RunRegistry, read_metrics, run_cli, run_torchrun, tiny_config,
-                      tiny_teacher_folder)
+from conftest import (PRESET_DATA, RUN_ENV, RunRegistry, read_completions, read_metrics, run_cli, run_torchrun,
+                      tiny_config, tiny_teacher_folder)
 
 pytestmark = pytest.mark.slow
 
@@ -283,10 +283,6 @@ def exported(run: Path) -> dict:
     return {f.name: load_file(f) for f in files}
 
 
-def completions(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-
-
 def startup(run: Path) -> dict:
     return json.loads((run / "startup_rank0.json").read_text())
 
@@ -392,16 +388,16 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert report["checkpoint_saves"] == "asynchronous"
         assert [m["checkpoint_step"] for m in read_metrics(run) if "save_write_s" in m] == [2, 4]
     if grpo:  # completions sampled at the first step of each round (3 steps each)
-        assert [c["step"] for c in completions(run)] == [1, 1, 4, 4]
+        assert [c["step"] for c in read_completions(run)] == [1, 1, 4, 4]
     if "grpo_masked" in options:  # every completion cut at max_new_tokens: nothing left to train on
-        assert all(len(c["completion_ids"]) == 4 for c in completions(run))
+        assert all(len(c["completion_ids"]) == 4 for c in read_completions(run))
         assert all(loss == 0 and norm == 0 for loss, norm in steps.values()), steps
     if "lora_rloo" in options:  # the KL penalty: 0 at the first round (the adapters' B is 0), then not
         kl = [m["kl"] for m in read_metrics(run) if "loss" in m]
         assert kl[0] == 0 and kl[3] != 0 and all(0 <= m["clip_ratio"] <= 1 for m in read_metrics(run) if "loss" in m)
     if "distill_online" in options:  # lmbda 0.5: the first round sampled, the second the rows' answers (JSON)
         assert [m["on_policy"] for m in read_metrics(run) if "loss" in m] == [1, 1, 1, 0]
-        assert [c["completion"].startswith('{"name"') for c in completions(run)] == [False, False, True, True]
+        assert [c["completion"].startswith('{"name"') for c in read_completions(run)] == [False, False, True, True]
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -652,7 +648,7 @@ def test_packed_micro_batches_compute_the_unpacked_steps(runs, option, world):
     steps = [(x["padding"], y["padding"]) for x, y in zip(a, b) if "padding" in x]
     assert len(steps) == STEPS and all(y <= x for x, y in steps), steps
     if option == "packing_grpo":
-        assert completions(packed) == completions(plain)
+        assert read_completions(packed) == read_completions(plain)
 
 
 @pytest.mark.parametrize("option", ["dpo_tools", "grpo_tools"])
@@ -666,7 +662,8 @@ def test_two_ranks_compute_what_one_process_computes_on_tool_conversations(runs,
     # DPO's accuracy counts margins of float32 rounding's size at step 1: left out
     assert compare_log_prob_metrics(a, b, ("loss", "rewards/", "reward", "logps/"), ("rewards/accuracy",)) >= 2 * STEPS
     if option == "grpo_tools":
-        assert [c["completion_ids"] for c in completions(one)] == [c["completion_ids"] for c in completions(two)]
+        ids = [[c["completion_ids"] for c in read_completions(run)] for run in (one, two)]
+        assert ids[0] == ids[1]
 
 
 def test_options_act(runs):
@@ -926,7 +923,7 @@ def test_resume_is_exact(runs, resume_cell):
     assert_resumed_exactly(resumed, run)
     if any(name in option for name in ("grpo", "rloo", "distill_online")):  # step 3 trained on the restored
         # round's completions; step 4 sampled the same ones
-        assert completions(resumed) == [c for c in completions(run) if c["step"] == 4]
+        assert read_completions(resumed) == [c for c in read_completions(run) if c["step"] == 4]
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))

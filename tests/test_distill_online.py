@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import (PRESET_DATA, REPO, base_env, read_completions, read_metrics, run_cli, run_torchrun,
+                      tiny_config)
 
 STEPS = 4
 METRICS = ("distill/divergence", "entropy", "completion_length", "reward", "rewards/json_fields/mean")
@@ -87,15 +88,11 @@ def runs(tmp_path_factory, tiny_teacher_dir) -> dict[int, Path]:
     return out
 
 
-def completions(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_and_four_ranks_sample_and_train_what_one_process_does_the_teacher_sharded(runs, world):
     one, many = runs[1], runs[world]
-    assert completions(one) == completions(many) and len(completions(one)) == 8 * STEPS  # a round a step
+    assert read_completions(one) == read_completions(many) and len(read_completions(one)) == 8 * STEPS  # a round a step
     a = {m["step"]: m for m in read_metrics(one) if "loss" in m}
     b = {m["step"]: m for m in read_metrics(many) if "loss" in m}
     for step in range(1, STEPS + 1):

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from hfsdp.checkpoint import store
 
-from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import (PRESET_DATA, REPO, base_env, read_completions, read_metrics, run_cli, run_torchrun,
+                      tiny_config)
 
 pytestmark = pytest.mark.slow
 
@@ -71,14 +72,11 @@ def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def completions(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-
-
 def test_two_ranks_sample_score_and_train_what_one_process_does(runs):
     one, two = runs["x1"][0], runs["x2"][0]
-    assert completions(one) == completions(two)  # the same tokens, rewards and advantages, every completion
-    assert len(completions(one)) == 16 and {c["step"] for c in completions(one)} == {1, 3}  # a round is 2 steps
+    assert read_completions(one) == read_completions(two)  # the same tokens, rewards and advantages, every completion
+    # a round is 2 steps
+    assert len(read_completions(one)) == 16 and {c["step"] for c in read_completions(one)} == {1, 3}
     a, b = steps(one), steps(two)
     assert summary(one)["eval_reward"] == pytest.approx(summary(two)["eval_reward"], rel=1e-6)
     for step in range(1, STEPS + 1):
@@ -90,7 +88,7 @@ def test_four_ranks_each_sampling_a_quarter_sample_and_train_what_one_process_do
     """Each rank samples the prompts of its own micro-batches (1 of the 4 a step here, against 4 on one process and 2
     on each of 2 ranks): the completions are token-identical however the round is split, and the steps the same."""
     one, four = runs["x1"][0], runs["x4"][0]
-    assert completions(four) == completions(one) == completions(runs["x2"][0])
+    assert read_completions(four) == read_completions(one) == read_completions(runs["x2"][0])
     a, b = steps(one), steps(four)
     assert summary(one)["eval_reward"] == pytest.approx(summary(four)["eval_reward"], rel=1e-6)
     for step in range(1, STEPS + 1):
@@ -107,12 +105,12 @@ def test_two_ranks_killed_inside_a_round_resume_with_the_same_completions_and_st
     killed = run_torchrun(2, "train", str(config), env=env, check=False)
     assert killed.returncode != 0 and "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]
     run = tmp_path / "run"
-    assert [c["step"] for c in completions(run)] == [1] * 8  # the first round only
+    assert [c["step"] for c in read_completions(run)] == [1] * 8  # the first round only
     resumed = run_torchrun(2, "train", str(config), "--resume", env=base_env(
         PYTHONPATH=os.pathsep.join([str(REWARDS), str(FAULTS)])))
     assert "resumed from" in resumed.stdout and "step-1 at step 1" in resumed.stdout, resumed.stdout[-3000:]
     one = runs["x1"][0]
-    assert completions(run) == completions(one)
+    assert read_completions(run) == read_completions(one)
     a, b = steps(one), steps(run)
     for step in (2, 3):
         for key in ("loss", "grad_norm") + METRICS:
@@ -129,7 +127,7 @@ def test_two_ranks_train_the_same_steps_whether_sampling_gathers_the_model_once_
     """``fsdp.gather_for_generation`` changes which all-gathers run while sampling (tests/test_generation.py counts
     them), not what is computed: the same completions and the same steps, bit for bit."""
     once, per_layer = runs["x2"][0], runs["x2_layers"][0]
-    assert completions(once) == completions(per_layer)
+    assert read_completions(once) == read_completions(per_layer)
     a, b = steps(once), steps(per_layer)
     for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm") + METRICS:
@@ -149,7 +147,7 @@ def test_the_metrics_completions_and_progress_bar_show_the_run(runs):
     assert metrics[1]["clip_ratio"] == 0  # the first step of a round is on its own samples (ratio 1)
     assert metrics[1]["generation_s"] > 0 and metrics[3]["generation_s"] > 0  # each round's first step samples,
     assert metrics[2]["generation_s"] == 0  # its second reuses the completions
-    first = completions(run)[0]
+    first = read_completions(run)[0]
     assert set(first) == {"step", "row", "prompt", "completion", "completion_ids", "advantage", "rewards"}
     assert first["prompt"][0]["role"] == "user" and set(first["rewards"]) == {"letters", "json_fields"}
     assert "reward=" in console
@@ -262,7 +260,7 @@ def test_a_micro_step_with_signal_on_one_rank_only_is_trained_on_every_rank(sign
         assert two[step]["grad_norm"] > 0 and two[step]["entropy"] > 0
         for key in ("loss", "grad_norm", "reward"):
             assert one[step][key] == pytest.approx(two[step][key], rel=1e-5, abs=1e-7), (step, key)
-    flat = [c for c in completions(signal_runs["mixed_x2"]) if c["advantage"] == 0]
+    flat = [c for c in read_completions(signal_runs["mixed_x2"]) if c["advantage"] == 0]
     assert len(flat) == 4  # the prompt without signal: both its completions, in each of the 2 rounds
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PRESET_DATA, REPO, base_env, read_metrics, run_cli, run_torchrun, tiny_config
+from conftest import (PRESET_DATA, REPO, base_env, read_completions, read_metrics, run_cli, run_torchrun,
+                      tiny_config)
 
 REWARDS = REPO / "tests" / "reward_plugin"
 STEPS = 4
@@ -130,10 +131,6 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
-def completions(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_and_four_ranks_sample_score_and_train_what_one_process_does(runs, world):
@@ -142,8 +139,8 @@ def test_two_and_four_ranks_sample_score_and_train_what_one_process_does(runs, w
     rounding of the log-probs in the KL penalty: 4 ranks compute them in micro-batches of another width) and the
     same steps."""
     one, many = runs[1], runs[world]
-    assert {c["step"] for c in completions(one)} == {1, 3}
-    for a, b in zip(completions(one), completions(many), strict=True):
+    assert {c["step"] for c in read_completions(one)} == {1, 3}
+    for a, b in zip(read_completions(one), read_completions(many), strict=True):
         assert {**a, "advantage": None} == {**b, "advantage": None}
         assert a["advantage"] == pytest.approx(b["advantage"], rel=1e-5, abs=1e-6)
     a = {m["step"]: m for m in read_metrics(one) if "loss" in m}
