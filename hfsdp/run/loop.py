@@ -328,8 +328,8 @@ def save_checkpoint(run: Run, saver: store.Saver) -> None:
     record = Record.of_run(run.config, run.state.step, run.world.dims, run.plugins, run.resume_identity,
                            resume.optimizer_digest(accelerator, run.optimizer, run.config, run.world),
                            training_weights=kept or None).to_json()
-    # staged before save returns, also when asynchronous
-    with optimizers.evaluation_weights(run.optimizer, for_checkpoint=kept):
+    # staged before save returns, also when asynchronous (schedule-free's training weights too)
+    with optimizers.evaluation_weights(run.optimizer):
         saver.save(store.Pending(accelerator, run.output_dir / "checkpoints", run.state.step, record,
                                       run.model_files, yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)))
 

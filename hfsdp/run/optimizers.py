@@ -169,63 +169,67 @@ def _schedule_free(optimizer):
 
 
 def keeps_training_weights(optimizer) -> bool:
-    """Whether checkpoints of ``optimizer`` keep the training weights in its state (:func:`evaluation_weights`
-    ``for_checkpoint``): schedule-free's."""
+    """Whether checkpoints of ``optimizer`` keep the training weights in its state (:func:`evaluation_weights`):
+    schedule-free's."""
     return _schedule_free(optimizer) is not None
 
 
 @contextlib.contextmanager
-def evaluation_weights(optimizer, for_checkpoint: bool = False) -> Iterator[None]:
+def evaluation_weights(optimizer) -> Iterator[None]:
     """While inside: the parameters hold the weights a schedule-free optimizer defines for evaluation and export
-    (its average ``x``, its ``eval()``); afterwards the training weights (``y``) it had, restored bit for bit from a
-    copy (schedulefree's ``train()`` computes them back from ``x``, which rounds differently: a run that saves or
-    evaluates more often would train other weights). ``for_checkpoint``: the copy is also in the optimizer state
-    (:data:`TRAINING_WEIGHTS`) while inside, so that the checkpoint saved there resumes on exactly these training
-    weights (:func:`loading_training_weights`). Other optimizers' weights are the parameters themselves."""
-    import torch
-
+    (its average ``x``, its ``eval()``), and a copy of the training weights (``y``) is in its state
+    (:data:`TRAINING_WEIGHTS`), so that a checkpoint saved there resumes on exactly them
+    (:func:`loading_training_weights`); afterwards the parameters hold that copy again, bit for bit (schedulefree's
+    ``train()`` computes them back from ``x``, which rounds differently: a run that saves or evaluates more often
+    would train other weights). Other optimizers' weights are the parameters themselves."""
     torch_optimizer = _schedule_free(optimizer)
     if torch_optimizer is None or not any(g.get("train_mode") for g in torch_optimizer.param_groups):
         yield
         return
-    kept = {p: p.detach().clone() for g in torch_optimizer.param_groups for p in g["params"]
-            if "z" in torch_optimizer.state.get(p, {})}
-    if for_checkpoint:
-        for p, y in kept.items():
-            torch_optimizer.state[p][TRAINING_WEIGHTS] = y
+    params = _keep_training_weights(torch_optimizer)
     torch_optimizer.eval()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for p, y in kept.items():
-                p.copy_(y)
-                torch_optimizer.state[p].pop(TRAINING_WEIGHTS, None)
-        for g in torch_optimizer.param_groups:
-            g["train_mode"] = True
+        _back_to_training(torch_optimizer, params)
 
 
 @contextlib.contextmanager
 def loading_training_weights(optimizer, kept: bool) -> Iterator[None]:
     """Around the load of a checkpoint whose optimizer state ``kept`` the training weights
-    (:func:`evaluation_weights` ``for_checkpoint``): a place for them in the state to load into (a sharded load fills
-    what is there), and afterwards the parameters set to them, the optimizer in train mode and the copy dropped (the
-    state the optimizer digest was taken of). A checkpoint without them (written before hfsdp kept them) resumes as
-    it was written: :func:`set_training` computes the training weights from the averaged ones."""
-    import torch
-
+    (:func:`evaluation_weights`): a place for them in the state to load into (a sharded load fills what is there),
+    and afterwards the parameters set to them, the optimizer in train mode and the copy dropped (the state the
+    optimizer digest was taken of). A checkpoint without them (written before hfsdp kept them) resumes as it was
+    written: :func:`set_training` computes the training weights from the averaged ones."""
     torch_optimizer = _schedule_free(optimizer)
     if torch_optimizer is None or not kept:
         yield
         return
+    params = _keep_training_weights(torch_optimizer)
+    yield
+    _back_to_training(torch_optimizer, params)
+
+
+def _keep_training_weights(torch_optimizer) -> list:
+    """A copy of each stepped parameter (one with schedule-free's ``z``) in its state, under
+    :data:`TRAINING_WEIGHTS`; the parameters."""
     params = [p for g in torch_optimizer.param_groups for p in g["params"] if "z" in torch_optimizer.state.get(p, {})]
     for p in params:
         torch_optimizer.state[p][TRAINING_WEIGHTS] = p.detach().clone()
-    yield
+    return params
+
+
+def _back_to_training(torch_optimizer, params: list) -> None:
+    """The parameters set to the training weights in their state (the copy dropped from it), the optimizer in train
+    mode without recomputing them."""
+    import torch
+
     with torch.no_grad():
         for p in params:
-            if p.numel():  # (FSDP1 loads no state for a rank's empty slice of a flat parameter)
+            if p.numel():
                 p.copy_(torch_optimizer.state[p].pop(TRAINING_WEIGHTS))
+            else:  # (FSDP1 loads no state for a rank's empty slice of a flat parameter)
+                torch_optimizer.state[p].pop(TRAINING_WEIGHTS, None)
     for g in torch_optimizer.param_groups:
         g["train_mode"] = True
 
