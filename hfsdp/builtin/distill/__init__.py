@@ -53,10 +53,15 @@ def hfsdp_validate_config(config):
                                         f"not {fmt}"))
     if "beta" in section.model_fields_set and section.loss != "jsd":
         problems.append(("distill.beta", f"applies to loss jsd only, not {section.loss}"))
+    return problems + teacher_problems(config, "distill")
+
+
+def teacher_problems(config, plugin: str) -> list[tuple[str, str]]:
+    """What a run with a frozen teacher (``distill``, ``distill_online``) cannot combine with."""
     if "lora" in config.plugins:
-        problems.append(("plugins", "distill is not combined with lora yet (the teacher would be sharded beside a "
-                                    "peft model): remove lora from plugins"))
-    return problems
+        return [("plugins", f"{plugin} is not combined with lora yet (the teacher would be sharded beside a peft "
+                            "model): remove lora from plugins")]
+    return []
 
 
 @hookimpl

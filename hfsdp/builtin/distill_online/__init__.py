@@ -16,6 +16,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from hfsdp import hookimpl
+from hfsdp.builtin.distill import teacher_problems
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
 from hfsdp.builtin.online.schema import OnlineSection, RewardSpec
 
@@ -58,11 +59,7 @@ def hfsdp_reward_functions():
 
 @hookimpl
 def hfsdp_validate_config(config):
-    problems = online_problems(config, "distill_online", kl_reference=False)
-    if "lora" in config.plugins:
-        problems.append(("plugins", "distill_online is not combined with lora yet (the teacher would be sharded "
-                                    "beside a peft model): remove lora from plugins"))
-    return problems
+    return online_problems(config, "distill_online", kl_reference=False) + teacher_problems(config, "distill_online")
 
 
 @hookimpl
