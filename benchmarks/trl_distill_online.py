@@ -23,14 +23,13 @@ teacher). Needs TRL: ``pip install -e '.[bench]'``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from trl_grpo import ABS_FLOOR, run_hfsdp, speed  # benchmarks/, next to this file
+from trl_grpo import ABS_FLOOR, arguments, fixed_overrides, run_hfsdp, speed  # benchmarks/, next to this file
 
 PLUGIN = "distill_online"
 
@@ -131,20 +130,12 @@ def compare(cfg, ours: list[dict], trl: dict[str, list[float]], steps_asked: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("config", nargs="?", default="distill-online")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--speed", action="store_true", help="each side its own sampling: compare step times")
-    parser.add_argument("--rounds", type=int, default=1, help="with --speed: interleaved rounds (median)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args()
+    args = arguments("distill-online", "sampling")
 
     from hfsdp.config.files import load_config
     from hfsdp.errors import ConfigError
 
-    overrides = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
-                 "data.eval_path=null", "train.log_every=1", "train.export_final=false",
-                 f"{PLUGIN}.log_completions=100000", *args.overrides]
+    overrides = [*fixed_overrides(args.steps), f"{PLUGIN}.log_completions=100000", *args.overrides]
     try:
         cfg, host = load_config(args.config, overrides)
     except ConfigError as err:

@@ -343,21 +343,31 @@ def speed(cfg, s, rounds: list[tuple[list[dict], dict[str, list[float]]]]) -> No
           f"{medians['TRL'][1] / medians['hfsdp'][1]:.2f}x per completion token")
 
 
-def main(default_config: str = "grpo") -> None:
-    script = Path(sys.argv[0]).name
+def arguments(default_config: str, sampling: str) -> argparse.Namespace:
+    """The command line of this script and of those built on it (trl_rloo.py, trl_distill_online.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("config", nargs="?", default=default_config)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--speed", action="store_true", help="each side its own generation: compare step times")
+    parser.add_argument("--speed", action="store_true", help=f"each side its own {sampling}: compare step times")
     parser.add_argument("--rounds", type=int, default=1, help="with --speed: interleaved rounds (median)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def fixed_overrides(steps: int) -> list[str]:
+    """What the side-by-side runs fix: ``steps`` steps, every one logged, no eval, no export."""
+    return [f"train.max_steps={steps}", "train.eval_at_start=false", "train.eval_every=null", "data.eval_path=null",
+            "train.log_every=1", "train.export_final=false"]
+
+
+def main(default_config: str = "grpo") -> None:
+    script = Path(sys.argv[0]).name
+    args = arguments(default_config, "generation")
 
     from hfsdp.config.files import load_config
     from hfsdp.errors import ConfigError
 
-    fixed = [f"train.max_steps={args.steps}", "train.eval_at_start=false", "train.eval_every=null",
-             "data.eval_path=null", "train.log_every=1", "train.export_final=false"]
+    fixed = fixed_overrides(args.steps)
     try:
         objective = objective_of(load_config(args.config, [*fixed, *args.overrides])[0])
         overrides = [*fixed, f"{objective}.log_completions=100000", *args.overrides]
