@@ -26,6 +26,7 @@ from pathlib import Path
 from hfsdp.parallel.launcher import free_port
 
 FAULT_PLUGIN = Path(__file__).resolve().parent / "fault_plugin"
+FINISHED = "nothing (finished)"  # what a kill interrupted when the job had ended before its moment
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Campaign:
 
     @property
     def kills(self) -> list[Attempt]:
-        return [a for a in self.attempts if a.interrupted and a.interrupted != "nothing (finished)"]
+        return [a for a in self.attempts if a.interrupted and a.interrupted != FINISHED]
 
     def describe(self) -> str:
         return "; ".join(f"#{a.number} {a.interrupted or 'ran to the end'} (steps {a.steps or '-'}, rc "
@@ -128,7 +129,7 @@ def campaign(nproc: int, config: Path, run_dir: Path, max_steps: int, kills: lis
                 raise
         steps = [int(s) for s in progress.read_text().split()]
         result.attempts.append(Attempt(number, kill, proc.returncode, steps, what, time.monotonic() - started, log))
-        if not what or what == "nothing (finished)":
+        if not what or what == FINISHED:
             if proc.returncode != 0:
                 raise AssertionError(f"attempt {number} failed by itself (exit {proc.returncode}); "
                                      f"{result.describe()}\n{log.read_text()[-6000:]}")
@@ -137,20 +138,20 @@ def campaign(nproc: int, config: Path, run_dir: Path, max_steps: int, kills: lis
 
 
 def _kill_when(proc: subprocess.Popen, progress: Path, kill: Kill, left: int, run_dir: Path, deadline: float) -> str:
-    """Wait for the kill's moment and SIGKILL the whole job then; what it interrupted ("nothing (finished)" when the
+    """Wait for the kill's moment and SIGKILL the whole job then; what it interrupted (:data:`FINISHED` when the
     job had ended first)."""
     after = min(kill.after_steps, left)
     while len(progress.read_text().split()) < after:
         if proc.poll() is not None or time.monotonic() > deadline:
-            return "nothing (finished)" if proc.poll() is not None else ""
+            return FINISHED if proc.poll() is not None else ""
         time.sleep(0.02)
     end = time.monotonic() + kill.delay_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            return "nothing (finished)"
+            return FINISHED
         time.sleep(0.01)
     if proc.poll() is not None:
-        return "nothing (finished)"
+        return FINISHED
     what = interrupted(run_dir, len(progress.read_text().split()), left)
     kill_job(proc)
     return what
