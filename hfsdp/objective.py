@@ -78,6 +78,9 @@ class Objective:
     pack_len: int | None = None
     pack_attention: float = 0.0
     pack_segments: bool = False
+    #: set by hfsdp with ``parallel.sp_size > 1`` (next-token training only): this rank's share of every row's
+    #: positions (:class:`hfsdp.parallel.sequence.SequenceSplit`), which :meth:`collate` applies.
+    sequence_split: Any = None
 
     def frozen_models(self) -> list[FrozenModel]:
         """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
@@ -98,11 +101,16 @@ class Objective:
     def collate(self, sequences: list[dict[str, list[int]]], items: list[list[int]], pad_id: int, device,
                 select_logits: bool) -> MicroBatch:
         """The micro-batch of ``sequences`` (``input_ids``, ``labels``): one per row, or with :attr:`pack_len`
-        laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two)."""
+        laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two); with
+        :attr:`sequence_split`, collated on the CPU, then this rank's share of its positions moved to ``device``."""
+        split = self.sequence_split
+        made_on = "cpu" if split is not None else device
         if self.pack_len is None:
-            return micro_batch(sequences, pad_id, device, select_logits)
-        return packed_micro_batch(sequences, items, self.pack_len or None, pad_id, device, select_logits,
-                                  self.pack_attention, self.pack_segments)
+            batch = micro_batch(sequences, pad_id, made_on, select_logits)
+        else:
+            batch = packed_micro_batch(sequences, items, self.pack_len or None, pad_id, made_on, select_logits,
+                                       self.pack_attention, self.pack_segments)
+        return batch if split is None else split.apply(batch, device)
 
     def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
         """Which rows each optimizer step trains on (a pure function of seed and step; its ``steps_for_epochs`` is

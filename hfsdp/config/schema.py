@@ -460,7 +460,8 @@ class GenerationEvalConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Tensor parallelism inside groups of ranks, FSDP2 across the groups (a 2-D mesh: dp_shard x tp)."""
+    """Tensor parallelism or sequence parallelism inside groups of ranks, FSDP2 across (tensor parallel: a 2-D mesh,
+    dp_shard x tp; sequence parallel: FSDP2 shards over every rank)."""
 
     tp_size: int = Field(1, gt=0, description="ranks that split each layer's matrices (tensor parallel, the "
                                               "architecture's tp_plan: attention heads and MLP columns/rows); "
@@ -468,10 +469,10 @@ class ParallelConfig(Section):
     dp_shard_size: int | None = Field(None, gt=0, description="ranks FSDP2 shards over (the data-parallel ranks); "
                                                               "default and only valid value: world size / tp_size "
                                                               "(given, it is checked at launch).")
-
-    @property
-    def enabled(self) -> bool:
-        return self.tp_size > 1
+    sp_size: int = Field(1, gt=0, description="ranks that split each sequence (sequence parallel, DeepSpeed-Ulysses: "
+                                              "each holds 1/sp_size of every row's tokens, and an all-to-all around "
+                                              "attention trades that split for a split of the heads); consecutive "
+                                              "ranks, inside a node. 1: off.")
 
 
 class HfsdpConfig(Section):

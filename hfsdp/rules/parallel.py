@@ -1,7 +1,11 @@
-"""Tensor parallelism's rules from the config, the world and the model's config alone (torch-free), for the 2-D layout
-(``dp_shard`` x ``tp``: FSDP2 over the data-parallel ranks, the architecture's tensor-parallel plan inside each group
-of ``tp`` consecutive ranks), what the config cannot combine with it, what the world and the model must allow, and
-the plan that is applied (:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``).
+"""The rules of tensor and sequence parallelism from the config, the world and the model's config alone (torch-free):
+what the config cannot combine with them, what the world and the model must allow.
+
+Tensor parallelism has a 2-D layout (``dp_shard`` x ``tp``: FSDP2 over the data-parallel ranks, the architecture's
+tensor-parallel plan inside each group of ``tp`` consecutive ranks); the plan applied is :func:`tp_plan`
+(:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``). Sequence parallelism (``sp_size``,
+DeepSpeed-Ulysses, :mod:`hfsdp.parallel.sequence`) splits each row's tokens over ``sp`` consecutive ranks and the
+attention heads around attention; FSDP2 shards over every rank, as torchtitan's ``dp_shard_cp``.
 
 The embedding, the output head and the norms stay whole on the ranks of a tensor-parallel group (FSDP2 still shards
 them over the data-parallel ranks), so that the chunked loss, the tied embeddings and the export see the model's own
@@ -22,8 +26,13 @@ TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 
 
 def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
-    """What ``parallel.tp_size > 1`` cannot combine with, from the config alone (``hfsdp validate`` reports them)."""
-    if not config.parallel.enabled:
+    """What ``parallel.tp_size > 1`` or ``parallel.sp_size > 1`` cannot combine with, from the config alone
+    (``hfsdp validate`` reports them)."""
+    return tp_config_problems(config) + sp_config_problems(config)
+
+
+def tp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    if config.parallel.tp_size == 1:
         if config.parallel.dp_shard_size is not None:
             return [("parallel.dp_shard_size", "only applies with parallel.tp_size > 1 (FSDP alone shards over every "
                                                "rank): remove it, or set parallel.tp_size")]
@@ -55,20 +64,52 @@ def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
 
 
 def objective_problems(config: "HfsdpConfig", plugins: "PluginHost") -> list[tuple[str, str]]:
-    """A plugin's objective (``hfsdp_objective``) with ``tp_size > 1``: the tensor-parallel plan splits the
-    next-token loss's model only; refused from the config, before any data is read."""
-    replacing = plugins.implementers("hfsdp_objective") if config.parallel.enabled else []
-    if replacing:
-        return [("parallel.tp_size", f"{', '.join(replacing)} (a plugin's objective) is not composed with tensor "
-                                     "parallelism yet: next-token training only; set parallel.tp_size: 1")]
-    return []
+    """A plugin's objective (``hfsdp_objective``) with ``tp_size > 1`` or ``sp_size > 1``: both split the
+    next-token loss's model and rows only; refused from the config, before any data is read."""
+    replacing = plugins.implementers("hfsdp_objective")
+    return [(f"parallel.{key}", f"{', '.join(replacing)} (a plugin's objective) is not composed with {what} "
+                                f"parallelism yet: next-token training only; set parallel.{key}: 1")
+            for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"))
+            if replacing and getattr(config.parallel, key) > 1]
+
+
+def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What ``parallel.sp_size > 1`` cannot combine with, from the config alone."""
+    sp = config.parallel.sp_size
+    if sp == 1:
+        return []
+    fsdp, said = config.fsdp, f"parallel.sp_size {sp}"
+    refused = {
+        "fsdp.version": (fsdp.version != 2, "composes with FSDP2 only (its all-to-all runs inside FSDP2's blocks): "
+                                            "set fsdp.version: 2"),
+        "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
+                                   f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP2 "
+                                   "shards over every rank with FULL_SHARD or SHARD_GRAD_OP"),
+        "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x sequence parallelism is not built yet: choose "
+                                                          "one (tp splits the weights, sp the activations)"),
+        "model.attn_implementation": (config.model.attn_implementation != "sdpa",
+                                      f"{config.model.attn_implementation} is not composed with sequence parallelism: "
+                                      "use sdpa (torch's fused kernels, flash ones on GPUs)"),
+        "train.compile": (config.train.compile is not None, "compiled blocks with the all-to-all inside are not "
+                                                            "tried yet"),
+        "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading, "not tried with sequence parallelism yet"),
+    }
+    return [(key, f"{said}: {why}; or set parallel.sp_size: 1") for key, (given, why) in refused.items() if given]
 
 
 def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int) -> list[tuple[str, str]]:
-    """What the launched world must allow: ``tp_size`` divides it and the processes per node (a tensor-parallel group
-    all-reduces in every layer: it stays inside a node), and ``dp_shard_size``, if given, is the rest."""
+    """What the launched world must allow: ``tp_size`` and ``sp_size`` divide it and the processes per node (their
+    groups exchange data in every layer: they stay inside a node), and ``dp_shard_size``, if given, is the rest."""
     cfg = config.parallel
-    if not cfg.enabled:
+    sp = cfg.sp_size
+    if world_size % sp:
+        return [("parallel.sp_size", f"{sp} does not divide the world size {world_size}: launch a multiple of {sp} "
+                                     "processes, or change parallel.sp_size")]
+    if local_world_size % sp:
+        return [("parallel.sp_size", f"{sp} does not divide the {local_world_size} processes per node: a "
+                                     "sequence-parallel group must stay inside one node (it exchanges every layer's "
+                                     "attention inputs and outputs)")]
+    if cfg.tp_size == 1:
         return []
     tp = cfg.tp_size
     if world_size % tp:
@@ -96,7 +137,18 @@ def text_config(model_config: Any) -> Any:
 
 def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
     """What the architecture must allow (checked once its config is read, before any weight loads): a plan whose
-    styles hfsdp applies, and head counts and widths that ``tp_size`` divides."""
+    styles hfsdp applies, and head counts and widths that ``tp_size`` divides; head counts that ``sp_size``
+    divides (each rank of a sequence-parallel group attends with its share of the heads, and of the KV heads)."""
+    sp, text = config.parallel.sp_size, text_config(model_config)
+    heads = {"num_attention_heads": getattr(text, "num_attention_heads", None),
+             "num_key_value_heads": getattr(text, "num_key_value_heads", None)}
+    problems = [("parallel.sp_size", f"{sp} does not divide the model's {name} ({value}): choose an sp_size that "
+                                     "does")
+                for name, value in heads.items() if sp > 1 and isinstance(value, int) and value % sp]
+    return problems + tp_model_problems(config, model_config)
+
+
+def tp_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
     tp = config.parallel.tp_size
     if tp == 1:
         return []

@@ -61,7 +61,7 @@ RULES: tuple[Rule, ...] = (
     Rule("config", ("train.optimizer", "train.optimizer_args", "train.lr_scheduler"),
          lambda c, f: optimizers.config_problems(c)),
     Rule("config", ("parallel",), lambda c, f: parallel.config_problems(c)),
-    Rule("config", ("parallel.tp_size",), lambda c, f: parallel.objective_problems(c, f.plugins)),
+    Rule("config", ("parallel.tp_size", "parallel.sp_size"), lambda c, f: parallel.objective_problems(c, f.plugins)),
     Rule("config", ("model.quantization",), lambda c, f: quantization.adapter_problems(c, f.plugins.trains_adapters(c))),
     # ---- the data the config names
     Rule("data", ("data",), lambda c, f: data_path_problems(c.data, f.plugins.data_readers())),
@@ -74,7 +74,7 @@ RULES: tuple[Rule, ...] = (
     Rule("world", ("fsdp",), lambda c, f: wrapping.rehearsal_problems(c) if f.world.on_cpu else []),
     Rule("world", ("train.async_save",), lambda c, f: checkpoints.single_process_problems(c, f.world.size)),
     # ---- the architecture
-    Rule("model", ("parallel.tp_size",), lambda c, f: parallel.model_problems(c, f.model_config)),
+    Rule("model", ("parallel.tp_size", "parallel.sp_size"), lambda c, f: parallel.model_problems(c, f.model_config)),
 )
 
 

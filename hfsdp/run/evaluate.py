@@ -22,7 +22,8 @@ from hfsdp.run.state import Run
 def evaluate(model, dataset, config: HfsdpConfig, accelerator, world: World, pad_id: int, select_logits: bool,
              objective: Objective) -> dict[str, float]:
     """The eval loss over ``dataset``, split over the data-parallel ranks (a tensor-parallel group's ranks evaluate
-    the same rows: the sums over all ranks count them ``world.dims.tp`` times)."""
+    the same rows: the sums over all ranks count them ``world.dims.tp`` times; a sequence-parallel group's ranks
+    each count their share of the positions)."""
     model.eval()
     rank_batches = batches.eval_batches(len(dataset), config.train.per_device_batch_size, world.dims.dp_size,
                                         world.dp_rank)

@@ -31,6 +31,7 @@ from hfsdp.objective import (Objective, TokenCrossEntropy, micro_batch_packing, 
                              rows_said)
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
+from hfsdp.parallel import sequence
 from hfsdp.parallel.world import per_rank
 from hfsdp.errors import ConfigError
 from hfsdp.export import staging
@@ -129,13 +130,17 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                                    is not None else {})}, opts.cache_dir, model_path)
         train_set, eval_set = splits["train"], splits.get("eval")
         unwrapped = accelerator.unwrap_model(model)
-        select_logits = loading.accepts_logits_to_keep(unwrapped)
+        # (a split micro-batch keeps every logit: its targets are cut at the same positions as its inputs)
+        select_logits = loading.accepts_logits_to_keep(unwrapped) and world.dims.sp == 1
         if pack_len is not None:
             data_report["padding"] = (micro_batch_padding(objective, train_set, plan, max_steps, tokenizer.pad_token_id,
                                                           select_logits) if objective.sampling() is None else
                                       f"micro-batches of sampled completions packed in {rows_said(pack_len)} (each "
                                       "step's share of padding: metric padding)")
             say(f"packing: {data_report['padding']}")
+        if world.dims.sp > 1:  # attention exchanges the split rows' positions for heads (hfsdp.parallel.sequence)
+            objective.sequence_split = sequence.SequenceSplit.of(world)
+            sequence.use_ulysses(accelerator.unwrap_model(model))
         report = report_startup(setup, accelerator, model, output_dir)
 
         scheduler = optimizers.build_scheduler(optimizer, config.train, max_steps)

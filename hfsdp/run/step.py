@@ -49,7 +49,11 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     every step."""
     accelerator, model, optimizer, config = run.accelerator, run.model, run.optimizer, run.config
     local_tokens, local_sq_lengths = throughput.tokens_and_square_lengths(micro)
-    tp = run.world.dims.tp  # the ranks of a tensor-parallel group train on the same rows: the sums count them tp times
+    # The ranks of a tensor-parallel group compute the same loss on the same rows: the sums over all ranks count
+    # each labelled position and the loss tp times. A sequence-parallel group's ranks each hold part of every row's
+    # positions (their labels and loss once), and each row's full length (its tokens: row_copies times).
+    dims = run.world.dims
+    tp = dims.tp
     # the global batch's counts, summed while the first forward runs (the loss is divided by them)
     local_positions = sum(b.inputs["input_ids"].numel() for b in micro)
     counts = StartedSum(accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths,
@@ -62,7 +66,7 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         with phase("forward"):
             part = run.objective(model, batch)
             global_labels = counts.result()[0] / tp
-            loss = part * run.world.dims.dp_size / max(global_labels, 1)
+            loss = part * dims.gradient_ranks / max(global_labels, 1)
         with phase("backward"):
             accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
@@ -84,7 +88,8 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         grad_norm = float(norm)
     metrics = (run.objective.metrics_of(dict(zip(names, totals))) if sums is not None
                else run.objective.take_metrics(accelerator))
-    global_labels, global_tokens, global_sq_lengths, global_positions = (total / tp for total in counts.result())
+    global_labels, global_tokens, global_sq_lengths, global_positions = (
+        total / copies for total, copies in zip(counts.result(), (tp, dims.row_copies, dims.row_copies, tp)))
     step_loss = total_loss / max(global_labels, 1)
     finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if scaler and not math.isfinite(grad_norm):

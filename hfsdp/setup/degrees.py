@@ -4,8 +4,8 @@ value (:class:`ParallelDims`, as torchtitan's), derived once from the config and
 data-parallel rank and size, the checkpoint record's global batch, the step's reductions, the gradient norm and
 ``hfsdp plan`` all read the degrees from it. Torch-free.
 
-Ranks are laid out as ``dp_replicate x dp_shard x cp x tp``, the tensor-parallel ranks innermost (consecutive
-ranks, inside a node): a data-parallel rank is ``rank // (cp * tp)``.
+Ranks are laid out as ``dp_replicate x dp_shard x sp x tp``, the tensor-parallel ranks innermost (consecutive
+ranks, inside a node): a data-parallel rank is ``rank // (sp * tp)``, a sequence-parallel rank ``rank // tp % sp``.
 """
 
 from __future__ import annotations
@@ -27,30 +27,31 @@ class ParallelDims:
     * ``dp_replicate``: copies of the model's state across data-parallel ranks (HYBRID_SHARD's replica groups, every
       rank under NO_SHARD or DDP, 1 where FSDP shards over all data-parallel ranks or one process runs);
     * ``dp_shard``: the ranks FSDP shards each parameter over within a replica (1 where nothing is sharded);
-    * ``cp``: context parallelism (room for it: always 1 today);
+    * ``sp``: the ranks of a sequence-parallel group, which train on the same rows, each on its share of every row's
+      tokens (FSDP2 shards over them too: a parameter over ``dp_shard x sp`` ranks, as torchtitan's ``dp_shard_cp``);
     * ``tp``: the ranks of a tensor-parallel group, which split each layer's matrices and train on the same rows.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
-    cp: int = 1
+    sp: int = 1
     tp: int = 1
 
     @classmethod
-    def of(cls, fsdp: "FSDPConfig", tp: int, world_size: int, local_world_size: int) -> "ParallelDims":
-        """The degrees of ``world_size`` ranks (``local_world_size`` per node) under the ``fsdp:`` section and a
-        tensor-parallel size (arithmetic only: :func:`problems` says whether the world allows them)."""
-        data_parallel = world_size // tp
+    def of(cls, fsdp: "FSDPConfig", tp: int, world_size: int, local_world_size: int, sp: int = 1) -> "ParallelDims":
+        """The degrees of ``world_size`` ranks (``local_world_size`` per node) under the ``fsdp:`` section and the
+        tensor- and sequence-parallel sizes (arithmetic only: :func:`problems` says whether the world allows them)."""
+        data_parallel = world_size // (tp * sp)
         if wrapper(fsdp, world_size) not in FSDP_WRAPPERS or fsdp.sharding_strategy == "NO_SHARD":
-            return cls(dp_replicate=data_parallel, dp_shard=1, tp=tp)
+            return cls(dp_replicate=data_parallel, dp_shard=1, sp=sp, tp=tp)
         shape = hybrid_mesh_shape(fsdp, world_size, local_world_size)
         if shape is not None:
-            return cls(dp_replicate=shape[0], dp_shard=shape[1], tp=tp)
-        return cls(dp_replicate=1, dp_shard=data_parallel, tp=tp)
+            return cls(dp_replicate=shape[0], dp_shard=shape[1], sp=sp, tp=tp)
+        return cls(dp_replicate=1, dp_shard=data_parallel, sp=sp, tp=tp)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.dp_replicate * self.dp_shard * self.sp * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -58,8 +59,26 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of global ``rank``: the ranks of a tensor-parallel group train on the same rows."""
-        return rank // (self.cp * self.tp)
+        """The data-parallel rank of global ``rank``: the ranks of a tensor- or sequence-parallel group train on the
+        same rows."""
+        return rank // (self.sp * self.tp)
+
+    def sp_rank(self, rank: int) -> int:
+        """Which share of each row's tokens global ``rank`` holds (0 where sequences are not split)."""
+        return rank // self.tp % self.sp
+
+    @property
+    def row_copies(self) -> int:
+        """The ranks that hold each row of the global batch (a tensor- or sequence-parallel group's): sums over all
+        ranks of what each row has (its tokens) count it this many times."""
+        return self.tp * self.sp
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks whose gradients FSDP (or DDP) averages: the data-parallel ranks, and in each the ranks of a
+        sequence-parallel group, whose losses each cover part of their rows' tokens (a tensor-parallel group's ranks
+        compute the same loss, and FSDP2 reduces over the data-parallel dimension only)."""
+        return self.dp_size * self.sp
 
     @property
     def replicas(self) -> int:
@@ -93,9 +112,11 @@ class World:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank (the ranks of a tensor-parallel group train on the same rows)."""
+        """This rank's data-parallel rank (the ranks of a tensor- or sequence-parallel group train on the same
+        rows)."""
         return self.dims.dp_rank(self.rank)
 
     def with_dims(self, config: "HfsdpConfig") -> "World":
         """This world with the degrees ``config`` asks of it."""
-        return replace(self, dims=ParallelDims.of(config.fsdp, config.parallel.tp_size, self.size, self.local_size))
+        return replace(self, dims=ParallelDims.of(config.fsdp, config.parallel.tp_size, self.size, self.local_size,
+                                                  sp=config.parallel.sp_size))

@@ -128,6 +128,10 @@ class Record:
     train_fingerprint: str | None = None
     optimizer: list[dict[str, Any]] | None = None  # optimizer_digest
     tp_size: int | None = None  # parallel.tp_size (None: written before hfsdp had tensor parallelism, i.e. 1)
+    # parallel.sp_size (None: written before hfsdp had sequence parallelism, i.e. 1). Not checked on resume: the
+    # weights and optimizer state are sharded as without it, and a resume on another sp_size (or none) computes the
+    # same steps (float32 sums of other orders apart), as on other data-parallel ranks.
+    sp_size: int | None = None
     state_dict_type: str | None = None
     # schedule-free's training weights kept in the optimizer state (hfsdp.run.optimizers.evaluation_weights; None:
     # written before hfsdp kept them, or another optimizer)
@@ -158,7 +162,7 @@ class Record:
 
         return cls(step=step, world_size=dims.world_size, config_hash=run_fingerprint(config),
                    global_batch=global_batch(config, dims), optimizer=optimizer,
-                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, training_weights=training_weights,
+                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, sp_size=dims.sp, training_weights=training_weights,
                    versions={"hfsdp": __version__, "torch": version("torch"), "accelerate": version("accelerate"),
                              "transformers": version("transformers")},
                    plugins={p.name: p.version for p in plugins.plugins}, **identity)
