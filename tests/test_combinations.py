@@ -221,13 +221,16 @@ OPTIONS = {
     # tensor parallelism: the decoder layers' projections split over 2 ranks (on 2 ranks: one data-parallel rank,
     # the rows of one process; tests/test_tensor_parallel.py: 2 x 2 on 4 ranks)
     "tp2": {"parallel": {"tp_size": 2}},
+    # sequence parallelism: each row's positions split over 2 ranks, attention's heads exchanged for them (on 2
+    # ranks: one data-parallel rank; tests/test_sequence_parallel.py: long rows, 2 x 2 on 4 ranks, LoRA, packing)
+    "sp2": {"parallel": {"sp_size": 2}},
     "agent": with_tools,
     "dpo_tools": lambda sections: with_tools(_merge(sections, DPO)),
     "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools",
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
               "grpo_tools")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -248,6 +251,7 @@ REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1,
                 if name.startswith("qlora")})
 # A tensor-parallel group of 2 ranks needs 2 ranks.
 REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
+REFUSED[2, 1, "sp2"] = "parallel.sp_size: 2 does not divide the world size 1"
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -413,6 +417,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "tp2" in options:  # the decoder layers split, the embedding whole on both (one data-parallel rank)
         assert report["tp_size"] == 2 and "over dp_shard 1 x tensor parallel 2" in report["strategy"], report
         assert report["param_bytes_this_rank"] < report["param_bytes_full_model"], report
+    elif "sp2" in options:  # every row's positions split, the weights sharded over both (FSDP2)
+        assert report["sp_size"] == 2 and "over dp 1 x sequence parallel 2" in report["strategy"], report
+        assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
     elif world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
 
@@ -726,6 +733,7 @@ FEATURES = {
     "muon": {"params", "optim_state"},          # whole-matrix updates of the 2-D weights; AdamW for the rest
     "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
+    "sp2": {"rows", "attention", "loss"},       # each row's positions split, heads exchanged, the loss's counts
 }
 PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
 # In pairs, compile runs dynamo's capture and AOTAutograd (backend aot_eager) around the other feature's code, where
@@ -755,6 +763,11 @@ REFUSED_PAIRS = {
     frozenset(("tp2", "qlora")): "bitsandbytes' 4-bit Linears cannot be split",
     frozenset(("tp2", "dpo")): "(a plugin's objective) is not composed with tensor parallelism yet",
     frozenset(("tp2", "grpo")): "(a plugin's objective) is not composed with tensor parallelism yet",
+    frozenset(("sp2", "fsdp1")): "parallel.sp_size 2: composes with FSDP2 only",
+    frozenset(("sp2", "compile")): "compiled blocks with the all-to-all inside are not tried yet",
+    frozenset(("sp2", "tp2")): "tensor x sequence parallelism is not built yet",
+    **{frozenset(("sp2", name)): "(a plugin's objective) is not composed with sequence parallelism yet"
+       for name in ("dpo", "grpo", "rloo", "distill_online")},
 }
 
 
@@ -896,7 +909,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
-                                      "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools", "grpo_tools",
+                                      "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
+                                      "grpo_tools",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
