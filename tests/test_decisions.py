@@ -38,23 +38,26 @@ def _checkpoint(config: HfsdpConfig, *, world_size: int, global_batch: int, by_f
     return path
 
 
-@pytest.mark.parametrize("size, local, fsdp, tp, dims", [
-    (1, 1, {}, 1, (1, 1, 1)),  # one process: nothing to shard or replicate
-    (4, 4, {}, 1, (1, 4, 1)),  # FULL_SHARD over every rank
-    (4, 4, {"sharding_strategy": "SHARD_GRAD_OP"}, 1, (1, 4, 1)),
-    (8, 4, {"sharding_strategy": "HYBRID_SHARD"}, 1, (2, 4, 1)),  # shard in a node, replicate across nodes
-    (8, 8, {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}, 1, (4, 2, 1)),
-    (4, 4, {"sharding_strategy": "NO_SHARD"}, 1, (4, 1, 1)),  # DDP: every rank a whole copy
-    (4, 4, {"version": 1, "sharding_strategy": "NO_SHARD"}, 1, (4, 1, 1)),
-    (8, 8, {}, 2, (1, 4, 2)),  # FSDP2 over the data-parallel ranks, tensor-parallel pairs inside
+@pytest.mark.parametrize("size, local, fsdp, tp, sp, dims", [
+    (1, 1, {}, 1, 1, (1, 1, 1)),  # one process: nothing to shard or replicate
+    (4, 4, {}, 1, 1, (1, 4, 1)),  # FULL_SHARD over every rank
+    (4, 4, {"sharding_strategy": "SHARD_GRAD_OP"}, 1, 1, (1, 4, 1)),
+    (8, 4, {"sharding_strategy": "HYBRID_SHARD"}, 1, 1, (2, 4, 1)),  # shard in a node, replicate across nodes
+    (8, 8, {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}, 1, 1, (4, 2, 1)),
+    (4, 4, {"sharding_strategy": "NO_SHARD"}, 1, 1, (4, 1, 1)),  # DDP: every rank a whole copy
+    (4, 4, {"version": 1, "sharding_strategy": "NO_SHARD"}, 1, 1, (4, 1, 1)),
+    (8, 8, {}, 2, 1, (1, 4, 2)),  # FSDP2 over the data-parallel ranks, tensor-parallel pairs inside
+    (8, 8, {}, 1, 2, (1, 4, 1)),  # 4 data-parallel ranks of sequence-parallel pairs (FSDP2 shards over all 8)
 ])
-def test_the_parallel_degrees_are_one_value_from_the_config_and_the_world(tmp_path, size, local, fsdp, tp, dims):
-    config = _config(tmp_path, fsdp=fsdp, parallel={"tp_size": tp})
+def test_the_parallel_degrees_are_one_value_from_the_config_and_the_world(tmp_path, size, local, fsdp, tp, sp, dims):
+    config = _config(tmp_path, fsdp=fsdp, parallel={"tp_size": tp, "sp_size": sp})
     world = decide(config, _world(size, local), resume=None).world
     got = world.dims
-    assert (got.dp_replicate, got.dp_shard, got.tp) == dims and got.world_size == size and got.cp == 1
-    assert got.dp_size == size // tp and got.replicas == dims[0]
-    assert [got.dp_rank(r) for r in range(size)] == [r // tp for r in range(size)]
+    assert (got.dp_replicate, got.dp_shard, got.tp) == dims and got.world_size == size and got.sp == sp
+    assert got.dp_size == size // tp // sp and got.replicas == dims[0]
+    assert [got.dp_rank(r) for r in range(size)] == [r // (tp * sp) for r in range(size)]
+    assert [got.sp_rank(r) for r in range(size)] == [r // tp % sp for r in range(size)]
+    assert got.gradient_ranks == got.dp_size * sp and got.row_copies == tp * sp
 
 
 @pytest.mark.parametrize("size, fsdp, wrapper", [

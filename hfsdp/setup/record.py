@@ -162,7 +162,8 @@ class Record:
 
         return cls(step=step, world_size=dims.world_size, config_hash=run_fingerprint(config),
                    global_batch=global_batch(config, dims), optimizer=optimizer,
-                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, sp_size=dims.sp, training_weights=training_weights,
+                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, sp_size=dims.sp,
+                   training_weights=training_weights,
                    versions={"hfsdp": __version__, "torch": version("torch"), "accelerate": version("accelerate"),
                              "transformers": version("transformers")},
                    plugins={p.name: p.version for p in plugins.plugins}, **identity)
