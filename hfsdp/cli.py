@@ -332,11 +332,14 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
               help="Comma-separated sharding strategies (default: all four with --nodes > 1, else all but HYBRID_SHARD).")
 @click.option("--tp", "tps", default=None, metavar="LIST",
               help="Comma-separated tensor-parallel sizes to plan (parallel.tp_size), e.g. 1,8 [default: the config's].")
+@click.option("--sp", "sps", default=None, metavar="LIST",
+              help="Comma-separated sequence-parallel sizes to plan (parallel.sp_size), e.g. 1,2,4; each row then "
+                   "also says the longest row that fits [default: the config's].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
 @click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
 def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
-         tps: str | None, overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
+         tps: str | None, sps: str | None, overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
     """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
 
     The model is built on the meta device from its config (a built-in model, a local folder, or a hub id whose
@@ -360,13 +363,14 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
         raise UserError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
     sizes = _positive_ints("--nproc", nprocs, "positive process counts per node, e.g. 1,2,8")
     tp_sizes = _positive_ints("--tp", tps, "positive tensor-parallel sizes, e.g. 1,8") if tps else None
+    sp_sizes = _positive_ints("--sp", sps, "positive sequence-parallel sizes, e.g. 1,2,4") if sps else None
     budget = parse_size(device_memory)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget,
                       cache_dir())
-    rows = run_plan(planner, names, sizes, nodes, tp_sizes)
+    rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes)
     facts, shape = planner.facts(tuple(cfg.plugins)), planner.shape(tuple(cfg.plugins))
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget, shape), indent=2))

@@ -10,6 +10,7 @@
 # Issue 21 (chunked loss, compiled blocks, attention kernels incl. flash_attention_2): scripts/gpu_check.sh -k chunked_loss_compile
 # Issue 22 (QLoRA: 4-bit bf16-stored weights gathered by FSDP2 on CUDA, the start-up probe): scripts/gpu_check.sh -k qlora
 # Issue 37 (tensor parallelism: tp 2 on 2 GPUs over NCCL against one GPU, export): scripts/gpu_check.sh -k tensor_parallel
+# Issue 54 (sequence parallelism: sp 2 on 2 GPUs over NCCL's all-to-all and SDPA's CUDA kernels against one GPU): scripts/gpu_check.sh -k sequence_parallel
 # Issue 56 (the cost curves: a bench sweep on one GPU, plan within 10 % at every point): scripts/gpu_check.sh -k sweep
 set -uo pipefail
 

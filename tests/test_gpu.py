@@ -201,6 +201,30 @@ def test_tensor_parallel_on_two_gpus_trains_the_steps_of_one(tmp_path):
     assert final.keys() == exported.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_sequence_parallel_on_two_gpus_trains_the_steps_of_one(tmp_path):
+    """Issue 54 on GPUs: sp 2 on 2 GPUs (NCCL's all-to-all, SDPA's CUDA kernels, bf16) on rows of 1,000 to 1,536
+    tokens trains the losses and eval losses of one GPU on the same rows (bf16 sums of other orders apart), with
+    packed rows too (each packed sequence attended on its own over the whole row)."""
+    from conftest import run_torchrun
+    from test_sequence_parallel import sections
+
+    for variant in ("base", "packing"):
+        losses = {}
+        for sp in (1, 2):
+            folder = tmp_path / f"{variant}-sp{sp}"
+            folder.mkdir()
+            config = tiny_config(folder, **sections(variant, sp, fsdp={"mixed_precision": "bf16"},
+                                                    train={"output_dir": str(folder / "run")}))
+            proc = run_torchrun(2, "train", str(config)) if sp == 2 else run_cli("train", str(config))
+            losses[sp] = [(m.get("loss"), m.get("eval_loss")) for m in map(json.loads, (folder / "run" /
+                          "metrics.jsonl").read_text().splitlines()) if "loss" in m or "eval_loss" in m]
+        report = json.loads((tmp_path / f"{variant}-sp2" / "run" / "startup_rank0.json").read_text())
+        assert report["sp_size"] == 2 and report["process_group_backend"] == "nccl", (report, proc.stdout)
+        flat = [[x for pair in losses[sp] for x in pair if x is not None] for sp in (1, 2)]
+        assert flat[1] == pytest.approx(flat[0], rel=2e-3), (variant, losses)
+
+
 def test_a_sweep_on_gpu_puts_the_plan_within_10_percent_of_max_memory_allocated(tmp_path):
     """`hfsdp bench --seq-lens --micro-batches` on one GPU (issue 56, part 3): the bench model on plain-text rows
     that fill every sequence (every position labelled, as the plan assumes), 512 to 4,096 tokens a micro-batch,

@@ -13,6 +13,10 @@ Enabled by ``hfsdp bench`` (``plugins: [bench_probe]``); harmless but pointless 
   allowed);
 * the wall time of every loop iteration (one step-end hook to the next, so all of hfsdp's per-step work counts)
   and the tokens of each step;
+* with ``bench_probe.activations: true``, the bytes autograd keeps for backward at the end of each forward, their
+  peak over the steps (``saved_activations_peak``: the tensors the forward saved that are still alive, each base
+  counted once, parameters left out; the loss's transients are freed by then): what ``hfsdp plan``'s
+  ``activations`` predicts, counted the way its trace counts them;
 * with ``bench_probe.profile: true`` (``hfsdp bench --profile``; CPU runs), where each iteration's time went, from a
   torch.profiler trace of the steps (:func:`split`): forward, backward, gradient clipping and the optimizer step
   (``hfsdp.run.step.phase`` labels them), FSDP's own hooks inside them (the all-gathers and reduce-scatters waited
@@ -47,6 +51,9 @@ COLLECTIVE_EVENTS = ("gloo:", "nccl:")
 
 
 class BenchProbeSection(Section):
+    activations: bool = Field(False, description="count the bytes autograd keeps for backward at the end of each "
+                                                 "forward, and their peak (saved_activations_peak); a hook on every "
+                                                 "saved tensor, which slows the steps a little.")
     profile: bool = Field(False, description="split every step with torch.profiler (hfsdp bench --profile; CPU "
                                              "runs): forward, backward, FSDP hooks, clipping, optimizer, the rest, "
                                              "and collectives in flight.")
@@ -92,6 +99,48 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class _SavedActivations:
+    """The bytes of the tensors autograd saved for backward that are alive (``torch.autograd.graph.
+    saved_tensors_hooks`` for the steps), and their peak at the end of ``model``'s forwards. A tensor counts with
+    its base (a view's storage counted once), parameters (FSDP's gathered ones too) left out, until the base is
+    freed."""
+
+    def __init__(self, model):
+        import torch
+
+        self.live = self.peak = 0
+        self._counted: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        self._forward_end = model.register_forward_hook(self._at_forward_end)
+
+    def _at_forward_end(self, module, args, output) -> None:
+        self.peak = max(self.peak, self.live)
+
+    def _pack(self, t):
+        import weakref
+
+        import torch
+
+        base = t._base if t._base is not None else t
+        key = id(base)
+        parameter = isinstance(base, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter)
+        if not parameter and key not in self._counted:
+            size = base.numel() * base.element_size()
+            self._counted.add(key)
+            self.live += size
+            weakref.finalize(base, self._freed, key, size)
+        return t
+
+    def _freed(self, key: int, size: int) -> None:
+        self._counted.discard(key)
+        self.live -= size
+
+    def close(self) -> None:
+        self._hooks.__exit__(None, None, None)
+        self._forward_end.remove()
 
 
 class _Sampler(threading.Thread):
@@ -186,6 +235,8 @@ def hfsdp_on_train_start(run):
         if not _state["hwm_reset"]:
             _state["sampler"] = _Sampler()
             _state["sampler"].start()
+    if run.config.section("bench_probe").activations:
+        _state["saved"] = _SavedActivations(model)
     if run.config.section("bench_probe").profile:
         if cuda:
             raise RuntimeError("bench_probe.profile splits CPU steps: on CUDA the host times its phases would "
@@ -213,6 +264,8 @@ def hfsdp_on_step_end(run, step, metrics):
     _state["tokens"].append(int(metrics.get("tokens", 0)))
     _state["t_last"] = now
     _state["mem_peak_steps"] = _peak()
+    if "saved" in _state:
+        _state["saved_activations_peak"] = _state["saved"].peak
 
 
 def _peak() -> int:
@@ -287,6 +340,9 @@ def _write(run) -> None:
         profiler.__exit__(None, None, None)
         _state["profile_s"] = split(profiler.events(), _state["step_times_s"])
     # mem_peak_steps was read at the last step end, so a final eval or export does not count.
+    saved = _state.pop("saved", None)
+    if saved is not None:
+        saved.close()
     record = {k: v for k, v in _state.items() if k not in ("hooks", "sampler", "t_last")}
     record.setdefault("mem_peak_steps", _peak())
     record["rss_peak_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

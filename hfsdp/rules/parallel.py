@@ -92,7 +92,6 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                       "use sdpa (torch's fused kernels, flash ones on GPUs)"),
         "train.compile": (config.train.compile is not None, "compiled blocks with the all-to-all inside are not "
                                                             "tried yet"),
-        "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading, "not tried with sequence parallelism yet"),
     }
     return [(key, f"{said}: {why}; or set parallel.sp_size: 1") for key, (given, why) in refused.items() if given]
 

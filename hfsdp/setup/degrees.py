@@ -41,7 +41,7 @@ class ParallelDims:
     def of(cls, fsdp: "FSDPConfig", tp: int, world_size: int, local_world_size: int, sp: int = 1) -> "ParallelDims":
         """The degrees of ``world_size`` ranks (``local_world_size`` per node) under the ``fsdp:`` section and the
         tensor- and sequence-parallel sizes (arithmetic only: :func:`problems` says whether the world allows them)."""
-        data_parallel = world_size // (tp * sp)
+        data_parallel = max(1, world_size // (tp * sp))  # (a world too small for the groups: a problem said apart)
         if wrapper(fsdp, world_size) not in FSDP_WRAPPERS or fsdp.sharding_strategy == "NO_SHARD":
             return cls(dp_replicate=data_parallel, dp_shard=1, sp=sp, tp=tp)
         shape = hybrid_mesh_shape(fsdp, world_size, local_world_size)
@@ -72,6 +72,12 @@ class ParallelDims:
         """The ranks that hold each row of the global batch (a tensor- or sequence-parallel group's): sums over all
         ranks of what each row has (its tokens) count it this many times."""
         return self.tp * self.sp
+
+    @property
+    def shard_group(self) -> int:
+        """The ranks FSDP shards each parameter over: a replica's data-parallel ranks and their sequence-parallel
+        ranks (which hold the same parameters: FSDP2 shards over them too, as torchtitan's ``dp_shard_cp``)."""
+        return self.dp_shard * self.sp
 
     @property
     def gradient_ranks(self) -> int:

@@ -35,6 +35,7 @@ class Setup:
     optimizer: str = "adamw"  # train.optimizer, and its train.optimizer_args
     optimizer_args: tuple[tuple[str, Any], ...] = ()
     tp: int = 1  # parallel.tp_size: ranks of a tensor-parallel group (FSDP2 shards over world / tp)
+    sp: int = 1  # parallel.sp_size: ranks of a sequence-parallel group (each traces 1/sp of a row's tokens)
 
     def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
         """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
@@ -73,16 +74,17 @@ class Setup:
     @property
     def dims(self) -> ParallelDims:
         """The degrees this setup runs with, by train's own rule (:meth:`hfsdp.setup.degrees.ParallelDims.of`)."""
-        return ParallelDims.of(self.fsdp, self.tp, self.world, self.nproc_per_node)
+        return ParallelDims.of(self.fsdp, self.tp, self.world, self.nproc_per_node, sp=self.sp)
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
-                      tp: int | None = None) -> Setup:
-    """A row's setup: ``tp`` (default: the config's ``parallel.tp_size``) the tensor-parallel group size."""
+                      tp: int | None = None, sp: int | None = None) -> Setup:
+    """A row's setup: ``tp`` and ``sp`` (default: the config's ``parallel.tp_size`` and ``sp_size``) the tensor-
+    and sequence-parallel group sizes."""
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
                  optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()),
-                 tp=tp or config.parallel.tp_size)
+                 tp=tp or config.parallel.tp_size, sp=sp or config.parallel.sp_size)
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
@@ -98,6 +100,11 @@ class Generation:
     prompt_tokens: int
     new_tokens: int
     whole_global_batch: bool = True
+
+
+# The longest row ``hfsdp plan --sp`` looks for (:meth:`hfsdp.tools.plan.planner.Planner.longest_row`): 4M tokens,
+# beyond any model's context today.
+LONGEST_ROW_LIMIT = 2 ** 22
 
 
 @dataclass
@@ -118,9 +125,11 @@ class Estimate:
     host_load_per_node: int  # host RAM when the model is loaded, before sharding
     fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
     tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
+    sp_comm: int = 0  # bytes a rank sends in its sequence-parallel group's all-to-alls per optimizer step
     frozen: int = 0  # frozen models an objective runs beside the trained one (a teacher): parameters and logits
     generation: int = 0  # an objective's sampling: gathered parameters, KV cache and transients (not parameters)
     problem: str | None = None
+    longest_row: int | None = None  # hfsdp plan --sp: the most tokens a row may have and still fit (Planner.longest_row)
     fits: bool | None = None
     suggestion: str | None = None
 
@@ -170,7 +179,7 @@ def _fsdp1_bytes(facts: ModelFacts, group: int, select: Callable[[Param], bool],
 
 
 def sharded_bytes(facts: ModelFacts, setup: Setup, select: Callable[[Param], bool], whole_flat: bool = False) -> int:
-    group = setup.dims.dp_shard
+    group = setup.dims.shard_group
     if setup.wrapper in ("ddp", "none"):
         return sum(p.numel * p.itemsize for p in facts.params if select(p))
     if setup.fsdp.version == 1:
@@ -200,7 +209,7 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "sgd":
         return sharded_bytes(facts, setup, lambda p: p.trainable) if args.get("momentum", 0) else 0
     if setup.optimizer == "adafactor":
-        group = setup.dims.dp_shard if setup.wrapper == "fsdp2" else 1
+        group = setup.dims.shard_group if setup.wrapper == "fsdp2" else 1
 
         def factors(p: Param, rank: int) -> int:  # row factors and vector moments sharded as the rows, columns whole
             rows = _chunk(p.rows, group, rank) if group > 1 else p.rows
@@ -212,7 +221,7 @@ def optimizer_bytes(facts: ModelFacts, setup: Setup) -> int:
     if setup.optimizer == "adamw_8bit":
         small = args.get("min_8bit_size", BNB_MIN_8BIT)
         quantized = [p for p in trainable if p.numel >= small]
-        group = setup.dims.dp_shard if setup.wrapper == "fsdp2" else 1
+        group = setup.dims.shard_group if setup.wrapper == "fsdp2" else 1
 
         def per_rank(p: Param, rank: int) -> int:
             if p.numel < small:
@@ -316,7 +325,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     root = facts.unit_bytes(0, compute)
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
-    group = setup.dims.dp_shard
+    group = setup.dims.shard_group
     if setup.wrapper == "none" or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
@@ -358,7 +367,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     # AdamW's multi-tensor path (GPUs) allocates one state-sized temporary (the second moment's square root); the
     # per-parameter loop (CPUs) one parameter's worth.
     step_temp = grads if setup.multi_tensor_adam else max(
-        (p.numel * p.itemsize // setup.dims.dp_shard for p in facts.params if p.trainable), default=0)
+        (p.numel * p.itemsize // setup.dims.shard_group for p in facts.params if p.trainable), default=0)
     on_device_params, on_device_grads, on_device_optim = params, grads, optimizer
     host = 0
     if setup.fsdp.cpu_offload:
@@ -379,16 +388,16 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     sampling = generation_bytes(facts, acts, setup, generation, compute, gathered) if generation else 0
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step, sampling) + held
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
-    fsdp_comm, tp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
+    fsdp_comm, tp_comm, sp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
                     host_load_per_node=loaders * full_load + setup.nproc_per_node * sum(m.whole_bytes for m in frozen),
-                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, frozen=held, generation=sampling)
+                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, sp_comm=sp_comm, frozen=held, generation=sampling)
 
 
 def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,
-                     reduce_size: int | None) -> tuple[int, int]:
+                     reduce_size: int | None) -> tuple[int, int, int]:
     """Bytes one rank moves per optimizer step (every micro-batch of it), on paper, as ring collectives move them:
     a rank receives ``(g - 1) / g`` of what an all-gather over ``g`` ranks gathers, sends as much in a
     reduce-scatter, and twice that in an all-reduce.
@@ -399,8 +408,12 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
       DDP all-reduces every trainable gradient; one process moves nothing.
     * Tensor parallelism: each decoder layer all-reduces its input-sized activations after the attention's and the
       MLP's row-split projections in forward, and the input gradients of its column-split ones in backward (4 per
-      layer; activation checkpointing recomputes the 2 forward ones)."""
-    g = setup.dims.dp_shard
+      layer; activation checkpointing recomputes the 2 forward ones).
+    * Sequence parallelism: each layer's queries, keys, values and attention output of the rank's tokens
+      (``facts.exchanged_per_token``, in the compute dtype) go through an all-to-all in forward, their gradients in
+      backward (activation checkpointing: the forward's again); a rank keeps ``1 / sp`` of each and sends the
+      rest."""
+    g = setup.dims.shard_group
     accumulation = setup.accumulation
     grads = [sum(p.numel * (reduce_size or p.itemsize) for p in facts.params if p.unit == u and p.trainable)
              for u in range(len(facts.units))]
@@ -419,4 +432,8 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     t = setup.tp
     per_layer = 4 + (2 if setup.fsdp.activation_checkpointing else 0)
     tp = per_layer * sum(acts.layer_inputs) * 2 * (t - 1) // t if t > 1 else 0
-    return fsdp * accumulation, tp * accumulation
+    s = setup.sp
+    passes = 2 + (1 if setup.fsdp.activation_checkpointing else 0)
+    exchanged = facts.exchanged_per_token * acts.tokens * (compute or facts.params[0].itemsize)
+    sp = passes * exchanged * (s - 1) // s if s > 1 else 0
+    return fsdp * accumulation, tp * accumulation, sp * accumulation

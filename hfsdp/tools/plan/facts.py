@@ -57,6 +57,9 @@ class ModelFacts:
     tied_trainable_numel: int  # the shared input/output embedding, when tied and trained (its 2 gradients add up)
     quant_state_bytes: int = 0  # QLoRA: the 4-bit layers' quant state, on the modules, whole on every rank
     kv_per_token: int = 0  # elements the KV cache holds per token: keys and values of every layer's KV heads
+    # elements per token that sequence parallelism's all-to-alls exchange in a forward: every layer's queries, keys,
+    # values and attention output
+    exchanged_per_token: int = 0
 
     def tp_local(self, tp: int) -> "ModelFacts":
         """What one rank of a tensor-parallel group of ``tp`` keeps before FSDP2 shards it (the largest slices)."""
@@ -114,6 +117,22 @@ class Activations:
             later = first if self.chunk_count > 2 else self.last_chunk_bytes
             peak = max(peak, head + 3 * later, later + 2 * head)
         return peak
+
+    def scaled(self, factor: float) -> "Activations":
+        """These activations for ``factor`` times the traced tokens, each part that grows with them scaled (the
+        loss's chunks counted again): what a longer row saves where attention saves a few tensors per position
+        (sdpa's fused kernels and flash attention; eager's scores grow with the square of a row)."""
+        n = lambda b: int(b * factor)  # noqa: E731
+        if not self.chunk_count:
+            chunks = {}
+        else:
+            per_chunk = self.chunk_bytes
+            total = per_chunk * (self.chunk_count - 1) + self.last_chunk_bytes
+            count = max(1, -(-n(total) // per_chunk))
+            chunks = {"chunk_count": count, "last_chunk_bytes": n(total) - per_chunk * (count - 1)}
+        return replace(self, outside_layers=n(self.outside_layers), per_layer=tuple(map(n, self.per_layer)),
+                       layer_inputs=tuple(map(n, self.layer_inputs)), logits_bytes=n(self.logits_bytes),
+                       loss_saved=n(self.loss_saved), tokens=n(self.tokens), **chunks)
 
     @property
     def loss_backward(self) -> int:
@@ -174,7 +193,8 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
                       tied_embeddings=tied, tied_trainable_numel=tied_numel,
                       quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0,
-                      kv_per_token=kv_elements_per_token(model_config))
+                      kv_per_token=kv_elements_per_token(model_config),
+                      exchanged_per_token=exchanged_elements_per_token(model_config))
 
 
 def kv_elements_per_token(model_config) -> int:
@@ -184,6 +204,16 @@ def kv_elements_per_token(model_config) -> int:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+
+
+def exchanged_elements_per_token(model_config) -> int:
+    """Elements per token that a forward under sequence parallelism exchanges (:mod:`hfsdp.parallel.sequence`): in
+    every layer the queries and the attention output (``heads x head_dim`` each) and the keys and values (the KV
+    heads')."""
+    text = parallel.text_config(model_config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * heads * head_dim + kv_elements_per_token(model_config)
 
 
 def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:

@@ -28,7 +28,8 @@ from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
 from hfsdp.rules.table import Facts, check
 from hfsdp.setup.degrees import World
-from hfsdp.tools.plan.estimate import Estimate, Generation, Setup, compute_dtype, estimate, setup_from_config
+from hfsdp.tools.plan.estimate import (LONGEST_ROW_LIMIT, Estimate, Generation, Setup, compute_dtype, estimate,
+                                       setup_from_config)
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
 from hfsdp.tools.plan.trace import MicroBatchShape, micro_batch_shape, trace_activations
 from hfsdp.units import GIB
@@ -114,16 +115,46 @@ class Planner:
 
     def estimate(self, setup: Setup) -> Estimate:
         facts = self.facts(setup.plugins)
-        key = (setup.plugins, compute_dtype(self.config, setup.precision))
-        if key not in self._traces:
-            self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
-                                                  self.objective(setup.plugins))
-        acts = self._traces[key]
+        acts = self.activations(setup)
         est = estimate(facts, acts, setup, self.frozen(setup.plugins), self.generation(setup.plugins))
         est.problem = self.problem(setup)
         if est.problem is None:
             est.fits = est.device_peak <= self.budget
         return est
+
+    def activations(self, setup: Setup):
+        """The traced activations of ``setup``'s micro-batch (a sequence-parallel rank's share with ``sp > 1``)."""
+        key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.sp)
+        if key not in self._traces:
+            self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
+                                                  self.objective(setup.plugins), setup.sp)
+        return self._traces[key]
+
+    def longest_row(self, setup: Setup) -> int | None:
+        """The most tokens a row of ``setup``'s micro-batch may have (``data.max_seq_len``, or a packed row's) for
+        the peak to stay within the device budget, the micro-batch's other dimensions kept; 0 where not even a
+        token fits; :data:`LONGEST_ROW_LIMIT` where that many fit. The traced activations are scaled to each length
+        (:meth:`Activations.scaled`); None where that does not hold (eager attention, whose scores grow with the
+        square of a row) or the objective samples its rows."""
+        if self.config.model.attn_implementation == "eager" or self.generation(setup.plugins) is not None:
+            return None
+        facts, frozen, acts = self.facts(setup.plugins), self.frozen(setup.plugins), self.activations(setup)
+        traced = self.shape(setup.plugins).width  # the whole row's positions (a rank's: 1/sp of them)
+        local = -(-traced // setup.sp)
+
+        def fits(tokens: int) -> bool:
+            scaled = acts.scaled(-(-tokens // setup.sp) / local)
+            return estimate(facts, scaled, setup, frozen, None).device_peak <= self.budget
+
+        if fits(LONGEST_ROW_LIMIT):
+            return LONGEST_ROW_LIMIT
+        low, high = 0, 1
+        while fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
 
     def problem(self, setup: Setup) -> str | None:
         """Why this combination cannot run at all, by the checks training makes before any weight loads: the
@@ -137,7 +168,7 @@ class Planner:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         config, host = self.variant(setup.plugins)
         train = config.train.model_copy(update={"optimizer": setup.optimizer})
-        layout = config.parallel.model_copy(update={"tp_size": setup.tp, "dp_shard_size": None})
+        layout = config.parallel.model_copy(update={"tp_size": setup.tp, "sp_size": setup.sp, "dp_shard_size": None})
         planned = config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
         world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False).with_dims(planned)
         facts = Facts(plugins=host, world=world, model_config=self.model_config)
@@ -224,14 +255,17 @@ def change_sets(changes: list[Change]):
 
 
 def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int,
-         tps: list[int] | None = None) -> list[Estimate]:
-    """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x strategy; rows that do
-    not fit carry the cheapest change that would."""
+         tps: list[int] | None = None, sps: list[int] | None = None) -> list[Estimate]:
+    """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x sequence-parallel size
+    (``sps``, default: the config's; given, each row also says the longest row that fits, :meth:`Planner.
+    longest_row`) x strategy; rows that do not fit carry the cheapest change that would."""
     rows = []
-    for nproc, tp, strategy in ((n, t, s) for n in nprocs for t in tps or [planner.config.parallel.tp_size]
-                                for s in strategies):
-        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp)
+    for nproc, tp, sp, strategy in ((n, t, q, s) for n in nprocs for t in tps or [planner.config.parallel.tp_size]
+                                    for q in sps or [planner.config.parallel.sp_size] for s in strategies):
+        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp, sp)
         est = planner.estimate(setup)
+        if sps is not None and est.problem is None:
+            est.longest_row = planner.longest_row(setup)
         if est.fits is False:
             # More ranks: the larger listed sizes, then twice and four times the largest.
             est.suggestion = planner.suggest(setup, [n for n in nprocs if n > nproc] + [2 * max(nprocs),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import quantization
-from hfsdp.tools.plan.estimate import Estimate
+from hfsdp.tools.plan.estimate import LONGEST_ROW_LIMIT, Estimate
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts
 from hfsdp.units import GIB, MIB
 
@@ -26,16 +26,19 @@ def table_unit(rows: list[Estimate]) -> tuple[str, int]:
     return ("GiB", GIB) if max((e.device_peak for e in rows), default=0) >= GIB else ("MiB", MIB)
 
 
-def _columns(unit: int, frozen: bool = False, generation: bool = False) -> list[tuple[str, Callable[[Estimate], str]]]:
+def _columns(unit: int, frozen: bool = False, generation: bool = False,
+             sequence: bool = False) -> list[tuple[str, Callable[[Estimate], str]]]:
     """The table's columns; ``frozen``: a column for the frozen models an objective runs (a teacher);
-    ``generation``: one for what an objective's sampling holds (GRPO)."""
+    ``generation``: one for what an objective's sampling holds (GRPO); ``sequence``: sequence parallelism's
+    all-to-all bytes and the longest row that fits (``hfsdp plan --sp``)."""
     def size(n: int) -> str:
         return f"{n / unit:.2f}"
 
     return [
         ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
                                                     if e.setup.nodes > 1 else "")
-                            + (f" tp{e.setup.tp}" if e.setup.tp > 1 else "")),
+                            + (f" tp{e.setup.tp}" if e.setup.tp > 1 else "")
+                            + (f" sp{e.setup.sp}" if e.setup.sp > 1 else "")),
         ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
         ("params", lambda e: size(e.params)),
         ("grads", lambda e: size(e.grads)),
@@ -48,13 +51,22 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False) -> list[
         ("host/rank", lambda e: size(e.host_per_rank)),
         ("load RAM/node", lambda e: size(e.host_load_per_node)),
         ("comm GiB/step fsdp+tp", lambda e: f"{e.fsdp_comm / GIB:.1f}+{e.tp_comm / GIB:.1f}"),
+        *([("all-to-all GiB/step", lambda e: f"{e.sp_comm / GIB:.2f}"),
+           ("longest row", _longest_row)] if sequence else []),
         ("fits", lambda e: "-" if e.problem else ("yes" if e.fits else "NO")),
         ("cheapest change that fits", lambda e: e.problem or e.suggestion or ("-" if e.fits else "none of the listed")),
     ]
 
 
+def _longest_row(e: Estimate) -> str:
+    if e.longest_row is None:
+        return "-"
+    return f">= {e.longest_row:,}" if e.longest_row >= LONGEST_ROW_LIMIT else f"{e.longest_row:,}"
+
+
 def text_table(rows: list[Estimate]) -> str:
-    columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows), any(e.generation for e in rows))
+    columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows), any(e.generation for e in rows),
+                       any(e.setup.sp > 1 or e.longest_row is not None for e in rows))
     cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     left = (1, len(columns) - 1)
@@ -116,8 +128,8 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBa
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
-                 world=e.setup.world, shard_group=e.setup.dims.dp_shard, runs_as_ddp=e.setup.fsdp.runs_as_ddp,
-                 tp_size=e.setup.tp,
+                 world=e.setup.world, shard_group=e.setup.dims.shard_group, runs_as_ddp=e.setup.fsdp.runs_as_ddp,
+                 tp_size=e.setup.tp, sp_size=e.setup.sp,
                  runs_as=e.setup.runs_as,
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)

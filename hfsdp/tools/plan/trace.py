@@ -52,8 +52,10 @@ class MicroBatchShape:
         return self.rows * self.width
 
 
-def micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchShape:
-    """The training micro-batch at its largest, as ``hfsdp plan`` traces it:
+def micro_batch_shape(config: HfsdpConfig, host, objective=None, sp: int = 1) -> MicroBatchShape:
+    """The training micro-batch at its largest, as ``hfsdp plan`` traces it; with ``sp > 1`` (sequence parallel) a
+    rank's share of it: ``1/sp`` of each row's positions (rounded up), every one with logits (a split micro-batch
+    keeps them all), as :class:`hfsdp.parallel.sequence.SequenceSplit` makes it. Whole, it is
 
     * one sequence a row: ``train.per_device_batch_size`` x a plugin ``objective``'s ``sequences_per_row`` rows of
       ``data.max_seq_len`` tokens; an objective that samples completions: its rows that much longer, with logits at
@@ -68,6 +70,15 @@ def micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchSh
       are then those of the unpacked micro-batch (plus the last row's padding); eager attention, whose scores are
       ``width`` x ``width`` a row, costs more than one sequence a row. (A mix of lengths that best-fit decreasing
       leaves in more, part-filled rows of that width can exceed this: at most a row per item.)"""
+    whole = _whole_micro_batch_shape(config, host, objective)
+    if sp == 1:
+        return whole
+    local = -(-whole.width // sp)
+    return MicroBatchShape(whole.rows, local, local, (f"{whole.packing}; " if whole.packing else "")
+                           + f"1/{sp} of each row's {whole.width} positions on each rank, sequence parallel")
+
+
+def _whole_micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchShape:
     from hfsdp.objective import TokenCrossEntropy, micro_batch_packing
 
     batch, seq = config.train.per_device_batch_size, config.data.max_seq_len
@@ -88,8 +99,11 @@ def micro_batch_shape(config: HfsdpConfig, host, objective=None) -> MicroBatchSh
     return MicroBatchShape(batch * per_row, seq, sampling.new_tokens if sampling is not None else seq)
 
 
-def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None) -> Activations:
-    """Saved tensors of one training micro-batch (:func:`micro_batch_shape`) in the compute dtype of ``precision``.
+def trace_activations(model_config, config: HfsdpConfig, host, precision: str, objective=None,
+                      sp: int = 1) -> Activations:
+    """Saved tensors of one training micro-batch (:func:`micro_batch_shape`; a sequence-parallel rank's share of it
+    with ``sp > 1``: each rank attends with ``heads / sp`` heads over whole rows, which saves as many elements as all
+    heads over its share of the positions) in the compute dtype of ``precision``.
     Only the default objective runs the chunked loss (``train.chunked_loss``); a plugin's computes the full
     logits."""
     import contextlib
@@ -102,7 +116,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
 
     from hfsdp.model.token_loss import token_loss_sum
 
-    shape = micro_batch_shape(config, host, objective)
+    shape = micro_batch_shape(config, host, objective, sp)
     # logits at every position, or (an objective that samples) at the completions' only, where its rows align them
     batch, seq, positions = shape.rows, shape.width, shape.positions
     chunked = config.train.chunked_loss and objective is None
