@@ -197,6 +197,35 @@ def test_sp2_keeps_about_half_the_activations_per_rank_and_the_plan_predicts_the
     assert two["longest_row"] > one["longest_row"], (one, two)
 
 
+def test_plan_divides_the_activations_by_sp_and_says_the_all_to_all_bytes_and_the_longest_row(tmp_path):
+    from conftest import tiny_config
+
+    config = tiny_config(tmp_path, data={"max_seq_len": 2048}, train={"per_device_batch_size": 1})
+    args = ("plan", str(config), "--nproc", "2,3", "--strategies", "FULL_SHARD", "--sp", "1,2", "--device-memory",
+            "2GiB")
+    rows = {(r["world"], r["sp_size"]): r for r in json.loads(run_cli(*args, "--json", env=RUN_ENV).stdout)["rows"]}
+    one, two = rows[2, 1], rows[2, 2]
+    assert 0.45 <= two["activations"] / one["activations"] <= 0.55, (one["activations"], two["activations"])
+    assert two["params"] == one["params"] and two["shard_group"] == one["shard_group"] == 2  # FSDP2 over both ranks
+    assert one["sp_comm"] == 0 < two["sp_comm"] and two["problem"] is None
+    assert 1.5 * one["longest_row"] < two["longest_row"] < 2.1 * one["longest_row"], (one, two)
+    assert "does not divide the world size 3" in rows[3, 2]["problem"] and rows[3, 1]["problem"] is None
+    table = run_cli(*args, env=RUN_ENV).stdout
+    assert "2 sp2" in table and "all-to-all GiB/step" in table and "longest row" in table, table
+
+
+def test_activations_scaled_grow_with_the_tokens_and_count_the_loss_chunks_again():
+    from hfsdp.tools.plan.facts import Activations
+
+    acts = Activations(outside_layers=100, per_layer=(40, 40), layer_inputs=(10, 10), logits_bytes=1000, tokens=50,
+                       chunk_bytes=300, chunk_count=4, last_chunk_bytes=100, head_grad_bytes=7)
+    assert acts.scaled(1.0) == acts
+    double = acts.scaled(2.0)
+    assert (double.outside_layers, double.per_layer, double.layer_inputs, double.tokens) == (200, (80, 80), (20, 20), 100)
+    # 1,000 bytes of chunks become 2,000: 7 chunks of 300, the last 200
+    assert (double.chunk_count, double.last_chunk_bytes, double.chunk_bytes, double.head_grad_bytes) == (7, 200, 300, 7)
+
+
 # ---- refused before any weight loads
 
 def _config(**sections) -> HfsdpConfig:
