@@ -230,7 +230,7 @@ OPTIONS = {
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools",
               "grpo_tools")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -251,7 +251,7 @@ REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1,
                 if name.startswith("qlora")})
 # A tensor-parallel group of 2 ranks needs 2 ranks.
 REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
-REFUSED[2, 1, "sp2"] = "parallel.sp_size: 2 does not divide the world size 1"
+REFUSED.update({(v, 1, "sp2"): "parallel.sp_size: 2 does not divide the world size 1" for v in (1, 2)})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -763,7 +763,6 @@ REFUSED_PAIRS = {
     frozenset(("tp2", "qlora")): "bitsandbytes' 4-bit Linears cannot be split",
     frozenset(("tp2", "dpo")): "(a plugin's objective) is not composed with tensor parallelism yet",
     frozenset(("tp2", "grpo")): "(a plugin's objective) is not composed with tensor parallelism yet",
-    frozenset(("sp2", "fsdp1")): "parallel.sp_size 2: composes with FSDP2 only",
     frozenset(("sp2", "compile")): "compiled blocks with the all-to-all inside are not tried yet",
     frozenset(("sp2", "tp2")): "tensor x sequence parallelism is not built yet",
     **{frozenset(("sp2", name)): "(a plugin's objective) is not composed with sequence parallelism yet"

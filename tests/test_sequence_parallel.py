@@ -131,6 +131,16 @@ def test_sp2_with_weights_loaded_by_rank_0_alone_computes_what_one_process_compu
 
 
 @pytest.mark.slow
+def test_sp2_under_fsdp1_computes_what_one_process_computes(runs):
+    """FSDP1's flat parameters, sharded over both ranks of the group, against the one-process FSDP2 run."""
+    run, _ = runs.run("sp-base-x2-sp2-fsdp1", 2, sections("base", 2, fsdp={"version": 1}))
+    one, _ = one_process(runs, "base")
+    assert_computes_what_one_process_computes(run, one)
+    report = startup(run)
+    assert report["fsdp_version"] == 1 and report["strategy"] == "FULL_SHARD over dp 1 x sequence parallel 2", report
+
+
+@pytest.mark.slow
 def test_sp2_x_dp2_on_four_ranks_computes_what_one_process_computes(runs):
     run, _ = four_ranks(runs)
     one, _ = one_process(runs, "base")
@@ -237,7 +247,6 @@ def _config(**sections) -> HfsdpConfig:
 
 
 @pytest.mark.parametrize("sections, key, says", [
-    ({"fsdp": {"version": 1}}, "fsdp.version", "composes with FSDP2 only"),
     ({"fsdp": {"sharding_strategy": "HYBRID_SHARD"}}, "fsdp.sharding_strategy", "HYBRID_SHARD is not composed"),
     ({"fsdp": {"sharding_strategy": "NO_SHARD"}}, "fsdp.sharding_strategy", "NO_SHARD is not composed"),
     ({"parallel": {"tp_size": 2}}, "parallel.tp_size", "tensor x sequence parallelism is not built yet"),

@@ -460,8 +460,8 @@ class GenerationEvalConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Tensor parallelism or sequence parallelism inside groups of ranks, FSDP2 across (tensor parallel: a 2-D mesh,
-    dp_shard x tp; sequence parallel: FSDP2 shards over every rank)."""
+    """Tensor parallelism or sequence parallelism inside groups of ranks (tensor parallel: a 2-D mesh, dp_shard x tp,
+    FSDP2 across the groups; sequence parallel: FSDP shards over every rank)."""
 
     tp_size: int = Field(1, gt=0, description="ranks that split each layer's matrices (tensor parallel, the "
                                               "architecture's tp_plan: attention heads and MLP columns/rows); "

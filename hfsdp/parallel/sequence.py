@@ -2,7 +2,7 @@
 sequence-parallel group (``sp`` consecutive ranks) train on the same rows, each on ``1/sp`` of every row's positions
 (:meth:`SequenceSplit.apply`: the embeddings, norms, MLPs and the loss see the local positions only); around
 attention, an all-to-all trades that split for a split of the heads (:func:`ulysses_sdpa`), so that each rank
-attends over whole rows with ``heads/sp`` of the heads, then trades back. FSDP2 shards the weights over every rank.
+attends over whole rows with ``heads/sp`` of the heads, then trades back. FSDP (1 or 2) shards the weights over every rank.
 
 What keeps it exact: the targets are shifted over the whole row before it is split (position t predicts token t+1
 even where t+1 is on the next rank), the position ids are the row's own (RoPE, and packed rows' restarts), packed

@@ -5,7 +5,7 @@ Tensor parallelism has a 2-D layout (``dp_shard`` x ``tp``: FSDP2 over the data-
 tensor-parallel plan inside each group of ``tp`` consecutive ranks); the plan applied is :func:`tp_plan`
 (:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``). Sequence parallelism (``sp_size``,
 DeepSpeed-Ulysses, :mod:`hfsdp.parallel.sequence`) splits each row's tokens over ``sp`` consecutive ranks and the
-attention heads around attention; FSDP2 shards over every rank, as torchtitan's ``dp_shard_cp``.
+attention heads around attention; FSDP (1 or 2) shards over every rank, as torchtitan's ``dp_shard_cp``.
 
 The embedding, the output head and the norms stay whole on the ranks of a tensor-parallel group (FSDP2 still shards
 them over the data-parallel ranks), so that the chunked loss, the tied embeddings and the export see the model's own
@@ -80,10 +80,8 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
         return []
     fsdp, said = config.fsdp, f"parallel.sp_size {sp}"
     refused = {
-        "fsdp.version": (fsdp.version != 2, "composes with FSDP2 only (its all-to-all runs inside FSDP2's blocks): "
-                                            "set fsdp.version: 2"),
         "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
-                                   f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP2 "
+                                   f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP "
                                    "shards over every rank with FULL_SHARD or SHARD_GRAD_OP"),
         "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x sequence parallelism is not built yet: choose "
                                                           "one (tp splits the weights, sp the activations)"),

@@ -28,7 +28,7 @@ class ParallelDims:
       rank under NO_SHARD or DDP, 1 where FSDP shards over all data-parallel ranks or one process runs);
     * ``dp_shard``: the ranks FSDP shards each parameter over within a replica (1 where nothing is sharded);
     * ``sp``: the ranks of a sequence-parallel group, which train on the same rows, each on its share of every row's
-      tokens (FSDP2 shards over them too: a parameter over ``dp_shard x sp`` ranks, as torchtitan's ``dp_shard_cp``);
+      tokens (FSDP shards over them too: a parameter over ``dp_shard x sp`` ranks, as torchtitan's ``dp_shard_cp``);
     * ``tp``: the ranks of a tensor-parallel group, which split each layer's matrices and train on the same rows.
     """
 
@@ -76,7 +76,7 @@ class ParallelDims:
     @property
     def shard_group(self) -> int:
         """The ranks FSDP shards each parameter over: a replica's data-parallel ranks and their sequence-parallel
-        ranks (which hold the same parameters: FSDP2 shards over them too, as torchtitan's ``dp_shard_cp``)."""
+        ranks (which hold the same parameters: FSDP shards over them too, as torchtitan's ``dp_shard_cp``)."""
         return self.dp_shard * self.sp
 
     @property
