@@ -1,6 +1,6 @@
 """Sequence parallelism (``parallel.sp_size``, issue 54): each rank of a sequence-parallel group trains on its share
 of every row's positions, attention exchanges positions for heads (DeepSpeed-Ulysses), FSDP2 shards over every
-rank. The claims, on the tiny model's real architecture with rows of 1,000 to 1,536 tokens:
+rank. The claims, on the tiny model's real architecture with rows of 1,371 to 1,536 tokens:
 
 * sp 2 on 2 ranks and sp 2 x dp 2 on 4 ranks compute the steps, evals and weights of one process on the same global
   batch (float32 sums of other orders apart: losses, gradient norms and eval losses within 1e-5, exported weights
@@ -32,7 +32,7 @@ STEPS = 4
 
 
 def long_chats() -> dict[str, str]:
-    """Train and eval files of long chats (16 and 8 rows of 1,000 to 1,500 tokens under SmolLM2's template: the
+    """Train and eval files of long chats (16 and 8 rows of 1,371 to 1,977 tokens under SmolLM2's template: the
     bundled ShareGPT chats laid end to end, every turn kept), written once into the test cache."""
     folder = CACHE_DIR / "long-chats-v1"
     files = {"path": folder / "train.jsonl", "eval_path": folder / "eval.jsonl"}
@@ -117,7 +117,7 @@ def test_sp2_on_two_ranks_computes_what_one_process_computes(runs, variant):
     assert report["sp_size"] == 2 and "over dp 1 x sequence parallel 2" in report["strategy"], report
     assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"], report  # FSDP2 over both
     lengths = [m["tokens"] for m in read_metrics(run) if "loss" in m]
-    assert min(lengths) >= 2 * 1000, lengths  # rows of 1,000 tokens and more
+    assert min(lengths) >= 2 * 1024, lengths  # rows of 1,024 tokens and more
     if variant == "packing":
         assert "16 samples packed into 8 rows" in proc.stdout + proc.stderr
 
