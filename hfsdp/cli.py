@@ -14,6 +14,7 @@ import click
 
 from hfsdp import __version__
 from hfsdp.errors import ConfigError, PluginError, UserError
+from hfsdp.export.gguf_file import QUANTS as GGUF_QUANTS
 from hfsdp.parallel import launcher
 
 def cache_dir() -> Path:
@@ -185,19 +186,30 @@ def _check_optimizer_values(cfg, source: str) -> None:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Largest safetensors file, e.g. 200MB or 1GiB (default 2GiB). Export streams one tensor at a "
                    "time into the files, so its memory does not depend on this.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "gguf"]), default="safetensors", show_default=True,
+              help="gguf: also write the model as a GGUF file (llama.cpp, Ollama, LM Studio) and an Ollama Modelfile "
+                   "beside the Hugging Face folder, LoRA adapters merged.")
+@click.option("--quant", type=click.Choice(GGUF_QUANTS), default=None,
+              help="With --format gguf: the matrices' tensor type [default: q8_0].")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT_DIR if it holds an earlier hfsdp export (anything else in it is never removed).")
 def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
-               max_shard_size: str | None, overwrite: bool) -> None:
+               max_shard_size: str | None, fmt: str, quant: str | None, overwrite: bool) -> None:
     """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter).
 
     OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
     and renamed when complete, so a failed export leaves nothing behind.
     """
     from hfsdp.export.hf_folder import parse_size
-    from hfsdp.export.pipeline import export_checkpoint
+    from hfsdp.export.pipeline import export_checkpoint, gguf_overrides
 
-    written = export_checkpoint(checkpoint_dir, out_dir, list(overrides),
+    overrides = list(overrides)
+    if quant is not None and fmt != "gguf":
+        raise UserError("--quant is the GGUF file's tensor type: add --format gguf")
+    if fmt == "gguf":
+        overrides += gguf_overrides(checkpoint_dir, quant)
+        merge_lora = True
+    written = export_checkpoint(checkpoint_dir, out_dir, overrides,
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
                                 overwrite=overwrite, cache_dir=cache_dir(), merge_adapters=merge_lora)
     click.echo(f"exported {checkpoint_dir} -> {written}")

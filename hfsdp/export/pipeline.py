@@ -46,6 +46,31 @@ def merges(config: "HfsdpConfig", merge_adapters: bool) -> bool:
     return merge_adapters or any(getattr(section, "merge", False) is True for section in config.plugin_config.values())
 
 
+def gguf_overrides(checkpoint_dir: Path, quant: str | None) -> list[str]:
+    """The ``--set`` overrides that make an export of ``checkpoint_dir`` also write GGUF (``hfsdp export --format
+    gguf``): the ``gguf_export`` plugin with ``quant`` (None: its default), adapters merged. A model the GGUF writer
+    cannot write is refused here, before anything is (a UserError naming what and why)."""
+    import json
+
+    import yaml
+
+    from hfsdp.errors import UserError
+    from hfsdp.export.gguf_file import problems
+
+    read_record(checkpoint_dir)
+    raw = yaml.safe_load((checkpoint_dir / CONFIG_NAME).read_text()) or {}
+    section = raw.get("gguf_export") or {}
+    model = checkpoint_dir / "model"
+    read = {name: json.loads((model / name).read_text()) if (model / name).is_file() else {}
+            for name in ("config.json", "tokenizer.json")}
+    found = problems(read["config.json"], read["tokenizer.json"], section.get("pre_tokenizer"))
+    if found:
+        raise UserError(f"cannot write {checkpoint_dir} as GGUF: {'; '.join(found)}")
+    plugins = [p for p in raw.get("plugins") or [] if p != "gguf_export"] + ["gguf_export"]
+    return [f"plugins={json.dumps(plugins)}", *([f"gguf_export.quant={quant}"] if quant else []),
+            *(["lora.merge=true"] if "lora" in plugins else [])]
+
+
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
                       max_shard_bytes: int | None = None, overwrite: bool = False, cache_dir: Path | None = None,
                       merge_adapters: bool = False) -> Path:

