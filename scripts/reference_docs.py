@@ -21,7 +21,7 @@ DOCS = REPO / "docs"
 PACKAGES = ["config", "disk", "hooks", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
             "run/sharded", "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
             "builtin/rloo", "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
-            "builtin/online",
+            "builtin/gguf_export", "builtin/online",
             "builtin/reference_model"]
 FLOW = """\
 # Architecture

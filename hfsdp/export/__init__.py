@@ -1,3 +1,4 @@
 """Export: one pipeline from a trained model or a checkpoint to a Hugging Face folder (:mod:`~hfsdp.export.pipeline`),
-the safetensors folder writer (:mod:`~hfsdp.export.hf_folder`), and staging into place without losing what was there
+the safetensors folder writer (:mod:`~hfsdp.export.hf_folder`), the GGUF writer for llama.cpp
+(:mod:`~hfsdp.export.gguf_file`), and staging into place without losing what was there
 (:mod:`~hfsdp.export.staging`)."""

