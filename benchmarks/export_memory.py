@@ -11,7 +11,10 @@ on it and their peak RSS is measured (RUSAGE_CHILDREN of a wrapper process). The
 Models: `smollm2-bench` (75M), `smollm2-135m-instruct` (the real 135M) and a 362M model with SmolLM2-360M's shape and
 random weights, built from its config into the work folder (no download).
 
-    python benchmarks/export_memory.py --out /tmp/export-memory [--models bench,135m,360m]
+    python benchmarks/export_memory.py --out /tmp/export-memory [--models bench,135m,360m] [--gguf q8_0]
+
+With ``--gguf QUANT`` the hfsdp export also writes the GGUF file (``--format gguf``), from the folder it wrote, one
+tensor at a time: the same goals (issue 55).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("export-memory"))
     p.add_argument("--models", default="bench,135m,360m")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hfsdp")
+    p.add_argument("--gguf", default=None, metavar="QUANT",
+                   help="export with --format gguf --quant QUANT (the Hugging Face folder and a GGUF file from it)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     models = {"bench": "smollm2-bench", "135m": "smollm2-135m-instruct",
@@ -97,7 +102,8 @@ def main() -> None:
         largest, total = largest_tensor_bytes(ckpt)
         ours_out, theirs_out = a.out / f"hfsdp-{name}", a.out / f"merge-{name}"
         shutil.rmtree(ours_out, ignore_errors=True), shutil.rmtree(theirs_out, ignore_errors=True)
-        ours, ours_s = peak_rss_of([hfsdp, "export", str(ckpt), str(ours_out)])
+        ours, ours_s = peak_rss_of([hfsdp, "export", str(ckpt), str(ours_out),
+                                    *(["--format", "gguf", "--quant", a.gguf] if a.gguf else [])])
         theirs, theirs_s = peak_rss_of([accelerate, "merge-weights", str(ckpt / "pytorch_model_fsdp_0"),
                                         str(theirs_out)])
         bound = DEFAULT_MAX_SHARD_BYTES + 2 * largest
