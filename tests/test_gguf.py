@@ -174,3 +174,28 @@ def test_hfsdp_export_refuses_an_architecture_before_writing_anything(tmp_path, 
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
     alone = run_cli("export", str(checkpoint), str(tmp_path / "out"), "--quant", "q4_0", check=False, env=RUN_ENV)
     assert alone.returncode == 2 and "add --format gguf" in alone.stderr, alone.stderr
+
+
+@pytest.mark.slow
+def test_a_run_whose_model_cannot_be_written_as_gguf_stops_before_any_weight_loads(tmp_path, tiny_model_dir):
+    """The plugin checks the model's config before its weights load (and its tokenizer before the first step): a
+    model declaring another architecture (the tiny model, its config.json saying MistralForCausalLM) stops there,
+    naming it."""
+    import shutil
+
+    from conftest import tiny_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    declared = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**declared, "architectures": ["MistralForCausalLM"]}))
+    config = tiny_config(tmp_path, model={"name_or_path": str(model)}, plugins=["gguf_export"],
+                         train={"max_steps": 2})
+    proc = run_cli("train", str(config), check=False, env=RUN_ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gguf_export: " in proc.stderr and "MistralForCausalLM is not written as GGUF yet" in proc.stderr
+    assert "refused before any weight loads" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Loading weights" not in proc.stderr
+    assert not (tmp_path / "run" / "final").exists()
+    assert not any('"loss"' in line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) \
+        if (tmp_path / "run" / "metrics.jsonl").exists() else True

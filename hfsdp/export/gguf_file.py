@@ -71,10 +71,10 @@ class Source:
         return given or PRE_TOKENIZERS.get(vocabulary_hash(self.tokenizer))
 
 
-def problems(config: dict[str, Any], tokenizer: dict[str, Any], pre_tokenizer: str | None = None) -> list[str]:
-    """Why the model of ``config`` (``config.json``'s content) and ``tokenizer`` (``tokenizer.json``'s) cannot be
-    written as GGUF (empty: it can), each with its fix; nothing is written."""
-    source = Source(Path(), config, tokenizer)
+def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_tokenizer: str | None = None) -> list[str]:
+    """Why the model of ``config`` (``config.json``'s content) and ``tokenizer`` (``tokenizer.json``'s; None: its
+    architecture only) cannot be written as GGUF (empty: it can), each with its fix; nothing is written."""
+    source = Source(Path(), config, tokenizer or {})
     out = []
     if source.architecture not in ARCHITECTURES:
         out.append(f"{source.architecture} is not written as GGUF yet (hfsdp writes {', '.join(ARCHITECTURES)}: "
@@ -84,6 +84,8 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any], pre_tokenizer: s
     if rope.get("rope_type", "default") != "default":
         out.append(f"its rotary embedding is scaled ({rope.get('rope_type')}), which hfsdp does not write as GGUF "
                    "yet; convert the exported folder with llama.cpp's convert_hf_to_gguf.py")
+    if tokenizer is None:
+        return out
     model = tokenizer.get("model", {})
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(tokenizer.get("pre_tokenizer")):
         out.append(f"its tokenizer ({model.get('type', 'no tokenizer.json')}) is not a byte-level BPE one (GPT-2 "

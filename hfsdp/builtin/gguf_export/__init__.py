@@ -6,9 +6,9 @@ Config section ``gguf_export:`` (all optional): :class:`GgufExportSection` (``hf
 
 The GGUF is written from the exported Hugging Face folder, one tensor at a time (:mod:`hfsdp.export.gguf_file`), as
 ``model-<quant>.gguf``; LoRA runs export merged weights for it (``lora.merge: true``, or ``--format gguf``, which
-merges). What cannot be written (another architecture, a scaled rotary embedding, a tokenizer whose llama.cpp
-pre-tokenizer is unknown) is refused before training, from the model's files, and before ``hfsdp export`` writes
-anything.
+merges). What cannot be written is refused before training (another architecture, a scaled rotary embedding: before
+any weight loads; a tokenizer whose llama.cpp pre-tokenizer is unknown: before the first step), and before ``hfsdp
+export`` writes anything.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import Field
 
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
-from hfsdp.errors import UserError
+from hfsdp.errors import ConfigError, UserError
 from hfsdp.export.gguf_file import QUANTS, problems
 
 GGUF_NAME = "model-{quant}.gguf"
@@ -50,16 +50,25 @@ def hfsdp_validate_config(config):
     return []
 
 
+def _refused(config, found: list[str], when: str) -> str:
+    return (f"{config.model.name_or_path}: {'; '.join(found)} (refused {when}; remove gguf_export from plugins to "
+            "train without it)")
+
+
+@hookimpl
+def hfsdp_before_model_load(config, model_config):
+    if found := problems(model_config.to_dict(), None):  # (hfsdp plan: the row's reason)
+        raise ConfigError([("gguf_export", _refused(config, found, "before any weight loads"))])
+
+
 @hookimpl
 def hfsdp_on_train_start(run):
     import json
 
     section: GgufExportSection = run.config.section("gguf_export")
-    found = problems(run.model_config.to_dict(), json.loads(run.tokenizer.backend_tokenizer.to_str()),
-                     section.pre_tokenizer)
-    if found:
-        raise UserError(f"gguf_export: {run.config.model.name_or_path}: {'; '.join(found)} (refused before the first "
-                        "step; remove gguf_export from plugins to train without it)")
+    if found := problems(run.model_config.to_dict(), json.loads(run.tokenizer.backend_tokenizer.to_str()),
+                         section.pre_tokenizer):
+        raise UserError(f"gguf_export: {_refused(run.config, found, 'before the first step')}")
 
 
 @hookimpl
