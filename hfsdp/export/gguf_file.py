@@ -127,14 +127,26 @@ def _adds_bos(source: Source) -> bool:
     return isinstance(bos, str) and f'"id": "{bos}"' in processor
 
 
-def _weights(folder: Path) -> Iterator[tuple[str, Any]]:
-    """Each tensor of the folder's safetensors files as a float32 numpy array, one at a time (memory-mapped)."""
-    from safetensors import safe_open
+# Rows read, converted and written at a time: about this many float32 bytes (an embedding's 108 MiB in 7 parts), so
+# that converting a tensor holds a part of it, not the tensor and the quantizer's temporaries of all of it.
+CHUNK_BYTES = 16 * 2**20
 
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name).float().numpy()
+
+def _converted(part, shape: tuple[int, ...], qtype, rotary_heads: int | None):
+    """The tensor ``part`` (a safetensors slice of ``shape``) in ``qtype``, converted a chunk of rows at a time into
+    the output array; a query or key projection (``rotary_heads``) whole, its rows reordered first."""
+    import gguf
+    import numpy as np
+
+    if rotary_heads is not None or len(shape) < 2:
+        array = part[:].float().numpy()
+        return _encoded(_rotary_rows(array, rotary_heads) if rotary_heads is not None else array, qtype)
+    plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    out = np.empty(shape if plain else gguf.quant_shape_to_byte_shape(shape, qtype), dtype=_numpy_dtype(qtype))
+    step = max(1, CHUNK_BYTES // (4 * max(1, int(np.prod(shape[1:])))))
+    for start in range(0, shape[0], step):
+        out[start:start + step] = _encoded(part[start:start + step].float().numpy(), qtype)
+    return out
 
 
 def _rotary_rows(weight, heads: int):
@@ -232,21 +244,28 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    planned = {hf: (g, q) for hf, g, q in plan}
-    for hf_name, array in _weights(folder):
-        if hf_name not in planned:
-            continue
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            array = _rotary_rows(array, heads)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            array = _rotary_rows(array, kv_heads)
-        writer.write_tensor_data(_encoded(array, planned[hf_name][1]))
+    planned = {hf: q for hf, _, q in plan}
+    rotary = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads}
+    for hf_name, part in _parts(folder):
+        if hf_name in planned:
+            heads_of = next((n for suffix, n in rotary.items() if hf_name.endswith(suffix)), None)
+            writer.write_tensor_data(_converted(part, shapes[hf_name], planned[hf_name], heads_of))
     writer.close()
     return path
 
 
+def _parts(folder: Path) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the folder's safetensors files as a slice to read rows from, in the files' order."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
 def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the safetensors headers, in the files' order (the order :func:`_weights` reads)."""
+    """Every tensor's shape, from the safetensors headers, in the files' order (the order :func:`_parts` reads)."""
     from safetensors import safe_open
 
     out = {}
