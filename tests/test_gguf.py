@@ -199,3 +199,25 @@ def test_a_run_whose_model_cannot_be_written_as_gguf_stops_before_any_weight_loa
     assert not (tmp_path / "run" / "final").exists()
     assert not any('"loss"' in line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) \
         if (tmp_path / "run" / "metrics.jsonl").exists() else True
+
+
+def test_weights_are_read_a_range_of_rows_at_a_time_as_torch_reads_them(tmp_path):
+    """The GGUF writer's reader (plain file reads, no memory map) gives float32, float16 and bfloat16 tensors' rows
+    as torch's float() of them; another dtype is refused by name."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from hfsdp.export.gguf_file import _Tensors
+
+    g = torch.Generator().manual_seed(0)
+    weights = {"a.weight": torch.randn(5, 7, generator=g).bfloat16(), "b.weight": torch.randn(3, generator=g).half(),
+               "c.weight": torch.randn(4, 2, 3, generator=g)}
+    save_file(weights, tmp_path / "model.safetensors")
+    tensors = _Tensors(tmp_path)
+    assert list(tensors.entries) == sorted(weights) and tensors.shape("c.weight") == (4, 2, 3)
+    for name, tensor in weights.items():
+        assert np.array_equal(tensors.rows(name, 1, 3), tensor[1:3].float().numpy()), name
+    save_file({"d.weight": torch.zeros(2, dtype=torch.int64)}, tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="d.weight is I64; GGUF export reads F32, F16 and BF16"):
+        _Tensors(tmp_path)

@@ -25,7 +25,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 # The types hfsdp writes: the name (gguf_export.quant), the GGML tensor type and the llama.cpp file type.
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
@@ -132,21 +132,60 @@ def _adds_bos(source: Source) -> bool:
 CHUNK_BYTES = 16 * 2**20
 
 
-def _converted(part, shape: tuple[int, ...], qtype, rotary_heads: int | None):
-    """The tensor ``part`` (a safetensors slice of ``shape``) in ``qtype``, converted a chunk of rows at a time into
-    the output array; a query or key projection (``rotary_heads``) whole, its rows reordered first."""
+def _converted(tensors: "_Tensors", name: str, qtype, rotary_heads: int | None):
+    """Tensor ``name`` in ``qtype``, read and converted a chunk of rows at a time into the output array; a query or
+    key projection (``rotary_heads``) whole, its rows reordered first."""
     import gguf
     import numpy as np
 
+    shape = tensors.shape(name)
     if rotary_heads is not None or len(shape) < 2:
-        array = part[:].float().numpy()
+        array = tensors.rows(name, 0, shape[0] if shape else 1).reshape(shape)
         return _encoded(_rotary_rows(array, rotary_heads) if rotary_heads is not None else array, qtype)
     plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
     out = np.empty(shape if plain else gguf.quant_shape_to_byte_shape(shape, qtype), dtype=_numpy_dtype(qtype))
     step = max(1, CHUNK_BYTES // (4 * max(1, int(np.prod(shape[1:])))))
     for start in range(0, shape[0], step):
-        out[start:start + step] = _encoded(part[start:start + step].float().numpy(), qtype)
+        out[start:start + step] = _encoded(tensors.rows(name, start, min(start + step, shape[0])), qtype)
     return out
+
+
+class _Tensors:
+    """The tensors of a folder's safetensors files, read with plain file reads a range of rows at a time, as float32
+    (a memory map would keep every page it touched in the process's resident memory until the file is closed: the
+    whole model)."""
+
+    DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+    def __init__(self, folder: Path):
+        import struct
+
+        self.entries: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name in sorted(k for k in header if k != "__metadata__"):
+                entry = header[name]
+                if entry["dtype"] not in self.DTYPES:
+                    raise ValueError(f"{path.name}: {name} is {entry['dtype']}; GGUF export reads F32, F16 and BF16")
+                self.entries[name] = (path, entry["dtype"], tuple(entry["shape"]), 8 + size + entry["data_offsets"][0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][2]
+
+    def rows(self, name: str, start: int, stop: int):
+        import numpy as np
+
+        path, dtype, shape, offset = self.entries[name]
+        per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        item = np.dtype(self.DTYPES[dtype])
+        with open(path, "rb") as f:
+            f.seek(offset + start * per_row * item.itemsize)
+            data = np.fromfile(f, dtype=item, count=(stop - start) * per_row)
+        if dtype == "BF16":
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32, copy=False).reshape((stop - start, *shape[1:]))
 
 
 def _rotary_rows(weight, heads: int):
@@ -228,9 +267,9 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
     tied = bool(cfg.get("tie_word_embeddings"))
-    shapes = _shapes(folder)
+    tensors = _Tensors(folder)
     plan = []  # (hf name, gguf name, GGML type), in the files' order
-    for hf_name, shape in shapes.items():
+    for hf_name, (_, _, shape, _) in tensors.entries.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reads a tied head from token_embd
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -244,36 +283,12 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    planned = {hf: q for hf, _, q in plan}
     rotary = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads}
-    for hf_name, part in _parts(folder):
-        if hf_name in planned:
-            heads_of = next((n for suffix, n in rotary.items() if hf_name.endswith(suffix)), None)
-            writer.write_tensor_data(_converted(part, shapes[hf_name], planned[hf_name], heads_of))
+    for hf_name, _, qtype in plan:
+        heads_of = next((n for suffix, n in rotary.items() if hf_name.endswith(suffix)), None)
+        writer.write_tensor_data(_converted(tensors, hf_name, qtype, heads_of))
     writer.close()
     return path
-
-
-def _parts(folder: Path) -> Iterator[tuple[str, Any]]:
-    """Each tensor of the folder's safetensors files as a slice to read rows from, in the files' order."""
-    from safetensors import safe_open
-
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_slice(name)
-
-
-def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the safetensors headers, in the files' order (the order :func:`_parts` reads)."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                out[name] = tuple(f.get_slice(name).get_shape())
-    return out
 
 
 def _numpy_dtype(qtype):
