@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The types hfsdp writes: the name (gguf_export.quant), the GGML tensor type and the llama.cpp file type.
+# The types hfsdp writes the matrices in (gguf_export.quant, hfsdp export --quant): their GGML names, lower-case.
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
 FOUR_BIT = ("q4_0", "q4_1")
 # Architectures written, by config.json's architectures[0], to llama.cpp's architecture name.
