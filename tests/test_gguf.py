@@ -4,8 +4,9 @@
   GGUF file's tokenizer, chat template and architecture fields, key for key and value for value, and its 272 tensors
   in the same llama.cpp names and types dequantize to exactly the reference's;
 * against a real consumer: transformers' own GGUF loader reads each exported file (f16, bf16, q8_0, q4_0, q4_1) back
-  into the trained model's logits within each type's measured bound, with the same tokenizer; LoRA checkpoints are
-  merged first; the end of training writes one too;
+  into the trained model's logits within each type's measured bound, and its tokenizer tokenizes as the model's;
+  LoRA checkpoints are merged first; the end of training writes one too (llama.cpp itself:
+  benchmarks/llama_cpp_generation.py, a 12-minute build, not in CI);
 * what cannot be written is refused before anything is, naming what and why.
 """
 
@@ -77,7 +78,8 @@ def _logits(model, tokenizer):
 
 def assert_loads_as_exported(out: Path, quant: str) -> None:
     """transformers reads ``out``'s GGUF back into the logits of ``out``'s Hugging Face folder, within the type's
-    bound, and its tokenizer tokenizes as the folder's."""
+    bound, and (q8_0's file: the tokenizer is written the same whatever the type, and building it from a GGUF takes
+    transformers 6 s) its tokenizer tokenizes as the folder's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,8 +91,9 @@ def assert_loads_as_exported(out: Path, quant: str) -> None:
     assert error <= LOGIT_BOUNDS[quant], (quant, error)
     if quant not in ("q4_0", "q4_1"):
         assert torch.equal(got.argmax(-1), want.argmax(-1)), quant
-    read = AutoTokenizer.from_pretrained(out, gguf_file=name)
-    assert read(PROMPTS)["input_ids"] == tokenizer(PROMPTS)["input_ids"]
+    if quant == "q8_0":
+        read = AutoTokenizer.from_pretrained(out, gguf_file=name)
+        assert read(PROMPTS)["input_ids"] == tokenizer(PROMPTS)["input_ids"]
     assert name in json.loads((out / "hfsdp_export.json").read_text())["files"]
 
 
