@@ -139,6 +139,15 @@ def test_lora_without_merged_weights_is_refused_before_training(tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+def test_a_reward_model_is_refused_before_training(tmp_path):
+    from conftest import PRESET_DATA, tiny_config
+
+    data = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"), "eval_path": None}
+    proc = run_cli("validate", str(tiny_config(tmp_path, data=data, plugins=["reward_model", "gguf_export"])),
+                   check=False, env=RUN_ENV)
+    assert proc.returncode == 2 and "a reward model is exported as a sequence classifier" in proc.stderr, proc.stderr
+
+
 def _tiny(tiny_model_dir: Path) -> tuple[dict, dict]:
     return (json.loads((tiny_model_dir / "config.json").read_text()),
             json.loads((tiny_model_dir / "tokenizer.json").read_text()))

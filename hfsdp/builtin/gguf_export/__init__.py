@@ -21,7 +21,7 @@ from pydantic import Field
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.export.gguf_file import QUANTS, problems
+from hfsdp.export.gguf_file import QUANTS, Source, problems
 
 GGUF_NAME = "model-{quant}.gguf"
 
@@ -42,12 +42,19 @@ def hfsdp_config_section():
 
 @hookimpl
 def hfsdp_validate_config(config):
+    problems_found = []
     lora = config.section("lora")
     if lora is not None and not lora.merge:
-        return [("gguf_export", "a GGUF file holds full weights, and this run exports LoRA adapters: set "
-                                "lora.merge: true (the export then merges them), or remove gguf_export and run "
-                                "`hfsdp export CHECKPOINT OUT --format gguf` later, which merges")]
-    return []
+        problems_found.append(("gguf_export", "a GGUF file holds full weights, and this run exports LoRA adapters: "
+                                              "set lora.merge: true (the export then merges them), or remove "
+                                              "gguf_export and run `hfsdp export CHECKPOINT OUT --format gguf` "
+                                              "later, which merges"))
+    if "reward_model" in config.plugins:
+        problems_found.append(("gguf_export", "a reward model is exported as a sequence classifier "
+                                              "(LlamaForSequenceClassification), which hfsdp does not write as GGUF: "
+                                              "remove gguf_export from plugins (or --format gguf from hfsdp "
+                                              "export)"))
+    return problems_found
 
 
 def _refused(config, found: list[str], when: str) -> str:
@@ -80,6 +87,9 @@ def hfsdp_on_export(out_dir, destination, config, written_by, model_config, toke
     if not any(out_dir.glob("*.safetensors")) or (out_dir / "adapter_config.json").is_file():
         raise UserError(f"gguf_export: {destination} holds LoRA adapters, not full weights: export merged weights "
                         "(lora.merge: true, or hfsdp export --format gguf)")
+    source = Source.of(out_dir)
+    if found := problems(source.config, source.tokenizer, section.pre_tokenizer):
+        raise UserError(f"gguf_export: {destination}: {'; '.join(found)}; nothing was written there")
     gguf = out_dir / GGUF_NAME.format(quant=section.quant)
     write_gguf(out_dir, gguf, section.quant, name=Path(config.model.name_or_path).name, pre_tokenizer=section.pre_tokenizer)
     if section.modelfile:
