@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from hfsdp.hooks.host import PluginHost
 
 
+# The model's head counts a tensor- or sequence-parallel size must divide (each rank attends with its share).
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
+ARTICLES = {"tp_size": "a", "sp_size": "an"}  # as the keys are read aloud ("a tp_size", "an sp_size")
 # transformers' plan styles that torch's parallelize_module expresses as they are (the name: the torch style).
 TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 
@@ -98,27 +101,40 @@ def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int
     """What the launched world must allow: ``tp_size`` and ``sp_size`` divide it and the processes per node (their
     groups exchange data in every layer: they stay inside a node), and ``dp_shard_size``, if given, is the rest."""
     cfg = config.parallel
-    sp = cfg.sp_size
-    if world_size % sp:
-        return [("parallel.sp_size", f"{sp} does not divide the world size {world_size}: launch a multiple of {sp} "
-                                     "processes, or change parallel.sp_size")]
-    if local_world_size % sp:
-        return [("parallel.sp_size", f"{sp} does not divide the {local_world_size} processes per node: a "
-                                     "sequence-parallel group must stay inside one node (it exchanges every layer's "
-                                     "attention inputs and outputs)")]
-    if cfg.tp_size == 1:
-        return []
+    problems = _group_problems("sp_size", cfg.sp_size, world_size, local_world_size,
+                               "sequence-parallel group must stay inside one node (it exchanges every layer's "
+                               "attention inputs and outputs)")
+    if problems or cfg.tp_size == 1:
+        return problems
     tp = cfg.tp_size
-    if world_size % tp:
-        return [("parallel.tp_size", f"{tp} does not divide the world size {world_size}: launch a multiple of {tp} "
-                                     "processes, or change parallel.tp_size")]
-    if local_world_size % tp:
-        return [("parallel.tp_size", f"{tp} does not divide the {local_world_size} processes per node: a "
-                                     "tensor-parallel group must stay inside one node (it all-reduces in every layer)")]
+    problems = _group_problems("tp_size", tp, world_size, local_world_size,
+                               "tensor-parallel group must stay inside one node (it all-reduces in every layer)")
+    if problems:
+        return problems
     if cfg.dp_shard_size is not None and cfg.dp_shard_size * tp != world_size:
         return [("parallel.dp_shard_size", f"{cfg.dp_shard_size} x tp_size {tp} is {cfg.dp_shard_size * tp}, not the "
                                            f"world size {world_size}: set it to {world_size // tp}, or remove it")]
     return []
+
+
+def _group_problems(key: str, size: int, world_size: int, local_world_size: int,
+                    inside: str) -> list[tuple[str, str]]:
+    """A group of ``size`` consecutive ranks (``parallel.<key>``) in the world: ``size`` divides the world size,
+    and the processes per node (``inside``: why a group must not span nodes)."""
+    if world_size % size:
+        return [(f"parallel.{key}", f"{size} does not divide the world size {world_size}: launch a multiple of "
+                                    f"{size} processes, or change parallel.{key}")]
+    if local_world_size % size:
+        return [(f"parallel.{key}", f"{size} does not divide the {local_world_size} processes per node: a {inside}")]
+    return []
+
+
+def _undivided(key: str, size: int, model_config: Any, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The model's counts ``names`` (its text config's) that ``size`` (``parallel.<key>``) does not divide."""
+    text = text_config(model_config)
+    return [(f"parallel.{key}", f"{size} does not divide the model's {name} ({value}): choose {ARTICLES[key]} {key} "
+                                "that does")
+            for name in names if isinstance(value := getattr(text, name, None), int) and value % size]
 
 
 def tp_plan(model_config: Any) -> dict[str, str]:
@@ -136,12 +152,8 @@ def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, 
     """What the architecture must allow (checked once its config is read, before any weight loads): a plan whose
     styles hfsdp applies, and head counts and widths that ``tp_size`` divides; head counts that ``sp_size``
     divides (each rank of a sequence-parallel group attends with its share of the heads, and of the KV heads)."""
-    sp, text = config.parallel.sp_size, text_config(model_config)
-    heads = {"num_attention_heads": getattr(text, "num_attention_heads", None),
-             "num_key_value_heads": getattr(text, "num_key_value_heads", None)}
-    problems = [("parallel.sp_size", f"{sp} does not divide the model's {name} ({value}): choose an sp_size that "
-                                     "does")
-                for name, value in heads.items() if sp > 1 and isinstance(value, int) and value % sp]
+    sp = config.parallel.sp_size
+    problems = _undivided("sp_size", sp, model_config, HEAD_COUNTS) if sp > 1 else []
     return problems + tp_model_problems(config, model_config)
 
 
@@ -158,9 +170,4 @@ def tp_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[st
     if unknown:
         return [("parallel.tp_size", f"{arch}'s tensor-parallel plan uses {', '.join(unknown)}, which hfsdp does not "
                                      f"apply yet (it applies {', '.join(TP_STYLES)}): set parallel.tp_size: 1")]
-    text = text_config(model_config)
-    sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
-             "num_key_value_heads": getattr(text, "num_key_value_heads", None),
-             "intermediate_size": getattr(text, "intermediate_size", None)}
-    return [("parallel.tp_size", f"{tp} does not divide the model's {name} ({value}): choose a tp_size that does")
-            for name, value in sizes.items() if isinstance(value, int) and value % tp]
+    return _undivided("tp_size", tp, model_config, (*HEAD_COUNTS, "intermediate_size"))
