@@ -197,23 +197,27 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                       exchanged_per_token=exchanged_elements_per_token(model_config))
 
 
-def kv_elements_per_token(model_config) -> int:
-    """Elements of the KV cache per token: a key and a value of ``head_dim`` for each KV head of each layer (as
-    transformers' ``DynamicCache`` holds them)."""
+def _attention_shape(model_config) -> tuple[int, int, int, int]:
+    """(layers, heads, KV heads, head width) of the model's text config."""
     text = parallel.text_config(model_config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    return text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
+def kv_elements_per_token(model_config) -> int:
+    """Elements of the KV cache per token: a key and a value of ``head_dim`` for each KV head of each layer (as
+    transformers' ``DynamicCache`` holds them)."""
+    layers, _, kv_heads, head_dim = _attention_shape(model_config)
+    return 2 * layers * kv_heads * head_dim
 
 
 def exchanged_elements_per_token(model_config) -> int:
     """Elements per token that a forward under sequence parallelism exchanges (:mod:`hfsdp.parallel.sequence`): in
     every layer the queries and the attention output (``heads x head_dim`` each) and the keys and values (the KV
     heads')."""
-    text = parallel.text_config(model_config)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * heads * head_dim + kv_elements_per_token(model_config)
+    layers, heads, _, head_dim = _attention_shape(model_config)
+    return 2 * layers * heads * head_dim + kv_elements_per_token(model_config)
 
 
 def tp_styles(model, plan: dict[str, str]) -> dict[str, str]:
