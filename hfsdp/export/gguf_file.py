@@ -225,14 +225,17 @@ def file_type(quant: str):
 
 
 def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: str | None = None) -> Path:
-    """``folder`` (a Hugging Face folder that :func:`problems` accepts) written to ``path`` as GGUF in ``quant``
-    (:data:`QUANTS`): the metadata, then every tensor, each read, converted and written before the next is read."""
+    """``folder`` (a Hugging Face folder) written to ``path`` as GGUF in ``quant`` (:data:`QUANTS`), the model called
+    ``name``: the metadata, then every tensor, each read, converted and written before the next is read. A folder
+    that :func:`problems` refuses is a UserError, before anything is written."""
     import gguf
+
+    from hfsdp.errors import UserError
 
     source = Source.of(folder)
     found = problems(source.config, source.tokenizer, pre_tokenizer)
     if found:
-        raise ValueError("; ".join(found))
+        raise UserError(f"cannot write {name} as GGUF: {'; '.join(found)}")
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANTS)}")
     cfg = source.config

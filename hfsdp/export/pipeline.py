@@ -55,15 +55,12 @@ def gguf_overrides(checkpoint_dir: Path, quant: str | None) -> list[str]:
     import yaml
 
     from hfsdp.errors import UserError
-    from hfsdp.export.gguf_file import problems
+    from hfsdp.export.gguf_file import Source, problems
 
     read_record(checkpoint_dir)
     raw = yaml.safe_load((checkpoint_dir / CONFIG_NAME).read_text()) or {}
-    section = raw.get("gguf_export") or {}
-    model = checkpoint_dir / "model"
-    read = {name: json.loads((model / name).read_text()) if (model / name).is_file() else {}
-            for name in ("config.json", "tokenizer.json")}
-    found = problems(read["config.json"], read["tokenizer.json"], section.get("pre_tokenizer"))
+    source = Source.of(checkpoint_dir / "model")
+    found = problems(source.config, source.tokenizer, (raw.get("gguf_export") or {}).get("pre_tokenizer"))
     if found:
         raise UserError(f"cannot write {checkpoint_dir} as GGUF: {'; '.join(found)}")
     plugins = [p for p in raw.get("plugins") or [] if p != "gguf_export"] + ["gguf_export"]

@@ -21,7 +21,7 @@ from pydantic import Field
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.export.gguf_file import QUANTS, Source, problems
+from hfsdp.export.gguf_file import QUANTS, problems
 
 GGUF_NAME = "model-{quant}.gguf"
 
@@ -87,10 +87,7 @@ def hfsdp_on_export(out_dir, destination, config, written_by, model_config, toke
     if not any(out_dir.glob("*.safetensors")) or (out_dir / "adapter_config.json").is_file():
         raise UserError(f"gguf_export: {destination} holds LoRA adapters, not full weights: export merged weights "
                         "(lora.merge: true, or hfsdp export --format gguf)")
-    source = Source.of(out_dir)
-    if found := problems(source.config, source.tokenizer, section.pre_tokenizer):
-        raise UserError(f"gguf_export: {destination}: {'; '.join(found)}; nothing was written there")
-    gguf = out_dir / GGUF_NAME.format(quant=section.quant)
+    gguf = out_dir / GGUF_NAME.format(quant=section.quant)  # (write_gguf refuses what it cannot write, first)
     write_gguf(out_dir, gguf, section.quant, name=Path(config.model.name_or_path).name, pre_tokenizer=section.pre_tokenizer)
     if section.modelfile:
         write_modelfile(out_dir, gguf.name)
