@@ -155,11 +155,11 @@ class SequenceSplit:
         segments = inputs.pop(SEGMENTS, None)
         if positions is not None and segments is None:
             segments = segments_of(positions)
+        # the padding's positions go on counting (no real position attends to them)
         if positions is None:
-            positions = torch.arange(width).expand(rows, width)
-        extra = padded - width
-        if extra:  # the padding's positions go on counting (no real position attends to them)
-            positions = torch.cat([positions, torch.arange(width, padded).expand(rows, extra)], dim=1)
+            positions = torch.arange(padded).expand(rows, padded)
+        elif padded > width:
+            positions = torch.cat([positions, torch.arange(width, padded).expand(rows, padded - width)], dim=1)
 
         def part(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
             return F.pad(t, (0, padded - t.size(1)), value=fill)[:, lo:hi].contiguous()
