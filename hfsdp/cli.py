@@ -68,6 +68,12 @@ def _quiet(verbose: bool) -> None:
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
     logging.getLogger("accelerate.utils.dataclasses").addFilter(
         lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
+    # lm-eval on a model hfsdp loaded and sharded (hfsdp eval): its warnings are about models it loads itself, and
+    # its note on custom task arguments is about its own command line
+    for name, said in (("lm_eval.models.huggingface", "`pretrained` model kwarg is not of type `str`"),
+                       ("lm_eval.models.huggingface", "Passed an already-initialized model through `pretrained`"),
+                       ("lm_eval.api.task", "Custom kwargs can be passed to `--metadata`")):
+        logging.getLogger(name).addFilter(lambda record, said=said: said not in record.getMessage())
     # bitsandbytes on the CPU looks for an optional faster kernel package on import and falls back to its own.
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
@@ -406,6 +412,50 @@ def plot(run_dirs: tuple[Path, ...], out: Path) -> None:
     from hfsdp.run.plots import plot_runs
 
     click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
+
+
+@cli.command(name="eval")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--tasks", required=True, metavar="NAMES",
+              help="lm-eval tasks, groups or tags, comma-separated (bundled: contacts_mc).")
+@click.option("--include-path", "include_paths", multiple=True, type=click.Path(path_type=Path), metavar="FOLDER",
+              help="A folder of lm-eval task YAML files of your own (repeatable), as lm-eval's --include_path.")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Examples in each prompt.")
+@click.option("--limit", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="At most this many documents a task (or this share of them, below 1).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests a forward, on each rank.")
+def eval_cmd(model_dir: Path, tasks: str, include_paths: tuple[Path, ...], num_fewshot: int | None,
+             limit: float | None, batch_size: int) -> None:
+    """Score MODEL_DIR (what `hfsdp export` wrote, or a run folder: its final/) on lm-evaluation-harness tasks.
+
+    Launched on several ranks (torchrun), the model is sharded over them as in training and the requests split
+    between them. Writes eval_results.json into the model folder and, for a run's final/, `lm_eval` into the run's
+    summary.json."""
+    from hfsdp.tools import harness
+
+    names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not names:
+        raise UserError("--tasks: name at least one lm-eval task (bundled: contacts_mc)")
+    folder = harness.model_folder(model_dir)
+    launcher.check_rank_variables(os.environ)
+    import torch
+
+    world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
+    manager = harness.task_manager(list(include_paths))
+    harness.check_tasks(manager, names)
+    harness.join(world)
+    try:
+        results = harness.evaluate(folder, names, manager, world, batch_size=batch_size, num_fewshot=num_fewshot,
+                                   limit=limit)
+        if world.rank == 0:
+            from lm_eval.utils import make_table
+
+            written = harness.record(folder, results, names, world)
+            click.echo(make_table(results))
+            click.echo("wrote " + ", ".join(map(str, written)))
+    finally:
+        harness.leave(world)
 
 
 def main() -> None:

@@ -1,0 +1,104 @@
+"""``hfsdp eval``: lm-evaluation-harness on the exported model, sharded over the ranks (hfsdp.tools.harness)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, run_torchrun
+
+TASK = "contacts_mc"
+
+
+def _run_folder(tmp_path: Path, model: Path) -> Path:
+    """A run folder as training leaves it: the export in final/ beside summary.json."""
+    run = tmp_path / "run"
+    shutil.copytree(model, run / "final")
+    (run / "summary.json").write_text(json.dumps({"steps": 4}))
+    return run
+
+
+@pytest.fixture(scope="module")
+def lm_evals_own(tiny_model_dir) -> dict:
+    """``lm_eval.simple_evaluate`` on the folder, as its own command line would load it (``model=hf``)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from hfsdp.tools.harness import BUNDLED_TASKS, scores
+
+    results = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(tiny_model_dir), "device": "cpu"}, tasks=[TASK],
+                                      batch_size=8, task_manager=TaskManager(include_path=str(BUNDLED_TASKS)))
+    return {"scores": scores(results), "n_samples": results["n-samples"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_hfsdp_eval_gives_what_lm_eval_gives_on_the_exported_folder(tmp_path, tiny_model_dir, lm_evals_own, nproc):
+    """The bundled multiple-choice task's accuracy, normalized accuracy and their standard errors, exactly lm-eval's
+    on the same folder, on one process and on 2 gloo ranks (the model sharded, each rank half the requests); the
+    results land beside the model and in the run's summary.json."""
+    run = _run_folder(tmp_path, tiny_model_dir)
+    args = ("eval", str(run), "--tasks", TASK, "--batch-size", "8")
+    proc = run_cli(*args) if nproc == 1 else run_torchrun(nproc, *args)
+    written = json.loads((run / "final" / "eval_results.json").read_text())
+    assert written["scores"] == lm_evals_own["scores"], (written["scores"], lm_evals_own["scores"])
+    assert written["n_samples"] == lm_evals_own["n_samples"] == {TASK: {"original": 64, "effective": 64}}
+    assert 0 < written["scores"][TASK]["acc,none"] < 1  # a random tiny model: the claim is equality, not skill
+    assert written["ranks"] == nproc
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["lm_eval"] == written
+    assert f"|{TASK}|" in proc.stdout.replace(" ", "") and "eval_results.json" in proc.stdout
+
+
+def _sharded_on_threads(rank: int) -> dict:
+    from hfsdp.model.loading import resolve_model_path
+    from hfsdp.setup.degrees import World
+    from hfsdp.tools.harness import load_sharded
+    from conftest import CACHE_DIR
+
+    model, _ = load_sharded(Path(resolve_model_path("smollm2-tiny", CACHE_DIR)),
+                            World(rank=rank, size=2, local_size=2, on_cpu=True))
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    return {"all_sharded": all(isinstance(p, DTensor) and p.placements[0].is_shard(0) for p in params),
+            "local": sum(p.to_local().numel() for p in params), "whole": sum(p.numel() for p in params)}
+
+
+def test_every_weight_is_sharded_over_the_ranks_each_keeping_about_half():
+    """2 ranks (threads): every parameter a DTensor sharded on dim 0; a rank holds about half the elements."""
+    from threaded_ranks import on_threads
+
+    ranks = on_threads(2, _sharded_on_threads)
+    assert all(r["all_sharded"] for r in ranks), ranks
+    assert sum(r["local"] for r in ranks) == ranks[0]["whole"]
+    assert all(abs(r["local"] / r["whole"] - 0.5) < 0.01 for r in ranks), ranks
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "does not exist"),
+    ("not a model", "is not a model folder"),
+    ("adapters only", "--merge-lora"),
+    ("unknown task", "no such lm-eval task (close: contacts_mc)"),
+    ("include path", "not a folder"),
+])
+def test_bad_eval_input_is_refused_before_any_weight_loads(tmp_path, tiny_model_dir, case, expected):
+    folder, extra = tmp_path / "model", []
+    if case == "not a model":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("hi")
+    elif case == "adapters only":
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+    elif case in ("unknown task", "include path"):
+        folder = tiny_model_dir
+    task = "contacts_m" if case == "unknown task" else TASK
+    if case == "include path":
+        extra = ["--include-path", str(tmp_path / "no-tasks-here")]
+    proc = run_cli("eval", str(folder), "--tasks", task, *extra, check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (folder / "eval_results.json").exists()
