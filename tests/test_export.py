@@ -122,9 +122,17 @@ def test_new_empty_and_earlier_exports(run, tmp_path):
     assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
     assert leftovers(out.parent) == []
 
-    (out / "README.md").write_text("my model card")  # something the export did not write
+    card = (out / "README.md").read_text()
+    assert "## Training" in card and "| optimizer steps |" in card  # the export's model card
+    (out / "README.md").write_text(card + "\nmy notes")  # edited after the export wrote it
     before = snapshot(out)
-    with pytest.raises(UserError, match=r"holds 1 file\(s\) the earlier export did not write \(README.md\)"):
+    with pytest.raises(UserError, match=r"README.md in OUT .* changed since hfsdp wrote it"):
+        export_checkpoint(ckpt, out, [], overwrite=True)
+    assert snapshot(out) == before
+    (out / "README.md").write_text(card)
+    (out / "notes.md").write_text("mine")  # something the export did not write
+    before = snapshot(out)
+    with pytest.raises(UserError, match=r"holds 1 file\(s\) the earlier export did not write \(notes.md\)"):
         export_checkpoint(ckpt, out, [], overwrite=True)
     assert snapshot(out) == before
 

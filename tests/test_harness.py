@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_torchrun
+from conftest import CACHE_DIR, fake_checkpoint, run_cli, run_torchrun
 
 TASK = "contacts_mc"
 
@@ -52,16 +53,20 @@ def test_hfsdp_eval_gives_what_lm_eval_gives_on_the_exported_folder(tmp_path, ti
     assert f"|{TASK}|" in proc.stdout.replace(" ", "") and "eval_results.json" in proc.stdout
 
 
+LOADING = threading.Lock()  # transformers' from_pretrained is not safe on two threads at once (its meta device)
+
+
 def _sharded_on_threads(rank: int) -> dict:
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
     from hfsdp.model.loading import resolve_model_path
     from hfsdp.setup.degrees import World
-    from hfsdp.tools.harness import load_sharded
-    from conftest import CACHE_DIR
+    from hfsdp.tools.harness import shard
 
-    model, _ = load_sharded(Path(resolve_model_path("smollm2-tiny", CACHE_DIR)),
-                            World(rank=rank, size=2, local_size=2, on_cpu=True))
-    from torch.distributed.tensor import DTensor
-
+    with LOADING:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-tiny", CACHE_DIR))
+    model = shard(model, World(rank=rank, size=2, local_size=2, on_cpu=True))
     params = list(model.parameters())
     return {"all_sharded": all(isinstance(p, DTensor) and p.placements[0].is_shard(0) for p in params),
             "local": sum(p.to_local().numel() for p in params), "whole": sum(p.numel() for p in params)}
@@ -70,6 +75,7 @@ def _sharded_on_threads(rank: int) -> dict:
 def test_every_weight_is_sharded_over_the_ranks_each_keeping_about_half():
     """2 ranks (threads): every parameter a DTensor sharded on dim 0; a rank holds about half the elements."""
     from threaded_ranks import on_threads
+    from transformers import AutoModelForCausalLM  # noqa: F401 (transformers' lazy import, once, before the threads)
 
     ranks = on_threads(2, _sharded_on_threads)
     assert all(r["all_sharded"] for r in ranks), ranks
@@ -102,3 +108,36 @@ def test_bad_eval_input_is_refused_before_any_weight_loads(tmp_path, tiny_model_
     assert expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (folder / "eval_results.json").exists()
+
+
+@pytest.mark.slow
+def test_the_model_card_says_what_was_trained_and_takes_the_eval_results(tmp_path, tiny_model_dir):
+    """``hfsdp export`` writes README.md, a card huggingface_hub reads (its metadata, its training table);
+    ``hfsdp eval`` puts its scores into the card's model-index and text, and the export's record lists what eval
+    wrote, so ``--overwrite`` may replace the folder (an edited card it refuses: tests/test_export.py)."""
+    import torch
+    from huggingface_hub import ModelCard
+    from safetensors.torch import load_file
+
+    ckpt = fake_checkpoint(tmp_path / "run" / "checkpoints" / "step-1", tiny_model_dir)
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    torch.save(weights, ckpt / "pytorch_model_fsdp.bin")
+    out = tmp_path / "exported"
+    run_cli("export", str(ckpt), str(out))
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and "hfsdp" in card.data.tags
+    assert "| base model | `smollm2-tiny` |" in card.text and "| optimizer steps | 1" in card.text
+    assert "Not evaluated with lm-evaluation-harness yet" in card.text
+
+    run_cli("eval", str(out), "--tasks", TASK, "--limit", "8")
+    scores = json.loads((out / "eval_results.json").read_text())["scores"][TASK]
+    card = ModelCard.load(out / "README.md")
+    assert {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results} == {
+        (TASK, "acc"): scores["acc,none"], (TASK, "acc_norm"): scores["acc_norm,none"]}
+    assert f"| {TASK} | acc | {scores['acc,none']:.4f} | {scores['acc_stderr,none']:.4f} |" in card.text
+    assert "Not evaluated" not in card.text and "## Use" in card.text
+
+    run_cli("export", str(ckpt), str(out), "--overwrite")  # eval's files are the export's: replaced
+    assert not (out / "eval_results.json").exists()
+    assert "Not evaluated with lm-evaluation-harness yet" in (out / "README.md").read_text()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, TYPE_CHECKING
 
 from hfsdp.checkpoint.safe_load import CheckpointWeights
+from hfsdp.export.card import Trained, write_card
 from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.export.staging import check_export_target, staged_export
@@ -30,14 +31,16 @@ if TYPE_CHECKING:
 
 
 def write_export(host: PluginHost, out_dir: Path, weights: Mapping[str, Any], *, config: "HfsdpConfig",
-                 model_config, tokenizer, generation_config, model_files: ModelFiles, overwrite: bool,
+                 model_config, tokenizer, generation_config, model_files: ModelFiles, overwrite: bool, trained: Trained,
                  source: Path | None = None, max_shard_bytes: int | None = None, merge_adapters: bool = False) -> None:
-    """``weights`` into ``out_dir`` through the ``hfsdp_export`` hook, written into a temporary folder beside it and
-    renamed into place when complete (:func:`hfsdp.export.staging.staged_export`)."""
+    """``weights`` into ``out_dir`` through the ``hfsdp_export`` hook, with its model card (``README.md``,
+    :mod:`hfsdp.export.card`), written into a temporary folder beside it and renamed into place when complete
+    (:func:`hfsdp.export.staging.staged_export`)."""
     with staged_export(out_dir, overwrite=overwrite, source=source) as tmp:
         host.export(state_dict=weights, model_config=model_config, tokenizer=tokenizer, out_dir=tmp,
                     destination=out_dir, generation_config=generation_config, config=config, model_files=model_files,
                     max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters)
+        write_card(tmp, config, trained, out_dir)
 
 
 def merges(config: "HfsdpConfig", merge_adapters: bool) -> bool:
@@ -74,7 +77,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     """Export ``checkpoint_dir`` into ``out_dir`` through the ``hfsdp_export`` hook. ``out_dir`` must be new, empty,
     or (with ``overwrite``) an earlier hfsdp export; it is written next to its final place and renamed when complete.
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
-    read_record(checkpoint_dir)  # refuses a folder whose save never completed
+    record = read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
     config, host = load_config(str(checkpoint_dir / CONFIG_NAME), overrides, check_data=False)
     model_dir = checkpoint_dir / "model"
@@ -104,5 +107,6 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
     write_export(host, out_dir, weights, config=config, model_config=model_config, tokenizer=tokenizer,
                  generation_config=generation_config, model_files=ModelFiles.in_folder(model_dir), overwrite=overwrite,
-                 source=checkpoint_dir, max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters)
+                 source=checkpoint_dir, max_shard_bytes=max_shard_bytes, merge_adapters=merge_adapters,
+                 trained=Trained(record.get("step"), int(record.get("world_size") or 1)))
     return out_dir

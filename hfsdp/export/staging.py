@@ -37,6 +37,29 @@ def _holds_a_run(folder: Path) -> str | None:
     return None
 
 
+# Files of an export a user may edit (the model card): recorded with their digest, so that an export replacing the
+# folder refuses to lose edits made since
+EDITABLE = ("README.md",)
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def editable_digests(folder: Path) -> dict[str, str]:
+    return {name: file_sha256(folder / name) for name in EDITABLE if (folder / name).is_file()}
+
+
+def _recorded(record: Path) -> dict:
+    try:
+        data = json.loads(record.read_text())
+    except (ValueError, OSError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def check_export_target(out_dir: Path, *, overwrite: bool, source: Path | None = None) -> None:
     """Refuse an export folder whose replacement could remove anything hfsdp did not write there.
 
@@ -75,6 +98,11 @@ def check_export_target(out_dir: Path, *, overwrite: bool, source: Path | None =
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise UserError(f"export: {record} is unreadable ({type(err).__name__}); remove the folder yourself "
                         "or choose another one") from None
+    edited = sorted(name for name, digest in (_recorded(record).get("sha256") or {}).items()
+                    if (out / name).is_file() and file_sha256(out / name) != digest)
+    if edited:
+        raise UserError(f"export: {', '.join(edited)} in OUT {out_dir} changed since hfsdp wrote it (your edits "
+                        "would be lost): move it out of the folder first, or choose another folder")
     foreign = sorted(entries - written - {EXPORT_RECORD})
     if foreign:
         raise UserError(f"export: OUT {out_dir} holds {len(foreign)} file(s) the earlier export did not write "
@@ -97,7 +125,8 @@ def staged_export(out_dir: Path, *, overwrite: bool, source: Path | None = None)
         yield tmp
         files = sorted(_entries(tmp))
         (tmp / EXPORT_RECORD).write_text(json.dumps(
-            {"written_by": f"hfsdp {__version__}", "source": str(source or "training"), "files": files}, indent=2))
+            {"written_by": f"hfsdp {__version__}", "source": str(source or "training"), "files": files,
+             "sha256": editable_digests(tmp)}, indent=2))
         fsync_tree(tmp)
         check_export_target(out_dir, overwrite=overwrite, source=source)  # nothing foreign appeared meanwhile
         _move_into_place(tmp, out_dir)

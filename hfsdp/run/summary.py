@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.config.schema import HfsdpConfig
+from hfsdp.export.card import Trained
 from hfsdp.export.pipeline import write_export
 from hfsdp.model import quantized
 from hfsdp.run import generation, optimizers, plots, throughput
@@ -27,7 +28,8 @@ def export_model(run: Run, out_dir: Path) -> None:
         if accelerator.is_main_process:
             write_export(run.plugins, out_dir, weights, config=run.config, model_config=run.model_config,
                          tokenizer=run.tokenizer, generation_config=run.generation_config,
-                         model_files=run.model_files, overwrite=True)
+                         model_files=run.model_files, overwrite=True,
+                         trained=Trained(run.state.step, run.accelerator.num_processes, run.state.tokens_seen))
     accelerator.wait_for_everyone()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.errors import UserError
+from hfsdp.export.card import add_evals, record_files
 from hfsdp.setup.degrees import World
 
 BUNDLED_TASKS = Path(__file__).with_name("eval_tasks")
@@ -109,26 +110,32 @@ def leave(world: World) -> None:
 
 
 def load_sharded(folder: Path, world: World):
-    """The folder's model as lm-eval's HF backend loads it (``dtype="auto"``), its blocks and the rest sharded with
-    FSDP2 over every rank when there are several; and its tokenizer."""
+    """The folder's model as lm-eval's HF backend loads it (``dtype="auto"``), sharded (:func:`shard`); and its
+    tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfsdp.model.loading import default_layer_classes
-
     device = torch.device("cpu") if world.on_cpu else torch.device("cuda", torch.cuda.current_device())
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto").to(device).eval()
-    if world.size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    return shard(model, world), AutoTokenizer.from_pretrained(str(folder))
 
-        mesh = init_device_mesh(device.type, (world.size,))
-        blocks = set(default_layer_classes(model.config))
-        for module in model.modules():
-            if type(module).__name__ in blocks:
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, AutoTokenizer.from_pretrained(str(folder))
+
+def shard(model, world: World):
+    """``model`` with FSDP2 over every rank when there are several: each transformer block (the model class's
+    ``_no_split_modules``, as training wraps them), then the rest."""
+    if world.size == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hfsdp.model.loading import default_layer_classes
+
+    mesh = init_device_mesh(model.device.type, (world.size,))
+    blocks = set(default_layer_classes(model.config))
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def evaluate(folder: Path, tasks: list[str], manager, world: World, *, batch_size: int,
@@ -143,19 +150,23 @@ def evaluate(folder: Path, tasks: list[str], manager, world: World, *, batch_siz
 
 
 def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Each task's metrics (``acc,none``: lm-eval's metric,filter names), without its aliases."""
-    return {task: {k: v for k, v in values.items() if k != "alias" and isinstance(v, (int, float))}
+    """Each task's metrics and their standard errors, by lm-eval's ``metric,filter`` names (``acc,none``)."""
+    return {task: {k: v for k, v in values.items() if "," in k and isinstance(v, (int, float))}
             for task, values in results["results"].items()}
 
 
 def record(folder: Path, results: dict[str, Any], tasks: list[str], world: World) -> list[Path]:
-    """What the evaluation found, written beside the model (``eval_results.json``) and, for a run's ``final/``,
-    into the run's summary.json (``lm_eval``). Returns the files written."""
+    """What the evaluation found, written beside the model (``eval_results.json``, the model card's evaluation
+    section and metadata) and, for a run's ``final/``, into the run's summary.json (``lm_eval``); the export's
+    record lists the files it changed as hfsdp's. Returns the files written."""
     entry = {"tasks": tasks, "scores": scores(results), "n_samples": results.get("n-samples", {}),
              "versions": results.get("versions", {}), "n_shot": results.get("n-shot", {}),
              "lm_eval_version": _lm_eval_version(), "ranks": world.size, "model": str(folder)}
     written = [folder / "eval_results.json"]
     _write_json(written[0], entry)
+    card = add_evals(folder, entry)
+    record_files(folder, [p.name for p in written] + ([card.name] if card else []))
+    written += [card] if card else []
     summary = folder.parent / "summary.json"
     if folder.name == "final" and summary.is_file():
         data = json.loads(summary.read_text())
