@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, fake_checkpoint, run_cli, run_torchrun
+from conftest import CACHE_DIR, REPO, fake_checkpoint, run_cli, run_torchrun
 
 TASK = "contacts_mc"
 
@@ -141,3 +141,56 @@ def test_the_model_card_says_what_was_trained_and_takes_the_eval_results(tmp_pat
     run_cli("export", str(ckpt), str(out), "--overwrite")  # eval's files are the export's: replaced
     assert not (out / "eval_results.json").exists()
     assert "Not evaluated with lm-evaluation-harness yet" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_generation_task_of_your_own_on_two_ranks_gives_what_lm_eval_gives(tmp_path, tiny_untied_model_dir):
+    """A task from --include-path that generates (greedy, until an "e" or an "a"): 2 ranks, each generating for its
+    share of the prompts, the one whose answers end first stepping on until the other's have (FSDP gathers in every
+    forward: without transformers' synced_gpus the job fails), score as lm-eval on one process. The random tiny
+    model (untied: its answers differ from prompt to prompt) answers nonsense; the claim is the same answers."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from hfsdp.tools.harness import scores
+
+    data = REPO / "hfsdp" / "config" / "presets" / "data" / "contacts_prompts_eval.jsonl"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "contacts_gen.yaml").write_text(f"""task: contacts_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{prompt[0].content}}}}\\nJSON:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until: ["e", "a"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+  - metric: chrf
+    aggregation: chrf
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_untied_model_dir, model)
+    run_torchrun(2, "eval", str(model), "--tasks", "contacts_gen", "--include-path", str(tasks),
+                 "--limit", "6", "--batch-size", "4")
+    ours = json.loads((model / "eval_results.json").read_text())
+    theirs = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(tiny_untied_model_dir), "device": "cpu"},
+                                     tasks=["contacts_gen"], batch_size=4, limit=6,
+                                     task_manager=TaskManager(include_path=str(tasks)))
+    ours, theirs = ours["scores"]["contacts_gen"], scores(theirs)["contacts_gen"]
+    # chrF's standard error is lm-eval's bootstrap over the samples, which come back in the ranks' order: close only
+    bootstrapped = "chrf_stderr,none"
+    assert {k: v for k, v in ours.items() if k != bootstrapped} == {k: v for k, v in theirs.items() if k != bootstrapped}
+    assert ours[bootstrapped] == pytest.approx(theirs[bootstrapped], rel=0.1)
+    assert ours["chrf,none"] > 0  # characters in common: the answers' text is compared, not only exact matches
