@@ -11,6 +11,7 @@
 # Issue 22 (QLoRA: 4-bit bf16-stored weights gathered by FSDP2 on CUDA, the start-up probe): scripts/gpu_check.sh -k qlora
 # Issue 37 (tensor parallelism: tp 2 on 2 GPUs over NCCL against one GPU, export): scripts/gpu_check.sh -k tensor_parallel
 # Issue 54 (sequence parallelism: sp 2 on 2 GPUs over NCCL's all-to-all and SDPA's CUDA kernels against one GPU): scripts/gpu_check.sh -k sequence_parallel
+# Issue 55 (hfsdp eval: lm-eval on a model FSDP2 shards over 2 GPUs on NCCL, against one GPU): scripts/gpu_check.sh -k hfsdp_eval
 # Issue 56 (the cost curves: a bench sweep on one GPU, plan within 10 % at every point): scripts/gpu_check.sh -k sweep
 set -uo pipefail
 

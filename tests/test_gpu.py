@@ -225,6 +225,24 @@ def test_sequence_parallel_on_two_gpus_trains_the_steps_of_one(tmp_path):
         assert flat[1] == pytest.approx(flat[0], rel=2e-3), (variant, losses)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_hfsdp_eval_on_two_gpus_scores_what_one_gpu_does(tmp_path, tiny_model_dir):
+    """Issue 55 on GPUs: `hfsdp eval` on 2 GPUs (the model sharded by FSDP2 over NCCL, lm-eval's request split)
+    scores the bundled multiple-choice task as on one GPU."""
+    import shutil
+
+    from conftest import run_torchrun
+
+    scores = {}
+    for nproc in (1, 2):
+        model = tmp_path / f"model-{nproc}"
+        shutil.copytree(tiny_model_dir, model)
+        args = ("eval", str(model), "--tasks", "contacts_mc", "--batch-size", "8")
+        proc = run_cli(*args) if nproc == 1 else run_torchrun(nproc, *args)
+        scores[nproc] = json.loads((model / "eval_results.json").read_text())["scores"]
+    assert scores[2] == scores[1], (scores, proc.stdout)
+
+
 def test_a_sweep_on_gpu_puts_the_plan_within_10_percent_of_max_memory_allocated(tmp_path):
     """`hfsdp bench --seq-lens --micro-batches` on one GPU (issue 56, part 3): the bench model on plain-text rows
     that fill every sequence (every position labelled, as the plan assumes), 512 to 4,096 tokens a micro-batch,
