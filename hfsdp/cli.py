@@ -444,6 +444,7 @@ def eval_cmd(model_dir: Path, tasks: str, include_paths: tuple[Path, ...], num_f
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
     manager = harness.task_manager(list(include_paths))
     harness.check_tasks(manager, names)
+    harness.check_task_data(manager, names)
     harness.join(world)
     try:
         results = harness.evaluate(folder, names, manager, world, batch_size=batch_size, num_fewshot=num_fewshot,
@@ -451,8 +452,12 @@ def eval_cmd(model_dir: Path, tasks: str, include_paths: tuple[Path, ...], num_f
         if world.rank == 0:
             from lm_eval.utils import make_table
 
-            written = harness.record(folder, results, names, world)
             click.echo(make_table(results))
+            try:
+                written = harness.record(folder, results, names, world)
+            except OSError as err:
+                raise UserError(f"the scores are above, but they could not be written into {folder} ({err}); "
+                                "evaluate a copy of the folder where you can write") from err
             click.echo("wrote " + ", ".join(map(str, written)))
     finally:
         harness.leave(world)

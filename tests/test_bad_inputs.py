@@ -530,6 +530,8 @@ def test_unreadable_dataset_file(tmp_path):
     ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT are not"),
     ({"WORLD_SIZE": "two"}, "environment variable WORLD_SIZE='two' is not a valid world size"),
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not below WORLD_SIZE=2"),
+    # alone, without WORLD_SIZE: a process that took itself for rank 1 of 1 printed and wrote nothing (hfsdp eval)
+    ({"RANK": "1"}, "RANK=1 is not below WORLD_SIZE=1"),
 ])
 def test_stray_rank_variables_are_refused_before_torch(tmp_path, env, expected):
     """Rank variables set by hand (not by a launcher) used to reach Accelerate, which raised a traceback."""

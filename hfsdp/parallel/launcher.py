@@ -53,14 +53,14 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
             raise UserError(f"environment variable {key}={value!r} is not a valid {key.lower().replace('_', ' ')}; "
                             + _LAUNCH_HINT)
     size = int(env.get("WORLD_SIZE", "1"))
+    if int(env.get("RANK", "0")) >= size:
+        raise UserError(f"RANK={env['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
     if size == 1:
         return
     missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(key)]
     if missing:
         raise UserError(f"WORLD_SIZE={size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                         "not, so this process cannot join a job; " + _LAUNCH_HINT)
-    if int(env["RANK"]) >= size:
-        raise UserError(f"RANK={env['RANK']} is not below WORLD_SIZE={size}; " + _LAUNCH_HINT)
 
 
 def launched_world(env: Mapping[str, str], on_cpu: bool) -> "World":

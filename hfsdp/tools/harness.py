@@ -59,6 +59,20 @@ def check_tasks(manager, tasks: list[str]) -> None:
                             + "; a task of your own: --include-path FOLDER with its YAML; bundled: contacts_mc")
 
 
+def check_task_data(manager, tasks: list[str]) -> None:
+    """Every task's documents load here (lm-eval reads them again, from the datasets cache, when it evaluates): a
+    task whose data is on the hub, offline, is refused before any weight loads."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(tasks, manager)
+    except Exception as err:  # noqa: BLE001 (datasets' and lm-eval's errors are many; the message says which)
+        raise UserError(f"--tasks {','.join(tasks)}: a task's documents could not be loaded ({type(err).__name__}: "
+                        f"{str(err)[:300]}). Tasks whose data is on the Hugging Face hub need the network (or "
+                        "HF_DATASETS_OFFLINE=1 with the data in its cache); a task of your own reads local files "
+                        "(--include-path FOLDER; the bundled contacts_mc does)") from err
+
+
 def _sharded_lm_class():
     import torch
     import torch.distributed as dist
