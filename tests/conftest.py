@@ -202,6 +202,29 @@ def step_losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(name, size_mib, read_only=False)``: a fresh tmpfs of that size at ``tmp_path/name``, unmounted after
+    the test."""
+    if os.geteuid() != 0:
+        pytest.skip("a real full or read-only disk is a small tmpfs mounted by the test, which needs root")
+    points: list[Path] = []
+
+    def mount(name: str, size_mib: int, read_only: bool = False) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m" + (",ro" if read_only else ""),
+                               "tmpfs", str(point)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        points.append(point)
+        return point
+
+    yield mount
+    for point in reversed(points):
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The shrunk SmolLM2 folder (built once into the test cache)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -197,3 +198,17 @@ metadata:
     assert {k: v for k, v in ours.items() if k != bootstrapped} == {k: v for k, v in theirs.items() if k != bootstrapped}
     assert ours[bootstrapped] == pytest.approx(theirs[bootstrapped], rel=0.1)
     assert ours["chrf,none"] > 0  # characters in common: the answers' text is compared, not only exact matches
+
+
+def test_scores_that_cannot_be_written_are_printed_then_said(tmpfs, tiny_model_dir):
+    """A model folder on a read-only disk: the table is printed, then one error line says the scores could not be
+    written and where to evaluate instead; exit 2, no traceback."""
+    disk = tmpfs("disk", 64)
+    model = disk / "model"
+    shutil.copytree(tiny_model_dir, model)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    proc = run_cli("eval", str(model), "--tasks", TASK, "--limit", "4", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"|{TASK}|" in proc.stdout.replace(" ", "")
+    assert "the scores are above, but they could not be written into" in proc.stderr
+    assert "Read-only file system" in proc.stderr and not (model / "eval_results.json").exists()

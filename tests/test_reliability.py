@@ -605,29 +605,6 @@ def test_resave_without_an_atomic_swap_still_replaces_the_step(tmp_path, tiny_mo
 # disk. A real small tmpfs is mounted for a full or read-only disk (root only; skipped with the reason otherwise).
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``mount(name, size_mib, read_only=False)``: a fresh tmpfs of that size at ``tmp_path/name``, unmounted after
-    the test."""
-    if os.geteuid() != 0:
-        pytest.skip("a real full or read-only disk is a small tmpfs mounted by the test, which needs root")
-    points: list[Path] = []
-
-    def mount(name: str, size_mib: int, read_only: bool = False) -> Path:
-        point = tmp_path / name
-        point.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m" + (",ro" if read_only else ""),
-                               "tmpfs", str(point)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-        points.append(point)
-        return point
-
-    yield mount
-    for point in reversed(points):
-        subprocess.run(["umount", "-l", str(point)], check=False)
-
-
 def test_a_short_write_is_a_full_disk_when_less_is_free_than_the_write_still_needed(tmpfs):
     """torch's zip writer reports a short write without its errno ("unexpected pos"). On a disk other jobs share,
     a few MiB may be free again by the time the error is read (the CI rehearsal of 2026-12-02 read "unexpected pos
