@@ -225,12 +225,15 @@ OPTIONS = {
     # ranks: one data-parallel rank; tests/test_sequence_parallel.py: long rows, 2 x 2 on 4 ranks, LoRA, packing)
     "sp2": {"parallel": {"sp_size": 2}},
     "agent": with_tools,
+    # the end of training writes the merged LoRA model as q8_0 GGUF and a Modelfile beside the folder (its model
+    # card names them); transformers' GGUF loader reads it back into the folder's logits
+    "gguf": {"plugins": ["lora", "gguf_export"], "lora": {"merge": True}},
     "dpo_tools": lambda sections: with_tools(_merge(sections, DPO)),
     "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "dpo_tools",
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "gguf", "dpo_tools",
               "grpo_tools")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
@@ -412,6 +415,12 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert sharded == (world == 2 and version == 2), (proc.stdout + proc.stderr)[-3000:]
     if any(option in ("agent", "dpo_tools", "grpo_tools") for option in options):  # the template chose and saved
         assert "<tool_call>" in (run / "final" / "chat_template.jinja").read_text()
+    assert_model_card(run, options, world)
+    if "gguf" in options:
+        from test_gguf import assert_loads_as_exported
+
+        assert_loads_as_exported(run / "final", "q8_0")
+        assert "llama.cpp: `llama-cli -m model-q8_0.gguf`; Ollama" in (run / "final" / "README.md").read_text()
     if "size_wrap" in options:  # units of the policy's own (the MLPs of the tiny model), besides the root
         assert report["wrapped_units"] >= 3, report
     if "tp2" in options:  # the decoder layers split, the embedding whole on both (one data-parallel rank)
@@ -422,6 +431,24 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
     elif world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
+
+
+def assert_model_card(run: Path, options: tuple[str, ...], world: int) -> None:
+    """final/ has its model card, which huggingface_hub reads: the steps and tokens the run trained, its processes,
+    the kind of folder (adapters or full weights)."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(run / "final" / "README.md")
+    summary = json.loads((run / "summary.json").read_text())
+    adapters = (run / "final" / "adapter_config.json").is_file()
+    assert card.data.library_name == ("peft" if adapters else "transformers") and "hfsdp" in card.data.tags
+    assert f"| optimizer steps | {STEPS} of {STEPS} |" in card.text
+    assert f"| tokens trained on | {summary['tokens_seen']:,} |" in card.text
+    assert f"| processes | {world}" in card.text
+    assert ("trained adapters only" in card.text) == adapters
+    scorer = any("reward_model" in option for option in options)
+    assert ("AutoModelForSequenceClassification.from_pretrained" in card.text) == scorer
+    assert card.data.pipeline_tag == ("text-classification" if scorer else "text-generation")
 
 
 def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None:

@@ -96,15 +96,19 @@ def write_card(folder: Path, config: "HfsdpConfig", trained: Trained, destinatio
 
     name = destination.name if destination.name != "final" else destination.resolve().parent.name
     adapters = (folder / "adapter_config.json").is_file()
+    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or [] if (
+        folder / "config.json").is_file() else []
+    scorer = any(a.endswith("ForSequenceClassification") for a in architectures)  # a reward model
+    auto = "AutoModelForSequenceClassification" if scorer else "AutoModelForCausalLM"
     tags = ["hfsdp", "fsdp", *(["lora"] if config.section("lora") is not None else []),
             *([p for p in config.plugins if p in OBJECTIVES])]
     data = ModelCardData(model_name=name, base_model=_base_model(config.model.name_or_path),
                          library_name="peft" if adapters else "transformers", tags=tags,
-                         pipeline_tag="text-generation")
+                         pipeline_tag="text-classification" if scorer else "text-generation")
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in _rows(config, trained, folder))])
     ggufs = sorted(p.name for p in folder.glob("*.gguf"))
-    use = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\n"
+    use = (f"```python\nfrom transformers import {auto}, AutoTokenizer\n\n"
+           f"model = {auto}.from_pretrained(\"PATH\")\n"
            "tokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```" if not adapters else
            "```python\nfrom peft import AutoPeftModelForCausalLM\n\n"
            "model = AutoPeftModelForCausalLM.from_pretrained(\"PATH\")\n```")
