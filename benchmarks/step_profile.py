@@ -6,8 +6,8 @@ train end to ``$STEP_PROFILE_OUT`` (JSON). Enable it with ``plugins: [step_profi
         --set train.output_dir=/tmp/sp --set train.max_steps=8 --set "plugins=[step_profile]" \\
         --set train.log_every=1          # STEP_PROFILE_OUT=out.json; STEP_PROFILE_FROM=2: profile the steps after 2
 
-The page faults it counts are glibc's: hfsdp keeps glibc's own malloc thresholds (a fix that raised them, issue 56
-part 4, failed the memory soak and was taken out; docs/benchmarks.md).
+A run with an (ignored) ``MALLOC_*`` variable set, e.g. ``MALLOC_BASELINE=1``, keeps glibc's own thresholds
+(``hfsdp.run.heap`` leaves an environment that sets malloc alone): the baseline of the page faults' fix.
 """
 
 import collections

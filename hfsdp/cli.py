@@ -129,7 +129,10 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     from hfsdp.run.loop import Preempted, train as run_training
 
     try:
-        run_training(setup, host, Options(cache_dir=cache_dir(), overwrite=overwrite))
+        from hfsdp.run.heap import malloc_set_by_environment
+
+        run_training(setup, host, Options(cache_dir=cache_dir(), overwrite=overwrite,
+                                          malloc_set=malloc_set_by_environment(os.environ)))
     except Preempted as stop:
         # A complete checkpoint exists; exit like a process killed by the signal would (143 SIGTERM, 130 SIGINT),
         # so schedulers see a preemption, not a failure of the job's own making.

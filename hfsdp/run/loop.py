@@ -38,7 +38,7 @@ from hfsdp.export import staging
 from hfsdp.rules import quantization
 from hfsdp.rules.table import Facts, check
 from hfsdp.model import token_loss
-from hfsdp.run import generation, optimizers, throughput
+from hfsdp.run import generation, heap, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
 from hfsdp.run.folder import prepare_run
 from hfsdp.run.metrics import MetricsWriter
@@ -185,6 +185,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
         model.train()
         last_eval: dict[str, Any] = {}
         loop_started = time.perf_counter()
+        # CPU: no page faults for what each step reallocates (unless the environment sets malloc itself); what an
+        # eval or a save frees goes back after it
+        kept = not opts.malloc_set and heap.keep_freed_memory(accelerator.device)
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
@@ -207,10 +210,14 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 log_step(run, step_metrics, metrics, progress, meter, max_steps)
                 if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < max_steps:
                     last_eval = run_eval(state.step, f"step{state.step}")
+                    if kept:
+                        heap.give_back_free_memory()
                 # a background save every rank has written becomes complete; a signal on any rank stops every rank
                 (preempted,) = saver.poll([preemption.signum is not None])
                 if (config.train.save_every and state.step % config.train.save_every == 0) or preempted:
                     save_checkpoint(run, saver)
+                    if kept:
+                        heap.give_back_free_memory()
                 if preempted:
                     saved = saver.wait()
                     host.call("hfsdp_on_train_end", run=run, metrics=last_eval)
@@ -220,6 +227,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             saver.abandon()
             raise
         finally:
+            if kept:
+                heap.give_back_free_memory()
             preemption.uninstall()
             if progress is not None:
                 progress.close()

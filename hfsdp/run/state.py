@@ -61,3 +61,4 @@ class Options:
 
     cache_dir: Path
     overwrite: bool = False
+    malloc_set: bool = False  # the environment sets glibc's malloc itself (hfsdp.run.heap): its settings win
