@@ -192,7 +192,7 @@ def test_hfsdp_export_refuses_an_architecture_before_writing_anything(tmp_path, 
 @pytest.mark.slow
 def test_a_run_whose_model_cannot_be_written_as_gguf_stops_before_any_weight_loads(tmp_path, tiny_model_dir):
     """The plugin checks the model's config before its weights load (and its tokenizer before the first step): a
-    model declaring another architecture (the tiny model, its config.json saying MistralForCausalLM) stops there,
+    model declaring another architecture (the tiny model, its config.json saying GemmaForCausalLM) stops there,
     naming it."""
     import shutil
 
@@ -201,12 +201,12 @@ def test_a_run_whose_model_cannot_be_written_as_gguf_stops_before_any_weight_loa
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     declared = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**declared, "architectures": ["MistralForCausalLM"]}))
+    (model / "config.json").write_text(json.dumps({**declared, "architectures": ["GemmaForCausalLM"]}))
     config = tiny_config(tmp_path, model={"name_or_path": str(model)}, plugins=["gguf_export"],
                          train={"max_steps": 2})
     proc = run_cli("train", str(config), check=False, env=RUN_ENV)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "gguf_export: " in proc.stderr and "MistralForCausalLM is not written as GGUF yet" in proc.stderr
+    assert "gguf_export: " in proc.stderr and "GemmaForCausalLM is not written as GGUF yet" in proc.stderr
     assert "refused before any weight loads" in proc.stderr and "Traceback" not in proc.stderr
     assert "Loading weights" not in proc.stderr
     assert not (tmp_path / "run" / "final").exists()
