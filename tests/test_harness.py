@@ -88,6 +88,7 @@ def test_every_weight_is_sharded_over_the_ranks_each_keeping_about_half():
     ("missing", "does not exist"),
     ("not a model", "is not a model folder"),
     ("adapters only", "--merge-lora"),
+    ("a LoRA run", "final holds LoRA adapters only"),
     ("unknown task", "no such lm-eval task (close: contacts_mc)"),
     ("include path", "not a folder"),
     ("hub task", "a task's documents could not be loaded (ConnectionError"),
@@ -101,6 +102,9 @@ def test_bad_eval_input_is_refused_before_any_weight_loads(tmp_path, tiny_model_
     elif case == "adapters only":
         folder.mkdir()
         (folder / "adapter_config.json").write_text("{}")
+    elif case == "a LoRA run":
+        (folder / "final").mkdir(parents=True)
+        (folder / "final" / "adapter_config.json").write_text("{}")
     elif case in ("unknown task", "include path", "hub task"):
         folder = tiny_model_dir
     task = {"unknown task": "contacts_m", "hub task": "hellaswag"}.get(case, TASK)

@@ -28,9 +28,10 @@ def model_folder(path: Path) -> Path:
         return path
     if (path / "final" / "config.json").is_file():
         return path / "final"
-    if (path / "adapter_config.json").is_file():
-        raise UserError(f"{path} holds LoRA adapters only; lm-eval needs the whole model: export the run's "
-                        "checkpoint again with `hfsdp export CHECKPOINT OUT --merge-lora` and evaluate OUT")
+    for adapters in (path, path / "final"):
+        if (adapters / "adapter_config.json").is_file():
+            raise UserError(f"{adapters} holds LoRA adapters only; lm-eval needs the whole model: export the run's "
+                            "checkpoint again with `hfsdp export CHECKPOINT OUT --merge-lora` and evaluate OUT")
     if not path.exists():
         raise UserError(f"{path} does not exist: give an exported model folder (a run's final/) or a run folder")
     raise UserError(f"{path} is not a model folder (no config.json in it or in its final/): give a run folder or "
