@@ -96,8 +96,8 @@ def write_card(folder: Path, config: "HfsdpConfig", trained: Trained, destinatio
 
     name = destination.name if destination.name != "final" else destination.resolve().parent.name
     adapters = (folder / "adapter_config.json").is_file()
-    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or [] if (
-        folder / "config.json").is_file() else []
+    model_config = folder / "config.json"
+    architectures = (json.loads(model_config.read_text()).get("architectures") or []) if model_config.is_file() else []
     scorer = any(a.endswith("ForSequenceClassification") for a in architectures)  # a reward model
     auto = "AutoModelForSequenceClassification" if scorer else "AutoModelForCausalLM"
     tags = ["hfsdp", "fsdp", *(["lora"] if config.section("lora") is not None else []),
@@ -156,19 +156,3 @@ def add_evals(folder: Path, entry: dict[str, Any]) -> Path | None:
     card.save(path)
     return path
 
-
-def record_files(folder: Path, names: list[str]) -> None:
-    """Add ``names`` to the files ``folder``'s export record says hfsdp wrote (so ``--overwrite`` may replace them),
-    with the card's new digest."""
-    from hfsdp.disk.durable import EXPORT_RECORD
-    from hfsdp.export.staging import editable_digests
-
-    record = folder / EXPORT_RECORD
-    if not record.is_file():
-        return
-    data = json.loads(record.read_text())
-    data["files"] = sorted(set(data.get("files", [])) | set(names))
-    data["sha256"] = editable_digests(folder)
-    partial = record.with_name(record.name + ".partial")
-    partial.write_text(json.dumps(data, indent=2))
-    partial.replace(record)

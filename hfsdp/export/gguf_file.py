@@ -88,7 +88,7 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_token
         out.append(f"{source.architecture} is not written as GGUF yet (hfsdp writes {', '.join(ARCHITECTURES)}: "
                    "SmolLM2, Llama, Mistral, Qwen2); export the Hugging Face folder and convert it with llama.cpp's "
                    "convert_hf_to_gguf.py")
-    rope_type = _rope(config).get("rope_type", "default")
+    rope_type = _rope(config)["rope_type"]
     if rope_type not in ROPE_TYPES or (rope_type != "default" and ARCHITECTURES.get(source.architecture) != "llama"):
         out.append(f"its rotary embedding is scaled ({rope_type}), which hfsdp does not write as GGUF yet (it writes "
                    "Llama 3.1's llama3 scaling); convert the exported folder with llama.cpp's convert_hf_to_gguf.py")

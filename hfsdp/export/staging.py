@@ -20,7 +20,7 @@ from typing import Iterator
 
 from hfsdp import __version__
 from hfsdp.disk.space import OutOfSpace, disk_full, folder_bytes, size_text
-from hfsdp.disk.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder
+from hfsdp.disk.durable import EXPORT_RECORD, RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
 from hfsdp.errors import UserError
 
 
@@ -52,12 +52,17 @@ def editable_digests(folder: Path) -> dict[str, str]:
     return {name: file_sha256(folder / name) for name in EDITABLE if (folder / name).is_file()}
 
 
-def _recorded(record: Path) -> dict:
-    try:
-        data = json.loads(record.read_text())
-    except (ValueError, OSError):
-        return {}
-    return data if isinstance(data, dict) else {}
+def add_to_record(folder: Path, names: list[str]) -> None:
+    """Files hfsdp wrote into the export ``folder`` after it was complete (``hfsdp eval``'s results, the model card it
+    filled in) added to its record, with the editable files' new digests, so that ``--overwrite`` may replace them.
+    A folder without a record (not an hfsdp export) is left as it is."""
+    record = folder / EXPORT_RECORD
+    if not record.is_file():
+        return
+    data = json.loads(record.read_text())
+    data["files"] = sorted(set(data.get("files", [])) | set(names))
+    data["sha256"] = editable_digests(folder)
+    write_atomic(record, json.dumps(data, indent=2))
 
 
 def check_export_target(out_dir: Path, *, overwrite: bool, source: Path | None = None) -> None:
@@ -94,11 +99,12 @@ def check_export_target(out_dir: Path, *, overwrite: bool, source: Path | None =
         raise UserError(f"export: OUT {out_dir} holds an earlier hfsdp export; pass --overwrite to replace it, "
                         "or choose another folder")
     try:
-        written = set(json.loads(record.read_text())["files"])
+        data = json.loads(record.read_text())
+        written, digests = set(data["files"]), dict(data.get("sha256") or {})
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise UserError(f"export: {record} is unreadable ({type(err).__name__}); remove the folder yourself "
                         "or choose another one") from None
-    edited = sorted(name for name, digest in (_recorded(record).get("sha256") or {}).items()
+    edited = sorted(name for name, digest in digests.items()
                     if (out / name).is_file() and file_sha256(out / name) != digest)
     if edited:
         raise UserError(f"export: {', '.join(edited)} in OUT {out_dir} changed since hfsdp wrote it (your edits "

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.errors import UserError
-from hfsdp.export.card import add_evals, record_files
+from hfsdp.disk.durable import write_atomic
+from hfsdp.export.card import add_evals
+from hfsdp.export.staging import add_to_record
 from hfsdp.setup.degrees import World
 
 BUNDLED_TASKS = Path(__file__).with_name("eval_tasks")
@@ -178,15 +180,15 @@ def record(folder: Path, results: dict[str, Any], tasks: list[str], world: World
              "versions": results.get("versions", {}), "n_shot": results.get("n-shot", {}),
              "lm_eval_version": _lm_eval_version(), "ranks": world.size, "model": str(folder)}
     written = [folder / "eval_results.json"]
-    _write_json(written[0], entry)
+    write_atomic(written[0], _json(entry))
     card = add_evals(folder, entry)
-    record_files(folder, [p.name for p in written] + ([card.name] if card else []))
+    add_to_record(folder, [p.name for p in written] + ([card.name] if card else []))
     written += [card] if card else []
     summary = folder.parent / "summary.json"
     if folder.name == "final" and summary.is_file():
         data = json.loads(summary.read_text())
         data["lm_eval"] = entry
-        _write_json(summary, data)
+        write_atomic(summary, _json(data))
         written.append(summary)
     return written
 
@@ -197,7 +199,6 @@ def _lm_eval_version() -> str:
     return version("lm-eval")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    partial.replace(path)
+
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, default=str) + "\n"
