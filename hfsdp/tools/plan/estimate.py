@@ -289,7 +289,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     * grad buffers: the root unit's unsharded gradients (alive from the lm_head's backward to the end) plus the
       largest of: one layer unit's unsharded gradients and their reduce-scatter copy (reduce dtype), the root's
       reduce-scatter copy, the tied embedding's second gradient before it is added to the first. DDP: its buckets
-      (a second copy of every gradient) plus the tied embedding's second gradient.
+      (a second copy of every gradient) plus the tied embedding's second gradient. With ``train.chunked_loss`` a
+      tied embedding has no second gradient: its backward adds its rows into the head's.
     * activations: what autograd saves for one micro-batch (traced), with checkpointing: the layer inputs plus one
       recomputed layer. The loss adds transients: two float32 logits-sized tensors at the end of forward (the
       logits, their reshaped copy, the float32 upcast), one in backward (the logits' gradient), beside the saved
@@ -340,7 +341,10 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
 
     # Gradient buffers beside the (sharded) gradients: during backward, and at its end, when the root unit's
     # gradients are complete.
-    tied_grad = facts.tied_trainable_numel * facts.params[0].itemsize
+    # the tied weight's second gradient (the input embedding's, head-sized), but where the chunked loss has the
+    # embedding add its rows into the head's gradient
+    tied_numel = 0 if acts.one_tied_gradient else facts.tied_trainable_numel
+    tied_grad = tied_numel * facts.params[0].itemsize
     if setup.wrapper == "none":
         # Autograd alone: the tied weight's second gradient meets the first at the end.
         during, at_end = 0, tied_grad
@@ -350,7 +354,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
         buckets = sum(p.numel * p.itemsize for p in facts.params if p.trainable)
         during, at_end = buckets, buckets + tied_grad
     else:
-        tied = facts.tied_trainable_numel * (compute or facts.params[0].itemsize)
+        tied = tied_numel * (compute or facts.params[0].itemsize)
         if group == 1 and setup.fsdp.version == 1:  # FSDP1 reduces a single shard's flat gradient in place
             during, at_end = 0, tied
         else:

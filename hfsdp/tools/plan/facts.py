@@ -92,6 +92,7 @@ class Activations:
     chunk_count: int = 0  # train.chunked_loss: the micro-batch's chunks
     last_chunk_bytes: int = 0  # the last chunk's float32 logits (the micro-batch's remainder)
     head_grad_bytes: int = 0  # the head's gradient it computes (of the head's trainable parameters; LoRA: 0)
+    one_tied_gradient: bool = False  # train.chunked_loss: the tied input embedding adds its gradient into the head's
 
     def saved(self, checkpointing: bool) -> int:
         # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.

@@ -192,7 +192,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             loss_saved += nbytes
         else:
             per_layer[layer] += nbytes
-    from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS
+    from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS, tied_input_embedding
 
     vocab, chunks = model_config.vocab_size, {}
     if chunked and lm_head:  # the chunked loss's chunks of float32 logits, and the head's gradient it makes
@@ -200,7 +200,8 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
         count = -(-batch * seq // per_chunk)
         chunks = {"chunk_bytes": per_chunk * vocab * 4, "chunk_count": count,
                   "last_chunk_bytes": (batch * seq - (count - 1) * per_chunk) * vocab * 4,
-                  "head_grad_bytes": sum(p.numel() * p.element_size() for p in head.parameters() if p.requires_grad)}
+                  "head_grad_bytes": sum(p.numel() * p.element_size() for p in head.parameters() if p.requires_grad),
+                  "one_tied_gradient": tied_input_embedding(model) is not None}
     return Activations(outside_layers=outside, per_layer=tuple(per_layer), layer_inputs=tuple(layer_inputs),
                        logits_bytes=batch * positions * outputs * 4, loss_saved=loss_saved, tokens=batch * seq,
                        **chunks)
