@@ -13,6 +13,7 @@
 # Issue 54 (sequence parallelism: sp 2 on 2 GPUs over NCCL's all-to-all and SDPA's CUDA kernels against one GPU): scripts/gpu_check.sh -k sequence_parallel
 # Issue 55 (hfsdp eval: lm-eval on a model FSDP2 shards over 2 GPUs on NCCL, against one GPU): scripts/gpu_check.sh -k hfsdp_eval
 # Issue 56 (the cost curves: a bench sweep on one GPU, plan within 10 % at every point): scripts/gpu_check.sh -k sweep
+# Issue 56 (the tied embedding's one gradient with CUDA's index_put_, fp32 and bf16, bit for bit twice): scripts/gpu_check.sh -k tied_weights
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2

@@ -153,6 +153,45 @@ def test_chunked_loss_compile_and_attention_kernels_on_gpu(tmp_path, attn):
     assert graphs[0] >= 1 and graphs[-1] == graphs[-2], graphs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_weights_one_gradient_on_gpu_is_the_plain_losss_and_repeats_bit_for_bit(tiny_model_dir, dtype):
+    """Issue 56 on a GPU: under the chunked loss the tied embedding's backward adds its rows into the head's gradient
+    with CUDA's ``index_put_(accumulate=True)``: the weight's ``.grad`` is that one tensor, equal to the plain
+    loss's gradient, and two backward passes give it bit for bit under deterministic algorithms."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.data import batches
+    from hfsdp.model.token_loss import ChunkedLoss, token_loss_sum
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).cuda()
+        generator = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": ids, "labels": [-100] * 4 + ids[4:]} for ids in
+                (torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in (40, 33))]
+        batch = batches.micro_batch(rows, pad_id=0, device="cuda", select_logits=True)
+        plain = copy.deepcopy(model)
+        token_loss_sum(plain, batch).backward()
+        loss = ChunkedLoss(model, model.config.vocab_size)
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            value = loss(model, batch)
+            head_gradient = value.grad_fn.grads[1].data_ptr()
+            value.backward()
+            weight = model.get_input_embeddings().weight
+            assert weight.grad.data_ptr() == head_gradient
+            grads.append(weight.grad.clone())
+        assert torch.equal(grads[0], grads[1])
+        expected = plain.get_input_embeddings().weight.grad
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert float((grads[0].float() - expected.float()).norm()) <= tolerance * float(expected.float().norm())
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_qlora_bf16_storage_survives_sharding_on_gpu(tmp_path):
     """Issue 22 on a GPU: QLoRA (nf4, double quant) with bf16 mixed precision stores the packed 4-bit weights in
     bfloat16 (the default) and FSDP2 gathers them on CUDA, where bitsandbytes #1945 saw NaN bit patterns
