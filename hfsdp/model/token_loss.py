@@ -193,7 +193,9 @@ class ChunkedLoss:
         head.forward = self._forward
         self.embedding = tied_input_embedding(model)
         self._tied: _TiedGradient | None = None
+        self._tied_index: int | None = None  # which of the head's parameters is the embedding's weight
         if self.embedding is not None:
+            self._tied_index = next(i for i, p in enumerate(head.parameters()) if p is self.embedding.weight)
             self.embedding.forward = self._lookup
 
     def uninstall(self) -> None:
@@ -223,11 +225,11 @@ class ChunkedLoss:
         targets = batch.targets.reshape(-1).index_select(0, batch.label_positions)
         params = tuple(getattr(self.head.get_submodule(path), name) for path, name in self._params)
         tied, self._tied = self._tied, None
-        index = next((i for i, p in enumerate(params) if self.embedding is not None and p is self.embedding.weight),
-                     None)
+        # handed over only where the two still share the tensor (FSDP puts the gathered one in both modules) and
+        # the lookup's backward will run (it does only with a gradient to the hidden states)
+        handed = tied is not None and flat.requires_grad and params[self._tied_index] is self.embedding.weight
         return chunked_cross_entropy(self._original, flat, targets, self.chunk_tokens, params,
-                                     (tied, index) if tied is not None and index is not None and flat.requires_grad
-                                     else None)  # without a gradient to the hidden states the lookup's backward never runs
+                                     (tied, self._tied_index) if handed else None)
 
     def __call__(self, model, batch) -> torch.Tensor:
         """The summed token loss: the model's forward returns it in place of the logits (so that FSDP's hooks on

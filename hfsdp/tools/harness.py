@@ -199,6 +199,5 @@ def _lm_eval_version() -> str:
     return version("lm-eval")
 
 
-
 def _json(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, default=str) + "\n"
