@@ -66,7 +66,9 @@ def test_a_reward_that_keeps_memory_across_calls_is_named_once(capsys):
     kept = []
 
     def leaks(completions, **kwargs):
-        kept.append(bytearray(b"\1") * (KEPT_MEMORY_WARNING // 3))  # pages written: resident
+        # pages written: resident; 2 counted calls keep 0.8 of the limit, 3 keep 1.2 (a margin of 51 MiB either way
+        # for what else the process frees or maps meanwhile)
+        kept.append(bytearray(b"\1") * (KEPT_MEMORY_WARNING * 2 // 5))
         return [0.0] * len(completions)
 
     calls = caller(leaks)
