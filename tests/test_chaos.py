@@ -6,8 +6,8 @@ the uninterrupted run's losses and gradient norms, and exports its weights, bit 
 The uninterrupted run is the smoke matrix's options combined (tests/test_combinations.py: a checkpoint every 2 steps)
 over 8 steps; the chaos run checkpoints every step (a ``RESUMABLE_CHANGES`` key), so that most kills have progress to
 lose. A failure names its seed: the same kills
-(steps and delays; the wall-clock moments vary with the machine) come back with it. CI runs GRPO with async saves,
-tensor parallelism with schedule-free AdamW and LoRA GRPO with Muon; ``--full-matrix`` the rest.
+(steps and delays; the wall-clock moments vary with the machine) come back with it. CI runs GRPO with async saves and
+tensor parallelism with schedule-free AdamW; ``--full-matrix`` the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ CHAOS = {
     "rloo+async_save": (("rloo", "async_save"), 53_07),
     "distill_online": (("distill_online",), 53_08),
 }
-CI = ("grpo+async_save", "tp2+schedule_free", "lora+grpo+muon")
+CI = ("grpo+async_save", "tp2+schedule_free")
 KILLS = 5
 STEPS = 8
 EXTRA_OPTIONS = {"sgd": {"train": {"optimizer": "sgd", "optimizer_args": {"momentum": 0.9}}}}
