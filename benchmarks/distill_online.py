@@ -19,7 +19,8 @@ completions (``distill_online``) reach a better held-out task score than the one
 
 ``--student``: another student than the presets' shrunk one (``--warm-steps 0``: no warm start, the student as it
 is, e.g. the un-tuned SmolLM2-135M-Instruct taught by its fine-tuned copy); ``--lr``: both ways' learning rate
-(default: the presets', 3e-3, for the shrunk student).
+(default: the presets', 3e-3, for the shrunk student); ``--online-batch``: the on-policy way's prompts a step (its
+preset samples 8, the off-policy preset trains on 4 rows).
 
 One process; prints each stage's time and both scores.
 """
@@ -86,6 +87,9 @@ def main() -> None:
     parser.add_argument("--lmbda", type=float, default=1.0, help="distill_online.lmbda")
     parser.add_argument("--student", default=None, help="the student (default: the presets' smollm2-tiny)")
     parser.add_argument("--lr", type=float, default=None, help="both ways' train.learning_rate")
+    parser.add_argument("--online-batch", type=int, default=None,
+                        help="the on-policy way's prompts a step (default: its preset's 8; the off-policy preset "
+                             "trains on 4 rows a step)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -108,7 +112,9 @@ def main() -> None:
         ways = {"off-policy (distill)": ("distill", [f"distill.teacher={teacher}"]),
                 f"on-policy (distill_online, lmbda {args.lmbda:g})": (
                     "distill-online", [f"distill_online.teacher={teacher}", f"distill_online.lmbda={args.lmbda}",
-                                       "distill_online.completion_column=answer", "data.eval_path=null"])}
+                                       "distill_online.completion_column=answer", "data.eval_path=null",
+                                       *([f"train.per_device_batch_size={args.online_batch}"]
+                                         if args.online_batch else [])])}
         results = {}
         for name, (preset, keys) in ways.items():
             keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys,
