@@ -10,7 +10,8 @@ completions (``distill_online``) reach a better held-out task score than the one
 3. From that student, each way for ``--seconds`` of training: off-policy (the ``distill`` preset: the contact chats'
    own answers, forward KL with the token loss) and on-policy (the ``distill-online`` preset: the student's samples
    of the contact prompts, reverse KL, ``--lmbda``). Each way's steps are its probe's median step time into the
-   budget (a 3-step probe run first), so both train about as long.
+   budget (a 3-step probe run first; with ``--lmbda`` between 0 and 1, a probe of each kind of round, weighed by
+   it), so both train about as long.
 4. Both final students answer the 16 held-out contact prompts (greedy, up to 40 tokens), scored by ``json_fields``
    (the share of the four expected fields right) and exact match of the JSON object.
 
@@ -22,7 +23,8 @@ is, e.g. the un-tuned SmolLM2-135M-Instruct taught by its fine-tuned copy); ``--
 (default: the presets', 3e-3, for the shrunk student); ``--online-batch``: the on-policy way's prompts a step (its
 preset samples 8, the off-policy preset trains on 4 rows).
 
-One process; prints each stage's time and both scores.
+One process; prints each stage's time, the on-policy way's seconds of generating (its ``generation_s`` metric: sampling
+and scoring the completions) and both scores.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def train(config: str, out: Path, steps: int, overrides: list[str]) -> tuple[lis
 
 def step_s(metrics: list[dict]) -> float:
     return statistics.median(m["step_time_s"] for m in metrics if "step_time_s" in m)
+
+
+def probe_step_s(preset: str, out: Path, keys: list[str], lmbda: float) -> float:
+    """A step's expected seconds: a 3-step probe's median; on-policy with ``lmbda`` between 0 and 1, the two kinds
+    of round probed apart (3 steps each) and weighed by ``lmbda`` (the probe's own rounds would be the run's first
+    3 draws, not its mix)."""
+    if preset == "distill" or lmbda in (0.0, 1.0):
+        return step_s(train(preset, out, 3, keys)[0])
+    sampled = step_s(train(preset, out, 3, [*keys, "distill_online.lmbda=1.0"])[0])
+    given = step_s(train(preset, out, 3, [*keys, "distill_online.lmbda=0.0"])[0])
+    return lmbda * sampled + (1 - lmbda) * given
 
 
 def score(model_dir: Path) -> dict[str, float]:
@@ -119,16 +132,18 @@ def main() -> None:
         for name, (preset, keys) in ways.items():
             keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys,
                     *([f"train.learning_rate={args.lr}"] if args.lr else [])]
-            probe, _ = train(preset, root / "probe", 3, keys)
-            steps = max(int(args.seconds / step_s(probe)), 1)
+            steps = max(int(args.seconds / probe_step_s(preset, root / "probe", keys, args.lmbda)), 1)
             metrics, wall = train(preset, root / name.split()[0], steps, keys)
             trained = sum(m["step_time_s"] for m in metrics if "step_time_s" in m)
+            generation = [m["generation_s"] for m in metrics if m.get("on_policy")]  # the rounds that sampled
             results[name] = {"steps": steps, "training_s": round(trained, 1), "wall_s": round(wall, 1),
-                             **score(root / name.split()[0] / "final")}
+                             "generation_s": round(sum(generation), 1), **score(root / name.split()[0] / "final")}
             print(f"{name}: {json.dumps(results[name])}")
-    print(f"\n{'':<36} {'steps':>6} {'training s':>11} {'json_fields':>12} {'exact match':>12}")
+    print(f"\n{'':<36} {'steps':>6} {'training s':>11} {'of it generating':>17} {'json_fields':>12} "
+          f"{'exact match':>12}")
     for name, r in results.items():
-        print(f"{name:<36} {r['steps']:>6} {r['training_s']:>11.1f} {r['json_fields']:>12.4f} {r['exact_match']:>12.4f}")
+        print(f"{name:<36} {r['steps']:>6} {r['training_s']:>11.1f} {r['generation_s']:>17.1f} {r['json_fields']:>12.4f} "
+              f"{r['exact_match']:>12.4f}")
 
 
 if __name__ == "__main__":
