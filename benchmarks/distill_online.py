@@ -133,11 +133,12 @@ def main() -> None:
             keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys,
                     *([f"train.learning_rate={args.lr}"] if args.lr else [])]
             steps = max(int(args.seconds / probe_step_s(preset, root / "probe", keys, args.lmbda)), 1)
-            metrics, wall = train(preset, root / name.split()[0], steps, keys)
+            out = root / name.split()[0]
+            metrics, wall = train(preset, out, steps, keys)
             trained = sum(m["step_time_s"] for m in metrics if "step_time_s" in m)
             generation = [m["generation_s"] for m in metrics if m.get("on_policy")]  # the rounds that sampled
             results[name] = {"steps": steps, "training_s": round(trained, 1), "wall_s": round(wall, 1),
-                             "generation_s": round(sum(generation), 1), **score(root / name.split()[0] / "final")}
+                             "generation_s": round(sum(generation), 1), **score(out / "final")}
             print(f"{name}: {json.dumps(results[name])}")
     print(f"\n{'':<36} {'steps':>6} {'training s':>11} {'of it generating':>17} {'json_fields':>12} "
           f"{'exact match':>12}")
