@@ -879,9 +879,9 @@ INEXACT_RESUMES = {
 }
 
 
-def test_pair_resumes_exactly(runs, resumed_pair):
+def test_pair_resumes_exactly(runs, resumed_pair, tmp_path):
     run, _ = pair_run(runs, resumed_pair)
-    resumed = resume(runs, "+".join(resumed_pair), run, 2)
+    resumed = resume(tmp_path, run, 2)
     if frozenset(resumed_pair) in INEXACT_RESUMES:
         a, b = losses(resumed), losses(run)
         assert sorted(a) == [3, 4]
@@ -891,14 +891,15 @@ def test_pair_resumes_exactly(runs, resumed_pair):
     assert_resumed_exactly(resumed, run)
 
 
-def resume(runs: RunRegistry, key: str, uninterrupted: Path, world: int) -> Path:
-    """A copy of ``uninterrupted``'s step-2 checkpoint resumed to step 4 in a run folder of its own."""
-    return resume_from(runs, f"{key}-resumed", uninterrupted, world, step=2)
+def resume(folder: Path, uninterrupted: Path, world: int) -> Path:
+    """A copy of ``uninterrupted``'s step-2 checkpoint resumed to step 4 under ``folder``: the calling test's own
+    (``tmp_path``, gone once it passes), since no other test reads a resumed run; the run registry's runs are kept
+    for the whole session, and the suite's disk use is theirs."""
+    return resume_from(folder, uninterrupted, world, step=2)
 
 
-def resume_from(runs: RunRegistry, key: str, uninterrupted: Path, world: int, step: int) -> Path:
-    """A copy of ``uninterrupted``'s checkpoint of ``step`` resumed to its last step in the run folder ``key``."""
-    folder = runs.root / key
+def resume_from(folder: Path, uninterrupted: Path, world: int, step: int) -> Path:
+    """A copy of ``uninterrupted``'s checkpoint of ``step`` resumed to its last step in ``folder``."""
     target = folder / "run" / "checkpoints"
     target.mkdir(parents=True)
     shutil.copytree(uninterrupted / "checkpoints" / f"step-{step}", target / f"step-{step}")
@@ -956,10 +957,10 @@ CI_RESUME = [(v, w, o) for v, w, o in RESUME
              and (v, o) != (1, "schedule_free") and (o not in GRPO_LOSS_OPTIONS or o == "lora_grpo_cispo")]
 
 
-def test_resume_is_exact(runs, resume_cell):
+def test_resume_is_exact(runs, resume_cell, tmp_path):
     version, world, option = resume_cell
     run, _ = smoke_run(runs, version, world, option)
-    resumed = resume(runs, f"fsdp{version}-x{world}-{option}", run, world)
+    resumed = resume(tmp_path, run, world)
     assert_resumed_exactly(resumed, run)
     if any(name in option for name in ("grpo", "rloo", "distill_online")):  # step 3 trained on the restored
         # round's completions; step 4 sampled the same ones
@@ -967,12 +968,12 @@ def test_resume_is_exact(runs, resume_cell):
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))
-def test_resume_is_exact_fsdp2(runs, name):
+def test_resume_is_exact_fsdp2(runs, name, tmp_path):
     world, fsdp = EXTRA[name]
     sections = _merge({"train": TRAIN, "fsdp": {"version": 2, **fsdp}},
                       {"train": {"per_device_batch_size": 1}} if world == 4 else {})
     run, _ = runs.run(f"fsdp2-x{world}-{name}", world, sections)
-    assert_resumed_exactly(resume(runs, f"fsdp2-x{world}-{name}", run, world), run)
+    assert_resumed_exactly(resume(tmp_path, run, world), run)
 
 
 def test_a_changed_optimizer_state_is_refused_on_resume(runs, tmp_path):

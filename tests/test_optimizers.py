@@ -327,7 +327,7 @@ def test_schedule_free_exports_and_checkpoints_its_averaged_weights_and_trains_f
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [2, 1])
 def test_schedule_free_trains_the_same_weights_however_often_it_saves_or_evaluates_and_resumes_onto_them(
-        run_registry, version):
+        run_registry, version, tmp_path):
     """Saves and evals switch schedule-free to its averaged weights and back; they must leave the training weights
     as they were. A 2-rank run that saves and evaluates after every step exports what the smoke matrix's run (a
     checkpoint every 2 steps, no eval) exports, bit for bit; so does its resume from step 3, a step where the smoke
@@ -338,7 +338,7 @@ def test_schedule_free_trains_the_same_weights_however_often_it_saves_or_evaluat
     reference, _ = smoke_run(run_registry, version, 2, "schedule_free")
     often, _ = run_registry.run(f"fsdp{version}-x2-schedule_free-every-step", 2, _merge(
         smoke_sections(version, 2, "schedule_free"), {"train": {"save_every": 1, "eval_every": 1, "keep_last": None}}))
-    resumed = resume_from(run_registry, f"fsdp{version}-x2-schedule_free-from-3", often, 2, step=3)
+    resumed = resume_from(tmp_path, often, 2, step=3)
     want = exported_files(reference)
     for run in (often, resumed):
         got = exported_files(run)
@@ -363,7 +363,7 @@ RESUMED = (("adamw_8bit", 2), ("adafactor", 2))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,world", RESUMED)
-def test_optimizer_states_resume_bit_for_bit(runs, optimizer, world):
+def test_optimizer_states_resume_bit_for_bit(runs, optimizer, world, tmp_path):
     """8-bit AdamW's quantized moments and block scales, Adafactor's row and column factors: saved, restored,
     verified at load (hfsdp_checkpoint.json's digest names them) and continued to the same steps."""
     from test_combinations import assert_resumed_exactly, resume
@@ -376,7 +376,7 @@ def test_optimizer_states_resume_bit_for_bit(runs, optimizer, world):
         one = json.loads((runs.get(optimizer, 1) / "checkpoints" / "step-2" / "hfsdp_checkpoint.json").read_text())
         for mine, theirs in zip(record["optimizer"], one["optimizer"]):
             assert mine["abs_sums"] == pytest.approx(theirs["abs_sums"], rel=1e-9), (mine, theirs)
-    assert_resumed_exactly(resume(runs, optimizer, run, world), run)
+    assert_resumed_exactly(resume(tmp_path, run, world), run)
 
 
 STATE_NAMES = {"adamw_8bit": {"state1", "state2", "absmax1", "absmax2"}, "adafactor": {"row_var", "col_var"}}

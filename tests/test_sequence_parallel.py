@@ -150,11 +150,11 @@ def test_sp2_x_dp2_on_four_ranks_computes_what_one_process_computes(runs):
 
 
 @pytest.mark.slow
-def test_sp2_resumes_exactly(runs):
+def test_sp2_resumes_exactly(runs, tmp_path):
     import torch
 
     run, _ = sp2(runs, "base")
-    resumed = resume(runs, "sp-base-x2-sp2", run, 2)
+    resumed = resume(tmp_path, run, 2)
     a, b = losses(resumed), losses(run)
     assert sorted(a) == [3, 4] and all(a[s] == b[s] for s in a), (a, b)  # loss and grad norm, bit for bit
     got, want = exported(resumed)["model.safetensors"], exported(run)["model.safetensors"]
@@ -162,14 +162,14 @@ def test_sp2_resumes_exactly(runs):
 
 
 @pytest.mark.slow
-def test_an_sp2_checkpoint_resumes_on_one_process_as_one_process_trains(runs):
+def test_an_sp2_checkpoint_resumes_on_one_process_as_one_process_trains(runs, tmp_path):
     """The weights and optimizer state are sharded as without sequence parallelism: one process resumes the sp 2
     checkpoint of step 2 and trains steps 3 and 4 as the one-process run (float32 sums of other orders apart)."""
     import shutil
 
     run, _ = sp2(runs, "base")
     one, _ = one_process(runs, "base")
-    folder = runs.root / "sp-base-x2-sp2-on-1"
+    folder = tmp_path / "on-1"
     shutil.copytree(run / "checkpoints" / "step-2", folder / "run" / "checkpoints" / "step-2")
     config = yaml.safe_load((run / "config.yaml").read_text())
     config["train"]["output_dir"] = str(folder / "run")

@@ -102,27 +102,27 @@ def test_tp2_with_bf16_and_accumulation_computes_what_fsdp_alone_computes(runs):
 
 
 @pytest.mark.slow
-def test_tp2_x_dp2_resumes_exactly(runs):
+def test_tp2_x_dp2_resumes_exactly(runs, tmp_path):
     run, _ = four_ranks(runs)
-    assert_resumed_exactly(resume(runs, FOUR[0], run, FOUR[1]), run)
+    assert_resumed_exactly(resume(tmp_path, run, FOUR[1]), run)
 
 
 @pytest.mark.slow
-def test_tp2_full_state_dict_checkpoints_resume_exactly(runs):
+def test_tp2_full_state_dict_checkpoints_resume_exactly(runs, tmp_path):
     """FULL_STATE_DICT checkpoints of a tensor-parallel run: the split weights gathered whole into model.safetensors
     (and the optimizer state into optimizer.bin), then split again on resume, bit for bit."""
     sections = _merge(smoke_sections(2, 2, "tp2"), {"fsdp": {"state_dict_type": "FULL_STATE_DICT"}})
     run, _ = runs.run("fsdp2-x2-tp2-full_state_dict", 2, sections)
     assert (run / "checkpoints" / "step-2" / "pytorch_model_fsdp.bin").is_file()  # Accelerate's full weights file
-    assert_resumed_exactly(resume(runs, "fsdp2-x2-tp2-full_state_dict", run, 2), run)
+    assert_resumed_exactly(resume(tmp_path, run, 2), run)
 
 
 @pytest.mark.slow
-def test_a_2d_checkpoint_resumes_on_other_data_parallel_ranks(runs):
+def test_a_2d_checkpoint_resumes_on_other_data_parallel_ranks(runs, tmp_path):
     """tp 2 x dp 2's step-2 checkpoint resumed on 2 ranks (tp 2 x dp 1): accumulation 2 keeps the global batch of 2
     rows, and steps 3 and 4 are the 4-rank run's (float32 sums of other orders apart)."""
     run, _ = four_ranks(runs)
-    resumed = resume(runs, f"{FOUR[0]}-on-2", run, 2)
+    resumed = resume(tmp_path, run, 2)
     a, b = losses(resumed), losses(run)
     assert sorted(a) == [3, 4]
     for step in (3, 4):
