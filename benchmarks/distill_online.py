@@ -104,6 +104,9 @@ def main() -> None:
                         help="the on-policy way's prompts a step (default: its preset's 8; the off-policy preset "
                              "trains on 4 rows a step)")
     args = parser.parse_args()
+    for flag, value in (("--lr", args.lr), ("--online-batch", args.online_batch), ("--seconds", args.seconds)):
+        if value is not None and value <= 0:  # before the teacher trains for minutes
+            parser.error(f"{flag} must be above 0 (got {value:g})")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _, teacher_s = train("default", root / "teacher", args.teacher_steps, ["train.export_final=true"])
@@ -127,11 +130,11 @@ def main() -> None:
                     "distill-online", [f"distill_online.teacher={teacher}", f"distill_online.lmbda={args.lmbda}",
                                        "distill_online.completion_column=answer", "data.eval_path=null",
                                        *([f"train.per_device_batch_size={args.online_batch}"]
-                                         if args.online_batch else [])])}
+                                         if args.online_batch is not None else [])])}
         results = {}
         for name, (preset, keys) in ways.items():
             keys = [f"model.name_or_path={warm}", "train.warmup_steps=0", *keys,
-                    *([f"train.learning_rate={args.lr}"] if args.lr else [])]
+                    *([f"train.learning_rate={args.lr}"] if args.lr is not None else [])]
             steps = max(int(args.seconds / probe_step_s(preset, root / "probe", keys, args.lmbda)), 1)
             out = root / name.split()[0]
             metrics, wall = train(preset, out, steps, keys)
