@@ -172,11 +172,29 @@ class RunRegistry:
 RUN_ENV = base_env(PYTHONPATH=str(REPO / "tests" / "reward_plugin"))  # where GRPO's test reward function is
 
 
+REGISTRY_FOLDER = "runs"
+
+
 @pytest.fixture(scope="session")
 def run_registry(tmp_path_factory) -> RunRegistry:
     """The session's runs, in one folder for every pytest-xdist worker (the parent of each worker's own)."""
     base = tmp_path_factory.getbasetemp()
-    return RunRegistry((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs")
+    return RunRegistry((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / REGISTRY_FOLDER)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_folders_go_with_their_module(request, tmp_path_factory):
+    """The folders a module's fixtures made (``tmp_path_factory.mktemp``: its runs) are removed when the module
+    ends, unless one of its tests failed (kept for a look, as pytest keeps a failed test's ``tmp_path``): without
+    this they stayed to the session's end, and the suite's disk use grew by every module's runs. Set up before the
+    module's own fixtures (autouse), so that it sees the folders they make; the run registry is the session's."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for folder in set(base.iterdir()) - before:
+            if folder.name != REGISTRY_FOLDER:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 class Payload:
