@@ -898,12 +898,13 @@ def resume(folder: Path, uninterrupted: Path, world: int) -> Path:
     return resume_from(folder, uninterrupted, world, step=2)
 
 
-def resume_from(folder: Path, uninterrupted: Path, world: int, step: int) -> Path:
-    """A copy of ``uninterrupted``'s checkpoint of ``step`` resumed to its last step in ``folder``."""
+def resume_from(folder: Path, uninterrupted: Path, world: int, step: int, changes: dict | None = None) -> Path:
+    """A copy of ``uninterrupted``'s checkpoint of ``step`` resumed to its last step in ``folder``, its config's
+    sections with ``changes`` merged over them (:func:`_merge`)."""
     target = folder / "run" / "checkpoints"
     target.mkdir(parents=True)
     shutil.copytree(uninterrupted / "checkpoints" / f"step-{step}", target / f"step-{step}")
-    config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
+    config = _merge(yaml.safe_load((uninterrupted / "config.yaml").read_text()), changes or {})
     config["train"]["output_dir"] = str(folder / "run")
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     args = ("train", str(folder / "config.yaml"), "--resume")

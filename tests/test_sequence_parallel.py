@@ -21,12 +21,11 @@ import types
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import CACHE_DIR, RUN_ENV, run_cli, run_torchrun, sharegpt_rows
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import parallel
-from test_combinations import _merge, exported, losses, read_metrics, resume, startup
+from test_combinations import _merge, exported, losses, read_metrics, resume, resume_from, startup
 
 STEPS = 4
 
@@ -165,19 +164,9 @@ def test_sp2_resumes_exactly(runs, tmp_path):
 def test_an_sp2_checkpoint_resumes_on_one_process_as_one_process_trains(runs, tmp_path):
     """The weights and optimizer state are sharded as without sequence parallelism: one process resumes the sp 2
     checkpoint of step 2 and trains steps 3 and 4 as the one-process run (float32 sums of other orders apart)."""
-    import shutil
-
     run, _ = sp2(runs, "base")
     one, _ = one_process(runs, "base")
-    folder = tmp_path / "on-1"
-    shutil.copytree(run / "checkpoints" / "step-2", folder / "run" / "checkpoints" / "step-2")
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    config["train"]["output_dir"] = str(folder / "run")
-    config["parallel"]["sp_size"] = 1
-    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = run_cli("train", str(folder / "config.yaml"), "--resume", env=RUN_ENV)
-    assert "resumed from" in proc.stdout + proc.stderr
-    resumed = folder / "run"
+    resumed = resume_from(tmp_path, run, 1, step=2, changes={"parallel": {"sp_size": 1}})
     a, b = losses(resumed), losses(one)
     assert sorted(a) == [3, 4]
     for step in (3, 4):
