@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hfsdp import __version__
-from hfsdp.errors import ConfigError, PluginError, UserError
+from hfsdp.errors import PluginError, UserError
 from hfsdp.export.gguf_file import QUANTS as GGUF_QUANTS
 from hfsdp.parallel import launcher
 
@@ -104,24 +104,29 @@ def cli(verbose: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an earlier run in train.output_dir.")
 def train(config: str | None, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
     """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
-    from hfsdp.config.files import load_config, resolve_config_path
+    from hfsdp.config.files import resolve_config_path, validated_config
 
-    cfg, host = load_config(config, overrides)
+    source = str(resolve_config_path(config))
+    cfg, host, found = validated_config(config, overrides)
     launcher.check_rank_variables(os.environ)
     import torch
 
+    from hfsdp.model import loading
+    from hfsdp.rules.table import PHASES, Facts, enforce
     from hfsdp.setup.decide import decide
 
-    # torch reads no ACCELERATE_* variable; Accelerate is imported after they are gone
+    # the config against what it runs on (its data, the world, a trial of its values, the model), then the run; the
+    # model's phase imports transformers, which reads no ACCELERATE_* or FSDP_* variable before an Accelerator exists
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
-    setup = decide(cfg, world, resume, source=str(resolve_config_path(config)), plugins=host)
-    _check_optimizer_values(cfg, str(resolve_config_path(config)))
+    enforce(cfg, Facts(host, world, **loading.model_facts(cfg.model, cache_dir())), PHASES, source=source,
+            resume=resume, found=found)
+    setup = decide(cfg, world, resume)
     launcher.apply_wrapper(os.environ, setup)
     notes = launcher.take_launcher_settings(os.environ, setup.config, world.on_cpu)
     from hfsdp.parallel.world import runtime_env
 
     for key, value in runtime_env(setup.config, world).items():
-        os.environ.setdefault(key, value)  # a value the user chose stays
+        os.environ.setdefault(key, value)  # a value the user chose stays (set before CUDA starts)
     if world.rank == 0:
         for note in notes:
             click.echo(f"hfsdp: {note}", err=True)
@@ -157,14 +162,15 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
     --no-rows skips both."""
     import yaml
 
-    from hfsdp.config.files import load_config
+    from hfsdp.config.files import resolve_config_path, validated_config
+    from hfsdp.rules.table import Facts, enforce
 
-    cfg, host = load_config(config, overrides)
+    cfg, host, found = validated_config(config, overrides)
+    enforce(cfg, Facts(host), ("config", "data") if no_rows else ("config", "data", "trial"),
+            source=str(resolve_config_path(config)), found=found)
     if not no_rows:
         from hfsdp.data import prepare
         from hfsdp.model import chat_template, loading  # torch and transformers
-
-        _check_optimizer_values(cfg, config)
 
         tokenizer = loading.tokenizer_of(cfg.model, cache_dir())
         if tokenizer is None:
@@ -174,14 +180,6 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
             chat_template.use(tokenizer, cfg.data.chat_template)
             click.echo(prepare.check_rows(cfg, host, tokenizer), err=True)
     click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)
-
-
-def _check_optimizer_values(cfg, source: str) -> None:
-    """The values of ``train.optimizer_args`` the optimizer refuses, tried on a small layer (torch)."""
-    from hfsdp.run.optimizers import refused_arguments
-
-    if problems := refused_arguments(cfg):
-        raise ConfigError(problems, source=source)
 
 
 @cli.command(name="export")
@@ -371,13 +369,13 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
 
     from hfsdp.tools.bench import parse_list
     from hfsdp.export.hf_folder import parse_size
-    from hfsdp.config.files import load_config
     from hfsdp.model.loading import architecture_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.config.schema import STRATEGIES
     from hfsdp.tools.plan.planner import Planner, plan as run_plan
     from hfsdp.tools.plan.table import header, plot, text_table, to_json
 
-    cfg, _ = load_config(config, overrides)
+    cfg, _ = load_checked(config, overrides)
     names = parse_list(strategies) if strategies else [s for s in STRATEGIES if nodes > 1 or s != "HYBRID_SHARD"]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:

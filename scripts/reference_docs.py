@@ -18,7 +18,7 @@ from hfsdp.config.reference import core_reference, hook_reference, plugin_refere
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
-PACKAGES = ["config", "disk", "hooks", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
+PACKAGES = ["config", "hooks", "disk", "layout", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
             "run/sharded", "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
             "builtin/rloo", "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
             "builtin/gguf_export", "builtin/online",
@@ -28,12 +28,15 @@ FLOW = """\
 
 Generated from the packages' docstrings by `python scripts/reference_docs.py`; do not edit by hand.
 
-One way through a run: YAML → a validated config (`hfsdp.config`, torch-free) → one decided run
-(`hfsdp.setup.decide.decide`: the world and its parallel degrees, what wraps the model, every check and the resume
-point, decided once, before any weight loads, with the torch-free rules of `hfsdp.rules`) → pure builders (`hfsdp.parallel`,
-`hfsdp.model`) → the `Accelerator` → the loop (`hfsdp.run.loop`, its step in `hfsdp.run.step`). Only `hfsdp/cli.py`
-reads argv and the environment; plugins, first-party ones included, reach the run through the hooks of
-`hfsdp.hooks` and get what they need as arguments.
+One way through a run: YAML → a config validated by its schemas (`hfsdp.config`, torch-free) → the rule table
+(`hfsdp.rules.table.enforce`: every check, by phase: the config alone, its data, the world and its parallel degrees,
+`hfsdp.layout`, a trial of its values on torch, the model's architecture) → one decided run
+(`hfsdp.setup.decide.decide`: the effective config, the degrees and the wrapper they make, the resume point, decided
+once, before any weight loads) → pure builders (`hfsdp.parallel`, `hfsdp.model`, one device mesh from the degrees) →
+the `Accelerator` → the loop (`hfsdp.run.loop`, its step in `hfsdp.run.step`). `hfsdp train` enters `hfsdp.config`,
+`hfsdp.rules` and `hfsdp.setup` once each, in that order. Only `hfsdp/cli.py` reads argv and the environment;
+plugins, first-party ones included, reach the run through the hooks of `hfsdp.hooks` (their rules through
+`hfsdp_rules`) and get what they need as arguments.
 
 At the top of `hfsdp/`: `cli.py` (the commands, exit codes), `errors.py` (`UserError`, `ConfigError`: one screen,
 exit 2), `objective.py` (the objective protocol plugins implement: `Objective`, `PreferenceObjective`), `units.py`

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import PRESET_DATA, base_env, run_cli, tiny_config
 from hfsdp.checkpoint import store as checkpoint
-from hfsdp.config.files import load_config
+from hfsdp.rules.table import load_checked
 from hfsdp.setup.record import run_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def _fake_checkpoint(run: Path, config: str, *, world_size: int = 1, complete: b
     ckpt = run / "checkpoints" / "step-2"
     ckpt.mkdir(parents=True)
     if complete:
-        cfg, _ = load_config(config)
+        cfg, _ = load_checked(config)
         (ckpt / checkpoint.RECORD).write_text(json.dumps(
             {"step": 2, "world_size": world_size,
              "config_hash": run_fingerprint(cfg), **record}))

@@ -125,12 +125,13 @@ def test_bench_profile_is_refused_on_gpus_before_any_run(tmp_path, monkeypatch):
 def test_bench_quiets_a_config_with_the_deprecated_tensorboard_key(tmp_path, trackers):
     """A config that still says train.tensorboard (benchmarks/peers.yaml did) benches: bench's own overrides
     turn its trackers off without adding train.report_to beside the key it replaced (refused)."""
-    from hfsdp.config.files import load_config, read_config
+    from hfsdp.config.files import read_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.tools.bench import quiet_run
 
     path = tmp_path / "c.yaml"
     path.write_text(f"base: tiny\ntrain: {{max_steps: 2, {trackers}}}\n".replace(", }", "}"))
-    config, _ = load_config(str(path), quiet_run(read_config(path)))
+    config, _ = load_checked(str(path), quiet_run(read_config(path)))
     assert config.train.report_to == [] and not config.train.loss_plot and not config.train.export_final
 
 

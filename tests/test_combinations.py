@@ -491,21 +491,25 @@ def assert_scores_as_it_evaluated(run: Path, sections: dict, world: int) -> None
 
 
 def refused_in_process(sections: dict, world: int, tmp_path: Path) -> str:
-    """What hfsdp refuses of a config before anything loads, asked in this process: its validation (the CLI's
-    load_config) and the run decided for ``world`` ranks (decide); the message, or "" where neither refuses (a
-    refusal made later, from the model's config or the data, is then for the CLI run to show)."""
+    """What hfsdp refuses of a config before anything loads, asked in this process: its validation and the rule
+    table's phases of the config, its data and the world of ``world`` ranks (the CLI's load_config and enforce), and
+    the run decided for them (decide); the message, or "" where none refuses (a refusal made later, from the model's
+    config or the data, is then for the CLI run to show)."""
     import sys
 
     from hfsdp.config.files import load_config
     from hfsdp.errors import UserError
-    from hfsdp.setup.degrees import World
+    from hfsdp.layout.degrees import World
+    from hfsdp.rules.table import Facts, enforce
     from hfsdp.setup.decide import decide
 
     rewards = RUN_ENV["PYTHONPATH"].split(os.pathsep)[0]
     sys.path.insert(0, rewards)  # GRPO's reward function, as the runs see it
     try:
-        config, _ = load_config(str(tiny_config(tmp_path, **sections)))
-        decide(config, World(rank=0, size=world, local_size=world, on_cpu=True), None)
+        config, host = load_config(str(tiny_config(tmp_path, **sections)))
+        launched = World(rank=0, size=world, local_size=world, on_cpu=True)
+        enforce(config, Facts(host, launched), ("config", "data", "world"))
+        decide(config, launched, None)
     except UserError as refused:
         return str(refused)
     finally:

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import run_cli, tiny_config
-from hfsdp.config.files import list_presets, load_config
+from hfsdp.config.files import list_presets
+from hfsdp.rules.table import load_checked
 from hfsdp.errors import ConfigError
 
 
@@ -21,7 +22,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def _problems(path: Path, overrides=()) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
-        load_config(str(path), list(overrides))
+        load_checked(str(path), list(overrides))
     return dict(info.value.problems)
 
 
@@ -108,19 +109,19 @@ def test_all_problems_reported_together(tmp_path):
 
 def test_missing_file_and_malformed_yaml(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
-        load_config(str(tmp_path / "nope.yaml"))
+        load_checked(str(tmp_path / "nope.yaml"))
     bad = _write(tmp_path, "model:\n  name_or_path: x\n data: [\n")
     with pytest.raises(ConfigError, match=r"malformed YAML at line \d+, column \d+"):
-        load_config(str(bad))
+        load_checked(str(bad))
     with pytest.raises(ConfigError, match="top level must be a mapping"):
-        load_config(str(_write(tmp_path, "- a\n- b\n")))
+        load_checked(str(_write(tmp_path, "- a\n- b\n")))
     with pytest.raises(ConfigError, match="neither a config file nor a preset"):
-        load_config("no_such_preset")
+        load_checked("no_such_preset")
 
 
 def test_overrides_typed_by_schema(tmp_path):
     path = tiny_config(tmp_path)
-    config, _ = load_config(str(path), ["train.max_steps=10", "fsdp.mixed_precision=bf16", "data.eval_path=null",
+    config, _ = load_checked(str(path), ["train.max_steps=10", "fsdp.mixed_precision=bf16", "data.eval_path=null",
                                         "train.learning_rate=1e-4"])
     assert config.train.max_steps == 10 and isinstance(config.train.max_steps, int)
     assert config.fsdp.mixed_precision == "bf16"
@@ -134,7 +135,7 @@ def test_overrides_typed_by_schema(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(list_presets()))
 def test_bundled_presets_validate(name):
-    config, host = load_config(name)
+    config, host = load_checked(name)
     assert config.train.max_steps or config.train.epochs
     assert config.data.format in host.dataset_formats()
     assert Path(config.data.path).is_file(), "preset data paths resolve next to the preset"
@@ -173,8 +174,8 @@ def test_cli_validate_override_ok(tmp_path):
 
 def test_base_preset_is_overridden_key_by_key(tmp_path):
     path = _write(tmp_path, "base: tiny\ntrain:\n  max_steps: 3\n  output_dir: out\n")
-    config, _ = load_config(str(path))
-    preset, _ = load_config("tiny")
+    config, _ = load_checked(str(path))
+    preset, _ = load_checked("tiny")
     assert config.train.max_steps == 3 and config.train.output_dir == "out"
     assert config.train.learning_rate == preset.train.learning_rate  # the rest of train: comes from the preset
     assert config.model == preset.model and config.data == preset.data  # data paths stay anchored to the preset
@@ -190,7 +191,7 @@ def test_base_file_chain_anchors_each_files_data_paths(tmp_path):
     middle = _write(tmp_path, "base: common/base.yaml\nfsdp:\n  version: 1\n")
     top = tmp_path / "top.yaml"
     top.write_text(f"base: {middle.name}\ntrain:\n  max_steps: 2\n")
-    config, _ = load_config(str(top))
+    config, _ = load_checked(str(top))
     assert config.data.path == str(data.resolve()) and config.fsdp.version == 1 and config.train.max_steps == 2
     middle.write_text("base: ../" + tmp_path.name + "/top.yaml\n")
     assert "configs name each other as base" in _problems(top)["base"]
@@ -253,7 +254,7 @@ def test_precision_keys_that_are_honoured_still_validate(tmp_path):
                  {"version": 2, "mixed_precision": {"param": "bf16", "buffer": "float32"}},
                  {"version": 2, "sharding_strategy": "NO_SHARD", "mixed_precision": {"param": "bf16"}},
                  {"version": 1, "sharding_strategy": "NO_SHARD", "mixed_precision": {"reduce": "bf16"}}):
-        load_config(str(tiny_config(tmp_path, fsdp=fsdp)))
+        load_checked(str(tiny_config(tmp_path, fsdp=fsdp)))
 
 
 def test_relative_data_paths_are_taken_from_the_config_folder(tmp_path, monkeypatch):
@@ -265,15 +266,15 @@ def test_relative_data_paths_are_taken_from_the_config_folder(tmp_path, monkeypa
     (tmp_path / "cwd_rows.jsonl").write_text("{}\n")
     monkeypatch.chdir(tmp_path)
     path = tiny_config(sub, data={"path": "rows.jsonl", "eval_path": "cwd_rows.jsonl"})
-    config, _ = load_config(str(path), check_data=False)
+    config, _ = load_checked(str(path), check_data=False)
     assert config.data.path == str(sub / "rows.jsonl")
     assert config.data.eval_path == str(sub / "cwd_rows.jsonl")  # not the working directory's file
     assert _problems(path)["data.eval_path"] == (
         f"{sub / 'cwd_rows.jsonl'} does not exist (a relative path in a config file is taken from the config file's "
         "folder; one given with --set, from the working directory)")
-    config, _ = load_config(str(path), ["data.eval_path=cwd_rows.jsonl"])
+    config, _ = load_checked(str(path), ["data.eval_path=cwd_rows.jsonl"])
     assert config.data.eval_path == "cwd_rows.jsonl"
-    config, _ = load_config(str(tiny_config(sub, data={"path": "org/dataset-name"})))
+    config, _ = load_checked(str(tiny_config(sub, data={"path": "org/dataset-name"})))
     assert config.data.path == "org/dataset-name"  # a datasets name stays a name
 
 

@@ -182,14 +182,14 @@ def test_packing_packs_every_source_of_a_mixture(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
     from hfsdp.data import prepare as data
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
 
     rows = (PRESET_DATA / "contacts_train.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "shards").mkdir()
     for k in range(2):
         (tmp_path / "shards" / f"part-{k}.jsonl").write_text("".join(rows[k * 60:(k + 1) * 60]))
     (tmp_path / "a.jsonl").write_text("".join(rows[200:500]))
-    config, host = load_config(str(tiny_config(
+    config, host = load_checked(str(tiny_config(
         tmp_path, plugins=["packing"],
         data={"path": None, "max_seq_len": 256, "datasets": [{"path": str(tmp_path / "a.jsonl"), "weight": 2},
                                                              {"path": str(tmp_path / "shards"), "weight": 1}]})))

@@ -12,9 +12,10 @@ import pytest
 from hfsdp.checkpoint import store as checkpoint
 from hfsdp.setup.record import Record, keep_global_batch, run_fingerprint
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
-from hfsdp.setup.degrees import ParallelDims, World
 from hfsdp.errors import ConfigError, UserError
-from hfsdp.rules.wrapping import check_world
+from hfsdp.hooks.host import PluginHost
+from hfsdp.layout.degrees import ParallelDims, World
+from hfsdp.rules.table import Facts, enforce
 from hfsdp.setup.decide import decide
 
 
@@ -74,7 +75,7 @@ def test_run_setup_reports_every_problem_at_once(tmp_path):
     config = _config(tmp_path, fsdp={"sharding_strategy": "HYBRID_SHARD", "cpu_offload": True},
                      model={"attn_implementation": "flash_attention_2"})
     with pytest.raises(ConfigError) as err:
-        decide(config, _world(4), resume=None, source="my.yaml")
+        enforce(config, Facts(PluginHost(config.plugins), _world(4)), ("world",), source="my.yaml")
     keys = [key for key, _ in err.value.problems]
     assert keys == ["fsdp.sharding_strategy", "model.attn_implementation", "model.attn_implementation",
                     "fsdp.cpu_offload"], err.value.problems
@@ -115,14 +116,14 @@ def test_no_complete_checkpoint_yet_starts_from_step_0(tmp_path):
     (6, 2, 4, "4 ranks per shard group does not divide the world size 6"),
     (1, 1, 2, None),  # one process runs without a wrapper: a cluster's config still runs a smoke test
 ])
-def test_check_world(size, local, hybrid, problem):
-    cfg = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=hybrid)
-    problems = check_world(cfg, size, local)
+def test_check_world(tmp_path, size, local, hybrid, problem):
+    config = _config(tmp_path, fsdp={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": hybrid})
+    problems = _world(size, local).with_dims(config).dims.problems(config)
     assert (problems[0][1] if problems else None) == problem or problem in problems[0][1]
 
 
 def _dims(config: HfsdpConfig, world_size: int) -> ParallelDims:
-    return ParallelDims.of(config.fsdp, config.parallel.tp_size, world_size, world_size)
+    return ParallelDims.of(config.fsdp, config.parallel, world_size, world_size)
 
 
 def _record(world_size: int, global_batch: int | None) -> Record:

@@ -61,13 +61,13 @@ def test_the_loss_and_gradient_norm_are_trls_distillation_trainers_on_the_same_c
     for key, value in base_env().items():
         monkeypatch.setenv(key, value)
     import trl_distill_online
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
 
     overrides = [f"model.name_or_path={tiny_model_dir}", f"distill_online.teacher={tiny_teacher_dir}",
                  f"distill_online.beta={beta}", "distill_online.max_new_tokens=10",
                  "distill_online.log_completions=100000", f"train.max_steps={STEPS}", "train.eval_at_start=false",
                  "train.eval_every=null", "data.eval_path=null", "train.log_every=1", "train.export_final=false"]
-    cfg, host = load_config("distill-online", overrides)
+    cfg, host = load_checked("distill-online", overrides)
     ours, rounds, _ = trl_distill_online.run_hfsdp("distill-online", overrides, tmp_path / "run", cfg.plugins)
     theirs = trl_distill_online.run_trl(cfg, host, STEPS, rounds)
     assert len(ours) == len(theirs["losses"]) == len(theirs["float64_norms"]) == STEPS

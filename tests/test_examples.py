@@ -30,14 +30,14 @@ def test_examples_cover_sizes_methods_and_data_formats():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_validates_and_fits_the_hardware_in_its_comment(path: Path):
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.model.loading import architecture_config
     from hfsdp.tools.plan.planner import Planner, plan
     from hfsdp.units import GIB
 
     nodes, gpus, gib = map(int, HARDWARE.search(path.read_text()).groups())
     run_cli("validate", str(path), env=base_env(HF_HUB_OFFLINE="1"))
-    config, _ = load_config(str(path))
+    config, _ = load_checked(str(path))
     planner = Planner(architecture_config(config.model.name_or_path, config.model, CACHE_DIR), config, gib * GIB)
     (row,) = plan(planner, [config.fsdp.sharding_strategy], [gpus], nodes)
     assert row.problem is None and row.fits, (

@@ -170,31 +170,39 @@ def test_launcher_env_changes_no_field(case, monkeypatch):
     assert len(clean) >= 20  # the comparison really covers the plugin's fields
 
 
-def test_check_world_and_hybrid_mesh_share_one_shard_size():
-    from hfsdp.rules.wrapping import check_world, hybrid_mesh_shape
+def _hybrid(fsdp: FSDPConfig, world: int, local: int):
+    """HYBRID_SHARD's degrees on ``world`` ranks (``local`` per node) and what the launched world refuses of them."""
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.layout.degrees import ParallelDims
 
+    config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
+                         fsdp=fsdp)
+    dims = ParallelDims.of(config.fsdp, config.parallel, world, local)
+    shape = (dims.dp_replicate, dims.dp_shard) if dims.hybrid else None
+    return shape, dims.problems(config)
+
+
+def test_check_world_and_hybrid_mesh_share_one_shard_size():
     hybrid = FSDPConfig(sharding_strategy="HYBRID_SHARD")
-    assert hybrid_mesh_shape(hybrid, 8, 4) == (2, 4) and check_world(hybrid, 8, 4) == []
-    assert [p for p, _ in check_world(hybrid, 4, 4)] == ["fsdp.sharding_strategy"]  # one node: nothing to replicate
+    assert _hybrid(hybrid, 8, 4) == ((2, 4), [])
+    assert [p for p, _ in _hybrid(hybrid, 4, 4)[1]] == ["fsdp.sharding_strategy"]  # one node: nothing to replicate
     sized = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3)
-    assert [p for p, _ in check_world(sized, 4, 4)] == ["fsdp.hybrid_shard_size"]
-    assert check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), 4, 4) == []
-    assert check_world(FSDPConfig(), 3, 3) == [] and hybrid_mesh_shape(FSDPConfig(), 3, 3) is None
+    assert [p for p, _ in _hybrid(sized, 4, 4)[1]] == ["fsdp.hybrid_shard_size"]
+    assert _hybrid(FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), 4, 4)[1] == []
+    assert _hybrid(FSDPConfig(), 3, 3) == (None, [])
     # one process runs without a wrapper: a cluster's HYBRID_SHARD config still runs a smoke test there
-    assert check_world(hybrid, 1, 1) == [] and check_world(sized, 1, 1) == []
+    assert _hybrid(hybrid, 1, 1)[1] == [] and _hybrid(sized, 1, 1)[1] == []
     one_rank_fsdp = FSDPConfig(sharding_strategy="HYBRID_SHARD", single_process="fsdp")
-    assert [p for p, _ in check_world(one_rank_fsdp, 1, 1)] == ["fsdp.hybrid_shard_size"]
+    assert [p for p, _ in _hybrid(one_rank_fsdp, 1, 1)[1]] == ["fsdp.hybrid_shard_size"]
 
 
 def test_hybrid_shard_groups_of_one_rank_are_refused():
     """Shard groups of one rank shard nothing; Accelerate raised a ValueError about tensor parallelism on every rank."""
-    from hfsdp.rules.wrapping import check_world
-
     ones = FSDPConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=1)
-    problems = check_world(ones, 2, 2)
+    problems = _hybrid(ones, 2, 2)[1]
     assert [p for p, _ in problems] == ["fsdp.hybrid_shard_size"] and "NO_SHARD" in problems[0][1]
     # two nodes of one process each: the default group (processes per node) is one rank too
-    problems = check_world(FSDPConfig(sharding_strategy="HYBRID_SHARD"), 2, 1)
+    problems = _hybrid(FSDPConfig(sharding_strategy="HYBRID_SHARD"), 2, 1)[1]
     assert [p for p, _ in problems] == ["fsdp.hybrid_shard_size"] and "processes per node" in problems[0][1]
 
 
@@ -216,7 +224,7 @@ def test_process_group_backend_and_cublas_workspace_are_requested_from_the_confi
                            fsdp=FSDPConfig(version=2, sharding_strategy=strategy, cpu_offload=offload,
                                            state_dict_type=state_dict))
 
-    gpu, cpu = World(rank=0, size=2, local_size=2, on_cpu=False), World(rank=0, size=2, local_size=2, on_cpu=True)
+    gpu, cpu = (World(rank=0, size=2, local_size=2, on_cpu=on_cpu).with_dims(config()) for on_cpu in (False, True))
     assert process_group_backend(config(), gpu) == backend
     assert process_group_backend(config(), cpu) is None  # Accelerate's gloo
     assert runtime_env(config(deterministic=True), gpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

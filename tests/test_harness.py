@@ -62,7 +62,7 @@ def _sharded_on_threads(rank: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hfsdp.model.loading import resolve_model_path
-    from hfsdp.setup.degrees import World
+    from hfsdp.layout.degrees import World
     from hfsdp.tools.harness import shard
 
     with LOADING:

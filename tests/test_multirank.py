@@ -186,7 +186,7 @@ def test_an_unsharded_model_is_refused_at_startup():
 
     from hfsdp.run.startup import startup_report
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.setup.degrees import World
+    from hfsdp.layout.degrees import World
     from hfsdp.errors import UserError
     from hfsdp.setup.decide import decide
 

@@ -156,7 +156,7 @@ def test_packing_an_objective_that_reads_one_sequence_per_row_is_refused_naming_
     objectives' shared base packs, so a third-party loss built on ``completion_logps`` packs too."""
     from conftest import tiny_config
 
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.errors import ConfigError
     from hfsdp.hooks.host import PluginHost
     from hfsdp.objective import Objective, PreferenceObjective, TokenCrossEntropy, micro_batch_packing
@@ -165,14 +165,14 @@ def test_packing_an_objective_that_reads_one_sequence_per_row_is_refused_naming_
         def loss(self, model, batch):
             return model(**batch.inputs).logits[:, -1].sum()
 
-    config, _ = load_config(str(tiny_config(tmp_path, plugins=["packing"], packing={"scope": "micro_batch"})))
+    config, _ = load_checked(str(tiny_config(tmp_path, plugins=["packing"], packing={"scope": "micro_batch"})))
     host = PluginHost(config.plugins)
     assert micro_batch_packing(host, config, TokenCrossEntropy()) == 0  # no limit: the rows that cost least
     assert micro_batch_packing(host, config, PreferenceObjective()) == 0
     with pytest.raises(ConfigError, match="packing packs micro-batches, but the objective OnePerRow reads one "
                                           "sequence per row"):
         micro_batch_packing(host, config, OnePerRow())
-    config, _ = load_config(str(tiny_config(tmp_path, plugins=["packing"])))  # chat rows: packed before training
+    config, _ = load_checked(str(tiny_config(tmp_path, plugins=["packing"])))  # chat rows: packed before training
     assert micro_batch_packing(PluginHost(config.plugins), config, OnePerRow()) is None
 
 
@@ -213,13 +213,13 @@ def test_two_plugins_that_replace_the_objective_are_refused_naming_both(tmp_path
     plugin returns something; two are refused before any weight loads, named in the config's order."""
     from conftest import tiny_config
 
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.errors import ConfigError
     from hfsdp.hooks.host import PluginHost
     from hfsdp.objective import objective_of
 
     pairs = {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl"), "eval_path": None}
-    config, _ = load_config(str(tiny_config(tmp_path, plugins=["simpo"], data=pairs)))
+    config, _ = load_checked(str(tiny_config(tmp_path, plugins=["simpo"], data=pairs)))
     with pytest.raises(ConfigError, match="two plugins replace the training objective: simpo, reward_model; enable "
                                           "one of them"):
         objective_of(PluginHost(["simpo", "reward_model"]), config, tokenizer=None)

@@ -90,13 +90,13 @@ def test_the_padding_report_says_how_many_rows_next_fit_would_have_needed(tmp_pa
     (the count is kept in the cache entry's meta)."""
     from transformers import AutoTokenizer
 
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.data import prepare as data
 
     samples = _bundled_chats(tiny_model_dir)
     expected_rows = len(pack([s[0] for s in samples], [s[1] for s in samples], 256)["input_ids"])
     expected_next_fit = _next_fit_in_order([len(s[0]) for s in samples], 256)
-    config, host = load_config(str(tiny_config(tmp_path, plugins=["packing"], packing={"max_len": 256})))
+    config, host = load_checked(str(tiny_config(tmp_path, plugins=["packing"], packing={"max_len": 256})))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for hit in (False, True):
         train, _, _, report = data.prepare_datasets(config, host, tokenizer, tmp_path / "cache")

@@ -309,10 +309,10 @@ def test_tokenize_and_reader_get_their_plugins_section(installed, tmp_path, tiny
     try:
         from transformers import AutoTokenizer
 
-        from hfsdp.config.files import load_config
+        from hfsdp.rules.table import load_checked
 
         tsv = _qa_csv(tmp_path / "qa.tsv", 3, delimiter="\t")
-        config, host = load_config(str(tiny_config(tmp_path, plugins=["csv_qa"], csv_qa={"system": "Be brief."},
+        config, host = load_checked(str(tiny_config(tmp_path, plugins=["csv_qa"], csv_qa={"system": "Be brief."},
                                                    data={"format": "qa", "path": str(tsv), "eval_path": None})))
         owner, tokenize = host.tokenize_function(config)
         assert owner == "csv_qa" and tokenize.section.system == "Be brief."
@@ -321,7 +321,7 @@ def test_tokenize_and_reader_get_their_plugins_section(installed, tmp_path, tiny
         assert "Be brief." in tokenizer.decode(ids)
         (plugin, read), = host.data_readers(config).values()
         assert plugin == "csv_qa" and read(str(tsv), "train", config.data)[0]["question"] == _qa_rows(1)[0][0]
-        chat_config, chat_host = load_config(str(tiny_config(tmp_path)))
+        chat_config, chat_host = load_checked(str(tiny_config(tmp_path)))
         assert chat_host.tokenize_function(chat_config)[1].wants_section is False  # the built-in chat format
     finally:
         sys.path.remove(str(installed["site"]))
@@ -408,12 +408,11 @@ def test_pluggy_orders_and_calls_the_hooks(tmp_path, monkeypatch):
 
 def test_a_plugins_rules_join_the_table_in_their_phase(tmp_path, monkeypatch):
     """``hfsdp_rules`` adds rules to hfsdp's own table: a ``config`` rule is reported by ``hfsdp validate`` with the
-    core's problems (exit 2, one screen), a ``world`` rule by the decided run before anything loads, with its key;
-    a hook returning something else names the plugin."""
-    from hfsdp.config.files import load_config
+    core's problems (exit 2, one screen), a ``world`` rule by the table's world phase before the run is decided,
+    with its key; a hook returning something else names the plugin."""
+    from hfsdp.rules.table import Facts, enforce, load_checked
     from hfsdp.errors import ConfigError
-    from hfsdp.setup.decide import decide
-    from hfsdp.setup.degrees import World
+    from hfsdp.layout.degrees import World
 
     mods = tmp_path / "mods"
     _module(mods, "p_rules", HEADER + """
@@ -436,11 +435,11 @@ def test_a_plugins_rules_join_the_table_in_their_phase(tmp_path, monkeypatch):
     assert "train.optimizer_args.momentum: unknown argument of adamw" in proc.stderr  # the core's, beside it
 
     monkeypatch.syspath_prepend(str(mods))
-    config, host = load_config(str(tiny_config(tmp_path, plugins=["p_rules"], train={"max_steps": 100})))
+    config, host = load_checked(str(tiny_config(tmp_path, plugins=["p_rules"], train={"max_steps": 100})))
     world = World(rank=0, size=2, local_size=2, on_cpu=True)
     with pytest.raises(ConfigError) as refused:
-        decide(config, world, None, plugins=host)
+        enforce(config, Facts(host, world), ("world",))
     assert refused.value.problems == [("plugins", "p_rules runs on one rank, not 2")]
-    assert decide(config, World(rank=0, size=1, local_size=1, on_cpu=True), None, plugins=host).world.size == 1
+    assert enforce(config, Facts(host, World(rank=0, size=1, local_size=1, on_cpu=True)), ("world",)).world.size == 1
     with pytest.raises(ConfigError, match="plugins.p_bad_rules: hfsdp_rules must return a list of"):
-        load_config(str(tiny_config(tmp_path, plugins=["p_bad_rules"])))
+        load_checked(str(tiny_config(tmp_path, plugins=["p_bad_rules"])))

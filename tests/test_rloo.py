@@ -77,7 +77,7 @@ def test_the_loss_and_gradient_norm_are_trls_rloo_trainers_on_the_same_completio
     for key, value in base_env(PYTHONPATH=str(REWARDS)).items():
         monkeypatch.setenv(key, value)
     import trl_grpo
-    from hfsdp.config.files import load_config
+    from hfsdp.rules.table import load_checked
 
     overrides = [f"model.name_or_path={tiny_model_dir}", f"train.max_steps={STEPS}", "train.eval_at_start=false",
                  "train.eval_every=null", "data.eval_path=null", "train.log_every=1", "train.export_final=false",
@@ -87,7 +87,7 @@ def test_the_loss_and_gradient_norm_are_trls_rloo_trainers_on_the_same_completio
         overrides += ["rloo.num_iterations=2"]
     else:  # TRL's default beta with lora: 0.05
         overrides += ["plugins=[rloo, lora]", "rloo.reward_clip_range=[0.0, 0.9]", "rloo.normalize_advantages=true"]
-    cfg, host = load_config("rloo", overrides)
+    cfg, host = load_checked("rloo", overrides)
     section = trl_grpo.run_section(cfg)
     assert section.beta == (0.05 if "lora" in cfg.plugins else 0.0)
     ours, rounds, initial = trl_grpo.run_hfsdp("rloo", overrides, tmp_path / "run", cfg.plugins)

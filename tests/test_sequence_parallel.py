@@ -227,6 +227,13 @@ def test_activations_scaled_grow_with_the_tokens_and_count_the_loss_chunks_again
 
 # ---- refused before any weight loads
 
+def _world_problems(config: HfsdpConfig, world: int, local: int) -> list[tuple[str, str]]:
+    """What a launched world of ``world`` ranks (``local`` per node) refuses of the config's degrees."""
+    from hfsdp.layout.degrees import World
+
+    return World(rank=0, size=world, local_size=local, on_cpu=True).with_dims(config).dims.problems(config)
+
+
 def _config(**sections) -> HfsdpConfig:
     base = {"model": {"name_or_path": "x"}, "data": {"path": "x"}, "train": {"output_dir": "x", "max_steps": 1},
             "fsdp": {"version": 2}, "parallel": {"sp_size": 2}}
@@ -258,9 +265,9 @@ def test_a_plain_sequence_parallel_config_has_no_problems():
     (4, 1, "does not divide the 1 processes per node"),  # 4 nodes of 1: a group would span nodes
 ])
 def test_the_world_must_hold_whole_sequence_parallel_groups(world, local, says):
-    problems = parallel.world_problems(_config(), world, local)
+    problems = _world_problems(_config(), world, local)
     assert [k for k, _ in problems] == ["parallel.sp_size"] and says in problems[0][1], problems
-    assert parallel.world_problems(_config(), 4, 2) == []
+    assert _world_problems(_config(), 4, 2) == []
 
 
 def test_sp_size_must_divide_the_heads_and_the_kv_heads():

@@ -103,8 +103,11 @@ def test_fast_paths_compute_the_same_loss(tiny_model_dir):
 
 
 def test_what_wraps_the_model():
-    from hfsdp.config.schema import FSDPConfig
-    from hfsdp.rules.wrapping import wrapper
+    from hfsdp.config.schema import FSDPConfig, ParallelConfig
+    from hfsdp.layout.degrees import ParallelDims
+
+    def wrapper(fsdp: FSDPConfig, world_size: int) -> str:  # the degrees' answer, one node
+        return ParallelDims.of(fsdp, ParallelConfig(), world_size, world_size).wrapper
 
     assert wrapper(FSDPConfig(), 1) == "none"  # one process: nothing to shard, no wrapper
     assert wrapper(FSDPConfig(), 2) == "fsdp2"

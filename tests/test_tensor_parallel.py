@@ -162,6 +162,13 @@ def test_a_checkpoint_resumes_on_its_own_tensor_parallel_size_only(runs, tmp_pat
 
 # ---- the rules, torch-free: what tensor parallelism refuses, from the config, the world and the model's config
 
+def _world_problems(config: HfsdpConfig, world: int, local: int) -> list[tuple[str, str]]:
+    """What a launched world of ``world`` ranks (``local`` per node) refuses of the config's degrees."""
+    from hfsdp.layout.degrees import World
+
+    return World(rank=0, size=world, local_size=local, on_cpu=True).with_dims(config).dims.problems(config)
+
+
 def _config(**sections) -> HfsdpConfig:
     base = {"model": {"name_or_path": "x"}, "data": {"path": "x"}, "train": {"output_dir": "x", "max_steps": 1},
             "fsdp": {"version": 2}, "parallel": {"tp_size": 2}}
@@ -178,7 +185,7 @@ def _config(**sections) -> HfsdpConfig:
     ({"model": {"quantization": {"bits": 4}}}, "model.quantization", "4-bit Linears cannot be split"),
     ({"train": {"compile": True}}, "train.compile", "cannot yet trace the split blocks"),
     ({"fsdp": {"wrap_policy": "size", "min_num_params": 1000}}, "fsdp.wrap_policy", "use wrap_policy transformer"),
-    ({"parallel": {"tp_size": 1, "dp_shard_size": 2}}, "parallel.dp_shard_size", "only applies with"),
+    ({"parallel": {"dp_replicate_size": 2}}, "parallel.dp_replicate_size", "(HSDP x TP) are not composed yet"),
 ])
 def test_what_tensor_parallelism_cannot_combine_with_is_named(sections, key, says):
     problems = parallel.config_problems(_config(**sections))
@@ -197,9 +204,9 @@ def test_a_plain_tensor_parallel_config_has_no_problems():
 ])
 def test_the_world_must_hold_whole_tensor_parallel_groups(world, local, dp_shard, says):
     config = _config(parallel={"tp_size": 2, "dp_shard_size": dp_shard})
-    problems = parallel.world_problems(config, world, local)
+    problems = _world_problems(config, world, local)
     assert len(problems) == 1 and says in problems[0][1], problems
-    assert parallel.world_problems(_config(parallel={"tp_size": 2, "dp_shard_size": 4}), 8, 8) == []
+    assert _world_problems(_config(parallel={"tp_size": 2, "dp_shard_size": 4}), 8, 8) == []
 
 
 def test_the_models_plan_and_head_counts_are_checked_before_weights_load():

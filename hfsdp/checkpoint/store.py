@@ -30,7 +30,7 @@ from hfsdp.disk.lock import RunLock
 from hfsdp.disk.durable import RECORD, fsync_dir, fsync_tree, replace_folder, write_atomic
 from hfsdp.errors import UserError
 from hfsdp.model.metadata import ModelFiles
-from hfsdp.setup.record import CONFIG_NAME, PREFIX, complete_checkpoints, latest, step_dir
+from hfsdp.disk.checkpoints import CONFIG_NAME, PREFIX, complete_checkpoints, latest, step_dir
 
 
 class CheckpointError(UserError):

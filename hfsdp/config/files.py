@@ -1,6 +1,7 @@
 """Config files → one validated config: YAML read as text (with clear errors for what is not YAML text), the bundled
 presets, ``base:`` chains merged key by key, relative data paths anchored to the file that names them, ``--set``
-overrides, then :func:`load_config` validates the result (``hfsdp.config.schema``, the schema) with the plugins it enables.
+overrides, then :func:`load_config` validates the result by its schemas (``hfsdp.config.schema``, and the sections of
+the plugins it enables). The rules across sections are the rule table's (:mod:`hfsdp.rules.table`), which runs after.
 Imports neither torch nor transformers.
 """
 
@@ -17,7 +18,6 @@ from hfsdp.config.data_paths import DATA_SUFFIXES, is_glob
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.config.validate import validate_config
 from hfsdp.errors import ConfigError
-from hfsdp.rules.table import Facts, check
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -149,33 +149,43 @@ def read_config(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _merge(read_config(base_path, chain), raw)
 
 
-def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_data: bool = True
-                ) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
-    """Read, override and validate a config, enabling the plugins it names, and report every problem at once.
-    ``check_data``: also check that ``data.path`` / ``data.eval_path`` can be read (off for ``hfsdp export``, which
-    needs no data). Nothing heavy is imported."""
+def load_config(name_or_path: str | None, overrides: list[str] = ()) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
+    """Read, override and validate a config by its schemas (the core's and the enabled plugins' sections), enabling
+    the plugins it names: ConfigError with every problem they find. Nothing heavy is imported. The rules across
+    sections, and against the data, the world and the model, are the rule table's
+    (:func:`hfsdp.rules.table.load_checked` does both)."""
+    config, host, problems = validated_config(name_or_path, overrides)
+    if problems:
+        raise ConfigError(problems, source=str(resolve_config_path(name_or_path)))
+    return config, host
+
+
+def validated_config(name_or_path: str | None, overrides: list[str] = ()
+                     ) -> tuple[HfsdpConfig, plugin_host.PluginHost, list[tuple[str, str]]]:
+    """The config as :func:`load_config` reads it, and its schemas' problems instead of an error: a section with
+    problems stands in as :class:`hfsdp.config.validate.InvalidSection`, so that the rule table can check the rest
+    and report every problem at once (:func:`hfsdp.rules.table.enforce`'s ``found``)."""
     path = resolve_config_path(name_or_path)
-    return validate_raw(apply_overrides(read_config(path), list(overrides)), str(path), check_data=check_data)
+    return validate_raw(apply_overrides(read_config(path), list(overrides)), str(path))
 
 
 def with_plugins(config: HfsdpConfig, plugins: list[str]) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
     """``config`` with ``plugins`` enabled instead of its own (a new plugin's section at its defaults), validated
-    again as :func:`load_config` would (ConfigError), without reading the data: what ``hfsdp plan`` tries when it
-    suggests a plugin."""
-    return validate_raw({**config.to_yaml_dict(), "plugins": list(plugins)}, "config", check_data=False)
+    again as :func:`load_config` would (ConfigError): what ``hfsdp plan`` tries when it suggests a plugin."""
+    config, host, problems = validate_raw({**config.to_yaml_dict(), "plugins": list(plugins)}, "config")
+    if problems:
+        raise ConfigError(problems, source="config")
+    return config, host
 
 
-def validate_raw(raw: dict[str, Any], source: str, *, check_data: bool
-                 ) -> tuple[HfsdpConfig, plugin_host.PluginHost]:
-    """Raw config data (``base:`` merged, overrides applied) validated with the plugins it enables: the config and
-    the plugin host, or ConfigError with every problem, each tied to its key in ``source``."""
+def validate_raw(raw: dict[str, Any], source: str
+                 ) -> tuple[HfsdpConfig, plugin_host.PluginHost, list[tuple[str, str]]]:
+    """Raw config data (``base:`` merged, overrides applied) validated with the plugins it enables: the config, the
+    plugin host and every problem, each tied to its key (ConfigError for a ``plugins:`` list that names no plugins,
+    in ``source``)."""
     enabled = raw.get("plugins") or []
     if not isinstance(enabled, list) or not all(isinstance(p, str) for p in enabled):
         raise ConfigError([("plugins", "must be a list of plugin names or dotted module paths")], source)
     host = plugin_host.PluginHost(enabled)
     config, problems = validate_config(raw, host.config_sections())
-    facts = Facts(plugins=host)
-    problems += check("config", config, facts) + (check("data", config, facts) if check_data else [])
-    if problems:
-        raise ConfigError(problems, source=source)
-    return config, host
+    return config, host, problems

@@ -6,9 +6,7 @@ This module imports neither torch nor transformers, so ``hfsdp validate`` and ``
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import typing
 from typing import Any, Literal
 
@@ -460,19 +458,38 @@ class GenerationEvalConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Tensor parallelism or sequence parallelism inside groups of ranks (tensor parallel: a 2-D mesh, dp_shard x tp,
-    FSDP2 across the groups; sequence parallel: FSDP shards over every rank)."""
+    """The parallel degrees, one key each; their product is the world size (``hfsdp.layout.degrees``). Ranks are laid
+    out as dp_replicate x dp_shard x sp x tp, the tensor-parallel ranks innermost. ``fsdp.sharding_strategy``
+    HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD are accepted spellings of the two data-parallel
+    degrees."""
 
+    dp_replicate_size: int = Field(1, gt=0, description="copies of the model's state: FSDP shards within groups of "
+                                                         "world / dp_replicate_size ranks and replicates across them "
+                                                         "(HSDP: FULL_SHARD or SHARD_GRAD_OP with this is HYBRID_SHARD "
+                                                         "by degrees). 1: FSDP shards over every data-parallel rank.")
+    dp_shard_size: int = Field(-1, description="ranks FSDP shards each parameter over within a replica; -1: the "
+                                               "rest (world / (dp_replicate_size x sp_size x tp_size)); given, it is "
+                                               "checked at launch.")
     tp_size: int = Field(1, gt=0, description="ranks that split each layer's matrices (tensor parallel, the "
                                               "architecture's tp_plan: attention heads and MLP columns/rows); "
                                               "consecutive ranks, inside a node. 1: FSDP alone.")
-    dp_shard_size: int | None = Field(None, gt=0, description="ranks FSDP2 shards over (the data-parallel ranks); "
-                                                              "default and only valid value: world size / tp_size "
-                                                              "(given, it is checked at launch).")
     sp_size: int = Field(1, gt=0, description="ranks that split each sequence (sequence parallel, DeepSpeed-Ulysses: "
                                               "each holds 1/sp_size of every row's tokens, and an all-to-all around "
                                               "attention trades that split for a split of the heads); consecutive "
                                               "ranks, inside a node. 1: off.")
+
+    @field_validator("dp_shard_size", mode="before")
+    @classmethod
+    def _the_rest(cls, value: Any) -> Any:
+        """``null`` (configs written before -1 meant the rest) is the rest."""
+        return -1 if value is None else value
+
+    @field_validator("dp_shard_size")
+    @classmethod
+    def _positive_or_rest(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"{value}: give the ranks FSDP shards over (1 or more), or -1 for the rest")
+        return value
 
 
 class HfsdpConfig(Section):
@@ -497,16 +514,6 @@ class HfsdpConfig(Section):
         for name, section in self.plugin_config.items():
             out[name] = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
         return out
-
-    def fingerprint(self, *, exclude: tuple[str, ...] = ()) -> str:
-        data = self.to_yaml_dict()
-        for dotted in exclude:
-            parent, _, leaf = dotted.rpartition(".")
-            node = data
-            for part in filter(None, parent.split(".")):
-                node = node.get(part, {})
-            node.pop(leaf, None)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 CORE_SECTIONS = set(HfsdpConfig.model_fields) - {"plugin_config"}

@@ -16,14 +16,16 @@ from typing import Any, Mapping, TYPE_CHECKING
 
 from hfsdp.checkpoint.safe_load import CheckpointWeights
 from hfsdp.export.card import Trained, write_card
-from hfsdp.config.files import load_config
 from hfsdp.errors import ConfigError
 from hfsdp.export.staging import check_export_target, staged_export
 from hfsdp.hooks.host import Lazy, PluginHost
 from hfsdp.model import quantized
 from hfsdp.model.metadata import ModelFiles, model_metadata
+from hfsdp.config.files import load_config
+from hfsdp.layout.degrees import World
 from hfsdp.rules import quantization
-from hfsdp.setup.record import CONFIG_NAME, read_record
+from hfsdp.rules.table import Facts, enforce
+from hfsdp.disk.checkpoints import CONFIG_NAME, read_record
 
 
 if TYPE_CHECKING:
@@ -52,20 +54,13 @@ def merges(config: "HfsdpConfig", merge_adapters: bool) -> bool:
 def gguf_overrides(checkpoint_dir: Path, quant: str | None) -> list[str]:
     """The ``--set`` overrides that make an export of ``checkpoint_dir`` also write GGUF (``hfsdp export --format
     gguf``): the ``gguf_export`` plugin with ``quant`` (None: its default), adapters merged. A model the GGUF writer
-    cannot write is refused here, before anything is (a UserError naming what and why)."""
+    cannot write is refused by the plugin's rules when the export checks its config (:func:`export_checkpoint`)."""
     import json
 
     import yaml
 
-    from hfsdp.errors import UserError
-    from hfsdp.export.gguf_file import Source, problems
-
     read_record(checkpoint_dir)
     raw = yaml.safe_load((checkpoint_dir / CONFIG_NAME).read_text()) or {}
-    source = Source.of(checkpoint_dir / "model")
-    found = problems(source.config, source.tokenizer, (raw.get("gguf_export") or {}).get("pre_tokenizer"))
-    if found:
-        raise UserError(f"cannot write {checkpoint_dir} as GGUF: {'; '.join(found)}")
     plugins = [p for p in raw.get("plugins") or [] if p != "gguf_export"] + ["gguf_export"]
     return [f"plugins={json.dumps(plugins)}", *([f"gguf_export.quant={quant}"] if quant else []),
             *(["lora.merge=true"] if "lora" in plugins else [])]
@@ -79,8 +74,20 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     ``cache_dir``: where built-in models are (QLoRA's merged export loads the 4-bit base again from there)."""
     record = read_record(checkpoint_dir)  # refuses a folder whose save never completed
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
-    config, host = load_config(str(checkpoint_dir / CONFIG_NAME), overrides, check_data=False)
+    config, host = load_config(str(checkpoint_dir / CONFIG_NAME), overrides)
     model_dir = checkpoint_dir / "model"
+
+    def load(kind: str):  # transformers only if a rule or plugin asks (the built-in export copies the files as they are)
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return getattr(transformers, kind).from_pretrained(str(model_dir))
+
+    model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
+    # the config's rules, and the model's for one process (a plugin's: what gguf_export cannot write)
+    enforce(config, Facts(host, World(rank=0, size=1, local_size=1, on_cpu=True).with_dims(config), model_config,
+                          tokenizer), ("config", "model"), source=str(checkpoint_dir / CONFIG_NAME))
     quant = quantization.settings(config)
     if quant is not None and merges(config, merge_adapters):
         problem = quantized.base_not_in_cache(config.model.name_or_path)
@@ -95,15 +102,6 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
 
     weights = quantized.exported_weights(CheckpointWeights(checkpoint_dir), config, base_layers,
                                             check_bytes=True)
-
-    def load(kind: str):  # transformers only if a plugin asks (the built-in export copies the files as they are)
-        import transformers
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        return getattr(transformers, kind).from_pretrained(str(model_dir))
-
-    model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
     generation_config = Lazy(lambda: model_metadata(model_dir)["generation_config"])
     write_export(host, out_dir, weights, config=config, model_config=model_config, tokenizer=tokenizer,
                  generation_config=generation_config, model_files=ModelFiles.in_folder(model_dir), overwrite=overwrite,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hfsdp.config.schema import FSDPConfig, ModelConfig
 from hfsdp.errors import UserError
+from hfsdp.hooks.host import Lazy
 
 if TYPE_CHECKING:
     from hfsdp.setup.decide import RunSetup
@@ -175,6 +176,15 @@ def load_model_config(path: str, cfg: ModelConfig):
         return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, KeyError) as err:  # unreadable/invalid config.json, unknown model_type
         raise UserError(f"model.name_or_path: cannot load the config of '{path}': {err}") from None
+
+
+def model_facts(cfg: ModelConfig, cache_dir: Path) -> dict[str, Lazy]:
+    """The model's config and tokenizer as the rule table's ``model`` phase reads them
+    (:class:`hfsdp.rules.table.Facts`), made when a rule first reads them: a built-in model's files built then, a
+    hub model's fetched then, never for a config an earlier phase refused."""
+    path = Lazy(lambda: resolve_model_path(cfg.name_or_path, cache_dir))
+    return {"model_config": Lazy(lambda: load_model_config(Lazy.resolve(path), cfg)),
+            "tokenizer": Lazy(lambda: load_tokenizer(Lazy.resolve(path), cfg))}
 
 
 def default_layer_classes(model_config: Any) -> list[str]:

@@ -5,11 +5,10 @@ Accelerate only switches FSDP on for accelerator devices: on CPU processes (``to
 wraps the model in DDP instead (``AcceleratorState`` picks FSDP only in its GPU-like branch). Rehearsal mode sets the
 state that branch would have set — distributed type FSDP, the plugin, and a plain ``cpu`` device (FSDP1 rejects
 ``cpu:0`` next to its own ``cpu`` compute device) — right after the Accelerator is built, before anything is
-prepared. Two more pieces, both in :func:`build_accelerator` and only in rehearsal mode: HYBRID_SHARD's
-(replicate, shard) mesh is attached once the type is FSDP (Accelerate refuses a mesh for MULTI_CPU), and FSDP1's
-full-state-dict gathers skip their CPU offload, which on a CPU device frees the tensors it returns
-(:func:`_fsdp1_keep_cpu_gathers`). ``hfsdp.run.startup`` then proves at start-up that the model really ended up
-sharded.
+prepared. Two more pieces, both in :func:`build_accelerator`: the run's device mesh is attached for FSDP2 once the
+type is FSDP (Accelerate refuses a mesh for MULTI_CPU), and in rehearsal mode FSDP1's full-state-dict gathers skip
+their CPU offload, which on a CPU device frees the tensors it returns (:func:`_fsdp1_keep_cpu_gathers`).
+``hfsdp.run.startup`` then proves at start-up that the model really ended up sharded.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from hfsdp.model import loading
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.parallel.world import process_group_backend
 from hfsdp.errors import UserError
-from hfsdp.parallel.fsdp import build_fsdp_plugin, build_parallelism_config
+from hfsdp.parallel.fsdp import build_fsdp_plugin
+from hfsdp.parallel.mesh import device_mesh, needs_mesh
 
 if TYPE_CHECKING:
     from hfsdp.setup.decide import RunSetup
@@ -40,18 +40,14 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
     config, world = setup.config, setup.world
-    plugin = build_fsdp_plugin(config.fsdp, layer_classes) if setup.fsdp else None
+    plugin = build_fsdp_plugin(config.fsdp, layer_classes, world.dims) if setup.fsdp else None
     backend = process_group_backend(config, world)
-    parallelism = build_parallelism_config(config.fsdp, world.dims) if plugin is not None else None
     # FSDP casts through its mixed-precision policy; DDP has none, so it gets Accelerate's autocast instead.
     autocast = config.fsdp.precision_name if plugin is None else "no"
     rehearsal = world.on_cpu and plugin is not None
     accelerator = Accelerator(
         cpu=world.on_cpu,
         fsdp_plugin=plugin,
-        # Accelerate validates a parallelism config against the distributed type it picked (MULTI_CPU on CPU) and
-        # refuses it; rehearsal mode attaches the mesh below, once the type is FSDP.
-        parallelism_config=None if rehearsal else parallelism,
         mixed_precision=autocast,
         gradient_accumulation_steps=1,  # hfsdp accumulates itself, normalising by the global token count
         # Trackers (train.report_to); those that keep local files (TensorBoard) write under <output_dir>/tensorboard.
@@ -75,12 +71,8 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
         if plugin.fsdp_version == 1:
             _fsdp1_keep_cpu_gathers()
             _fsdp1_copy_cpu_optimizer_gathers(plugin)
-        if parallelism is not None:  # HYBRID_SHARD (FSDP2): the (replicate, shard) mesh, on gloo CPU groups
-            state.parallelism_config = parallelism
-            state.device_mesh = parallelism.get_device_mesh("cpu")
-            parallelism._validate_accelerator(accelerator)
-    if world.dims.tp > 1:
-        _attach_tensor_parallel_mesh(AcceleratorState(), world)
+    if setup.wrapper == "fsdp2" and needs_mesh(world.dims):
+        _attach_mesh(AcceleratorState(), world.dims)
     if plugin is not None:
         expected = DistributedType.FSDP
     elif world.size == 1:  # the model runs as it is: no process group, no wrapper
@@ -96,20 +88,19 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
     return accelerator
 
 
-def _attach_tensor_parallel_mesh(state, world) -> None:
-    """``parallel.tp_size``: the (data-parallel, tensor-parallel) mesh (:func:`hfsdp.parallel.tensor.device_mesh`)
-    given to Accelerate as a data-parallel-only ParallelismConfig, so that its FSDP2 preparation shards over the
-    data-parallel dimension (``fsdp_dim_names``) and leaves the tensor-parallel split to hfsdp
-    (:mod:`hfsdp.parallel.tensor` says why Accelerate's own TP path is not used)."""
+def _attach_mesh(state, dims) -> None:
+    """The run's device mesh (:func:`hfsdp.parallel.mesh.device_mesh`) given to Accelerate with a data-parallel-only
+    ParallelismConfig, so that its FSDP2 preparation shards over the mesh's ``dp_shard_cp`` dimension and replicates
+    over ``dp_replicate`` (HSDP, its ``fsdp_dim_names``), and leaves the tensor- and sequence-parallel groups to
+    hfsdp (:mod:`hfsdp.parallel.tensor` says why Accelerate's own TP path is not used; its SP is DeepSpeed's).
+    Attached after the Accelerator is built: Accelerate validates a config passed to its constructor against the
+    distributed type it picked (MULTI_CPU on CPU) and refuses it."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    from hfsdp.parallel.tensor import device_mesh
-
-    mesh = device_mesh(world, state.device.type)
-    config = ParallelismConfig(dp_shard_size=world.dims.dp_shard)
-    config.device_mesh = mesh
+    config = ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.shard_group)
+    config.device_mesh = device_mesh(dims, state.device.type)
     state.parallelism_config = config
-    state.device_mesh = mesh
+    state.device_mesh = config.device_mesh
 
 
 def _fsdp1_keep_cpu_gathers() -> None:

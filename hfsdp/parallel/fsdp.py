@@ -13,6 +13,9 @@ SHARD_GRAD_OP  ShardingStrategy.SHARD_GRAD_OP (ZeRO-2)      reshard_after_forwar
 HYBRID_SHARD   ShardingStrategy.HYBRID_SHARD                2-D mesh (replicate × shard), reshard=True
 NO_SHARD       ShardingStrategy.NO_SHARD                    plain DDP (no FSDP plugin)
 =============  ==========================================  =============================================
+
+HYBRID_SHARD and NO_SHARD are spellings of the data-parallel degrees (:mod:`hfsdp.layout.degrees`): FULL_SHARD or
+SHARD_GRAD_OP with ``parallel.dp_replicate_size`` runs as HYBRID_SHARD, with replicas only as NO_SHARD.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from hfsdp.config.schema import FSDPConfig
 from hfsdp.rules.wrapping import precision_parts
 
 if TYPE_CHECKING:
-    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
-    from hfsdp.setup.degrees import ParallelDims
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hfsdp.layout.degrees import ParallelDims
 
 # Accelerate's names; the size policy is hfsdp's own (hfsdp.parallel.size_policy.SizeUnits).
 _WRAP_POLICIES = {"transformer": "TRANSFORMER_BASED_WRAP", "none": "NO_WRAP"}
@@ -55,8 +59,12 @@ def _backward_prefetch(cfg: FSDPConfig) -> str:
     return cfg.backward_prefetch or "BACKWARD_PRE"
 
 
-def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullyShardedDataParallelPlugin | None":
-    """The Accelerate FSDP plugin for ``cfg``, or None when the strategy runs as DDP (FSDP2 NO_SHARD).
+def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str],
+                      dims: "ParallelDims | None" = None) -> "FullyShardedDataParallelPlugin | None":
+    """The Accelerate FSDP plugin for ``cfg`` on the run's degrees ``dims``, or None when the strategy runs as DDP
+    (FSDP2 NO_SHARD). FSDP1's sharding strategy is the degrees' (:meth:`hfsdp.layout.degrees.ParallelDims.
+    fsdp1_strategy`; without ``dims``, the strategy as spelled); FSDP2's mesh comes with them (:mod:`hfsdp.parallel.
+    mesh`).
 
     ``layer_classes`` are the transformer block class names to wrap (``cfg.transformer_layer_cls`` or the
     model's ``_no_split_modules``); ignored by the size and none policies. The size policy is a
@@ -78,7 +86,8 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
         wrap = _WRAP_POLICIES[cfg.wrap_policy]
     return FullyShardedDataParallelPlugin(
         fsdp_version=cfg.version,
-        sharding_strategy=cfg.sharding_strategy if v1 else None,
+        sharding_strategy=(dims.fsdp1_strategy(cfg.sharding_strategy) if dims else cfg.sharding_strategy) if v1
+        else None,
         reshard_after_forward=None if v1 else cfg.sharding_strategy != "SHARD_GRAD_OP",
         # "NO_PREFETCH" (not None, which Accelerate would fill from FSDP_BACKWARD_PREFETCH) means "none".
         backward_prefetch=_backward_prefetch(cfg),
@@ -98,15 +107,3 @@ def build_fsdp_plugin(cfg: FSDPConfig, layer_classes: list[str]) -> "FullySharde
         activation_checkpointing_offload=False,
         cpu_ram_efficient_loading=cfg.cpu_ram_efficient_loading,
     )
-
-
-def build_parallelism_config(cfg: FSDPConfig, dims: "ParallelDims") -> "ParallelismConfig | None":
-    """Accelerate's 2-D data-parallel mesh for HYBRID_SHARD, from the run's degrees (replicate x shard); None for
-    the other strategies."""
-    if cfg.sharding_strategy != "HYBRID_SHARD":
-        return None
-    from accelerate.parallelism_config import ParallelismConfig
-
-    return ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard)
-
-

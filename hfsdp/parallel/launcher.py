@@ -16,7 +16,7 @@ from hfsdp.errors import UserError
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
     from hfsdp.setup.decide import RunSetup
-    from hfsdp.setup.degrees import World
+    from hfsdp.layout.degrees import World
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` / ``torchrun --master-port``)."""
@@ -65,7 +65,7 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
 
 def launched_world(env: Mapping[str, str], on_cpu: bool) -> "World":
     """The process's place in the job, as the launcher set it in ``env`` (one process when no launcher did)."""
-    from hfsdp.setup.degrees import World  # the config schema's pydantic: not for `hfsdp --help`
+    from hfsdp.layout.degrees import World  # the config schema's pydantic: not for `hfsdp --help`
 
     size = int(env.get("WORLD_SIZE", "1"))
     return World(rank=int(env.get("RANK", "0")), size=size,

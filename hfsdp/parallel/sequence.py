@@ -122,20 +122,10 @@ class SequenceSplit:
     group: Any
 
     @classmethod
-    def of(cls, world) -> "SequenceSplit":
-        """The split of ``world`` (a :class:`hfsdp.setup.degrees.World` with ``sp > 1``): its groups are made here,
-        every rank creating every group in the same order (as torch needs)."""
-        import torch.distributed as dist
-
-        sp = world.dims.sp
-        tp = world.dims.tp
-        groups = [[start + i * tp + t for i in range(sp)] for start in range(0, world.size, sp * tp) for t in range(tp)]
-        mine = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if world.rank in ranks:
-                mine = group
-        return cls(size=sp, rank=world.dims.sp_rank(world.rank), group=mine)
+    def of(cls, world, mesh) -> "SequenceSplit":
+        """The split of ``world`` (a :class:`hfsdp.layout.degrees.World` with ``sp > 1``) over the ``sp`` dimension
+        of the run's device mesh (:func:`hfsdp.parallel.mesh.device_mesh`)."""
+        return cls(size=world.dims.sp, rank=world.dims.sp_rank(world.rank), group=mesh["sp"].get_group())
 
     def apply(self, batch, device):
         """The micro-batch ``batch`` (collated on the CPU, one row per sequence or packed rows, every logit kept)

@@ -1,5 +1,5 @@
 """The process group: the backend and the environment torch needs for what the config asks of the world
-(:class:`World`, defined torch-free in :mod:`hfsdp.setup.degrees` with the run's degrees), and the collectives hfsdp
+(:class:`World`, defined torch-free in :mod:`hfsdp.layout.degrees` with the run's degrees), and the collectives hfsdp
 runs (all ranks call them: any_rank(s), all_sum, StartedSum, gather_objects, per_rank, the gradient norm).
 """
 
@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, wrapper
-from hfsdp.setup.degrees import World
+from hfsdp.layout.degrees import World
 
 
 def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
@@ -23,8 +22,7 @@ def process_group_backend(config: HfsdpConfig, world: World) -> str | None:
     if world.on_cpu:
         return None
     cpu_collectives = config.fsdp.cpu_offload or config.fsdp.state_dict_type == "FULL_STATE_DICT"
-    fsdp_wraps = wrapper(config.fsdp, world.size) in FSDP_WRAPPERS
-    return "cuda:nccl,cpu:gloo" if cpu_collectives and fsdp_wraps else "nccl"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives and world.dims.fsdp else "nccl"
 
 
 def runtime_env(config: HfsdpConfig, world: World) -> dict[str, str]:
@@ -65,8 +63,8 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
     return rows.double().square().sum()
 
 
-def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, config: HfsdpConfig,
-                   world: World, summed_with: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float | None, world: World,
+                   summed_with: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """The total gradient norm over all ranks (float32), after clipping the gradients to ``max_norm`` when it is set,
     and ``summed_with`` (this rank's float64 values of the step, e.g. its loss sum) summed over all ranks in the same
     all-reduce as the norm's squares (one collective and one host sync for the step's sums).
@@ -86,12 +84,12 @@ def clip_grad_norm(accelerator, parameters: list[torch.Tensor], max_norm: float 
     sums in float32 in the order of the shards. FSDP1's own clip also misses part of the gradients when frozen and
     trainable parameters share a unit (LoRA: 0.713 instead of 0.731 on the tiny model). Without ``max_norm`` only
     the norm is computed (for the metrics and the non-finite check)."""
-    wrapped = wrapper(config.fsdp, world.size)
+    wrapped = world.dims.wrapper
     if wrapped != "fsdp1" and (max_norm is not None or wrapped == "fsdp2"):
         accelerator.unscale_gradients()  # what Accelerate's clip did first (its own fp16 scaler under DDP, if any)
     from torch.distributed.tensor import DTensor
 
-    sharded = wrapped in FSDP_WRAPPERS and world.size > 1
+    sharded = world.dims.fsdp and world.size > 1
     replicas = world.dims.replicas
     grads, squares = [], {}  # sums of squares by how many ranks hold each of their elements
     for p in parameters:

@@ -1,6 +1,9 @@
-"""The torch-free rules: what a config and a world decide before anything loads, used alike by validation, the
-decided run (:mod:`hfsdp.setup`), ``hfsdp plan`` and ``hfsdp bench``: what wraps the model
-(:mod:`~hfsdp.rules.wrapping`), the 4-bit base (:mod:`~hfsdp.rules.quantization`), attention kernels
-(:mod:`~hfsdp.rules.attention`), whether and where each optimizer can run (:mod:`~hfsdp.rules.optimizers`) and what
-tensor parallelism needs of the config, the world and the model (:mod:`~hfsdp.rules.parallel`). Nothing here imports
-torch, transformers or accelerate."""
+"""The rule table and its rules, torch-free: every check of a config before anything loads, by phase
+(:mod:`~hfsdp.rules.table`: the config alone, the data it names, the launched world and its degrees, a trial of its
+values on torch, the model's architecture and tokenizer), used alike by ``hfsdp validate``, ``hfsdp train`` before it
+decides the run (:mod:`hfsdp.setup`), ``hfsdp plan``, ``hfsdp bench`` and ``hfsdp export``: the FSDP options beside
+the degrees and CPU rehearsal (:mod:`~hfsdp.rules.wrapping`), the 4-bit base (:mod:`~hfsdp.rules.quantization`),
+attention kernels (:mod:`~hfsdp.rules.attention`), the optimizer (:mod:`~hfsdp.rules.optimizers`), what tensor and
+sequence parallelism need of the config and the model (:mod:`~hfsdp.rules.parallel`), asynchronous saves
+(:mod:`~hfsdp.rules.checkpoints`) and the data's formats (:mod:`~hfsdp.rules.formats`); plugins add theirs through
+``hfsdp_rules``. Nothing here imports torch, transformers or accelerate, but the ``trial`` phase when it runs."""

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hfsdp.rules.wrapping import wrapper
-
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.layout.degrees import ParallelDims
 
 
 def async_save_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
@@ -33,11 +32,17 @@ def async_save_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     return problems
 
 
-def single_process_problems(config: "HfsdpConfig", world_size: int) -> list[tuple[str, str]]:
-    """One process that runs the model without FSDP (what :func:`hfsdp.rules.wrapping.wrapper` decides on this
-    world, for the config a resume made effective)."""
-    if config.train.async_save and wrapper(config.fsdp, world_size) == "none" and not config.fsdp.runs_as_ddp:
+def wrapper_problems(config: "HfsdpConfig", dims: "ParallelDims") -> list[tuple[str, str]]:
+    """What the degrees wrap the model in, on this world (for the config a resume made effective): one process
+    without FSDP, or DDP from degrees that shard nothing, writes one file (NO_SHARD's own refusal is the config's)."""
+    if not config.train.async_save or config.fsdp.runs_as_ddp:
+        return []
+    if dims.wrapper == "none":
         return [("train.async_save", "one process runs the model without FSDP (fsdp.single_process: auto), and its "
                                      "checkpoint is one file: set fsdp.single_process: fsdp, or remove "
                                      "train.async_save")]
+    if dims.wrapper == "ddp":
+        return [("train.async_save", "the parallel degrees shard nothing (every data-parallel rank a replica), so "
+                                     "FSDP2 runs as DDP, whose checkpoint is one file: lower "
+                                     "parallel.dp_replicate_size, or remove train.async_save")]
     return []

@@ -3,9 +3,10 @@ decides, before anything loads, whether and where each can run: the table of imp
 keyword arguments ``optimizer_args`` may give (each optimizer's signature less what hfsdp sets, written down in the
 table so that checking them imports nothing; a test holds it against the installed signatures), what the config
 alone rules out (:func:`config_problems`) and the wrappers that cannot give one process's update
-(:func:`wrapper_problems`). Torch-free; the builders, the parameter groups and the sharded implementations are
-:mod:`hfsdp.run.optimizers`, which also tries the values of ``optimizer_args`` on a small layer before any weight
-loads (:func:`hfsdp.run.optimizers.refused_arguments`)."""
+(:func:`wrapper_problems`), the arguments and parameter groups an optimizer is built with (:func:`arguments`,
+:func:`param_groups`), and the trial of ``optimizer_args``' values on a small layer before any weight loads
+(:func:`trial_problems`, the rule table's ``trial`` phase: the one function here that imports torch, when it runs).
+The builder and the sharded implementations are :mod:`hfsdp.run.optimizers`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hfsdp.config.schema import OPTIMIZER_NAMES
 
 if TYPE_CHECKING:
-    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.config.schema import HfsdpConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,10 @@ def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     with an LR schedule."""
     cfg = config.train
     choice = CHOICES[cfg.optimizer]
-    if not choice.installed:
+    if choice.pip is not None and not choice.installed:  # (torch's own: hfsdp needs torch to train at all)
         return [("train.optimizer", f"{cfg.optimizer} needs {choice.pip.split('==')[0]}, which is not installed: "
                                     f"pip install '{choice.pip}' (or pip install 'hfsdp[optimizers]')")]
-    if cfg.optimizer == "muon":
+    if cfg.optimizer == "muon" and importlib.util.find_spec("torch") is not None:
         torch_version = importlib.metadata.version("torch")
         if tuple(int(part) for part in torch_version.split(".")[:2]) < MUON_TORCH:
             return [("train.optimizer", f"muon needs torch.optim.Muon, which torch {torch_version} lacks: "
@@ -122,4 +123,48 @@ def wrapper_problems(config: "HfsdpConfig", wrapper: str) -> list[tuple[str, str
     if wrapper == "fsdp1" and choice.whole:
         return [("train.optimizer", f"{name} cannot run under FSDP1: {choice.whole}, and FSDP1 gives the optimizer "
                                     "flat slices of several parameters concatenated: use fsdp.version: 2")]
+    return []
+
+
+def arguments(cfg: "TrainConfig") -> dict[str, Any]:
+    """The keyword arguments ``cfg.optimizer`` is built with: hfsdp's defaults, the learning rate, the Adam family's
+    betas and epsilon from the ``train`` keys, then ``optimizer_args``."""
+    choice = CHOICES[cfg.optimizer]
+    return {**choice.defaults, "lr": cfg.learning_rate,
+            **({"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon} if choice.adam else {}),
+            **cfg.optimizer_args}
+
+
+def param_groups(by_kind: dict[str, list], weight_decay: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups from the trainable parameters by kind: ``hidden`` (Muon's matrices,
+    ``use_muon``), ``decay`` (matrices), ``no_decay`` (norms, biases); empty groups left out."""
+    groups = [{"params": by_kind["hidden"], "weight_decay": weight_decay, "use_muon": True},
+              {"params": by_kind["decay"], "weight_decay": weight_decay},
+              {"params": by_kind["no_decay"], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def trial_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """The values of ``optimizer_args`` the optimizer itself refuses (a negative momentum, a tuple of the wrong
+    length), found by building it as a run does over a small layer (its weight a hidden matrix) and stepping it once
+    (schedule-free in train mode), before any weight loads. The names were checked by :func:`config_problems`."""
+    cfg = config.train
+    if not cfg.optimizer_args or config_problems(config):
+        return []
+    import torch
+
+    layer = torch.nn.Linear(4, 4)
+    muon = cfg.optimizer == "muon"
+    by_kind = {"hidden": [layer.weight] if muon else [], "decay": [] if muon else [layer.weight],
+               "no_decay": [layer.bias]}
+    try:
+        optimizer = CHOICES[cfg.optimizer].load()(param_groups(by_kind, cfg.weight_decay), **arguments(cfg))
+        for p in layer.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        if hasattr(optimizer, "train"):  # schedule-free steps in train mode
+            optimizer.train()
+        optimizer.step()
+    except (ValueError, TypeError, RuntimeError, AssertionError) as err:
+        refused = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return [("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}")]
     return []

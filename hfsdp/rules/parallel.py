@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, TYPE_CHECKING
 
+from hfsdp.layout.degrees import SPELLING_STRATEGIES
+
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
     from hfsdp.hooks.host import PluginHost
@@ -29,16 +31,29 @@ TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 
 
 def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
-    """What ``parallel.tp_size > 1`` or ``parallel.sp_size > 1`` cannot combine with, from the config alone
-    (``hfsdp validate`` reports them)."""
-    return tp_config_problems(config) + sp_config_problems(config)
+    """What the ``parallel`` degrees cannot combine with, from the config alone (``hfsdp validate`` reports them):
+    the data-parallel degrees given twice, tensor and sequence parallelism's refusals."""
+    return degree_problems(config) + tp_config_problems(config) + sp_config_problems(config)
+
+
+def degree_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """The data-parallel degrees given in two places: ``fsdp.sharding_strategy`` HYBRID_SHARD and NO_SHARD spell
+    them (:mod:`hfsdp.layout.degrees`), so ``parallel.dp_replicate_size`` and ``dp_shard_size`` go with FULL_SHARD
+    or SHARD_GRAD_OP."""
+    strategy, parallel = config.fsdp.sharding_strategy, config.parallel
+    given = [key for key, value in (("dp_replicate_size", parallel.dp_replicate_size != 1),
+                                    ("dp_shard_size", parallel.dp_shard_size != -1)) if value]
+    if strategy not in SPELLING_STRATEGIES or not given:
+        return []
+    spelled = "shards nothing (every data-parallel rank a replica)" if strategy == "NO_SHARD" else \
+        "shards within fsdp.hybrid_shard_size ranks and replicates across them"
+    return [(f"parallel.{key}", f"fsdp.sharding_strategy {strategy} spells the data-parallel degrees itself (it "
+                                f"{spelled}): give them in one place, FULL_SHARD (or SHARD_GRAD_OP) with "
+                                f"parallel.{key}, or remove parallel.{key}") for key in given]
 
 
 def tp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     if config.parallel.tp_size == 1:
-        if config.parallel.dp_shard_size is not None:
-            return [("parallel.dp_shard_size", "only applies with parallel.tp_size > 1 (FSDP alone shards over every "
-                                               "rank): remove it, or set parallel.tp_size")]
         return []
     fsdp, tp = config.fsdp, f"parallel.tp_size {config.parallel.tp_size}"
     problems = []
@@ -50,6 +65,8 @@ def tp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                                    "data-parallel ranks with FULL_SHARD or SHARD_GRAD_OP; HYBRID_SHARD "
                                                    "and NO_SHARD are not composed with tensor parallelism yet"))
     refused = {
+        "parallel.dp_replicate_size": (config.parallel.dp_replicate_size > 1,
+                                       "replicas of a tensor-parallel model (HSDP x TP) are not composed yet"),
         "fsdp.cpu_offload": (fsdp.cpu_offload, "offloads FSDP's shards, not tensor-parallel ones"),
         "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading,
                                            "every rank reads the weights it splits (ranks > 0 would split empty ones)"),
@@ -86,6 +103,8 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
         "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
                                    f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP "
                                    "shards over every rank with FULL_SHARD or SHARD_GRAD_OP"),
+        "parallel.dp_replicate_size": (config.parallel.dp_replicate_size > 1,
+                                       "replicas of split rows (HSDP x SP) are not composed yet"),
         "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x sequence parallelism is not built yet: choose "
                                                           "one (tp splits the weights, sp the activations)"),
         "model.attn_implementation": (config.model.attn_implementation != "sdpa",
@@ -95,38 +114,6 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                                             "tried yet"),
     }
     return [(key, f"{said}: {why}; or set parallel.sp_size: 1") for key, (given, why) in refused.items() if given]
-
-
-def world_problems(config: "HfsdpConfig", world_size: int, local_world_size: int) -> list[tuple[str, str]]:
-    """What the launched world must allow: ``tp_size`` and ``sp_size`` divide it and the processes per node (their
-    groups exchange data in every layer: they stay inside a node), and ``dp_shard_size``, if given, is the rest."""
-    cfg = config.parallel
-    problems = _group_problems("sp_size", cfg.sp_size, world_size, local_world_size,
-                               "sequence-parallel group must stay inside one node (it exchanges every layer's "
-                               "attention inputs and outputs)")
-    if problems or cfg.tp_size == 1:
-        return problems
-    tp = cfg.tp_size
-    problems = _group_problems("tp_size", tp, world_size, local_world_size,
-                               "tensor-parallel group must stay inside one node (it all-reduces in every layer)")
-    if problems:
-        return problems
-    if cfg.dp_shard_size is not None and cfg.dp_shard_size * tp != world_size:
-        return [("parallel.dp_shard_size", f"{cfg.dp_shard_size} x tp_size {tp} is {cfg.dp_shard_size * tp}, not the "
-                                           f"world size {world_size}: set it to {world_size // tp}, or remove it")]
-    return []
-
-
-def _group_problems(key: str, size: int, world_size: int, local_world_size: int,
-                    inside: str) -> list[tuple[str, str]]:
-    """A group of ``size`` consecutive ranks (``parallel.<key>``) in the world: ``size`` divides the world size,
-    and the processes per node (``inside``: why a group must not span nodes)."""
-    if world_size % size:
-        return [(f"parallel.{key}", f"{size} does not divide the world size {world_size}: launch a multiple of "
-                                    f"{size} processes, or change parallel.{key}")]
-    if local_world_size % size:
-        return [(f"parallel.{key}", f"{size} does not divide the {local_world_size} processes per node: a {inside}")]
-    return []
 
 
 def _undivided(key: str, size: int, model_config: Any, names: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches
 from hfsdp.objective import Objective
 from hfsdp.parallel.world import all_sum
-from hfsdp.setup.degrees import World
+from hfsdp.layout.degrees import World
 from hfsdp.parallel.accelerator import fsdp1_drop_stale_gathers
 from hfsdp.run import generation, optimizers
 from hfsdp.run.metrics import MetricsWriter

@@ -32,11 +32,10 @@ from hfsdp.objective import (Objective, TokenCrossEntropy, micro_batch_packing, 
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
 from hfsdp.parallel import sequence
+from hfsdp.parallel.mesh import device_mesh
 from hfsdp.parallel.world import per_rank
-from hfsdp.errors import ConfigError
 from hfsdp.export import staging
 from hfsdp.rules import quantization
-from hfsdp.rules.table import Facts, check
 from hfsdp.model import token_loss
 from hfsdp.run import generation, heap, optimizers, throughput
 from hfsdp.run.evaluate import Evaluator
@@ -91,10 +90,9 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
 
     accelerator = None
     try:
-        # ---- load the model config first: the FSDP plugin wraps the model's own layer class
+        # ---- load the model config first (its rules were checked before the run was decided): the FSDP plugin
+        # wraps the model's own layer class
         model_config = loading.load_model_config(model_path, config.model)
-        if problems := check("model", config, Facts(plugins=host, world=world, model_config=model_config)):
-            raise ConfigError(problems, source=f"the config, for {model_path}")
         checkpoint_bytes, export_bytes = space.estimate(  # before any weight loads
             loading.build_meta_model(model_config, one_process(config), host, config.model.dtype))
         space_warning = space.check_space(output_dir, checkpoint_bytes, export_bytes, config)
@@ -139,7 +137,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                                       "step's share of padding: metric padding)")
             say(f"packing: {data_report['padding']}")
         if world.dims.sp > 1:  # attention exchanges the split rows' positions for heads (hfsdp.parallel.sequence)
-            objective.sequence_split = sequence.SequenceSplit.of(world)
+            objective.sequence_split = sequence.SequenceSplit.of(  # FSDP1's run has no mesh of Accelerate's
+                world, accelerator.torch_device_mesh or device_mesh(world.dims, accelerator.device.type))
             sequence.use_ulysses(accelerator.unwrap_model(model))
         report = report_startup(setup, accelerator, model, output_dir)
 

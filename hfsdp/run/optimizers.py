@@ -6,7 +6,7 @@ Every choice is an implementation people already use: ``torch.optim.AdamW``, ``t
 ``torch.optim.Adafactor``, ``torch.optim.Muon`` (torch >= 2.9), bitsandbytes' ``AdamW8bit`` and the ``schedulefree``
 package's ``AdamWScheduleFree``. hfsdp sets the learning rate, the weight decay (on matrices only) and, for the Adam
 family, betas and epsilon from the ``train`` keys; ``optimizer_args`` passes the rest on, checked against the
-optimizer's signature and tried on a small tensor before any weight loads.
+optimizer's signature and tried on a small tensor before any weight loads (:mod:`hfsdp.rules.optimizers`).
 
 The same update on N ranks as on one process: elementwise optimizers (AdamW, SGD, schedule-free AdamW) update a shard
 as they update the whole tensor. Muon orthogonalises whole matrices: under FSDP2
@@ -28,42 +28,13 @@ import functools
 import math
 from typing import Iterator, TYPE_CHECKING
 
-from hfsdp.rules.optimizers import BNB_BLOCK, CHOICES, config_problems
+from hfsdp.rules.optimizers import BNB_BLOCK, CHOICES, arguments, param_groups
 
 
 if TYPE_CHECKING:
     import torch
 
-    from hfsdp.config.schema import HfsdpConfig, TrainConfig
-
-
-def refused_arguments(config: "HfsdpConfig") -> list[tuple[str, str]]:
-    """The values of ``optimizer_args`` the optimizer itself refuses (a negative momentum, a tuple of the wrong
-    length), found by building it over a small layer and stepping it once, before any weight loads (``train`` and
-    ``hfsdp validate`` with its rows ask; the torch-free checks of the names are
-    :func:`hfsdp.rules.optimizers.config_problems`)."""
-    cfg = config.train
-    if not cfg.optimizer_args or config_problems(config):
-        return []
-    refused = _try_on_small_tensors(config)
-    return [("train.optimizer_args", f"{cfg.optimizer} refuses them: {refused}")] if refused else []
-
-
-def _try_on_small_tensors(config: "HfsdpConfig") -> str | None:
-    """The optimizer built with the run's arguments over a small matrix and vector (and stepped once): its own
-    refusal of a value (a negative momentum, a tuple of the wrong length), or None."""
-    import torch
-
-    layer = torch.nn.Linear(4, 4)
-    try:
-        optimizer = build(layer, config.train, hidden={"weight"})
-        for p in layer.parameters():
-            p.grad = torch.full_like(p, 0.5)
-        with training_mode(optimizer):
-            optimizer.step()
-    except (ValueError, TypeError, RuntimeError, AssertionError) as err:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    return None
+    from hfsdp.config.schema import TrainConfig
 
 
 def groups(model: "torch.nn.Module", matrices: set[str], hidden: set[str]) -> dict[str, list]:
@@ -100,14 +71,7 @@ def build(model: "torch.nn.Module", cfg: "TrainConfig", matrices: set[str] | Non
     if cfg.optimizer == "muon" and hidden is None:
         hidden = hidden_matrices(model)
     by_kind = groups(model, matrices, hidden if cfg.optimizer == "muon" else set())
-    choice = CHOICES[cfg.optimizer]
-    kwargs = {**choice.defaults, "lr": cfg.learning_rate,
-              **({"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon} if choice.adam else {}),
-              **cfg.optimizer_args}
-    param_groups = [{"params": by_kind["hidden"], "weight_decay": cfg.weight_decay, "use_muon": True},
-                    {"params": by_kind["decay"], "weight_decay": cfg.weight_decay},
-                    {"params": by_kind["no_decay"], "weight_decay": 0.0}]
-    return choice.load()([g for g in param_groups if g["params"]], **kwargs)
+    return CHOICES[cfg.optimizer].load()(param_groups(by_kind, cfg.weight_decay), **arguments(cfg))
 
 
 def schedule_factor(step: int, *, name: str, warmup: int, total: int) -> float:

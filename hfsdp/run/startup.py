@@ -43,8 +43,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
                   else str(accelerator.device),
         "fsdp_version": fsdp.version,
         "strategy": fsdp.sharding_strategy + _WRAPPER_NOTES.get(setup.wrapper, "")
-                    + (f" (replicate {dims.dp_replicate} x shard {dims.dp_shard})"
-                       if fsdp.sharding_strategy == "HYBRID_SHARD" else "")
+                    + (f" (replicate {dims.dp_replicate} x shard {dims.dp_shard})" if dims.hybrid else "")
                     + (f" over dp_shard {dims.dp_size} x tensor parallel {dims.tp}" if dims.tp > 1 else "")
                     + (f" over dp {dims.dp_size} x sequence parallel {dims.sp}" if dims.sp > 1 else ""),
         "tp_size": dims.tp,
@@ -63,8 +62,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
     if quant is not None:
         report["quantized_base"] = quantized.base_report(model, quant)
         report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
-    sharded = fsdp.sharding_strategy != "NO_SHARD" and setup.fsdp
-    if sharded and dims.dp_shard > 1 and local > 0.75 * full:  # dp_shard: the ranks FSDP shards over
+    if setup.fsdp and dims.dp_shard > 1 and local > 0.75 * full:  # dp_shard: the ranks FSDP shards over
         raise UserError(
             f"the model did not end up sharded: this rank holds {local} of {full} parameter bytes under "
             f"{fsdp.sharding_strategy} on {world.size} ranks. This is a bug in the launcher adaptation; "

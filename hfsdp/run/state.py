@@ -11,7 +11,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.model.metadata import ModelFiles
 from hfsdp.hooks.host import PluginHost
 from hfsdp.objective import Objective, TokenCrossEntropy
-from hfsdp.setup.degrees import World
+from hfsdp.layout.degrees import World
 
 
 @dataclass

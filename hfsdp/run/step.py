@@ -83,8 +83,8 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         names = sorted(sums or {})
         summed = torch.stack([loss_sum / tp, *(torch.as_tensor(sums[k], dtype=torch.float64).to(loss_sum.device)
                                                for k in names)])
-        norm, (total_loss, *totals) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, config,
-                                                     run.world, summed_with=summed)  # one all-reduce for all
+        norm, (total_loss, *totals) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, run.world,
+                                                     summed_with=summed)  # one all-reduce for all
         grad_norm = float(norm)
     metrics = (run.objective.metrics_of(dict(zip(names, totals))) if sums is not None
                else run.objective.take_metrics(accelerator))

@@ -1,5 +1,5 @@
-"""A checkpoint as the decided run sees it, before anything loads: the folder layout (complete checkpoints, the
-latest, the record read back), what a checkpoint records of its run (:class:`Record`, ``hfsdp_checkpoint.json``,
+"""A checkpoint as the decided run sees it, before anything loads (its folder on disk: :mod:`hfsdp.disk.checkpoints`):
+what a checkpoint records of its run (:class:`Record`, ``hfsdp_checkpoint.json``,
 written by :meth:`Record.of_run` at every save) and the first two phases of ``--resume`` (:class:`Resume`):
 
 1. before anything loads (:meth:`Resume.decide`, asked by :func:`hfsdp.setup.decide.decide`): the checkpoint found,
@@ -24,6 +24,7 @@ random numbers in the loop come from (seed, step, rank) at the start of every st
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,69 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.disk.durable import EXPORT_RECORD, RECORD
+from hfsdp.disk.checkpoints import find_resume_checkpoint, read_record, saved_by_fsdp
+from hfsdp.disk.durable import RECORD
 from hfsdp.errors import UserError
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, wrapper
 
 if TYPE_CHECKING:
     from hfsdp.hooks.host import PluginHost
-    from hfsdp.setup.degrees import ParallelDims, World
-
-CONFIG_NAME = "hfsdp_config.yaml"
-PREFIX = "step-"
-
-
-def step_dir(checkpoints: Path, step: int) -> Path:
-    return checkpoints / f"{PREFIX}{step}"
-
-
-def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
-    found = []
-    if checkpoints.is_dir():
-        for path in checkpoints.iterdir():
-            if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit() and (path / RECORD).is_file():
-                found.append((int(path.name[len(PREFIX):]), path))
-    return sorted(found)
-
-
-def latest(checkpoints: Path) -> Path | None:
-    complete = complete_checkpoints(checkpoints)
-    return complete[-1][1] if complete else None
-
-
-def _what_it_is(path: Path) -> str:
-    """The likely mix-up behind a folder given as a checkpoint that is not one."""
-    for kind, folder in (("a run folder", path / "checkpoints"), ("a folder of checkpoints", path)):
-        found = latest(folder)
-        if found:
-            return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {found} "
-                    "(train --resume alone takes the latest)")
-    if (path / EXPORT_RECORD).is_file() or (path / "config.json").is_file():
-        return "it is a model folder (config.json), already consolidated: load or train from it instead"
-    return "it was not finished or not ours"
-
-
-def read_record(path: Path) -> dict[str, Any]:
-    record = path / RECORD
-    if not path.exists():
-        raise UserError(f"{path} does not exist; name a checkpoint folder (train.output_dir/checkpoints/{PREFIX}N)")
-    if not record.is_file():
-        raise UserError(f"{path} is not a complete hfsdp checkpoint (no {RECORD}); {_what_it_is(path)}")
-    try:
-        data = json.loads(record.read_bytes().decode("utf-8"))
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"{record} is damaged (not a JSON record: {err}); resume from or export another "
-                        "checkpoint") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{record} is damaged (not an hfsdp checkpoint record); resume from or export another checkpoint")
-    return data
-
-
-def saved_by_fsdp(path: Path) -> bool:
-    """Whether FSDP wrote the checkpoint's model (its SHARDED or FULL layout), not a plain or DDP model."""
-    return (path / "pytorch_model_fsdp_0").is_dir() or (path / "pytorch_model_fsdp.bin").is_file()
-
+    from hfsdp.layout.degrees import ParallelDims, World
 
 # Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
 RESUMABLE_CHANGES = (
@@ -204,7 +149,7 @@ class Resume:
                             "data-parallel ranks may change): resume with parallel.tp_size "
                             f"{saved_tp}, or export it (`hfsdp export`) and start a new run from the folder")
         config, note = keep_global_batch(record, config, world.dims, path)
-        if wrapper(config.fsdp, world.size) in FSDP_WRAPPERS and not by_fsdp:
+        if world.with_dims(config).dims.fsdp and not by_fsdp:
             raise UserError(f"cannot resume from {path} under FSDP: one process without a wrapper (or DDP) "
                             "saved it; resume it on one process, or start runs that must resume on other world "
                             "sizes with fsdp.single_process: fsdp")
@@ -273,18 +218,17 @@ def keep_global_batch(record: Record, config: HfsdpConfig, dims: "ParallelDims",
                     f"{per_device * accumulation * ranks}; {fix}")
 
 
-def find_resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
-    if resume != "latest":
-        path = Path(resume)
-        read_record(path)  # refuses incomplete folders
-        return path
-    return latest(output_dir / "checkpoints")
-
-
 def run_fingerprint(config: HfsdpConfig) -> str:
     """What a checkpoint records of its config: the keys that change the run (the batch keys are checked through
     the global batch, :func:`keep_global_batch`)."""
-    return config.fingerprint(exclude=RESUMABLE_CHANGES + BATCH_KEYS + LAYOUT_KEYS)
+    data = config.to_yaml_dict()
+    for dotted in RESUMABLE_CHANGES + BATCH_KEYS + LAYOUT_KEYS:
+        parent, _, leaf = dotted.rpartition(".")
+        node = data
+        for part in filter(None, parent.split(".")):
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def check_resume_config(record: Record, config: HfsdpConfig, path: Path) -> None:

@@ -3,8 +3,8 @@ per-rank memory and throughput.
 
 Every combination is a real multi-process run: ``torchrun --nproc-per-node N -m hfsdp train CONFIG`` (gloo on
 CPU, NCCL on GPUs) with the ``bench_probe`` plugin enabled, which writes ``bench_rank<R>.json`` into the run's
-output folder. This module only launches runs and reads those files (it asks ``hfsdp.rules.wrapping.wrapper`` what one
-process runs); its own process imports neither torch nor transformers (tests/test_architecture.py).
+output folder. This module only launches runs and reads those files (it asks the degrees, ``hfsdp.layout.degrees``,
+what one process runs); its own process imports neither torch nor transformers (tests/test_architecture.py).
 
 One process trains without a wrapper by default (``fsdp.single_process: auto``), the same steps whatever the
 strategy: those strategies are run once at one process, as the row ``none (1 process)``, the baseline of the
@@ -141,11 +141,12 @@ def quiet_run(raw: dict[str, Any]) -> list[str]:
 
 def _unwrapped_at_one(opts: BenchOptions, strategy: str) -> bool:
     """Whether one process trains without a wrapper under ``strategy`` (train's own rule)."""
-    from hfsdp.config.schema import FSDPConfig
-    from hfsdp.rules.wrapping import wrapper
+    from hfsdp.config.schema import FSDPConfig, ParallelConfig
+    from hfsdp.layout.degrees import ParallelDims
 
-    section = {**(_raw_config(opts.config, opts.overrides).get("fsdp") or {}), "sharding_strategy": strategy}
-    return wrapper(FSDPConfig.model_validate(section), 1) == "none"
+    raw = _raw_config(opts.config, opts.overrides)
+    fsdp = FSDPConfig.model_validate({**(raw.get("fsdp") or {}), "sharding_strategy": strategy})
+    return ParallelDims.of(fsdp, ParallelConfig.model_validate(raw.get("parallel") or {}), 1, 1).wrapper == "none"
 
 
 def _runs(opts: BenchOptions) -> list[tuple[int, str, bool]]:

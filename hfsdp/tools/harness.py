@@ -18,7 +18,7 @@ from hfsdp.errors import UserError
 from hfsdp.disk.durable import write_atomic
 from hfsdp.export.card import add_evals
 from hfsdp.export.staging import add_to_record
-from hfsdp.setup.degrees import World
+from hfsdp.layout.degrees import World
 
 BUNDLED_TASKS = Path(__file__).with_name("eval_tasks")
 INSTALL_HINT = "pip install 'hfsdp[eval]' (lm-eval==0.4.13)"

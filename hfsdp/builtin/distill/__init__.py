@@ -20,6 +20,7 @@ from pydantic import Field
 
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
+from hfsdp.rules.table import Rule
 
 TOKEN_FORMATS = ("text", "instruction", "chat")
 
@@ -44,7 +45,11 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("distill", "data.format", "plugins"), config_problems)]
+
+
+def config_problems(config, facts):
     section: DistillSection = config.section("distill")
     problems = []
     formats = {s.format or config.data.format for s in config.data.datasets or []} or {config.data.format}

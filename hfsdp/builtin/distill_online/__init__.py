@@ -19,6 +19,7 @@ from hfsdp import hookimpl
 from hfsdp.builtin.distill import teacher_problems
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
 from hfsdp.builtin.online.schema import OnlineSection, RewardSpec
+from hfsdp.rules.table import Rule
 
 
 class DistillOnlineSection(OnlineSection):
@@ -58,7 +59,11 @@ def hfsdp_reward_functions():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("distill_online", "data.format", "plugins"), config_problems)]
+
+
+def config_problems(config, facts):
     return online_problems(config, "distill_online", kl_reference=False) + teacher_problems(config, "distill_online")
 
 

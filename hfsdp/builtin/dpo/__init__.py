@@ -11,6 +11,7 @@ from hfsdp import hookimpl
 from hfsdp.builtin.dpo.schema import DpoSection
 from hfsdp.builtin.preference import format_problems
 from hfsdp.builtin.reference_model import reference_problems, reference_route
+from hfsdp.rules.table import Rule
 
 
 @hookimpl
@@ -19,7 +20,11 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("dpo", "data.format"), config_problems)]
+
+
+def config_problems(config, facts):
     section: DpoSection = config.section("dpo")
     problems = format_problems(config, "dpo") + reference_problems(config)
     if section.label_smoothing and section.loss_type != "sigmoid":

@@ -6,9 +6,9 @@ Config section ``gguf_export:`` (all optional): :class:`GgufExportSection` (``hf
 
 The GGUF is written from the exported Hugging Face folder, one tensor at a time (:mod:`hfsdp.export.gguf_file`), as
 ``model-<quant>.gguf``; LoRA runs export merged weights for it (``lora.merge: true``, or ``--format gguf``, which
-merges). What cannot be written is refused before training (another architecture, a scaled rotary embedding: before
-any weight loads; a tokenizer whose llama.cpp pre-tokenizer is unknown: before the first step), and before ``hfsdp
-export`` writes anything.
+merges). What cannot be written (another architecture, a scaled rotary embedding, a tokenizer whose llama.cpp
+pre-tokenizer is unknown) is refused by this plugin's rules (``hfsdp_rules``, the ``model`` phase): before any weight
+loads, and before ``hfsdp export`` writes anything.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pydantic import Field
 
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
-from hfsdp.errors import ConfigError, UserError
+from hfsdp.errors import UserError
 from hfsdp.export.gguf_file import QUANTS, problems
+from hfsdp.rules.table import Rule
 
 GGUF_NAME = "model-{quant}.gguf"
 
@@ -41,41 +42,39 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
-    problems_found = []
+def hfsdp_rules():
+    return [Rule("config", ("gguf_export", "lora.merge", "plugins"), config_problems),
+            Rule("model", ("gguf_export", "model.name_or_path"), model_problems)]
+
+
+def config_problems(config, facts) -> list[tuple[str, str]]:
+    found = []
     lora = config.section("lora")
     if lora is not None and not lora.merge:
-        problems_found.append(("gguf_export", "a GGUF file holds full weights, and this run exports LoRA adapters: "
-                                              "set lora.merge: true (the export then merges them), or remove "
-                                              "gguf_export and run `hfsdp export CHECKPOINT OUT --format gguf` "
-                                              "later, which merges"))
+        found.append(("gguf_export", "a GGUF file holds full weights, and this run exports LoRA adapters: "
+                                     "set lora.merge: true (the export then merges them), or remove "
+                                     "gguf_export and run `hfsdp export CHECKPOINT OUT --format gguf` "
+                                     "later, which merges"))
     if "reward_model" in config.plugins:
-        problems_found.append(("gguf_export", "a reward model is exported as a sequence classifier "
-                                              "(LlamaForSequenceClassification), which hfsdp does not write as GGUF: "
-                                              "remove gguf_export from plugins (or --format gguf from hfsdp "
-                                              "export)"))
-    return problems_found
+        found.append(("gguf_export", "a reward model is exported as a sequence classifier "
+                                     "(LlamaForSequenceClassification), which hfsdp does not write as GGUF: "
+                                     "remove gguf_export from plugins (or --format gguf from hfsdp "
+                                     "export)"))
+    return found
 
 
-def _refused(config, found: list[str], when: str) -> str:
-    return (f"{config.model.name_or_path}: {'; '.join(found)} (refused {when}; remove gguf_export from plugins to "
-            "train without it)")
-
-
-@hookimpl
-def hfsdp_before_model_load(config, model_config):
-    if found := problems(model_config.to_dict(), None):  # (hfsdp plan: the row's reason)
-        raise ConfigError([("gguf_export", _refused(config, found, "before any weight loads"))])
-
-
-@hookimpl
-def hfsdp_on_train_start(run):
+def model_problems(config, facts) -> list[tuple[str, str]]:
+    """The architecture, its rotary embedding and the tokenizer (where the facts have it: ``hfsdp plan`` has none)
+    the GGUF writer cannot write, before any weight loads."""
     import json
 
-    section: GgufExportSection = run.config.section("gguf_export")
-    if found := problems(run.model_config.to_dict(), json.loads(run.tokenizer.backend_tokenizer.to_str()),
-                         section.pre_tokenizer):
-        raise UserError(f"gguf_export: {_refused(run.config, found, 'before the first step')}")
+    tokenizer = facts.tokenizer
+    section: GgufExportSection = config.section("gguf_export")
+    found = problems(facts.model_config.to_dict(),
+                     json.loads(tokenizer.backend_tokenizer.to_str()) if tokenizer is not None else None,
+                     section.pre_tokenizer)
+    return [("gguf_export", f"{config.model.name_or_path}: {'; '.join(found)} (refused before any weight loads; "
+                            "without gguf_export, or --format gguf, the run or export goes on)")] if found else []
 
 
 @hookimpl

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hfsdp import hookimpl
 from hfsdp.builtin.grpo.schema import GrpoSection
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
+from hfsdp.rules.table import Rule
 
 
 @hookimpl
@@ -28,7 +29,11 @@ def hfsdp_reward_functions():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("grpo", "data.format"), config_problems)]
+
+
+def config_problems(config, facts):
     return online_problems(config, "grpo")
 
 

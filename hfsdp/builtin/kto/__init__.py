@@ -12,6 +12,7 @@ from hfsdp import hookimpl
 from hfsdp.builtin.kto.schema import KtoSection
 from hfsdp.builtin.reference_model import reference_problems, reference_route
 from hfsdp.builtin.unpaired import format_problems
+from hfsdp.rules.table import Rule
 
 
 @hookimpl
@@ -20,7 +21,11 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("kto", "data.format", "train.per_device_batch_size"), config_problems)]
+
+
+def config_problems(config, facts):
     problems = format_problems(config, "kto") + reference_problems(config, "kto")
     train = config.train
     if train.per_device_batch_size * train.gradient_accumulation_steps < 2:

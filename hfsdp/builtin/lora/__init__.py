@@ -33,6 +33,7 @@ from pydantic import Field
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
 from hfsdp.errors import ConfigError, UserError
+from hfsdp.rules.table import Rule
 
 ADAPTER = "default"
 PREFIX = "base_model.model."
@@ -58,7 +59,12 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("lora", "fsdp.use_orig_params", "parallel.tp_size"), config_problems),
+            Rule("model", ("lora.target_modules", "lora.modules_to_save", "fsdp.version"), model_problems)]
+
+
+def config_problems(config, facts) -> list[tuple[str, str]]:
     problems = []
     section: LoraSection = config.section("lora")
     if config.fsdp.version == 1 and config.fsdp.use_orig_params is False:
@@ -146,12 +152,13 @@ def _meta_adapted(model_config, config, section: LoraSection):
         return adapted(meta_model(model_config, config.model.trust_remote_code), config, section)
 
 
-_META_CHECKS: dict[str, ConfigError | None] = {}  # key of check_targets -> its refusal, or None
+_META_CHECKS: dict[str, list[tuple[str, str]]] = {}  # key of target_problems -> its problems
 
 
-def check_targets(model_config, config, section: LoraSection) -> None:
-    """:func:`adapted` on the meta device (no memory, no weights): ConfigError for targets the model lacks, before
-    any weight loads. Remembered per architecture, section and layer classes (``hfsdp plan`` asks for every row)."""
+def target_problems(model_config, config, section: LoraSection) -> list[tuple[str, str]]:
+    """:func:`adapted` on the meta device (no memory, no weights): the targets the model lacks, or that would untie
+    its embeddings, before any weight loads. Remembered per architecture, section and layer classes (``hfsdp plan``
+    asks for every row)."""
     import json
 
     key = json.dumps([model_config.to_json_string(), section.model_dump(mode="json"),
@@ -159,23 +166,24 @@ def check_targets(model_config, config, section: LoraSection) -> None:
     if key not in _META_CHECKS:
         try:
             _meta_adapted(model_config, config, section)
-            _META_CHECKS[key] = None
+            _META_CHECKS[key] = []
         except ConfigError as err:
-            _META_CHECKS[key] = err
-    if _META_CHECKS[key] is not None:
-        raise _META_CHECKS[key]
+            _META_CHECKS[key] = err.problems
+    return _META_CHECKS[key]
 
 
-@hookimpl
-def hfsdp_before_model_load(config, world, model_config, setup):
-    check_targets(model_config, config, config.section("lora"))
-    unsharded = world.size == 1 or config.fsdp.sharding_strategy == "NO_SHARD"
-    if setup.wrapper == "fsdp1" and unsharded and getattr(model_config, "tie_word_embeddings", False):
+def model_problems(config, facts) -> list[tuple[str, str]]:
+    """What the architecture and the degrees refuse of the adapters, before any weight loads."""
+    model_config, dims = facts.model_config, facts.world.dims
+    problems = list(target_problems(model_config, config, config.section("lora")))
+    single_shard = dims.shard_group * dims.tp == 1  # one process, or replicas only (NO_SHARD)
+    if dims.wrapper == "fsdp1" and single_shard and getattr(model_config, "tie_word_embeddings", False):
         # torch's FSDP1 unshard path for a frozen flat parameter holding tied weights asserts
         # ("as_params=True type(prim_param)=<class 'torch.Tensor'>") on the first training forward.
-        raise ConfigError([("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "
-                                            "(one process or NO_SHARD) hits a torch FSDP1 bug with frozen shared "
-                                            "weights: use fsdp.version: 2 (the default), or more than one rank")])
+        problems.append(("fsdp.version", "LoRA on a model with tied embeddings under FSDP1 with a single shard "
+                                         "(one process or NO_SHARD) hits a torch FSDP1 bug with frozen shared "
+                                         "weights: use fsdp.version: 2 (the default), or more than one rank"))
+    return problems
 
 
 @hookimpl

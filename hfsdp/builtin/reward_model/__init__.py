@@ -19,6 +19,7 @@ from pydantic import Field
 from hfsdp import hookimpl
 from hfsdp.builtin.preference import format_problems
 from hfsdp.config.schema import Section
+from hfsdp.rules.table import Rule
 
 
 class RewardModelSection(Section):
@@ -36,7 +37,11 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("reward_model", "data.format", "plugins"), config_problems)]
+
+
+def config_problems(config, facts):
     problems = format_problems(config, "reward_model")
     if "lora" in config.plugins:
         problems.append(("plugins", "reward_model trains the whole model and its score head; with lora the adapters "

@@ -6,12 +6,12 @@ model of a step's peak is documented on :func:`estimate`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from hfsdp.config.schema import FSDPConfig, HfsdpConfig
-from hfsdp.rules.wrapping import FSDP_WRAPPERS, Wrapper, precision_parts, wrapper
-from hfsdp.setup.degrees import ParallelDims
+from hfsdp.config.schema import FSDPConfig, HfsdpConfig, ParallelConfig
+from hfsdp.layout.degrees import FSDP_WRAPPERS, ParallelDims, Wrapper
+from hfsdp.rules.wrapping import precision_parts
 from hfsdp.tools.plan.facts import Activations, FrozenFacts, ModelFacts, Param, _chunk, _gathered_itemsize
 from hfsdp.units import DTYPE_BYTES, PRECISION_DTYPES
 
@@ -22,8 +22,8 @@ _FSDP1_ALIGN_BYTES = 16
 
 @dataclass(frozen=True)
 class Setup:
-    """One table row's knobs: the config's ``fsdp`` section (varied by strategy and by suggested changes) and the
-    job's shape."""
+    """One table row's knobs: the config's ``fsdp`` and ``parallel`` sections (varied by strategy, by the planned
+    degrees and by suggested changes) and the job's shape."""
 
     fsdp: FSDPConfig
     nproc_per_node: int
@@ -34,8 +34,8 @@ class Setup:
     async_save: bool = False  # train.async_save: a host-memory copy of the rank's state while a save is in flight
     optimizer: str = "adamw"  # train.optimizer, and its train.optimizer_args
     optimizer_args: tuple[tuple[str, Any], ...] = ()
-    tp: int = 1  # parallel.tp_size: ranks of a tensor-parallel group (FSDP2 shards over world / tp)
-    sp: int = 1  # parallel.sp_size: ranks of a sequence-parallel group (each traces 1/sp of a row's tokens)
+    # the degrees (tp: FSDP2 shards over world / tp; sp: each rank traces 1/sp of a row's tokens)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def changed(self, fsdp: dict[str, Any] | None = None, **job: Any) -> "Setup":
         """This setup with some ``fsdp`` keys and job fields changed; the section is validated again (ValueError)."""
@@ -56,9 +56,9 @@ class Setup:
 
     @property
     def wrapper(self) -> Wrapper:
-        """What wraps the model, by train's own rule (``hfsdp.rules.wrapping.wrapper``): ``none`` is one process training the
-        model as it is (full parameters, gradients and optimizer state, no FSDP buffers)."""
-        return wrapper(self.fsdp, self.world)
+        """What wraps the model, by train's own rule (the degrees': :meth:`ParallelDims.of`): ``none`` is one process
+        training the model as it is (full parameters, gradients and optimizer state, no FSDP buffers)."""
+        return self.dims.wrapper
 
     @property
     def runs_as(self) -> str:
@@ -73,18 +73,20 @@ class Setup:
 
     @property
     def dims(self) -> ParallelDims:
-        """The degrees this setup runs with, by train's own rule (:meth:`hfsdp.setup.degrees.ParallelDims.of`)."""
-        return ParallelDims.of(self.fsdp, self.tp, self.world, self.nproc_per_node, sp=self.sp)
+        """The degrees this setup runs with, by train's own rule (:meth:`hfsdp.layout.degrees.ParallelDims.of`)."""
+        return ParallelDims.of(self.fsdp, self.parallel, self.world, self.nproc_per_node)
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
                       tp: int | None = None, sp: int | None = None) -> Setup:
     """A row's setup: ``tp`` and ``sp`` (default: the config's ``parallel.tp_size`` and ``sp_size``) the tensor-
-    and sequence-parallel group sizes."""
+    and sequence-parallel group sizes, the data-parallel degrees the rest (a row varies the world)."""
+    parallel = config.parallel.model_copy(update={"tp_size": tp or config.parallel.tp_size,
+                                                  "sp_size": sp or config.parallel.sp_size, "dp_shard_size": -1})
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
                  optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()),
-                 tp=tp or config.parallel.tp_size, sp=sp or config.parallel.sp_size)
+                 parallel=parallel)
     # Not validated here: a strategy the rest of the section rules out becomes a row saying why (Planner.problem).
     return replace(base, fsdp=config.fsdp.model_copy(update={"sharding_strategy": strategy}))
 
@@ -315,7 +317,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       step's start (:func:`generation_bytes`); the traced micro-batch already has the completions' length.
     """
     full_load = sum(p.numel * p.itemsize for p in facts.params)  # every loading rank reads the whole model
-    facts = facts.tp_local(setup.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
+    facts = facts.tp_local(setup.dims.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
     everything = lambda p: True  # noqa: E731
     trainable = lambda p: p.trainable  # noqa: E731
     params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
@@ -327,7 +329,7 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     layer_units = [facts.unit_bytes(u, compute) for u in range(1, len(facts.units))]
     largest = max(layer_units, default=0)
     group = setup.dims.shard_group
-    if setup.wrapper == "none" or setup.strategy == "NO_SHARD" or (setup.fsdp.version == 1 and group == 1):
+    if setup.wrapper in ("none", "ddp") or (setup.fsdp.version == 1 and group == 1):
         gathered = full_compute if compute else 0
     elif setup.strategy == "SHARD_GRAD_OP":
         gathered = full_compute
@@ -427,16 +429,16 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
         fsdp = 2 * sum(grads) * (setup.world - 1) // setup.world
     else:
         units = [facts.unit_bytes(u, compute) for u in range(len(facts.units))]
-        twice = setup.strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        twice = setup.strategy != "SHARD_GRAD_OP"  # resharded after the forward: gathered again for the backward
         gathered = units[0] + sum(units[1:]) * (2 if twice else 1)
         fsdp = (gathered + sum(grads)) * (g - 1) // g
         replicas = setup.dims.dp_replicate
         if replicas > 1:
             fsdp += 2 * (sum(grads) // g) * (replicas - 1) // replicas
-    t = setup.tp
+    t = setup.dims.tp
     per_layer = 4 + (2 if setup.fsdp.activation_checkpointing else 0)
     tp = per_layer * sum(acts.layer_inputs) * 2 * (t - 1) // t if t > 1 else 0
-    s = setup.sp
+    s = setup.dims.sp
     passes = 2 + (1 if setup.fsdp.activation_checkpointing else 0)
     exchanged = facts.exchanged_per_token * acts.tokens * (compute or facts.params[0].itemsize)
     sp = passes * exchanged * (s - 1) // s if s > 1 else 0

@@ -27,7 +27,7 @@ from hfsdp.config.files import with_plugins
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig
 from hfsdp.errors import ConfigError
 from hfsdp.rules.table import Facts, check
-from hfsdp.setup.degrees import World
+from hfsdp.layout.degrees import World
 from hfsdp.tools.plan.estimate import (LONGEST_ROW_LIMIT, Estimate, Generation, Setup, compute_dtype, estimate,
                                        setup_from_config)
 from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts, frozen_facts, model_facts
@@ -124,10 +124,10 @@ class Planner:
 
     def activations(self, setup: Setup):
         """The traced activations of ``setup``'s micro-batch (a sequence-parallel rank's share with ``sp > 1``)."""
-        key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.sp)
+        key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.dims.sp)
         if key not in self._traces:
             self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
-                                                  self.objective(setup.plugins), setup.sp)
+                                                  self.objective(setup.plugins), setup.dims.sp)
         return self._traces[key]
 
     def longest_row(self, setup: Setup) -> int | None:
@@ -140,10 +140,10 @@ class Planner:
             return None
         facts, frozen, acts = self.facts(setup.plugins), self.frozen(setup.plugins), self.activations(setup)
         traced = self.shape(setup.plugins).width  # the whole row's positions (a rank's: 1/sp of them)
-        local = -(-traced // setup.sp)
+        local = -(-traced // setup.dims.sp)
 
         def fits(tokens: int) -> bool:
-            scaled = acts.scaled(-(-tokens // setup.sp) / local)
+            scaled = acts.scaled(-(-tokens // setup.dims.sp) / local)
             return estimate(facts, scaled, setup, frozen, None).device_peak <= self.budget
 
         if fits(LONGEST_ROW_LIMIT):
@@ -168,8 +168,7 @@ class Planner:
             return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         config, host = self.variant(setup.plugins)
         train = config.train.model_copy(update={"optimizer": setup.optimizer})
-        layout = config.parallel.model_copy(update={"tp_size": setup.tp, "sp_size": setup.sp, "dp_shard_size": None})
-        planned = config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": layout})
+        planned = config.model_copy(update={"train": train, "fsdp": setup.fsdp, "parallel": setup.parallel})
         world = World(rank=0, size=setup.world, local_size=setup.nproc_per_node, on_cpu=False).with_dims(planned)
         facts = Facts(plugins=host, world=world, model_config=self.model_config)
         problems = check("config", planned, facts) + check("world", planned, facts) + check("model", planned, facts)

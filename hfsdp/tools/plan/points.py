@@ -18,8 +18,8 @@ from pathlib import Path
 def predict(request: dict) -> list[dict]:
     from transformers.utils import logging as hf_logging
 
-    from hfsdp.config.files import load_config
     from hfsdp.model.loading import architecture_config
+    from hfsdp.rules.table import load_checked
     from hfsdp.tools.plan.estimate import setup_from_config
     from hfsdp.tools.plan.planner import Planner
 
@@ -30,7 +30,7 @@ def predict(request: dict) -> list[dict]:
     for point in request["points"]:
         overrides = (*request["overrides"], *point["overrides"])
         if overrides not in planners:
-            cfg, _ = load_config(request["config"], list(overrides))
+            cfg, _ = load_checked(request["config"], list(overrides))
             planners[overrides] = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir), cfg,
                                           budget=1 << 60, cache_dir=cache_dir)
         planner = planners[overrides]

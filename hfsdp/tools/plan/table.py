@@ -37,8 +37,8 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False,
     return [
         ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
                                                     if e.setup.nodes > 1 else "")
-                            + (f" tp{e.setup.tp}" if e.setup.tp > 1 else "")
-                            + (f" sp{e.setup.sp}" if e.setup.sp > 1 else "")),
+                            + (f" tp{e.setup.dims.tp}" if e.setup.dims.tp > 1 else "")
+                            + (f" sp{e.setup.dims.sp}" if e.setup.dims.sp > 1 else "")),
         ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
         ("params", lambda e: size(e.params)),
         ("grads", lambda e: size(e.grads)),
@@ -66,7 +66,7 @@ def _longest_row(e: Estimate) -> str:
 
 def text_table(rows: list[Estimate]) -> str:
     columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows), any(e.generation for e in rows),
-                       any(e.setup.sp > 1 or e.longest_row is not None for e in rows))
+                       any(e.setup.dims.sp > 1 or e.longest_row is not None for e in rows))
     cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     left = (1, len(columns) - 1)
@@ -129,7 +129,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBa
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
                  world=e.setup.world, shard_group=e.setup.dims.shard_group, runs_as_ddp=e.setup.fsdp.runs_as_ddp,
-                 tp_size=e.setup.tp, sp_size=e.setup.sp,
+                 tp_size=e.setup.dims.tp, sp_size=e.setup.dims.sp,
                  runs_as=e.setup.runs_as,
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
