@@ -1,11 +1,15 @@
-"""The tree keeps its shape: the config and rules packages are torch-free, every import points down the layers
-(:data:`LAYERS`, written down in pyproject.toml as import-linter's layers contract is), and no module imports itself back through
-others (imports inside functions and under ``TYPE_CHECKING`` count in both)."""
+"""The tree keeps its shape: the config and rules packages are torch-free (``validate --no-rows`` answers without
+torch installed), every import points down the layers (:data:`LAYERS`, written down in pyproject.toml as
+import-linter's layers contract is), no module and no package imports itself back through others (imports inside
+functions and under ``TYPE_CHECKING`` count in all three), and ``hfsdp train`` decides its run in one pass: config,
+rules, decided run."""
 
 import ast
+import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 from conftest import REPO, base_env
 
@@ -154,3 +158,100 @@ def test_no_module_imports_itself_back():
                     seen.add(nxt)
                     stack.append((nxt, path + [nxt]))
     assert not loops, "import loops:\n" + "\n".join(sorted(set(loops)))
+
+
+def test_no_package_imports_itself_back_through_another():
+    """The packages of hfsdp (``hfsdp.X``) import each other without a loop, imports inside functions and under
+    ``TYPE_CHECKING`` counted: a layer of the table above holds packages that never lean on each other both ways (the
+    config, the rules and the decided run were a loop of three, model, parallel and data another)."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        packages.setdefault(package(module), set()).update(package(t) for t in targets if package(t) != package(module))
+    loops = []
+    for start in packages:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in packages.get(node, ()):
+                if nxt == start:
+                    loops.append(" -> ".join(path + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert not loops, "package loops:\n" + "\n".join(sorted(set(loops)))
+
+
+# What ``hfsdp validate --no-rows`` needs besides hfsdp itself: the schema's, the CLI's and the plugin host's packages.
+LIGHT_PACKAGES = ("pydantic", "pydantic_core", "typing_extensions.py", "annotated_types", "typing_inspection", "yaml",
+                  "click", "pluggy")
+
+
+def test_validate_no_rows_answers_on_an_interpreter_without_torch(tmp_path):
+    """``hfsdp validate --no-rows`` needs no torch at all, not only no import of it: on an interpreter whose path
+    holds hfsdp and its light dependencies but no torch (nor its metadata), a config is validated (exit 0) and a
+    wrong one refused with its problems (exit 2). (The optimizer's rule looked for torch's pip name and crashed.)"""
+    import site
+
+    packages = Path(site.getsitepackages()[0])
+    light = tmp_path / "light"
+    light.mkdir()
+    for name in LIGHT_PACKAGES + tuple(p.name for p in packages.glob("hfsdp-*.dist-info")):
+        (light / name).symlink_to(packages / name)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"base: tiny\ntrain: {{report_to: none, output_dir: {tmp_path / 'run'}}}\n")
+    script = ("import sys, importlib.util\nassert importlib.util.find_spec('torch') is None\n"
+              "from hfsdp.cli import cli\ncli(['validate', '--no-rows', *sys.argv[1:]], prog_name='hfsdp')\n")
+    env = {**base_env(), "PYTHONPATH": f"{light}{os.pathsep}{REPO}"}
+    good = subprocess.run([sys.executable, "-S", "-c", script, str(config)], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert good.returncode == 0 and "optimizer: adamw" in good.stdout, good.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-S", "-c", script, str(config), "--set", "train.optimizer_args.nope=1"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "train.optimizer_args.nope: unknown argument of adamw" in bad.stderr, bad.stderr
+
+
+def test_hfsdp_train_enters_the_config_the_rules_and_the_decided_run_once_each_in_that_order(tmp_path):
+    """One way through the decision: the config is read and validated by its schemas (``hfsdp.config``'s files and
+    validation), the rule table checks it against its data, the world, a trial and the model (``hfsdp.rules``), and
+    the run is decided (``hfsdp.setup``), each entered once, in that order (the config's own methods, its schema's,
+    are the value's, not a stage). Traced as ``hfsdp train`` runs, up to the training itself."""
+    script = f"""
+import sys
+from hfsdp.run import loop
+
+STAGES = {{"hfsdp.config.files": "config", "hfsdp.config.validate": "config", "hfsdp.rules": "rules",
+          "hfsdp.setup": "setup"}}
+entered = []
+
+def profile(frame, event, arg):
+    if event != "call":
+        return
+    module = frame.f_globals.get("__name__", "")
+    stage = next((s for m, s in STAGES.items() if module == m or module.startswith(m + ".")), None)
+    if stage and (not entered or entered[-1] != stage):
+        entered.append(stage)
+
+def trains(setup, host, opts):
+    sys.setprofile(None)
+    print("ENTERED", entered)
+    raise SystemExit(0)
+
+loop.train = trains
+from hfsdp.cli import cli
+sys.setprofile(profile)
+cli(["train", {str(_tiny_config(tmp_path))!r}], prog_name="hfsdp")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ENTERED ['config', 'rules', 'setup']" in proc.stdout, proc.stdout[-2000:]
+
+
+def _tiny_config(tmp_path):
+    from conftest import tiny_config
+
+    return tiny_config(tmp_path, plugins=["lora"])  # a plugin with rules of its own, in the config and model phases

@@ -61,6 +61,63 @@ def test_the_parallel_degrees_are_one_value_from_the_config_and_the_world(tmp_pa
     assert got.gradient_ranks == got.dp_size * sp and got.row_copies == tp * sp
 
 
+@pytest.mark.parametrize("size, fsdp, parallel, dims, wrapper, fsdp1", [
+    (8, {}, {"dp_replicate_size": 2}, (2, 4), "fsdp2", "HYBRID_SHARD"),  # HSDP by degrees, no strategy name
+    (8, {"sharding_strategy": "SHARD_GRAD_OP"}, {"dp_replicate_size": 4}, (4, 2), "fsdp2", "HYBRID_SHARD"),
+    (4, {}, {"dp_replicate_size": 4}, (4, 1), "ddp", "NO_SHARD"),  # replicas only: FSDP2 is DDP, FSDP1 NO_SHARD
+    (8, {}, {"dp_replicate_size": 2, "dp_shard_size": 4}, (2, 4), "fsdp2", "HYBRID_SHARD"),  # given, and the rest
+    (8, {}, {"dp_shard_size": -1}, (1, 8), "fsdp2", "FULL_SHARD"),  # -1: the rest
+])
+def test_every_data_parallel_degree_is_a_key_of_the_parallel_section(tmp_path, size, fsdp, parallel, dims, wrapper,
+                                                                     fsdp1):
+    """``parallel.dp_replicate_size`` and ``dp_shard_size`` give the data-parallel degrees as the strategy names
+    spell them: replicas and shards make HSDP (FSDP1's HYBRID_SHARD), replicas alone DDP (FSDP1's NO_SHARD)."""
+    config = _config(tmp_path, fsdp=fsdp, parallel=parallel)
+    got = ParallelDims.of(config.fsdp, config.parallel, size, size)
+    assert ((got.dp_replicate, got.dp_shard), got.wrapper, got.fsdp1_strategy(config.fsdp.sharding_strategy)) == (
+        dims, wrapper, fsdp1)
+    assert got.problems(config) == [] and got.dp_replicate * got.dp_shard * got.sp * got.tp == size
+    assert got.hybrid == (fsdp1 == "HYBRID_SHARD")
+
+
+@pytest.mark.parametrize("size, fsdp, parallel, key, says", [
+    (8, {}, {"dp_replicate_size": 3}, "parallel.dp_replicate_size", "3 does not divide the 8 data-parallel ranks"),
+    (8, {}, {"dp_replicate_size": 2, "dp_shard_size": 2}, "parallel.dp_shard_size",
+     "2 x dp_replicate_size 2 is 4, not the world size 8: set it to 4, or remove it"),
+    (8, {}, {"dp_shard_size": 4}, "parallel.dp_shard_size",
+     "4 is not the world size 8: remove it (FSDP shards over every rank), or set parallel.dp_replicate_size"),
+])
+def test_degrees_the_world_does_not_make_are_refused_with_their_key(tmp_path, size, fsdp, parallel, key, says):
+    config = _config(tmp_path, fsdp=fsdp, parallel=parallel)
+    with pytest.raises(ConfigError) as err:
+        enforce(config, Facts(PluginHost(config.plugins), _world(size)), ("world",))
+    assert [k for k, _ in err.value.problems] == [key] and says in err.value.problems[0][1], err.value.problems
+
+
+@pytest.mark.parametrize("fsdp, parallel, key", [
+    ({"sharding_strategy": "HYBRID_SHARD"}, {"dp_replicate_size": 2}, "parallel.dp_replicate_size"),
+    ({"sharding_strategy": "NO_SHARD"}, {"dp_shard_size": 4}, "parallel.dp_shard_size"),
+])
+def test_the_data_parallel_degrees_are_given_in_one_place(tmp_path, fsdp, parallel, key):
+    """A strategy name that spells the degrees (HYBRID_SHARD, NO_SHARD) and the same degree given as a key: which
+    one is meant is asked, not guessed."""
+    from hfsdp.rules import parallel as parallel_rules
+
+    problems = parallel_rules.config_problems(_config(tmp_path, fsdp=fsdp, parallel=parallel))
+    assert [k for k, _ in problems] == [key] and "spells the data-parallel degrees itself" in problems[0][1]
+
+
+def test_what_the_degrees_wrap_the_model_in_is_checked_in_the_world(tmp_path):
+    """Replicas only (DDP by the degrees) write one file per checkpoint: background saves are refused there, as for
+    NO_SHARD; FSDP1 with replicas is HYBRID_SHARD, which CPU rehearsal cannot run."""
+    ddp = _config(tmp_path, train={"async_save": True}, parallel={"dp_replicate_size": 2})
+    with pytest.raises(ConfigError, match="train.async_save: the parallel degrees shard nothing"):
+        enforce(ddp, Facts(PluginHost([]), _world(2)), ("world",))
+    fsdp1 = _config(tmp_path, fsdp={"version": 1}, parallel={"dp_replicate_size": 2})
+    with pytest.raises(ConfigError, match="fsdp.version 1 with parallel.dp_replicate_size"):
+        enforce(fsdp1, Facts(PluginHost([]), _world(4)), ("world",))
+
+
 @pytest.mark.parametrize("size, fsdp, wrapper", [
     (1, {}, "none"), (2, {}, "fsdp2"), (1, {"single_process": "fsdp"}, "fsdp2"), (2, {"version": 1}, "fsdp1"),
     (2, {"sharding_strategy": "NO_SHARD"}, "ddp"), (1, {"sharding_strategy": "NO_SHARD"}, "none"),

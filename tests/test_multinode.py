@@ -5,7 +5,8 @@ rendezvous on 127.0.0.1, launched by the committed cluster files themselves:
   Slurm does with it (``srun`` starts the command once per node, here as two local processes): FULL_SHARD over 4
   ranks;
 * ``deploy/k8s/hfsdp-job.yaml``: its container command runs as two pods would run it (index 0 and 1, the env of
-  the manifest with the local rendezvous address and sizes): HYBRID_SHARD, each shard group inside one "node".
+  the manifest with the local rendezvous address and sizes): HYBRID_SHARD, each shard group inside one "node";
+* ``parallel.dp_replicate_size``: HYBRID_SHARD given as a degree, on one node.
 
 Both give the losses of one process on the same global batch, and their last SHARDED checkpoint exports exactly the
 final weights. The files are also checked as files: ``bash -n``, the YAML parses into a Service and an Indexed Job,
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, base_env, free_port, run_cli, step_losses, tiny_config
+from conftest import REPO, base_env, free_port, run_cli, run_torchrun, step_losses, tiny_config
 from test_multirank import assert_same_weights, export, weights
 
 SLURM = REPO / "deploy" / "slurm" / "hfsdp.sbatch"
@@ -133,6 +134,22 @@ def test_k8s_job_command_trains_hybrid_shard_over_two_nodes(single, tmp_path):
     assert [pod.returncode for pod in pods] == [0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "HYBRID_SHARD (replicate 2 x shard 2)" in "".join(outputs)
     check_against_one_process(tmp_path / "run", single, "k8s Job command, HYBRID_SHARD, 2 nodes x 2", tmp_path)
+
+
+@pytest.mark.slow
+def test_replicas_given_as_a_degree_train_hybrid_shard(single, tmp_path):
+    """``parallel.dp_replicate_size: 2`` with FULL_SHARD is HYBRID_SHARD by the degrees, no strategy name needed:
+    on 4 ranks FSDP2 shards each parameter over 2 of them and replicates over the other pair (a rank holds half the
+    model, not a quarter), and the steps are one process's."""
+    import json
+
+    config = tiny_config(tmp_path, train={**TRAIN, "per_device_batch_size": 1},
+                         fsdp={"version": 2, "sharding_strategy": "FULL_SHARD"}, parallel={"dp_replicate_size": 2})
+    proc = run_torchrun(4, "train", str(config))
+    assert "FULL_SHARD (replicate 2 x shard 2)" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    report = json.loads((tmp_path / "run" / "startup_rank0.json").read_text())
+    assert 0.45 < report["param_bytes_this_rank"] / report["param_bytes_full_model"] < 0.55, report
+    check_against_one_process(tmp_path / "run", single, "parallel.dp_replicate_size 2, 4 ranks", tmp_path)
 
 
 @pytest.mark.slow
