@@ -36,21 +36,25 @@ def hfsdp_config_section():
 def hfsdp_validate_config(config):
     """Check the validated config as a whole. Return a list of ``(yaml_path, message)`` problems, or None.
 
-    Runs in every process before any model or data is loaded; problems are reported together with the core's
-    own. When a section has problems of its own, reading it here skips this check (the user sees that section's
-    problems instead).
+    The older spelling of a ``config`` rule (``hfsdp_rules`` is the one way hfsdp's own plugins add rules, and says
+    more: the phase). Runs in every process before any model or data is loaded; problems are reported together with
+    the core's own. When a section has problems of its own, reading it here skips this check (the user sees that
+    section's problems instead).
     """
 
 
 @hookspec
 def hfsdp_rules():
     """Add rules to hfsdp's rule table (:mod:`hfsdp.rules.table`): return a list of ``hfsdp.rules.table.Rule`` or
-    None. Each rule has a phase, the config keys it names and a check ``(config, facts) -> [(yaml_path, message)]``:
-    ``config`` (the config alone: what ``hfsdp validate`` reports), ``data`` (the data files it names), ``world``
-    (``facts.world``: the launched world and its parallel degrees, checked before anything loads, and by ``hfsdp
-    plan`` for every row it predicts) or ``model`` (``facts.model_config``: the architecture's config, no weights).
-    ``facts.plugins`` is the plugin host. A rule's problems are reported together with the core's; a rule that reads
-    a section with problems of its own is skipped.
+    None. Each rule has a phase, the config keys it names and a check ``(config, facts) -> [(yaml_path, message)]``
+    (a ``ConfigError`` it raises is read the same way), every phase before any weight loads: ``config`` (the config
+    alone: what ``hfsdp validate`` reports), ``data`` (the data files it names), ``world`` (``facts.world``: the
+    launched world and its parallel degrees, ``facts.world.dims``, with the wrapper they make; also by ``hfsdp plan``
+    for every row it predicts), ``trial`` (a small trial on torch, ``hfsdp train`` and ``hfsdp validate`` with its
+    rows) or ``model`` (``facts.model_config``: the architecture's config, no weights; ``facts.tokenizer``, None in
+    ``hfsdp plan``; also by ``hfsdp export`` for the checkpoint's model). ``facts.plugins`` is the plugin host. A
+    rule's problems are reported together with the core's, before them; a rule that reads a section with problems of
+    its own is skipped.
     """
 
 
@@ -147,9 +151,10 @@ def hfsdp_packed_row_tokens(config):
 def hfsdp_before_model_load(config, world, model_config, setup):
     """The process group is up and the data is prepared; the model is about to be loaded. Every rank.
 
-    ``world`` is an :class:`hfsdp.parallel.world.World` (``rank``, ``size``, ``local_size``, ``on_cpu``);
-    ``model_config`` is the model's transformers config (no weight is loaded yet): raise a ``ConfigError`` here for
-    a combination the model cannot run, before any weight loads. ``setup`` is the run as decided before anything
+    ``world`` is an :class:`hfsdp.parallel.world.World` (``rank``, ``size``, ``local_size``, ``on_cpu``, ``dims``);
+    ``model_config`` is the model's transformers config (no weight is loaded yet): a ``ConfigError`` raised here
+    still stops the run before any weight loads, but a ``model`` rule (``hfsdp_rules``) says it earlier, with the
+    other problems, and in ``hfsdp export``. ``setup`` is the run as decided before anything
     loaded (:class:`hfsdp.setup.decide.RunSetup`: ``wrapper`` ``none``/``ddp``/``fsdp1``/``fsdp2``, ``world``, the
     effective ``config``, the ``resume`` point). ``hfsdp plan`` calls it for each row it predicts (rank 0 of that
     row's world, no resume): a ConfigError raised here is the row's reason it cannot run.
