@@ -18,11 +18,13 @@ from hfsdp.config.reference import core_reference, hook_reference, plugin_refere
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 # The packages in the order a run meets them; every package of hfsdp/ must be named here (a new one fails --check).
-PACKAGES = ["config", "hooks", "disk", "layout", "rules", "setup", "data", "model", "parallel", "checkpoint", "export", "run",
-            "run/sharded", "tools", "tools/plan", "builtin", "builtin/lora", "builtin/dpo", "builtin/grpo",
-            "builtin/rloo", "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
-            "builtin/gguf_export", "builtin/online",
-            "builtin/reference_model"]
+PACKAGES = ["config", "hooks", "disk", "layout", "rules", "setup", "data", "model", "parallel", "checkpoint", "export",
+            "run", "run/sharded", "tools", "tools/plan", "builtin", "builtin/text", "builtin/instruction",
+            "builtin/chat", "builtin/preference", "builtin/unpaired", "builtin/prompt", "builtin/packing",
+            "builtin/lora", "builtin/dpo", "builtin/orpo", "builtin/simpo", "builtin/grpo", "builtin/rloo",
+            "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
+            "builtin/safetensors_export", "builtin/gguf_export", "builtin/bench_probe", "builtin/online",
+            "builtin/reference_model", "builtin/reference_free"]
 FLOW = """\
 # Architecture
 

@@ -87,7 +87,7 @@ def test_a_pair_shares_one_row_and_each_sequence_reads_back_its_own_targets(tiny
 def test_packed_forwards_give_each_pair_its_unpacked_log_probs(tiny):
     """DPO's completion log-probs (sums of about -350 over a completion), ORPO's NLL over the chosen rows (prompt
     included) and SimPO's average log-probs: within 1e-6 relative, float32's noise of other matrix shapes."""
-    from hfsdp.builtin.reference_free import ORPO, SimPO
+    from hfsdp.builtin.reference_free.loss import ORPO, SimPO
 
     model, tokenizer = tiny
     rows = pairs(tokenizer, 4)

@@ -1,5 +1,5 @@
-"""Reference-free preference losses (plugins ``orpo`` and ``simpo``, :mod:`hfsdp.builtin.reference_free`): the loss
-and every logged metric equal TRL 1.16's ``ORPOTrainer`` and ``CPOTrainer(loss_type="simpo")`` on the same rows and
+"""Reference-free preference losses (plugins ``orpo`` and ``simpo``, :mod:`hfsdp.builtin.reference_free.loss`): the
+loss and every logged metric equal TRL 1.16's ``ORPOTrainer`` and ``CPOTrainer(loss_type="simpo")`` on the same rows and
 model (TRL's own methods, called on the shrunk SmolLM2, not copies of their formulas). Through the real CLI:
 tests/test_combinations.py (the smoke and resume matrices, and 2 ranks computing what one process computes, the
 NLL term being a token mean over the global batch). The 6-step training comparison against TRL is
@@ -84,8 +84,8 @@ SHARED = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejec
 def test_orpo_loss_and_metrics_equal_trls_orpo_trainer(model_and_rows):
     from trl.experimental.orpo import ORPOTrainer
 
-    from hfsdp.builtin.orpo import OrpoSection
-    from hfsdp.builtin.reference_free import ORPO
+    from hfsdp.builtin.orpo.schema import OrpoSection
+    from hfsdp.builtin.reference_free.loss import ORPO
 
     model, rows, pad_id = model_and_rows
     trainer = trl_trainer(ORPOTrainer, pad_id, beta=0.25)
@@ -100,8 +100,8 @@ def test_orpo_loss_and_metrics_equal_trls_orpo_trainer(model_and_rows):
 def test_simpo_loss_and_metrics_equal_trls_cpo_trainer(model_and_rows, nll_weight):
     from trl.experimental.cpo import CPOTrainer
 
-    from hfsdp.builtin.reference_free import SimPO
-    from hfsdp.builtin.simpo import SimpoSection
+    from hfsdp.builtin.reference_free.loss import SimPO
+    from hfsdp.builtin.simpo.schema import SimpoSection
 
     model, rows, pad_id = model_and_rows
     trainer = trl_trainer(CPOTrainer, pad_id, beta=2.0, loss_type="simpo", simpo_gamma=0.7, cpo_alpha=nll_weight)
@@ -114,7 +114,7 @@ def test_simpo_loss_and_metrics_equal_trls_cpo_trainer(model_and_rows, nll_weigh
 
 def test_the_odds_ratio_is_stable_near_zero_and_far_below():
     """log(1 - e^x) without cancellation both near 0 (a near-certain completion) and far below (a long one)."""
-    from hfsdp.builtin.reference_free import log1mexp
+    from hfsdp.builtin.reference_free.loss import log1mexp
 
     x = torch.tensor([-1e-7, -0.5, -0.7, -30.0], dtype=torch.float64)
     assert torch.allclose(log1mexp(x.float()).double(), torch.log(-torch.expm1(x)), rtol=1e-6)

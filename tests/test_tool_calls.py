@@ -1,4 +1,4 @@
-"""Generation eval of a tool-calling turn (``hfsdp.builtin.tool_calls``): the first tool call parsed out of the
+"""Generation eval of a tool-calling turn (``hfsdp.builtin.chat.tool_calls``): the first tool call parsed out of the
 generated text, its name and arguments compared with the reference's as JSON values; a split's own score used in
 place of the text comparison, and the summary saying what was compared."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hfsdp.builtin.tool_calls import ToolCallMatch, parse_calls, same_json
+from hfsdp.builtin.chat.tool_calls import ToolCallMatch, parse_calls, same_json
 from hfsdp.run.generation import GenerationItem, compared
 
 CALL = {"type": "function", "function": {"name": "lookup_contact", "arguments": {"name": "Ingrid Okafor"}}}

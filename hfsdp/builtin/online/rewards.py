@@ -16,7 +16,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from hfsdp.builtin.online.schema import OnlineSection
-from hfsdp.builtin.tool_calls import call_of, same_json
+from hfsdp.builtin.chat.tool_calls import call_of, same_json
 
 
 def installed_rewards(enabled: list[str], plugin: str) -> dict[str, tuple[str, Callable[..., Any]]]:

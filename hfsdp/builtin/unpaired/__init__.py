@@ -1,5 +1,7 @@
 """Format ``unpaired``: a prompt, one completion and whether it is desirable, for unpaired preference objectives
-(``kto``; ``data.format: unpaired`` needs one enabled). The rows are TRL's unpaired preference datasets (KTO's):
+(``kto``; ``data.format: unpaired`` needs one enabled).
+
+The rows are TRL's unpaired preference datasets (KTO's):
 
 * plain text: ``prompt`` and ``completion`` strings, ``label`` ``true`` (desirable) or ``false``; the tokenizer's EOS
   text ends each completion (added where it is missing);

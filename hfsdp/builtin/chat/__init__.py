@@ -36,7 +36,7 @@ import json
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.builtin import tool_calls
+from hfsdp.builtin.chat import tool_calls
 from hfsdp.errors import RowError, UserError
 from hfsdp.model import chat_template
 
@@ -402,7 +402,7 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
     """Generation eval of a conversation: the conversation before its first assistant turn that calls tools, else
     before its last assistant turn (chat template, the row's tools, generation prompt), the turn before it shown, and
     the reference: that turn's tool calls, with the score that compares the first call generated with them (name and
-    arguments as JSON values, :class:`hfsdp.builtin.tool_calls.ToolCallMatch`), else the answer's text."""
+    arguments as JSON values, :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`), else the answer's text."""
     messages = conversation(row[messages_field(data_config, list(row))], data_config)
     tools = tools_of(row[TOOLS_FIELD]) if TOOLS_FIELD in row else None
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

@@ -35,10 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
 from hfsdp import hookimpl
-from hfsdp.config.schema import Section
+from hfsdp.builtin.bench_probe.schema import BenchProbeSection
 from hfsdp.tools.bench import SPLIT
 
 _state: dict[str, Any] = {}
@@ -48,15 +46,6 @@ STEP_MARK = "bench_probe.step_end"
 # and of collectives in flight (the communication threads' events: "gloo:all_gather", "nccl:all_reduce", ...).
 FSDP_EVENTS = ("FSDP::", "FullyShardedDataParallel.")
 COLLECTIVE_EVENTS = ("gloo:", "nccl:")
-
-
-class BenchProbeSection(Section):
-    activations: bool = Field(False, description="count the bytes autograd keeps for backward at the end of each "
-                                                 "forward, and their peak (saved_activations_peak); a hook on every "
-                                                 "saved tensor, which slows the steps a little.")
-    profile: bool = Field(False, description="split every step with torch.profiler (hfsdp bench --profile; CPU "
-                                             "runs): forward, backward, FSDP hooks, clipping, optimizer, the rest, "
-                                             "and collectives in flight.")
 
 
 @hookimpl
