@@ -381,21 +381,31 @@ def _needs_template(tokenizer) -> None:
                         f"{type(tokenizer).__name__}: use the model's tokenizer.json")
 
 
-def tokenize_chat(batch, tokenizer, data_config):
-    _needs_template(tokenizer)
-    field = messages_field(data_config, list(batch))
-    ids, labels = [], []
-    for position, messages in enumerate(batch[field]):
+def tokenized_rows(batch, size: int, columns: tuple[str, ...], tokenize_row) -> dict[str, list]:
+    """The ``columns`` of a format's tokenized ``batch`` of ``size`` rows: ``tokenize_row(position, tools)`` of each
+    row (``tools``: the row's :data:`TOOLS_FIELD` entry, None without that column), a RowError naming its row."""
+    out: dict[str, list] = {column: [] for column in columns}
+    for position in range(size):
         try:
-            chat = conversation(messages, data_config)
-            tools = tools_of(batch[TOOLS_FIELD][position]) if TOOLS_FIELD in batch else None
-            row_ids, row_labels = tokenize_conversation(chat, tokenizer, tools, data_config.train_earlier_thinking)
+            row = tokenize_row(position, batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
         except RowError as err:
             err.position = position
             raise
-        ids.append(row_ids)
-        labels.append(row_labels)
-    return {"input_ids": ids, "labels": labels}
+        for column in columns:
+            out[column].append(row[column])
+    return out
+
+
+def tokenize_chat(batch, tokenizer, data_config):
+    _needs_template(tokenizer)
+    messages = batch[messages_field(data_config, list(batch))]
+
+    def tokenize_row(position, tools):
+        chat = conversation(messages[position], data_config)
+        ids, labels = tokenize_conversation(chat, tokenizer, tools_of(tools), data_config.train_earlier_thinking)
+        return {"input_ids": ids, "labels": labels}
+
+    return tokenized_rows(batch, len(messages), ("input_ids", "labels"), tokenize_row)
 
 
 def generation_prompt(row, data_config, tokenizer) -> tuple:

@@ -29,7 +29,7 @@ import math
 from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.builtin.chat import TOOLS_FIELD, chat_ids, conversation, tools_of
+from hfsdp.builtin.chat import chat_ids, conversation, tokenized_rows, tools_of
 from hfsdp.errors import RowError, UserError
 
 ALWAYS_ON = True
@@ -37,7 +37,8 @@ FORMAT = "preference"
 COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def _is_empty(value: Any) -> bool:
+def is_empty(value: Any) -> bool:
+    """A missing value, an empty or blank text, or an empty list of messages."""
     return value is None or (isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value))
 
 
@@ -62,10 +63,38 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def tokenize_completions(prompt: Any, completions: list[Any], tokenizer, data_config, tools: Any,
+                         what: str) -> list[tuple[list[int], list[int]]]:
+    """Each completion after ``prompt`` as token ids and labels, as TRL's ``DPOTrainer`` and ``KTOTrainer`` tokenize
+    them (the preference and the unpaired formats): the prompt alone (messages: with the generation prompt) and each
+    prompt + completion are tokenized, the completions start where the tokenized prompt and a tokenized prompt +
+    completion first differ (the earliest of them), and only their tokens carry labels. Texts end with the
+    tokenizer's EOS text (added where it is missing); lists of messages are rendered with the chat template and the
+    row's ``tools``. A RowError when the prompt alone fills ``data.max_seq_len``; ``what`` names the rows in the
+    UserError of a tokenizer without a chat template."""
+    if isinstance(completions[0], list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"conversational {what} data needs a tokenizer with a chat template; this one has none")
+        prompt, *completions = (conversation(m, data_config) if m else [] for m in (prompt, *completions))
+        tools = tools_of(tools)
+        prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True) if prompt else []
+        ids = [chat_ids(prompt + c, tokenizer, tools) for c in completions]
+    else:
+        eos = tokenizer.eos_token or ""
+        completions = [c if c.endswith(eos) else c + eos for c in completions]
+        prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+        ids = [tokenizer(prompt + c)["input_ids"] for c in completions]
+    start = min(_common_prefix(prompt_ids, i) for i in ids)
+    if start >= data_config.max_seq_len:
+        raise RowError(f"the prompt has {start} tokens and fills data.max_seq_len ({data_config.max_seq_len}): no "
+                       "completion token would be trained; raise data.max_seq_len or shorten the prompt")
+    return [(i, [IGNORE_INDEX] * start + i[start:]) for i in ids]
+
+
 def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config, tools: Any = None) -> dict[str, Any]:
     """One row's token ids and labels (see the module docstring), or a RowError saying what is wrong with it."""
     for name, value in (("chosen", chosen), ("rejected", rejected)):
-        if _is_empty(value):
+        if is_empty(value):
             raise RowError(f"the {name} completion is {'missing' if value is None else 'empty'}: every row needs a "
                            "non-empty chosen and rejected completion")
     if chosen == rejected:
@@ -76,24 +105,10 @@ def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_confi
                        "lists of messages")
     if prompt is None:
         prompt, chosen, rejected = split_prompt(chosen, rejected)
-    if conversational:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("conversational preference data needs a tokenizer with a chat template; this one has none")
-        prompt, chosen, rejected = (conversation(m, data_config) if m else [] for m in (prompt, chosen, rejected))
-        tools = tools_of(tools)
-        prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True) if prompt else []
-        chosen_ids, rejected_ids = chat_ids(prompt + chosen, tokenizer, tools), chat_ids(prompt + rejected, tokenizer, tools)
-    else:
-        eos = tokenizer.eos_token or ""
-        chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
-        prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
-        chosen_ids, rejected_ids = tokenizer(prompt + chosen)["input_ids"], tokenizer(prompt + rejected)["input_ids"]
-    start = min(_common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids))
-    if start >= data_config.max_seq_len:
-        raise RowError(f"the prompt has {start} tokens and fills data.max_seq_len ({data_config.max_seq_len}): no "
-                       "completion token would be trained; raise data.max_seq_len or shorten the prompt")
-    return {"input_ids": chosen_ids, "labels": [IGNORE_INDEX] * start + chosen_ids[start:],
-            "rejected_input_ids": rejected_ids, "rejected_labels": [IGNORE_INDEX] * start + rejected_ids[start:]}
+    (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = tokenize_completions(
+        prompt, [chosen, rejected], tokenizer, data_config, tools, FORMAT)
+    return {"input_ids": chosen_ids, "labels": chosen_labels,
+            "rejected_input_ids": rejected_ids, "rejected_labels": rejected_labels}
 
 
 MARGIN = "margin"
@@ -113,30 +128,32 @@ def tokenize_preference(batch, tokenizer, data_config):
         raise UserError(f"preference data needs the columns chosen and rejected (and prompt, unless chosen and "
                         f"rejected share it); missing: {', '.join(missing)}; columns: {', '.join(batch)}")
     prompts = batch.get("prompt") or [None] * len(batch["chosen"])
-    out: dict[str, list] = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": []}
     margins = batch.get(MARGIN)
+
+    def tokenize_row(position, tools):
+        row = tokenize_pair(prompts[position], batch["chosen"][position], batch["rejected"][position], tokenizer,
+                            data_config, tools)
+        if margins is not None:
+            row[MARGIN] = margin_of(margins[position])
+        return row
+
+    columns = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
     if margins is not None:
-        out[MARGIN] = []
-    for position, (prompt, chosen, rejected) in enumerate(zip(prompts, batch["chosen"], batch["rejected"])):
-        try:
-            row = tokenize_pair(prompt, chosen, rejected, tokenizer, data_config,
-                                batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
-            if margins is not None:
-                row[MARGIN] = margin_of(margins[position])
-        except RowError as err:
-            err.position = position
-            raise
-        for key, value in row.items():
-            out[key].append(value)
-    return out
+        columns += (MARGIN,)
+    return tokenized_rows(batch, len(batch["chosen"]), columns, tokenize_row)
+
+
+def rows_problems(config, plugin: str, format_name: str, columns: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The problem of a run of ``plugin``'s objective whose data is not ``format_name`` rows (none if it is)."""
+    if config.data.format == format_name:
+        return []
+    return [("data.format", f"{plugin} trains on {format_name} rows ({', '.join(columns)}), not "
+                            f"'{config.data.format}': set data.format: {format_name}")]
 
 
 def format_problems(config, plugin: str) -> list[tuple[str, str]]:
     """The problem of a preference objective's run whose data is not ``preference`` rows (none if it is)."""
-    if config.data.format == FORMAT:
-        return []
-    return [("data.format", f"{plugin} trains on preference rows (prompt, chosen, rejected), not "
-                            f"'{config.data.format}': set data.format: {FORMAT}")]
+    return rows_problems(config, plugin, FORMAT, COLUMNS)
 
 
 @hookimpl

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from hfsdp import hookimpl
-from hfsdp.builtin.chat import TOOLS_FIELD, chat_ids, conversation, tools_of
+from hfsdp.builtin.chat import chat_ids, conversation, tokenized_rows, tools_of
 from hfsdp.errors import RowError, UserError
 
 ALWAYS_ON = True
@@ -47,22 +47,17 @@ def tokenize_prompt(batch, tokenizer, data_config):
     if "prompt" not in batch:
         raise UserError(f"prompt data needs a column 'prompt' (a text or a list of messages); columns: "
                         f"{', '.join(batch)}")
-    out: dict[str, list] = {"input_ids": [], "labels": [], ROW_COLUMN: []}
     columns = list(batch)
-    for position, prompt in enumerate(batch["prompt"]):
-        try:
-            ids = prompt_ids(prompt, tokenizer, data_config, batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
-            if len(ids) > data_config.max_seq_len and data_config.too_long != "drop":
-                raise RowError(f"the prompt has {len(ids)} tokens, over data.max_seq_len ({data_config.max_seq_len}); "
-                               "cutting it would cut the generation prompt: raise data.max_seq_len, shorten the "
-                               "prompt, or set data.too_long: drop")
-        except RowError as err:
-            err.position = position
-            raise
-        out["input_ids"].append(ids)
-        out["labels"].append(ids)
-        out[ROW_COLUMN].append(json.dumps({c: batch[c][position] for c in columns}))
-    return out
+
+    def tokenize_row(position, tools):
+        ids = prompt_ids(batch["prompt"][position], tokenizer, data_config, tools)
+        if len(ids) > data_config.max_seq_len and data_config.too_long != "drop":
+            raise RowError(f"the prompt has {len(ids)} tokens, over data.max_seq_len ({data_config.max_seq_len}); "
+                           "cutting it would cut the generation prompt: raise data.max_seq_len, shorten the "
+                           "prompt, or set data.too_long: drop")
+        return {"input_ids": ids, "labels": ids, ROW_COLUMN: json.dumps({c: batch[c][position] for c in columns})}
+
+    return tokenized_rows(batch, len(batch["prompt"]), ("input_ids", "labels", ROW_COLUMN), tokenize_row)
 
 
 @hookimpl
