@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import RunRegistry, read_metrics
+from conftest import REPO, RunRegistry, read_metrics
 from test_combinations import STEPS, TRAIN, smoke_sections
 
 # The smoke matrix's steps (TRAIN: 4 steps, a checkpoint every 2, a constant LR, which schedule-free needs, weight
@@ -421,3 +421,21 @@ def test_the_arguments_table_is_each_optimizers_signature_less_what_hfsdp_sets()
         signature = inspect.signature(choice.load()).parameters.values()
         assert choice.takes == tuple(p.name for p in signature if p.name not in set_by_hfsdp(choice)
                                      and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)), name
+
+
+def test_every_extra_pins_the_optional_packages_as_the_install_hints_name_them():
+    """bitsandbytes (the 4-bit base, adamw_8bit) and schedulefree are declared once in hfsdp, where the refusal of a
+    run that needs one says what to install; pyproject.toml's extras pin the same versions."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from hfsdp.rules.optimizers import SCHEDULEFREE
+    from hfsdp.rules.quantization import BITSANDBYTES
+
+    pins = {Requirement(pin).name: pin for pin in (BITSANDBYTES, SCHEDULEFREE)}
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    found = [(extra, requirement) for extra, requirements in extras.items() for requirement in requirements
+             if Requirement(requirement).name in pins]
+    assert {extra for extra, _ in found} == {"optimizers", "qlora", "test"}, found
+    assert all(requirement == pins[Requirement(requirement).name] for _, requirement in found), found

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hfsdp.config.schema import OPTIMIZER_NAMES
+from hfsdp.rules.quantization import BITSANDBYTES
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig, TrainConfig
@@ -46,10 +47,7 @@ class Choice:
         return importlib.util.find_spec(module) is not None
 
 
-BITSANDBYTES = "bitsandbytes==0.50.2"  # the version hfsdp is tested with (pyproject's optimizers and qlora extras)
-
-
-SCHEDULEFREE = "schedulefree==1.4.1"
+SCHEDULEFREE = "schedulefree==1.4.1"  # the version hfsdp is tested with (pyproject's optimizers extra)
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes' 8-bit block size and its smallest 8-bit tensor (its default)
 
 

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
 
 
-BITSANDBYTES = "bitsandbytes==0.50.2"  # what hfsdp is tested with (pyproject's qlora extra)
+# The bitsandbytes hfsdp is tested with: the 4-bit base and train.optimizer adamw_8bit (pyproject's qlora and
+# optimizers extras pin it too; tests/test_optimizers.py holds them to it).
+BITSANDBYTES = "bitsandbytes==0.50.2"
 
 
 # bitsandbytes' blocks: one absmax per 64 weights; double quantization quantizes 256 absmax values at a time.
