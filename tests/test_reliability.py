@@ -629,6 +629,38 @@ def stopped(proc, exit_code: int = 1) -> str:
     return error_line(proc)
 
 
+def test_one_process_at_a_time_builds_a_cache_entry_and_a_killed_holders_lock_is_free(tmp_path):
+    """The built-in models' cache and the preprocessing cache build each entry under
+    :func:`hfsdp.disk.lock.one_at_a_time`: another process waits while the holder lives, and goes on once it is
+    killed (-9: the kernel drops the lock; its file stays)."""
+    import sys
+    import threading
+
+    from hfsdp.disk.lock import one_at_a_time
+
+    lock = tmp_path / "cache" / ".entry.lock"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom hfsdp.disk.lock import one_at_a_time\n"
+              "with one_at_a_time(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(300)\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(lock)], env=base_env(), stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        entered = threading.Event()
+
+        def build():
+            with one_at_a_time(lock):
+                entered.set()
+
+        builder = threading.Thread(target=build)
+        builder.start()
+        assert not entered.wait(1.0), "entered while another process held the lock"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert entered.wait(60), "the killed holder's lock was not freed"
+    builder.join()
+    assert lock.is_file()
+
+
 def wait_until_stopped(pid: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

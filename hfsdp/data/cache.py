@@ -1,6 +1,7 @@
 """The preprocessing cache: a tokenized dataset is built once per node (the first process builds the entry under a
-file lock, the others poll for it instead of waiting in a collective that could time out) and an entry is complete
-or absent (written into a temporary folder, fsynced, renamed into place, its record last).
+file lock, :func:`hfsdp.disk.lock.one_at_a_time`; the others poll for it instead of waiting in a collective that
+could time out) and an entry is complete or absent (written into a temporary folder, fsynced, renamed into place,
+its record last).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hfsdp.disk.lock import one_at_a_time
 from hfsdp.disk.space import OutOfSpace, disk_full, folder_bytes, size_text
 from hfsdp.config.schema import DataConfig
 from hfsdp.errors import UserError
@@ -109,8 +111,6 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[An
     """The cached (DatasetDict, meta) for ``key``, or built and stored atomically by the builders (one at a time
     per cache folder, under a file lock), while the other processes poll for the complete entry; returns
     (dataset, meta, hit)."""
-    from filelock import FileLock
-
     if cache_dir is None:
         return *build(), False
     target = cache_dir / "datasets" / key
@@ -129,7 +129,7 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[An
                     raise UserError(failure["message"])
                 raise RuntimeError(f"the preprocessing of this node failed in its first process: {failure['message']}")
             time.sleep(POLL_S)
-    with FileLock(str(target) + ".lock"):
+    with one_at_a_time(target.with_name(f"{key}.lock")):
         for stale in target.parent.glob(f"{key}.tmp-*"):  # a builder killed midway (only a lock holder makes them)
             shutil.rmtree(stale, ignore_errors=True)
         if (target / CACHE_META).is_file():

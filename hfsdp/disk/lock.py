@@ -1,7 +1,12 @@
-"""One run per output folder: :class:`RunLock`, held by the main process for the life of the run."""
+"""Locks on files, one mechanism (:func:`flock`, the kernel's: released when its file is closed or its process ends,
+however it ends, kill -9 included, so no lock outlives its holder): one run per output folder (:class:`RunLock`,
+held by the main process for the life of the run) and one process at a time building a cache entry
+(:func:`one_at_a_time`: the built-in models, the preprocessing cache). A lock file stays where it is: deleting it
+could let two processes lock two different files."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -11,11 +16,47 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hfsdp.errors import UserError
 
 LOCK_NAME = ".hfsdp-run.lock"  # in train.output_dir, held (flock) by rank 0 for the life of the run
+# What flock fails with on a file system that has no locks (some network and FUSE file systems).
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class NoLocks(OSError):
+    """The file system of a lock file has no locks."""
+
+
+def flock(fd: int, *, shared: bool = False, wait: bool = False) -> None:
+    """Lock the open file ``fd``, exclusive or ``shared`` (with other shared holders), waiting while another process
+    holds it or not (``wait``); BlockingIOError when another process holds it and ``wait`` is False, :class:`NoLocks`
+    where its file system has no locks."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except OSError as err:
+        if err.errno in NO_LOCKS:
+            raise NoLocks(err.errno, err.strerror) from None
+        raise
+
+
+@contextlib.contextmanager
+def one_at_a_time(path: Path) -> Iterator[None]:
+    """The lock file ``path`` (made, with its folder) held while the block runs, waiting while another process holds
+    it: one process at a time, of this host or of any that shares the file system, runs the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            flock(fd, wait=True)
+        except NoLocks as err:
+            raise UserError(f"{path}: its file system does not support locks ({err.strerror}), which hfsdp's cache "
+                            "needs so that one process builds each entry; set HFSDP_CACHE_DIR to a folder on a local "
+                            "disk") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -34,15 +75,15 @@ class RunLock:
         path = Path(output_dir) / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd)
+        except NoLocks as err:
+            print(f"hfsdp: warning: {path}: the file system of train.output_dir does not support locks "
+                  f"({err.strerror}), so a second run into the folder is not refused", file=sys.stderr)
+            return cls(path, fd, os.fstat(fd).st_ino)
         except OSError as err:
-            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no locks on this fs
-                print(f"hfsdp: warning: {path}: the file system of train.output_dir does not support locks "
-                      f"({err.strerror}), so a second run into the folder is not refused", file=sys.stderr)
-                return cls(path, fd, os.fstat(fd).st_ino)
             holder = _holder(fd)
             os.close(fd)
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if not isinstance(err, BlockingIOError):
                 raise
             raise UserError(f"train.output_dir {output_dir} is in use by another run ({holder}), which holds "
                             f"{path}; nothing of it was changed. Wait for that run to end (or stop it), or set "
@@ -66,13 +107,13 @@ class RunLock:
             return None
         fd = os.open(path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            flock(fd, shared=True)
         except OSError as err:
             holder = _holder(fd)
             os.close(fd)
-            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            if isinstance(err, NoLocks):
                 return None
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if not isinstance(err, BlockingIOError):
                 raise
             raise UserError(f"--resume {checkpoint}: that checkpoint is in the folder of a run that is still training "
                             f"({holder}, which holds {path}); it may prune or replace the checkpoint while this run "

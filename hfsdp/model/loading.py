@@ -11,16 +11,15 @@ Built-in names (``model.name_or_path``):
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.metadata
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from hfsdp.config.schema import FSDPConfig, ModelConfig
+from hfsdp.disk.lock import one_at_a_time
 from hfsdp.errors import UserError
 from hfsdp.hooks.host import Lazy
 
@@ -52,23 +51,12 @@ def _gguf_path() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    """One process builds a cache entry; concurrent ranks and test runs wait for it instead of racing."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Build ``target`` in a temporary folder and rename it into place, so a half-built folder is never used."""
+    """Build ``target`` in a temporary folder and rename it into place, so a half-built folder is never used; one
+    process builds it, concurrent ranks and test runs wait for it instead of racing."""
     if (target / "config.json").is_file():
         return target
-    with _locked(target):
+    with one_at_a_time(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
