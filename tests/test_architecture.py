@@ -144,20 +144,25 @@ def test_every_import_points_down_the_layers():
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 
-def test_no_module_imports_itself_back():
-    graph = _graph()
+def _loops(graph: dict[str, set[str]]) -> list[str]:
+    """Each path of ``graph`` from a node's import back to itself, written ``a -> b -> a``."""
     loops = []
-    for start in graph:  # a path from a module's import back to itself
+    for start in graph:
         stack, seen = [(start, [start])], set()
         while stack:
             node, path = stack.pop()
-            for nxt in graph[node]:
+            for nxt in graph.get(node, ()):
                 if nxt == start:
                     loops.append(" -> ".join(path + [start]))
                 elif nxt not in seen:
                     seen.add(nxt)
                     stack.append((nxt, path + [nxt]))
-    assert not loops, "import loops:\n" + "\n".join(sorted(set(loops)))
+    return sorted(set(loops))
+
+
+def test_no_module_imports_itself_back():
+    loops = _loops(_graph())
+    assert not loops, "import loops:\n" + "\n".join(loops)
 
 
 def test_no_package_imports_itself_back_through_another():
@@ -170,19 +175,8 @@ def test_no_package_imports_itself_back_through_another():
     packages: dict[str, set[str]] = {}
     for module, targets in _graph().items():
         packages.setdefault(package(module), set()).update(package(t) for t in targets if package(t) != package(module))
-    loops = []
-    for start in packages:
-        stack = [(start, [start])]
-        seen = set()
-        while stack:
-            node, path = stack.pop()
-            for nxt in packages.get(node, ()):
-                if nxt == start:
-                    loops.append(" -> ".join(path + [start]))
-                elif nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, path + [nxt]))
-    assert not loops, "package loops:\n" + "\n".join(sorted(set(loops)))
+    loops = _loops(packages)
+    assert not loops, "package loops:\n" + "\n".join(loops)
 
 
 # What ``hfsdp validate --no-rows`` needs besides hfsdp itself: the schema's, the CLI's and the plugin host's packages.

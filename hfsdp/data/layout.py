@@ -22,6 +22,10 @@ import torch
 
 from hfsdp import IGNORE_INDEX
 
+# The model input of a packed micro-batch (with ``segments``): for each row, its sequences' (start, end) positions
+# (what :mod:`hfsdp.model.packed_attention` runs one at a time).
+SEGMENTS = "packed_segments"
+
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of item indices whose lengths sum to at most ``capacity`` each (an item longer than it: a bin of its
@@ -118,8 +122,7 @@ def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[i
     ``lengths`` are the sequences'. Where those rows would cost more than one sequence a row (:func:`layout_cost`
     with ``attention``: little padding to save, and rows twice as wide whose masked attention computes the whole
     square), the micro-batch is one sequence a row, without ``packing``: the same values either way. ``segments``:
-    the inputs name each row's sequences (:data:`hfsdp.model.packed_attention.SEGMENTS`), for an attention that
-    runs them one at a time."""
+    the inputs name each row's sequences (:data:`SEGMENTS`), for an attention that runs them one at a time."""
     from hfsdp.data.batches import micro_batch
 
     lengths = [sum(len(sequences[s]["input_ids"]) for s in item) for item in items]
@@ -134,8 +137,6 @@ def packed_micro_batch(sequences: list[dict[str, list[int]]], items: list[list[i
              for seq in sequences]
     batch.packing = packing_of(places, lasts, batch.inputs, batch.targets.shape, device)
     if segments:
-        from hfsdp.model.packed_attention import SEGMENTS
-
         spans: list[list[tuple[int, int]]] = [[] for _ in rows]
         for r, offset, n in sorted(places):
             spans[r].append((offset, offset + n))

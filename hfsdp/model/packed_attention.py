@@ -1,6 +1,7 @@
 """Attention over packed rows, one sequence at a time: transformers' sdpa attention, registered as
-:data:`NAME`, that, given the rows' sequences (the model input :data:`SEGMENTS`, which a packed micro-batch carries),
-runs each sequence's causal attention on its own instead of the row's whole square under a block-diagonal mask.
+:data:`NAME`, that, given the rows' sequences (the model input :data:`hfsdp.data.layout.SEGMENTS`, which a packed
+micro-batch carries), runs each sequence's causal attention on its own instead of the row's whole square under a
+block-diagonal mask.
 
 A packed row of ``n`` sequences of length ``L`` costs under a mask ``(nL)^2`` scores, of which ``n L^2`` count; on a
 CPU the masked kernel also materializes them. Run one sequence at a time, a packed micro-batch costs in attention
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from hfsdp.data.layout import SEGMENTS
+
 NAME = "hfsdp_sdpa"
-# The model input of a packed micro-batch: for each row, its sequences' (start, end) positions.
-SEGMENTS = "packed_segments"
 
 
 def sequence_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):

@@ -14,9 +14,10 @@ Decisions, made once from the config before any weight loads (:func:`settings`, 
 * The quantization state (scales, code book) lives on each ``Linear4bit`` module, not on the parameter FSDP
   replaces; bitsandbytes re-attaches it to the gathered weight in every forward.
 
-:func:`check_sharded_forward` is the start-up probe: one quantized layer's forward after sharding must equal,
-bit for bit, the same layer's forward before sharding, and every quantized layer's gathered packed bytes must
-equal the loaded ones, or training is refused.
+The start-up probe is taken here before sharding (:func:`probe_before_sharding`) and checked once the model is
+sharded (:func:`hfsdp.parallel.quantized_base.check_sharded_forward`): one quantized layer's forward after sharding
+must equal, bit for bit, the same layer's forward before sharding, and every quantized layer's gathered packed bytes
+must equal the loaded ones, or training is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hfsdp.errors import UserError
-from hfsdp.rules.quantization import QuantSettings, settings
+from hfsdp.rules.quantization import settings
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
@@ -59,7 +60,7 @@ def keep_packing(model) -> None:
 @dataclass
 class LayerProbe:
     """Taken before sharding: one quantized Linear's output on a fixed input, and every quantized Linear's packed
-    bytes as a fingerprint; :func:`check_sharded_forward` compares them after."""
+    bytes as a fingerprint; :func:`hfsdp.parallel.quantized_base.check_sharded_forward` compares them after."""
 
     name: str
     x: Any
@@ -67,7 +68,7 @@ class LayerProbe:
     fingerprints: dict[str, int]
 
 
-def _fingerprint(weight) -> int:
+def fingerprint(weight) -> int:
     """A position-weighted sum of the packed bytes (a changed byte, a NaN canonicalised, changes it)."""
     import torch
 
@@ -88,106 +89,7 @@ def probe_before_sharding(model) -> LayerProbe | None:
     x = torch.randn(3, module.in_features, generator=generator).to(module.compute_dtype or torch.float32)
     with torch.no_grad():
         expected = module(x).clone()
-    return LayerProbe(name, x, expected, {n: _fingerprint(m.weight) for n, m in layers})
-
-
-def _owners(model) -> dict[int, Any]:
-    """id(module) -> the FSDP2 unit whose all-gather holds that module's parameters (None: not sharded), for every
-    module of ``model``. Walked over the real module tree: a wrapper that forwards attribute access (activation
-    checkpointing's ``CheckpointWrapper``) makes a dotted name resolve past the unit it hides, so an ancestor found
-    by splitting the name would be the wrong one."""
-    from torch.distributed.fsdp import FSDPModule
-
-    owners: dict[int, Any] = {}
-    stack = [(model, None)]
-    while stack:
-        module, owner = stack.pop()
-        owner = module if isinstance(module, FSDPModule) else owner
-        owners[id(module)] = owner
-        stack.extend((child, owner) for child in module.children())
-    return owners
-
-
-def check_sharded_forward(model, probe: LayerProbe | None, accelerator) -> None:
-    """The probe: in the sharded ``model`` (each FSDP unit gathered in turn), ``probe``'s layer must give the output
-    it gave before sharding and every quantized layer its loaded packed bytes, bit for bit, on every rank; else
-    UserError (nothing trained). Collective under FSDP: every rank gathers the same units in the same order."""
-    import torch
-
-    from hfsdp.parallel.world import any_rank
-
-    if probe is None:
-        return
-    owners = _owners(model)
-    by_owner: dict[int, tuple[Any, list[str]]] = {}
-    for name in probe.fingerprints:
-        owner = owners[id(model.get_submodule(name))]
-        by_owner.setdefault(id(owner), (owner, []))[1].append(name)
-    changed: list[str] = []
-    forward = ""
-    with torch.no_grad():
-        for owner, names in by_owner.values():
-            if owner is not None:
-                owner.unshard()
-            try:
-                changed += [n for n in names if _fingerprint(model.get_submodule(n).weight) != probe.fingerprints[n]]
-                if probe.name in names:
-                    got = model.get_submodule(probe.name)(probe.x.to(accelerator.device)).cpu()
-                    if not torch.equal(got, probe.expected):
-                        worst = float((got.float() - probe.expected.float()).abs().max())
-                        forward = f"; {probe.name}'s forward differs by up to {worst:.3g}"
-            finally:
-                if owner is not None:
-                    owner.reshard()
-    if any_rank(accelerator, bool(changed or forward)):
-        where = (f"on rank {accelerator.process_index}: {len(changed)} layer(s) with other packed bytes"
-                 f"{', e.g. ' + changed[0] if changed else ''}{forward}"
-                 if changed or forward else "on another rank")
-        raise UserError(
-            f"model.quantization: the 4-bit weights did not survive sharding ({where}); nothing was trained "
-            "(bitsandbytes #1945: GPU all-gathers can canonicalise the NaN bit patterns of bf16-stored packed "
-            "data). Set model.quantization.quant_storage: "
-            "uint8 (the 4-bit base then stays whole on every rank), or float32")
-
-
-def quant_state_bytes(module) -> int:
-    """Bytes of a 4-bit Linear's quantization state (absmax, code book; nested ones with double quantization)."""
-    state = getattr(module.weight, "quant_state", None) or module.quant_state
-    tensors = [state.absmax, state.code]
-    if state.nested:
-        tensors += [state.offset, state.state2.absmax, state.state2.code]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def base_report(model, q: QuantSettings) -> dict[str, Any]:
-    """What the 4-bit base costs this rank: packed bytes held (of the full packed bytes), whether FSDP shards them,
-    and the quantization state (on every rank: it lives on the modules)."""
-    from torch.distributed.tensor import DTensor
-
-    from hfsdp.parallel.world import local_tensor
-
-    layers = [m for _, m in quantized_linears(model)]
-    return {
-        "quant_type": q.quant_type, "double_quant": q.double_quant, "quant_storage": q.quant_storage,
-        "compute_dtype": q.compute_dtype, "layers": len(layers),
-        "packed_bytes_this_rank": sum(local_tensor(m.weight).numel() * m.weight.element_size() for m in layers),
-        "packed_bytes_full": sum(m.weight.numel() * m.weight.element_size() for m in layers),
-        "sharded": any(isinstance(m.weight, DTensor) for m in layers),
-        "quant_state_bytes": sum(quant_state_bytes(m) for m in layers),
-    }
-
-
-def format_base_report(report: dict[str, Any], peak_rss_bytes: int) -> str:
-    mib = 1024**2
-    how = ("sharded by FSDP2" if report["sharded"] else
-           "whole on every rank: uint8 storage is kept out of FSDP2 (Accelerate's ignored_params); a floating "
-           "quant_storage shards it")
-    return (f"  4-bit base: {report['layers']} {report['quant_type']} Linears"
-            f"{', double quant' if report['double_quant'] else ''}, stored {report['quant_storage']}, compute "
-            f"{report['compute_dtype']}: {report['packed_bytes_this_rank'] / mib:.1f} of "
-            f"{report['packed_bytes_full'] / mib:.1f} MiB packed on this rank ({how}) + "
-            f"{report['quant_state_bytes'] / mib:.2f} MiB quant state (on every rank); checked after sharding; "
-            f"peak host memory so far {peak_rss_bytes / mib:.0f} MiB")
+    return LayerProbe(name, x, expected, {n: fingerprint(m.weight) for n, m in layers})
 
 
 def _layer_name(name: str) -> str:
@@ -226,7 +128,7 @@ class DequantizedBase(Mapping):
         layer = self._by_name.get(_layer_name(key.removesuffix(".weight")))
         if layer is None:
             return tensor
-        if self.check_bytes and _fingerprint(tensor) != _fingerprint(layer.weight):
+        if self.check_bytes and fingerprint(tensor) != fingerprint(layer.weight):
             raise UserError(f"export: {key} holds other 4-bit bytes than the base model loaded for the merge: the "
                             "base (model.name_or_path) changed since this run trained on it")
         state = getattr(layer.weight, "quant_state", None) or layer.quant_state

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.model.packed_attention import SEGMENTS, sequence_sdpa
+from hfsdp.data.layout import SEGMENTS
+from hfsdp.model.packed_attention import sequence_sdpa
 
 NAME = "hfsdp_ulysses"
 # The model input of a split micro-batch: its :class:`Exchange` (the group, and the rows' packed sequences).

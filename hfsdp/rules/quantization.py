@@ -1,7 +1,7 @@
 """QLoRA's decisions from the config alone, before any weight loads (torch-free): the resolved 4-bit settings
 (:func:`settings`: the storage dtype FSDP2 gathers in, the compute dtype) and what cannot work (:func:`problems`).
 The torch side (the start-up probe, the dequantized export) is :mod:`hfsdp.model.quantized`, whose docstring says
-why each rule holds.
+why each rule holds, and once the model is sharded :mod:`hfsdp.parallel.quantized_base`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ class QuantSettings:
     quant_storage: str
 
     def state_bytes(self, numel: int) -> int:
-        """Bytes of one layer's quantization state (what :func:`quant_state_bytes` counts on a live layer): an
-        fp32 absmax per block of 64 weights and the 16-entry fp32 code book; with double quantization the absmax
-        as uint8 codes plus an fp32 absmax per 256 blocks, their fp32 offset and 256-entry code book."""
+        """Bytes of one layer's quantization state (what :func:`hfsdp.parallel.quantized_base.quant_state_bytes`
+        counts on a live layer): an fp32 absmax per block of 64 weights and the 16-entry fp32 code book; with double
+        quantization the absmax as uint8 codes plus an fp32 absmax per 256 blocks, their fp32 offset and 256-entry
+        code book."""
         blocks = -(-numel // BLOCK_SIZE)
         if self.double_quant:
             return blocks + 4 * -(-blocks // NESTED_BLOCK_SIZE) + 4 + 4 * 256 + 4 * 16

@@ -31,7 +31,7 @@ from hfsdp.objective import (Objective, TokenCrossEntropy, micro_batch_packing, 
                              rows_said)
 from hfsdp.parallel.accelerator import (build_accelerator, fsdp1_drop_stale_gathers, grad_scaler,
                                         prepare_model_and_optimizer)
-from hfsdp.parallel import sequence
+from hfsdp.parallel import quantized_base, sequence
 from hfsdp.parallel.mesh import device_mesh
 from hfsdp.parallel.world import per_rank
 from hfsdp.export import staging
@@ -323,7 +323,7 @@ def load_and_shard(accelerator, setup: RunSetup, host: PluginHost, model_path: s
                if config.train.chunked_loss and replaced is None and token_loss.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
                                                    lambda m, matrices=None: optimizers.build(m, config.train, matrices))
-    quantized.check_sharded_forward(model, probe, accelerator)
+    quantized_base.check_sharded_forward(model, probe, accelerator)
     if packed:
         batches.check_packed_attention(model, vocab_size, accelerator.device)
     if replaced is not None:

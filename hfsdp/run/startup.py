@@ -14,7 +14,7 @@ import torch
 
 from hfsdp import __version__
 from hfsdp.errors import UserError
-from hfsdp.model import quantized
+from hfsdp.parallel import quantized_base
 from hfsdp.parallel.world import local_tensor
 from hfsdp.rules import quantization
 from hfsdp.units import MIB
@@ -60,7 +60,7 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
     }
     quant = quantization.settings(config)
     if quant is not None:
-        report["quantized_base"] = quantized.base_report(model, quant)
+        report["quantized_base"] = quantized_base.base_report(model, quant)
         report["peak_rss_bytes_after_sharding"] = peak_rss_bytes()
     if setup.fsdp and dims.dp_shard > 1 and local > 0.75 * full:  # dp_shard: the ranks FSDP shards over
         raise UserError(
@@ -121,7 +121,7 @@ def format_report(report: dict[str, Any]) -> str:
            "every rank's write is on disk)" if report.get("checkpoint_saves") == "asynchronous" else "")
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "
            "compile them; metrics.jsonl compile_graphs counts the graphs)" if report.get("compiled_blocks") else "")
-        + ("\n" + quantized.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
+        + ("\n" + quantized_base.format_base_report(report["quantized_base"], report["peak_rss_bytes_after_sharding"])
            if "quantized_base" in report else "")
     )
 

@@ -176,7 +176,7 @@ def hfsdp_modify_model(model):
 def hfsdp_on_train_start(run):
     import torch
 
-    from hfsdp.model import quantized
+    from hfsdp.parallel import quantized_base
     from hfsdp.rules import quantization
     from hfsdp.run.startup import local_parameter_bytes
 
@@ -186,7 +186,7 @@ def hfsdp_on_train_start(run):
     fsdp = run.config.fsdp
     quant = quantization.settings(run.config)
     if quant is not None:  # QLoRA: the 4-bit Linears' quant state lives on the modules, beside the parameters
-        base = quantized.base_report(model, quant)
+        base = quantized_base.base_report(model, quant)
         local += base["quant_state_bytes"]
         weights = 2 * base["packed_bytes_full"]  # two 4-bit weights per byte
         _state.update(quant_linear_bytes=base["packed_bytes_this_rank"] + base["quant_state_bytes"],
