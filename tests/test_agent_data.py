@@ -177,6 +177,16 @@ def test_data_chat_template_takes_a_name_or_a_file_next_to_the_config(tmp_path):
         proc.stderr, proc.stderr
 
 
+def test_a_chat_template_that_names_nothing_is_refused_with_the_config(tmp_path):
+    """``data.chat_template`` is a rule of the config (the chat plugin's): ``validate --no-rows`` (no tokenizer, no
+    torch) refuses a name that is neither shipped nor a file, with the closest name; it was refused only at use."""
+    config = tiny_config(tmp_path, data={"chat_template": "qwen3_trainin"})
+    proc = run_cli("validate", "--no-rows", str(config), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "data.chat_template: 'qwen3_trainin' is neither a file nor a template hfsdp ships (did you mean " \
+           "'qwen3_training'?)" in proc.stderr, proc.stderr
+
+
 def test_arguments_read_through_arrow_keep_their_own_keys(tokenizer, tmp_path):
     """A JSONL file whose rows call tools with other argument names, read by datasets: the tokens are those of the
     rows as written (no argument of another row's call, no null)."""

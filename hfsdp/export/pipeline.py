@@ -16,7 +16,7 @@ from typing import Any, Mapping, TYPE_CHECKING
 
 from hfsdp.checkpoint.safe_load import CheckpointWeights
 from hfsdp.export.card import Trained, write_card
-from hfsdp.errors import ConfigError
+from hfsdp.errors import ConfigError, UserError
 from hfsdp.export.staging import check_export_target, staged_export
 from hfsdp.hooks.host import Lazy, PluginHost
 from hfsdp.model import quantized
@@ -76,23 +76,26 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, overrides: list[str],
     check_export_target(out_dir, overwrite=overwrite, source=checkpoint_dir)  # before anything is loaded
     config, host = load_config(str(checkpoint_dir / CONFIG_NAME), overrides)
     model_dir = checkpoint_dir / "model"
+    quant = quantization.settings(config)
+    if quant is not None and merges(config, merge_adapters):
+        problem = quantized.base_not_in_cache(config.model.name_or_path)
+        if problem:
+            raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
 
     def load(kind: str):  # transformers only if a rule or plugin asks (the built-in export copies the files as they are)
         import transformers
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        return getattr(transformers, kind).from_pretrained(str(model_dir))
+        try:
+            return getattr(transformers, kind).from_pretrained(str(model_dir))
+        except (OSError, ValueError) as err:
+            raise UserError(f"{model_dir}: cannot read the checkpoint's model files ({kind}): {err}") from None
 
     model_config, tokenizer = Lazy(lambda: load("AutoConfig")), Lazy(lambda: load("AutoTokenizer"))
-    # the config's rules, and the model's for one process (a plugin's: what gguf_export cannot write)
+    # the config's rules, and the model's on one process (a plugin's too: what gguf_export cannot write)
     enforce(config, Facts(host, World(rank=0, size=1, local_size=1, on_cpu=True).with_dims(config), model_config,
                           tokenizer), ("config", "model"), source=str(checkpoint_dir / CONFIG_NAME))
-    quant = quantization.settings(config)
-    if quant is not None and merges(config, merge_adapters):
-        problem = quantized.base_not_in_cache(config.model.name_or_path)
-        if problem:
-            raise ConfigError([("model.name_or_path", problem)], source=str(checkpoint_dir))
 
     def base_layers() -> dict:  # the 4-bit base loaded again, quantized as the run loaded it
         from hfsdp.model import loading

@@ -274,6 +274,11 @@ class PluginHost:
         """An enabled plugin trains adapters on a frozen base (hook ``hfsdp_trains_adapters``)."""
         return any(result for _, result in self.call("hfsdp_trains_adapters", config=config))
 
+    def objective_formats(self) -> dict[str, tuple[str, str]]:
+        """Format name -> (plugin, refusal) of the formats only an objective trains on (hook
+        ``hfsdp_objective_formats``)."""
+        return self.registry("hfsdp_objective_formats", "data.format", "format", "declared for objectives")
+
     def generation_prompts(self) -> dict[str, tuple[str, Callable[..., Any]]]:
         """Format name -> (plugin, split) for generation eval (hook ``hfsdp_generation_prompts``)."""
         return self.registry("hfsdp_generation_prompts", "generation_eval", "format", "split for generation eval")
@@ -350,17 +355,31 @@ class WithSection:
         return self.fn(*args, section=self.section) if self.wants_section else self.fn(*args)
 
 
-def installed_sections() -> dict[str, tuple[str, type]]:
-    """Section name → (plugin, schema) of every installed plugin, enabled or not (for messages and the reference).
-    Plugins that fail to import are left out: this only informs, it never stops a run."""
-    sections: dict[str, tuple[str, type]] = {}
+def _installed_answers(hook: str) -> dict[str, Any]:
+    """Plugin name -> what its ``hook`` (a hook without arguments) returns, of every installed plugin, enabled or not;
+    plugins that fail to import or to answer are left out: this only informs, it never stops a run."""
+    answers: dict[str, Any] = {}
     for name, ep in sorted(discover().items()):
         try:
             module = ep.load()
-            declare = getattr(module, "hfsdp_config_section", None)
-            declared = declare() if callable(declare) and hasattr(declare, "hfsdp_impl") else None
+            ask = getattr(module, hook, None)
+            answer = ask() if callable(ask) and hasattr(ask, "hfsdp_impl") else None
         except Exception:  # noqa: BLE001 (a broken plugin is reported when it is enabled or listed)
             continue
+        if answer is not None:
+            answers[name] = answer
+    return answers
+
+
+def installed_trainers(format_name: str) -> list[str]:
+    """The installed plugins whose objective trains on ``format_name`` (hook ``hfsdp_trains_on``), by name."""
+    return [name for name, trains in _installed_answers("hfsdp_trains_on").items() if trains == format_name]
+
+
+def installed_sections() -> dict[str, tuple[str, type]]:
+    """Section name → (plugin, schema) of every installed plugin, enabled or not (for messages and the reference)."""
+    sections: dict[str, tuple[str, type]] = {}
+    for name, declared in _installed_answers("hfsdp_config_section").items():
         if isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], str):
             sections.setdefault(declared[0], (name, declared[1]))
     return sections

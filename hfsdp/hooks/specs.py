@@ -86,6 +86,25 @@ def hfsdp_dataset_formats():
 
 
 @hookspec
+def hfsdp_objective_formats():
+    """Say which of the formats you register (``hfsdp_dataset_formats``) only an objective trains on (rows without
+    next-token labels, e.g. preference pairs): return ``{format_name: refusal}`` or None. ``refusal`` is what hfsdp
+    says when such rows are given with no objective enabled, ``{plugins}`` in it standing for the plugins whose
+    objective trains on the format (``hfsdp_trains_on``), e.g. ``"preference rows train a preference objective:
+    enable one ({plugins})"``. Called while the config is validated.
+    """
+
+
+@hookspec
+def hfsdp_trains_on():
+    """Say which data format your objective (``hfsdp_objective``) trains on: return the format's name (e.g.
+    ``"preference"``), or None. hfsdp names your plugin among those to enable when rows of that format are given
+    without an objective (``hfsdp_objective_formats``). Asked of every installed plugin, enabled or not, when that
+    refusal is said.
+    """
+
+
+@hookspec
 def hfsdp_generation_prompts():
     """Register how generation eval (the ``generation_eval`` section) splits a format's rows: return
     ``{format_name: split}`` or None.

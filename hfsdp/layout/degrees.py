@@ -67,13 +67,14 @@ class ParallelDims:
         Arithmetic only: :meth:`problems` says whether the world allows them."""
         sp, tp = parallel.sp_size, parallel.tp_size
         data_parallel = max(1, world_size // (sp * tp))  # (a world too small for the groups: a problem said apart)
-        if world_size == 1:
+        asks_fsdp = fsdp.cpu_offload or fsdp.single_process == "fsdp" or resumes_fsdp
+        if fsdp.sharding_strategy == "HYBRID_SHARD" and (world_size > 1 or asks_fsdp):
+            shard = fsdp.hybrid_shard_size or local_world_size  # (on one FSDP rank: a problem said)
+            replicate = max(1, data_parallel // shard)
+        elif world_size == 1:
             replicate, shard = 1, 1
         elif fsdp.sharding_strategy == "NO_SHARD":
             replicate, shard = data_parallel, 1
-        elif fsdp.sharding_strategy == "HYBRID_SHARD":
-            shard = fsdp.hybrid_shard_size or local_world_size
-            replicate = max(1, data_parallel // shard)
         else:
             replicate = parallel.dp_replicate_size
             shard = parallel.dp_shard_size if parallel.dp_shard_size > 0 else max(1, data_parallel // replicate)
@@ -82,7 +83,7 @@ class ParallelDims:
             world_size > 1 or fsdp.sharding_strategy == "NO_SHARD")
         if fsdp.version == 2 and shards_nothing:
             wrapper = "ddp" if world_size > 1 else "none"
-        elif world_size > 1 or fsdp.cpu_offload or fsdp.single_process == "fsdp" or resumes_fsdp:
+        elif world_size > 1 or asks_fsdp:
             wrapper = "fsdp1" if fsdp.version == 1 else "fsdp2"
         else:
             wrapper = "none"

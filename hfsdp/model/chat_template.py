@@ -10,6 +10,7 @@ markers (see :mod:`hfsdp.builtin.chat`).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from pathlib import Path
@@ -31,21 +32,34 @@ def _shipped(name: str) -> str:
     return (TEMPLATES_DIR / f"{name}.jinja").read_text()
 
 
-def resolve(value: str) -> str:
-    """The template text ``data.chat_template`` names: a shipped template's name (read once a process: chat reads a
-    family's training version for every row), or a file's path."""
+def problem(value: str) -> str | None:
+    """What keeps ``data.chat_template`` from naming a template (neither a shipped template's name nor a readable
+    file), or None: checked with the config, before anything loads."""
     if (TEMPLATES_DIR / f"{value}.jinja").is_file() and "/" not in value:
-        return _shipped(value)
+        return None
     path = Path(value).expanduser()
     if path.is_file():
         try:
-            return path.read_text()
+            path.read_text()
         except (OSError, UnicodeDecodeError) as err:
-            raise UserError(f"data.chat_template: cannot read {path}: {err}") from None
-    raise UserError(f"data.chat_template: '{value}' is neither a file nor a template hfsdp ships. Give a .jinja "
-                    "file's path, or a shipped template's name: chatml_tools, or a model family's training template "
-                    f"such as qwen3_training, qwen2_5_training, llama3_training, gptoss_training (all of them: the "
-                    f".jinja files in {TEMPLATES_DIR})")
+            return f"cannot read {path}: {err}"
+        return None
+    close = difflib.get_close_matches(value, names(), n=1)
+    return (f"'{value}' is neither a file nor a template hfsdp ships" + (f" (did you mean '{close[0]}'?)" if close
+                                                                          else "")
+            + ". Give a .jinja file's path, or a shipped template's name: chatml_tools, or a model family's training "
+              "template such as qwen3_training, qwen2_5_training, llama3_training, gptoss_training (all of them: the "
+              f".jinja files in {TEMPLATES_DIR})")
+
+
+def resolve(value: str) -> str:
+    """The template text ``data.chat_template`` names: a shipped template's name (read once a process: chat reads a
+    family's training version for every row), or a file's path (:func:`problem` says what is wrong with another)."""
+    if found := problem(value):
+        raise UserError(f"data.chat_template: {found}")
+    if (TEMPLATES_DIR / f"{value}.jinja").is_file() and "/" not in value:
+        return _shipped(value)
+    return Path(value).expanduser().read_text()
 
 
 def use(tokenizer, value: str | None) -> None:

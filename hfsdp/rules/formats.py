@@ -1,24 +1,17 @@
 """What the data's formats need of the enabled plugins, from the config alone: a format some plugin registers, an
-objective for the formats that only an objective trains on, and generation eval on a format it can split into a
-prompt and a reference answer."""
+objective for the formats that only an objective trains on (as their plugins declare them; the plugins to enable are
+those whose objective declares it trains on the format), and generation eval on a format it can split into a prompt
+and a reference answer."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hfsdp.hooks.host import installed_trainers
+
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
     from hfsdp.hooks.host import PluginHost
-
-# The formats that only a plugin's objective trains on: what their rows are, and hfsdp's own plugins that train on them.
-OBJECTIVE_FORMATS = {
-    "preference": ("preference rows train a preference objective", ("dpo", "orpo", "simpo", "reward_model")),
-    "unpaired": ("unpaired rows (a completion labelled desirable or not) train an unpaired preference objective",
-                 ("kto",)),
-    "prompt": ("prompt rows (without answers) train an objective that generates the completions",
-               ("grpo", "rloo", "distill_online")),
-}
-
 
 def problems(config: "HfsdpConfig", plugins: "PluginHost") -> list[tuple[str, str]]:
     formats = plugins.dataset_formats()
@@ -27,12 +20,12 @@ def problems(config: "HfsdpConfig", plugins: "PluginHost") -> list[tuple[str, st
     out = [(key, f"unknown format '{name}'; known: {', '.join(sorted(formats))}")
            for key, name in named if name not in formats]
     replaced = bool(plugins.implementers("hfsdp_objective"))
-    for name, (what, builtin) in OBJECTIVE_FORMATS.items():
+    for name, (_, refusal) in plugins.objective_formats().items():
         if any(given == name for _, given in named) and not replaced:
-            sft = ", or use data.format: chat or instruction for supervised fine-tuning" if name != "unpaired" else ""
-            named_plugins = [f"[{p}]" for p in builtin]
-            listed = named_plugins[0] if len(builtin) == 1 else f"{', '.join(named_plugins[:-1])} or {named_plugins[-1]}"
-            out.append(("data.format", f"{what}: enable one (plugins: {listed}){sft}"))
+            trainers = [f"[{p}]" for p in installed_trainers(name)]
+            listed = (f"{', '.join(trainers[:-1])} or {trainers[-1]}" if len(trainers) > 1 else "".join(trainers)
+                      or "none is installed")
+            out.append(("data.format", refusal.format(plugins=f"plugins: {listed}")))
     generated = config.data.sources()[0].format  # its eval rows (or data.eval_path's, read like them)
     if config.generation_eval is not None and generated not in plugins.generation_prompts():
         splits = sorted(plugins.generation_prompts())

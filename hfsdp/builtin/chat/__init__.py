@@ -39,6 +39,7 @@ from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.builtin.chat import tool_calls
 from hfsdp.errors import RowError, UserError
 from hfsdp.model import chat_template
+from hfsdp.rules.table import Rule
 
 ALWAYS_ON = True
 
@@ -426,6 +427,19 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
         return text, shown, messages[turn]["content"]
     match = tool_calls.ToolCallMatch(messages[turn]["tool_calls"])
     return text, shown, str(match), match
+
+
+@hookimpl
+def hfsdp_rules():
+    return [Rule("config", ("data.chat_template",), template_problems)]
+
+
+def template_problems(config, facts) -> list[tuple[str, str]]:
+    """``data.chat_template`` names a template: a shipped one or a readable file (checked with the config, not at
+    first use)."""
+    value = config.data.chat_template
+    found = chat_template.problem(value) if value is not None else None
+    return [("data.chat_template", found)] if found else []
 
 
 @hookimpl

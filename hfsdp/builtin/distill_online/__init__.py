@@ -68,6 +68,11 @@ def config_problems(config, facts):
 
 
 @hookimpl
+def hfsdp_trains_on():
+    return "prompt"
+
+
+@hookimpl
 def hfsdp_objective(config, tokenizer, cache_dir):
     from hfsdp.builtin.distill_online.loss import DistillOnline
 

@@ -33,6 +33,11 @@ def config_problems(config, facts):
 
 
 @hookimpl
+def hfsdp_trains_on():
+    return "preference"
+
+
+@hookimpl
 def hfsdp_objective(config, tokenizer):
     from hfsdp.builtin.dpo.loss import DPO
 

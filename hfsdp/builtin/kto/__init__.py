@@ -37,6 +37,11 @@ def config_problems(config, facts):
 
 
 @hookimpl
+def hfsdp_trains_on():
+    return "unpaired"
+
+
+@hookimpl
 def hfsdp_objective(config, tokenizer):
     from hfsdp.builtin.kto.loss import KTO
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hfsdp import hookimpl
 from hfsdp.builtin.orpo.schema import OrpoSection
 from hfsdp.builtin.preference import format_problems
+from hfsdp.rules.table import Rule
 
 
 @hookimpl
@@ -18,8 +19,17 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("orpo", "data.format"), config_problems)]
+
+
+def config_problems(config, facts):
     return format_problems(config, "orpo")
+
+
+@hookimpl
+def hfsdp_trains_on():
+    return "preference"
 
 
 @hookimpl

@@ -33,6 +33,7 @@ from __future__ import annotations
 from hfsdp import hookimpl
 from hfsdp.builtin.packing.schema import PackingSection
 from hfsdp.errors import UserError
+from hfsdp.rules.table import Rule
 
 
 # The built-in formats whose rows are scored whole (a pair, a row beside its KL row, a prompt's completions): their
@@ -59,7 +60,11 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("packing", "data.max_seq_len"), config_problems)]
+
+
+def config_problems(config, facts):
     section: PackingSection = config.section("packing")
     problems = []
     if section.max_len is not None and section.max_len < config.data.max_seq_len:
@@ -70,7 +75,7 @@ def hfsdp_validate_config(config):
         problems.append(("packing.scope", f"{', '.join(whole)} rows are scored whole (a pair side by side, a row "
                                           "beside its KL row, a prompt's completions): they pack per micro-batch; "
                                           "set packing.scope: micro_batch or leave it out"))
-    return problems or None
+    return problems
 
 
 @hookimpl

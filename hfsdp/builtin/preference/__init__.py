@@ -157,5 +157,11 @@ def format_problems(config, plugin: str) -> list[tuple[str, str]]:
 
 
 @hookimpl
+def hfsdp_objective_formats():
+    return {FORMAT: "preference rows train a preference objective: enable one ({plugins}), or use data.format: chat "
+                    "or instruction for supervised fine-tuning"}
+
+
+@hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_preference}

@@ -61,5 +61,11 @@ def tokenize_prompt(batch, tokenizer, data_config):
 
 
 @hookimpl
+def hfsdp_objective_formats():
+    return {FORMAT: "prompt rows (without answers) train an objective that generates the completions: enable one "
+                    "({plugins}), or use data.format: chat or instruction for supervised fine-tuning"}
+
+
+@hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_prompt}

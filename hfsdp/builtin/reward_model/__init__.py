@@ -58,6 +58,11 @@ def hfsdp_modify_model(model, config, tokenizer):
 
 
 @hookimpl
+def hfsdp_trains_on():
+    return "preference"
+
+
+@hookimpl
 def hfsdp_objective(config):
     from hfsdp.builtin.reward_model.loss import RewardModel
 

@@ -38,6 +38,11 @@ def config_problems(config, facts):
 
 
 @hookimpl
+def hfsdp_trains_on():
+    return "prompt"
+
+
+@hookimpl
 def hfsdp_objective(config, tokenizer):
     from hfsdp.builtin.rloo.loss import RLOO
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from hfsdp import hookimpl
 from hfsdp.builtin.simpo.schema import SimpoSection
 from hfsdp.builtin.preference import format_problems
+from hfsdp.rules.table import Rule
 
 
 @hookimpl
@@ -19,8 +20,17 @@ def hfsdp_config_section():
 
 
 @hookimpl
-def hfsdp_validate_config(config):
+def hfsdp_rules():
+    return [Rule("config", ("simpo", "data.format"), config_problems)]
+
+
+def config_problems(config, facts):
     return format_problems(config, "simpo")
+
+
+@hookimpl
+def hfsdp_trains_on():
+    return "preference"
 
 
 @hookimpl

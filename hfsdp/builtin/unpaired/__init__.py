@@ -65,5 +65,11 @@ def format_problems(config, plugin: str) -> list[tuple[str, str]]:
 
 
 @hookimpl
+def hfsdp_objective_formats():
+    return {FORMAT: "unpaired rows (a completion labelled desirable or not) train an unpaired preference objective: "
+                    "enable one ({plugins})"}
+
+
+@hookimpl
 def hfsdp_dataset_formats():
     return {FORMAT: tokenize_unpaired}
