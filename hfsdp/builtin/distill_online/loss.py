@@ -94,7 +94,7 @@ class DistillOnline(OnlineObjective):
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         splits = super().prepare(model, accelerator, splits, cache_dir, model_path)
-        self.teacher.load(accelerator, self.pack_segments)
+        self.teacher.load(accelerator, self.layout.pack_segments)
         return splits
 
     def keeps_ref_logps(self) -> bool:
