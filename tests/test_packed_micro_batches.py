@@ -109,7 +109,7 @@ def test_packed_forwards_give_each_pair_its_unpacked_log_probs(tiny):
 def test_packed_forwards_give_each_completion_its_unpacked_token_log_probs(tiny):
     """GRPO's rows: prompts with completions of other lengths, left-padded one per row as TRL lays them out, or
     laid end to end: each completion's per-token log-probs and entropies, in order."""
-    from hfsdp.builtin.online.sampler import prompt_completion_batch, token_logps
+    from hfsdp.builtin.online.rounds import prompt_completion_batch, token_logps
     from hfsdp.objective import Objective
 
     model, tokenizer = tiny
