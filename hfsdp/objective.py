@@ -97,7 +97,7 @@ class Objective:
         model is sharded and before :meth:`prepare`."""
         self.layout = layout
 
-    # The layout's fields as they were read before the layout was one value (read-only).
+    # The layout's fields, read-only, as objectives written before MicroBatchLayout read them.
     pack_len = property(lambda self: self.layout.pack_len)
     pack_attention = property(lambda self: self.layout.pack_attention)
     pack_segments = property(lambda self: self.layout.pack_segments)

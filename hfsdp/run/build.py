@@ -81,9 +81,11 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
     model_path, output_dir, lock, borrowed = _setup_folder(setup, opts, held)
     model_config, accelerator, checkpoint_bytes = _setup_accelerator(setup, host, model_path, output_dir, held)
     tokenizer, data = _setup_data(accelerator, config, host, model_path, opts.cache_dir)
-    replaced = objective_of(host, config, tokenizer, opts.cache_dir)  # a plugin's objective, or None
-    pack_len = micro_batch_packing(host, config, replaced or TokenCrossEntropy())
-    plan, max_steps, identity = _plan_steps(setup, data, accelerator.print, replaced or TokenCrossEntropy())
+    # a plugin's objective (else next-token cross entropy, made with the model below), and its plan of steps
+    replaced = objective_of(host, config, tokenizer, opts.cache_dir)
+    planned = replaced or TokenCrossEntropy()
+    pack_len = micro_batch_packing(host, config, planned)
+    plan, max_steps, identity = _plan_steps(setup, data, accelerator.print, planned)
     model, optimizer, flops, objective = _setup_model(
         accelerator, setup, host, model_path, model_config, tokenizer,
         packed=batches.is_packed(data.train.column_names) or pack_len is not None, replaced=replaced)
@@ -92,6 +94,7 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
                                        opts.cache_dir, model_path)
     startup = report_startup(setup, accelerator, model, output_dir)
     scheduler, state, scaler = _setup_resume(accelerator, setup, model, optimizer, output_dir, max_steps, borrowed)
+    # what the hooks receive, where the metrics go, the evaluator and the checkpoint saver
     metrics = MetricsWriter(output_dir, accelerator, config.to_yaml_dict(), trackers=bool(config.train.report_to),
                             continue_from=state.step if setup.resume_asked else None)
     generation_config = model_metadata(model_path)["generation_config"]
@@ -107,7 +110,8 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
                  throughput.StepMeter.for_run(flops, config, accelerator), startup, data.report)
 
 
-def _setup_folder(setup: RunSetup, opts: Options, held: contextlib.ExitStack):
+def _setup_folder(setup: RunSetup, opts: Options,
+                  held: contextlib.ExitStack) -> tuple[str, Path, RunLock | None, RunLock | None]:
     """The model's local path and the run folder, prepared (:func:`hfsdp.run.folder.prepare_run`), with its lock and
     a shared hold on the folder of the checkpoint ``--resume`` names (main process), both released in ``held``."""
     model_path, output_dir, lock, borrowed = prepare_run(setup, opts)
@@ -118,7 +122,7 @@ def _setup_folder(setup: RunSetup, opts: Options, held: contextlib.ExitStack):
 
 
 def _setup_accelerator(setup: RunSetup, host: PluginHost, model_path: str, output_dir: Path,
-                       held: contextlib.ExitStack):
+                       held: contextlib.ExitStack) -> tuple[Any, Any, int]:
     """The model's config (read first: the FSDP plugin wraps the model's own layer class), the bytes of a checkpoint
     (estimated with the export's before any weight loads, and said where the disk lacks them), and the accelerator,
     seeded; it ends in ``held``."""
@@ -149,7 +153,7 @@ def _end(accelerator) -> None:
     accelerator.end_training()
 
 
-def _setup_data(accelerator, config: HfsdpConfig, host: PluginHost, model_path: str, cache_dir: Path):
+def _setup_data(accelerator, config: HfsdpConfig, host: PluginHost, model_path: str, cache_dir: Path) -> tuple[Any, Data]:
     """The tokenizer (with the config's chat template) and the :class:`Data` (its report printed)."""
     # The first process of each node preprocesses; the others poll the cache for its result (no collective waits
     # on it, however long it takes), then all meet in a short barrier.
@@ -190,7 +194,7 @@ def _plan_steps(setup: RunSetup, data: Data, say, objective: Objective) -> tuple
 
 
 def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str, model_config, tokenizer,
-                 packed: bool, replaced: Objective | None = None):
+                 packed: bool, replaced: Objective | None = None) -> tuple[Any, Any, throughput.FlopsModel, Objective]:
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
     it (counted before sharding) and the objective to train it with (``replaced``, a plugin's, else next-token cross
     entropy through, by ``train.chunked_loss``, :class:`token_loss.ChunkedLoss` where the probe proves it exact,
@@ -257,7 +261,7 @@ def _prepare_objective(accelerator, setup: RunSetup, objective: Objective, model
 
 
 def _setup_resume(accelerator, setup: RunSetup, model, optimizer, output_dir: Path, max_steps: int,
-                  borrowed: RunLock | None):
+                  borrowed: RunLock | None) -> tuple[Any, TrainerState, Any]:
     """The LR schedule, the run's progress and the gradient scaler, restored from the checkpoint a resume names;
     the run's config written into its folder."""
     config = setup.config
