@@ -78,6 +78,7 @@ class DistillOnline(OnlineObjective):
         raw = json.loads(dataset[row][ROW_COLUMN])
         prompt, text = raw["prompt"], raw[self.section.completion_column]
         prompt_ids = list(dataset[row]["input_ids"])
+        eos = eos_ids(self.unwrapped, self.tokenizer)
         if isinstance(prompt, list):
             full = chat_ids(conversation([*prompt, {"role": "assistant", "content": text}], self.config.data),
                             self.tokenizer)
@@ -87,9 +88,9 @@ class DistillOnline(OnlineObjective):
                                 "told apart: use text prompts, or lmbda: 1")
             ids = full[len(prompt_ids):]
         else:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos_ids(self.unwrapped, self.tokenizer)[0]]
-        eos = set(eos_ids(self.unwrapped, self.tokenizer))
-        end = next((n + 1 for n, token in enumerate(ids) if token in eos), len(ids))
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos[0]]
+        ends = set(eos)
+        end = next((n + 1 for n, token in enumerate(ids) if token in ends), len(ids))
         return ids[:min(end, self.section.max_new_tokens)]
 
     def round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
