@@ -145,10 +145,10 @@ def _setup_accelerator(setup: RunSetup, host: PluginHost, model_path: str, outpu
 
 def _end(accelerator) -> None:
     """The accelerator's end. The run's wrapped model is freed first, while the process group is still registered
-    (nothing holds :class:`Built` by then): a DDP reducer that outlives destroy_process_group destroys the gloo
-    group itself, holding the GIL while it joins gloo's worker threads, one of which may need the GIL to free a
-    finished collective's tensor (a hang at exit, seen on 4 CPU ranks). The group's own Python object releases the
-    GIL when it is destroyed."""
+    (after a run that ended well nothing holds :class:`Built` by then): a DDP reducer that outlives
+    destroy_process_group destroys the gloo group itself, holding the GIL while it joins gloo's worker threads, one
+    of which may need the GIL to free a finished collective's tensor (a hang at exit, seen on 4 CPU ranks). The
+    group's own Python object releases the GIL when it is destroyed."""
     accelerator.free_memory()
     accelerator.end_training()
 
