@@ -42,7 +42,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None) ->
     import torch
     from trl import DistillationConfig, DistillationTrainer
 
-    from hfsdp.builtin.online.sampler import OnlineObjective
+    from hfsdp.builtin.online.objective import OnlineObjective
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import cache_dir
     from hfsdp.data import prepare as data

@@ -149,7 +149,7 @@ def run_trl(cfg, host, steps: int, rounds: dict[int, list[list[int]]] | None,
     from hfsdp.data import prepare as data
     from hfsdp.model import loading
     from hfsdp.builtin.online.rewards import reward_functions
-    from hfsdp.builtin.online.sampler import OnlineObjective
+    from hfsdp.builtin.online.objective import OnlineObjective
     from hfsdp.builtin.prompt import prompt_ids
     from hfsdp.cli import cache_dir
     from trl_sft import float64_norms, step_times, training_args  # benchmarks/, next to this file

@@ -16,6 +16,7 @@ import warnings
 FORMER = {
     "hfsdp.batches": "hfsdp.data.batches",
     "hfsdp.builtin.dpo_loss": "hfsdp.builtin.dpo.loss",
+    "hfsdp.builtin.online.sampler": "hfsdp.builtin.online.objective",
     "hfsdp.builtin.tool_calls": "hfsdp.builtin.chat.tool_calls",
     "hfsdp.components.export": "hfsdp.export.hf_folder",
     "hfsdp.components.hf_folder": "hfsdp.export.hf_folder",

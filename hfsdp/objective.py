@@ -2,10 +2,11 @@
 
 The loop (``hfsdp.run.loop``) stays one loop: each micro-batch comes from :meth:`Objective.micro_batch`, its loss from
 :meth:`Objective.loss` (summed over the micro-batch's ``num_targets`` units), and hfsdp divides it by the units of the
-whole global batch, as it does for tokens, so a step on N ranks computes the gradient of one process.
-:meth:`Objective.prepare` runs once after the model is sharded (before training, the eval at start and a resume's
-restore), and :meth:`Objective.take_metrics` turns what the loss calls recorded into metrics, after every step and
-every eval.
+whole global batch, as it does for tokens, so a step on N ranks computes the gradient of one process. After the
+model is sharded, hfsdp gives the objective its micro-batches' layout (:meth:`Objective.lay_out`: a
+:class:`MicroBatchLayout`, packed or split over a sequence-parallel group), then :meth:`Objective.prepare` runs once
+(before training, the eval at start and a resume's restore); :meth:`Objective.take_metrics` turns what the loss calls
+recorded into metrics, after every step and every eval.
 
 :class:`PreferenceObjective` is the shared part of pairwise preference losses (DPO in ``hfsdp.builtin.dpo.loss``; a
 third-party ORPO or SimPO): rows of the built-in ``preference`` format become one micro-batch of the chosen rows
@@ -16,8 +17,9 @@ of pairs, and :meth:`PreferenceObjective.completion_logps` gives each row's summ
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -59,6 +61,22 @@ class Sampling:
     whole_global_batch: bool = True
 
 
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """How an objective lays out its micro-batches (:meth:`Objective.collate`), given to it once by hfsdp
+    (:meth:`Objective.lay_out`). ``pack_len``: None, one sequence per row; else packed rows of at most that many
+    tokens (0: no limit; hook ``hfsdp_pack_micro_batches``), laid out by what the model's attention costs per
+    (query, key) pair of a row in a token's linear cost (``pack_attention``, ``layout_cost``; 0 where it attends
+    each packed sequence on its own), the inputs naming each row's sequences for it where ``pack_segments``
+    (``hfsdp.model.packed_attention``). ``sequence_split``: with ``parallel.sp_size > 1`` (next-token training
+    only), this rank's share of every row's positions (:class:`hfsdp.parallel.sequence.SequenceSplit`)."""
+
+    pack_len: int | None = None
+    pack_attention: float = 0.0
+    pack_segments: bool = False
+    sequence_split: Any = None
+
+
 class Objective:
     """A training objective. Subclasses implement :meth:`loss`; the other methods have working defaults."""
 
@@ -70,17 +88,20 @@ class Objective:
     #: its loss reads per-sequence values through ``MicroBatch.per_sequence`` (or sums over tokens only), so its
     #: micro-batches may be packed (hook ``hfsdp_pack_micro_batches``); :meth:`micro_batch` then packs them.
     packs_micro_batches: bool = False
-    #: set by hfsdp before :meth:`prepare` when micro-batches are packed: the most tokens of a packed row (0: no
-    #: limit), what the
-    #: model's attention costs per (query, key) pair of a row in a token's linear cost (``layout_cost``; 0 where it
-    #: attends each packed sequence on its own), and whether the inputs name each row's sequences for it
-    #: (``hfsdp.model.packed_attention``).
-    pack_len: int | None = None
-    pack_attention: float = 0.0
-    pack_segments: bool = False
-    #: set by hfsdp with ``parallel.sp_size > 1`` (next-token training only): this rank's share of every row's
-    #: positions (:class:`hfsdp.parallel.sequence.SequenceSplit`), which :meth:`collate` applies.
-    sequence_split: Any = None
+    #: how its micro-batches are laid out (packed, split over a sequence-parallel group): given once by hfsdp,
+    #: before :meth:`prepare` (:meth:`lay_out`); by default one sequence per row, whole.
+    layout: MicroBatchLayout = MicroBatchLayout()
+
+    def lay_out(self, layout: MicroBatchLayout) -> None:
+        """Lay out its micro-batches as ``layout`` says (:meth:`collate` reads it): hfsdp calls it once, after the
+        model is sharded and before :meth:`prepare`."""
+        self.layout = layout
+
+    # The layout's fields, read-only, as objectives written before MicroBatchLayout read them.
+    pack_len = property(lambda self: self.layout.pack_len)
+    pack_attention = property(lambda self: self.layout.pack_attention)
+    pack_segments = property(lambda self: self.layout.pack_segments)
+    sequence_split = property(lambda self: self.layout.sequence_split)
 
     def frozen_models(self) -> list[FrozenModel]:
         """The frozen models it runs beside the trained one (e.g. a teacher), from their configs only (no weights
@@ -94,22 +115,24 @@ class Objective:
         return None
 
     def micro_batch(self, rows: list[dict[str, Any]], pad_id: int, device, select_logits: bool) -> MicroBatch:
-        """The micro-batch of these dataset rows (packed with :attr:`pack_len`); its ``num_targets`` is what
+        """The micro-batch of these dataset rows (laid out as :attr:`layout` says); its ``num_targets`` is what
         :meth:`loss` sums over."""
         return self.collate(rows, [[i] for i in range(len(rows))], pad_id, device, select_logits)
 
     def collate(self, sequences: list[dict[str, list[int]]], items: list[list[int]], pad_id: int, device,
                 select_logits: bool) -> MicroBatch:
-        """The micro-batch of ``sequences`` (``input_ids``, ``labels``): one per row, or with :attr:`pack_len`
-        laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two); with
-        :attr:`sequence_split`, collated on the CPU, then this rank's share of its positions moved to ``device``."""
-        split = self.sequence_split
+        """The micro-batch of ``sequences`` (``input_ids``, ``labels``): one per row, or, with the layout's
+        ``pack_len``, laid end to end in packed rows (``items``: the sequences that share a row, e.g. a pair's two);
+        with its ``sequence_split``, collated on the CPU, then this rank's share of its positions moved to
+        ``device``."""
+        layout = self.layout
+        split = layout.sequence_split
         made_on = "cpu" if split is not None else device
-        if self.pack_len is None:
+        if layout.pack_len is None:
             batch = micro_batch(sequences, pad_id, made_on, select_logits)
         else:
-            batch = packed_micro_batch(sequences, items, self.pack_len or None, pad_id, made_on, select_logits,
-                                       self.pack_attention, self.pack_segments)
+            batch = packed_micro_batch(sequences, items, layout.pack_len or None, pad_id, made_on, select_logits,
+                                       layout.pack_attention, layout.pack_segments)
         return batch if split is None else split.apply(batch, device)
 
     def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
@@ -174,21 +197,21 @@ PADDING_STEPS = 32
 def micro_batch_padding(objective: Objective, dataset, plan: BatchPlan, steps: int, pad_id: int,
                         select_logits: bool) -> str:
     """The share of padding in rank 0's micro-batches of the first steps (at most :data:`PADDING_STEPS`), each made
-    one sequence per row and packed (``objective.pack_len``): what packing saves on these rows, said at start."""
-    steps, pack_len = min(steps, PADDING_STEPS), objective.pack_len
+    one sequence per row and packed as the objective's layout packs them (whole rows: no sequence split), by copies
+    of it: what packing saves on these rows, said at start."""
+    steps, pack_len = min(steps, PADDING_STEPS), objective.layout.pack_len
     shares, packed = [], 0
-    try:
-        for objective.pack_len in (None, pack_len):
-            tokens = positions = 0
-            for step in range(steps):
-                for m in range(plan.accumulation):
-                    batch = objective.micro_batch([dataset[i] for i in plan.rows(step, m, 0)], pad_id,
-                                                  torch.device("cpu"), select_logits)
-                    tokens, positions = tokens + batch.tokens, positions + batch.inputs["input_ids"].numel()
-                    packed += batch.packing is not None
-            shares.append(1 - tokens / max(positions, 1))
-    finally:
-        objective.pack_len = pack_len
+    for layout in (MicroBatchLayout(), replace(objective.layout, sequence_split=None)):
+        measured = copy.copy(objective)
+        measured.lay_out(layout)
+        tokens = positions = 0
+        for step in range(steps):
+            for m in range(plan.accumulation):
+                batch = measured.micro_batch([dataset[i] for i in plan.rows(step, m, 0)], pad_id,
+                                             torch.device("cpu"), select_logits)
+                tokens, positions = tokens + batch.tokens, positions + batch.inputs["input_ids"].numel()
+                packed += batch.packing is not None
+        shares.append(1 - tokens / max(positions, 1))
     total = steps * plan.accumulation
     others = ", the others cheaper one sequence a row" if packed < total else ""
     return (f"padding {shares[0]:.1%} -> {shares[1]:.1%} of positions ({packed} of {total} micro-batches packed in "

@@ -33,9 +33,9 @@ EXPECTED = {
     # GRPO (a new round each step): every rank's completions and rewards gathered, and the lock-step of sampling
     # (transformers' synced_gpus: one all-reduce per decode step, max_new_tokens 4 + the last)
     "grpo": {**STEP,
-             "builtin.online.sampler:_generate > all_gather_object": 1,
-             "builtin.online.sampler:_gathered_scores > all_gather_object": 1,
-             "builtin.online.sampler:_sample > all_reduce": 5},
+             "builtin.online.objective:_generate > all_gather_object": 1,
+             "builtin.online.scoring:gathered > all_gather_object": 1,
+             "builtin.online.sampling:sample > all_reduce": 5},
 }
 DATA = {"sft": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl")},
         "dpo": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")},

@@ -272,7 +272,7 @@ def test_a_completions_log_probs_do_not_depend_on_the_rows_beside_it(tiny_model_
     from transformers import AutoModelForCausalLM
 
     from hfsdp import IGNORE_INDEX
-    from hfsdp.builtin.online.sampler import prompt_completion_batch, token_logps
+    from hfsdp.builtin.online.rounds import prompt_completion_batch, token_logps
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -16,6 +16,7 @@ from conftest import PRESET_DATA
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.layout import best_fit_decreasing
+from hfsdp.objective import MicroBatchLayout
 
 
 def test_best_fit_decreasing_puts_each_item_in_the_fullest_row_it_fits():
@@ -57,9 +58,9 @@ def pairs(tokenizer, n: int) -> list[dict]:
 
 def packed_and_not(objective, rows, pad_id, select_logits):
     plain = objective.micro_batch(rows, pad_id, torch.device("cpu"), select_logits)
-    objective.pack_len = 256
+    objective.lay_out(MicroBatchLayout(pack_len=256))
     packed = objective.micro_batch(rows, pad_id, torch.device("cpu"), select_logits)
-    objective.pack_len = None
+    objective.lay_out(MicroBatchLayout())
     return plain, packed
 
 
@@ -108,7 +109,7 @@ def test_packed_forwards_give_each_pair_its_unpacked_log_probs(tiny):
 def test_packed_forwards_give_each_completion_its_unpacked_token_log_probs(tiny):
     """GRPO's rows: prompts with completions of other lengths, left-padded one per row as TRL lays them out, or
     laid end to end: each completion's per-token log-probs and entropies, in order."""
-    from hfsdp.builtin.online.sampler import prompt_completion_batch, token_logps
+    from hfsdp.builtin.online.rounds import prompt_completion_batch, token_logps
     from hfsdp.objective import Objective
 
     model, tokenizer = tiny
@@ -117,7 +118,7 @@ def test_packed_forwards_give_each_completion_its_unpacked_token_log_probs(tiny)
     completions = [torch.randint(5, 400, (n,), generator=generator).tolist() for n in (3, 17, 8, 1, 12, 5)]
     plain = prompt_completion_batch(prompts, completions, tokenizer.pad_token_id, torch.device("cpu"), True)
     objective = Objective()
-    objective.pack_len = 64
+    objective.lay_out(MicroBatchLayout(pack_len=64))
     packed = objective.collate([{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c}
                                 for p, c in zip(prompts, completions)], [[i] for i in range(6)],
                                tokenizer.pad_token_id, torch.device("cpu"), True)
@@ -186,15 +187,14 @@ def test_a_micro_batch_is_packed_only_where_its_rows_cost_less(tiny):
 
     _, tokenizer = tiny
     objective = PreferenceObjective()
-    objective.pack_len = 256
     rows = pairs(tokenizer, 4)
     for attention, packs in ((0.0, True), (5e-3, False)):
-        objective.pack_attention = attention
+        objective.lay_out(MicroBatchLayout(pack_len=256, pack_attention=attention))
         batch = objective.micro_batch(rows, tokenizer.pad_token_id, torch.device("cpu"), True)
         assert (batch.packing is not None) == packs, attention
     lengths = [12, 90, 20, 85, 15, 30, 18, 60]
     plain = Objective()
-    plain.pack_len, plain.pack_attention = 96, 5e-3
+    plain.lay_out(MicroBatchLayout(pack_len=96, pack_attention=5e-3))
     batch = plain.micro_batch([{"input_ids": [7] * n, "labels": [7] * n} for n in lengths], tokenizer.pad_token_id,
                               torch.device("cpu"), False)
     assert batch.packing is not None and batch.inputs["input_ids"].shape == (4, 90)  # 90 | 85 | 60+30 | 20+18+15+12
@@ -203,7 +203,7 @@ def test_a_micro_batch_is_packed_only_where_its_rows_cost_less(tiny):
     # time, flash attention), the cheapest is one row of all; with max_len 96, rows of at most 96
     samples = [{"input_ids": [7] * n, "labels": [7] * n} for n in lengths]
     for pack_len, shape in ((0, (1, sum(lengths))), (96, (4, 90))):
-        plain.pack_len, plain.pack_attention = pack_len, 0.0
+        plain.lay_out(MicroBatchLayout(pack_len=pack_len))
         batch = plain.micro_batch(samples, tokenizer.pad_token_id, torch.device("cpu"), False)
         assert batch.inputs["input_ids"].shape == shape, pack_len
 

@@ -69,7 +69,7 @@ class Distill(Objective):
         return super().batch_plan(dataset, train_config, world_size, mixture)
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
-        self.teacher.load(accelerator, self.pack_segments)
+        self.teacher.load(accelerator, self.layout.pack_segments)
         return splits
 
     def loss(self, model, batch) -> torch.Tensor:

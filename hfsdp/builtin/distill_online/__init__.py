@@ -4,8 +4,8 @@ Jensen-Shannon divergence between the two next-token distributions at the sample
 1 reverse KL), with GKD's ``lmbda``: the share of rounds the student samples, the others training on the rows' own
 completions. Enable with ``plugins: [distill_online]`` and ``data.format: prompt``. Config section
 ``distill_online:``: :class:`DistillOnlineSection` (``hfsdp config-reference distill_online``). Sampling, rounds and
-the completions log are the online objectives' (:mod:`hfsdp.builtin.online.sampler`: the same completions on any
-world size and after a resume); the teacher is ``distill``'s (:mod:`hfsdp.builtin.distill.teacher`: frozen, sharded
+the completions log are the online objectives' (:mod:`hfsdp.builtin.online.objective`: the same completions on
+any world size and after a resume); the teacher is ``distill``'s (:mod:`hfsdp.builtin.distill.teacher`: frozen, sharded
 over the ranks); the loss: :mod:`hfsdp.builtin.distill_online.loss`. Reward functions are optional: named, they
 score the completions for the metrics and ``eval_reward``, not the loss. ``distill`` is the off-policy one (GKD at
 ``lmbda`` 0, on labelled tokens).

@@ -26,7 +26,10 @@ import torch
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.distill.loss import divergence_sum
 from hfsdp.builtin.distill.teacher import Teacher
-from hfsdp.builtin.online.sampler import OnlineObjective, entropies, prompt_completion_batch, sample_seed
+from hfsdp.builtin.online.groups import sample_seed
+from hfsdp.builtin.online.objective import OnlineObjective
+from hfsdp.builtin.online.rounds import entropies, prompt_completion_batch
+from hfsdp.builtin.online.sampling import eos_ids
 from hfsdp.builtin.prompt import ROW_COLUMN
 from hfsdp.data.batches import MicroBatch, reshard
 from hfsdp.errors import UserError
@@ -75,6 +78,7 @@ class DistillOnline(OnlineObjective):
         raw = json.loads(dataset[row][ROW_COLUMN])
         prompt, text = raw["prompt"], raw[self.section.completion_column]
         prompt_ids = list(dataset[row]["input_ids"])
+        eos = eos_ids(self.unwrapped, self.tokenizer)
         if isinstance(prompt, list):
             full = chat_ids(conversation([*prompt, {"role": "assistant", "content": text}], self.config.data),
                             self.tokenizer)
@@ -84,17 +88,17 @@ class DistillOnline(OnlineObjective):
                                 "told apart: use text prompts, or lmbda: 1")
             ids = full[len(prompt_ids):]
         else:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [self._eos_ids()[0]]
-        eos = set(self._eos_ids())
-        end = next((n + 1 for n, token in enumerate(ids) if token in eos), len(ids))
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos[0]]
+        ends = set(eos)
+        end = next((n + 1 for n, token in enumerate(ids) if token in ends), len(ids))
         return ids[:min(end, self.section.max_new_tokens)]
 
-    def _round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
-        return {**super()._round_stats(rewards, entries), "on_policy": float(self.samples_round(self.buffer.round))}
+    def round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
+        return {**super().round_stats(rewards, entries), "on_policy": float(self.samples_round(self.buffer.round))}
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         splits = super().prepare(model, accelerator, splits, cache_dir, model_path)
-        self.teacher.load(accelerator, self.pack_segments)
+        self.teacher.load(accelerator, self.layout.pack_segments)
         return splits
 
     def keeps_ref_logps(self) -> bool:

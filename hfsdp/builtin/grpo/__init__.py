@@ -3,8 +3,8 @@
 :class:`~hfsdp.builtin.grpo.schema.GrpoSection` (``hfsdp config-reference grpo``, docs/configuration.md). Rewards come
 from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields`` and ``tool_call``, as ``rloo`` does) or
 ``module:function`` names, resolved as every online objective's (:mod:`hfsdp.builtin.online.rewards`). The
-objective, its advantages and its loss: :mod:`hfsdp.builtin.grpo.loss`, on the online objectives' sampler
-(:mod:`hfsdp.builtin.online.sampler`; both imported when a run trains, so that ``hfsdp validate`` needs no torch).
+objective, its advantages and its loss: :mod:`hfsdp.builtin.grpo.loss`, on the online objectives' base class
+(:mod:`hfsdp.builtin.online.objective`; both imported when a run trains, so that ``hfsdp validate`` needs no torch).
 
 ``train.per_device_batch_size`` counts completions, as TRL's: each micro-batch holds ``per_device_batch_size /
 num_generations`` prompts with their whole groups.

@@ -1,5 +1,5 @@
 """The GRPO objective of plugin ``grpo`` (:mod:`hfsdp.builtin.grpo`): sampling and rewards as every online
-objective's (:class:`hfsdp.builtin.online.sampler.OnlineObjective`), TRL 1.16's advantages and losses.
+objective's (:class:`hfsdp.builtin.online.objective.OnlineObjective`), TRL 1.16's advantages and losses.
 
 Each generation round (``grpo.num_iterations`` optimizer steps) takes the plan's prompts of the global batch
 (``per_device_batch_size / num_generations`` prompts per micro-batch) and samples ``num_generations`` completions of
@@ -25,7 +25,7 @@ log w - lambda w)`` detached (``vespo_k/lambda_pos`` where A >= 0, else ``_neg``
 ``top_entropy_quantile`` < 1, the tokens whose entropy is under the quantile of the global batch's entropies
 (:func:`high_entropy`) lose their policy term; plus ``beta (exp(ref - logp) - (ref - logp) - 1)`` (the k3 KL
 estimator, times ``r`` with ``use_bias_correction_kl``; ``ref`` the base model's log-prob, the LoRA adapters
-disabled). A completion ``mask_truncated_completions`` leaves out is unlabelled (:mod:`hfsdp.builtin.online.sampler`):
+disabled). A completion ``mask_truncated_completions`` leaves out is unlabelled (:mod:`hfsdp.builtin.online.objective`):
 no token of it counts. Aggregated as TRL aggregates it (hfsdp then divides by the global batch's units, so any split
 over ranks and micro-batches gives one process's gradient): ``grpo`` and ``sapo`` the mean over completions of each
 one's token mean; ``bnpo`` the mean over micro-batches of their token mean; ``dr_grpo`` the token sum over
@@ -50,7 +50,9 @@ import math
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.builtin.online.sampler import GroupBatch, OnlineObjective, nanstd, token_logps
+from hfsdp.builtin.online.objective import OnlineObjective
+from hfsdp.builtin.online.rounds import GroupBatch, token_logps
+from hfsdp.builtin.online.scoring import nanstd
 from hfsdp.data.batches import MicroBatch
 
 # TRL adds this to the standard deviation it divides the advantages by.

@@ -84,7 +84,7 @@ class RewardModel(PreferenceObjective):
         return super().batch_plan(dataset, train_config, world_size, mixture)
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
-        if self.pack_len is not None:
+        if self.layout.pack_len is not None:
             self.head = reward_head(accelerator.unwrap_model(model))
         if "eval" in splits:
             self.check_margin(splits["eval"], "eval")

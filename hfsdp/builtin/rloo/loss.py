@@ -1,5 +1,5 @@
 """The RLOO objective of plugin ``rloo`` (:mod:`hfsdp.builtin.rloo`): REINFORCE leave-one-out as TRL 1.16's
-``RLOOTrainer``, on the online objectives' sampler (:class:`hfsdp.builtin.online.sampler.OnlineObjective`: the same
+``RLOOTrainer``, on the online objectives' sampler (:class:`hfsdp.builtin.online.objective.OnlineObjective`: the same
 seeded completions on any world size, the rewards, the rounds of ``num_iterations`` steps, the checkpointed buffer).
 
 Rewards (:func:`rloo_advantages`): each completion's weighted reward (None from every function: unscorable),
@@ -26,7 +26,9 @@ import math
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.builtin.online.sampler import GroupBatch, OnlineObjective, nanstd, token_logps
+from hfsdp.builtin.online.objective import OnlineObjective
+from hfsdp.builtin.online.rounds import GroupBatch, token_logps
+from hfsdp.builtin.online.scoring import nanstd
 from hfsdp.objective import means_of
 
 # TRL adds this to the standard deviation it divides normalised advantages by.
@@ -89,9 +91,9 @@ class RLOO(OnlineObjective):
         return rloo_advantages(rewards, weights, group, s.normalize_advantages, s.reward_clip_range,
                                sequence_kl(entries) if s.beta else None, s.beta)
 
-    def _round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
+    def round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
         """With ``beta``: the round's mean per-token KL to the reference when sampled (TRL's ``kl``)."""
-        stats = super()._round_stats(rewards, entries)
+        stats = super().round_stats(rewards, entries)
         if self.section.beta:
             tokens = sum(len(row) for entry in entries for row in entry["old_logps"])
             stats["kl"] = float(sequence_kl(entries).double().sum()) / max(tokens, 1)

@@ -1,0 +1,294 @@
+"""The base class every online objective subclasses (:class:`OnlineObjective`: GRPO's
+:class:`hfsdp.builtin.grpo.loss.GRPO`, RLOO's :class:`hfsdp.builtin.rloo.loss.RLOO`, on-policy distillation's
+:class:`hfsdp.builtin.distill_online.loss.DistillOnline`), a round of completions at a time: the group plan says which
+prompts a round takes and which of them each rank samples, with which seeds (:mod:`~hfsdp.builtin.online.groups`);
+each rank samples its share (:mod:`~hfsdp.builtin.online.sampling`) and scores it with the reward functions
+(:mod:`~hfsdp.builtin.online.scoring`), and keeps its per-token log-probs when sampled and of the reference where the
+objective needs them, all gathered onto every rank; the round is trained on for ``num_iterations`` optimizer steps
+from a checkpointed buffer (:mod:`~hfsdp.builtin.online.rounds`). So 1 process and N ranks sample, score and train on
+the same completions, N ranks each a 1/N share. Besides: the reward eval, the completions log and the per-token
+metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.online.groups import GroupPlan, eval_share, round_share
+from hfsdp.builtin.online.rewards import RewardCaller, reward_timeout_s
+from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, log_completions, per_row, prompt_completion_batch,
+                                         spread, token_logps)
+from hfsdp.builtin.online.sampling import eos_ids, sample
+from hfsdp.builtin.online.scoring import Scorer, reward_stats
+from hfsdp.data.batches import MicroBatch, reshard
+from hfsdp.objective import Objective, Sampling, adapters_disabled, means_of, means_over_ranks
+
+if TYPE_CHECKING:
+    from hfsdp.builtin.online.schema import OnlineSection
+
+
+class OnlineObjective(Objective):
+    """An objective that trains on completions it samples, scores and keeps for ``num_iterations`` steps (see the
+    module docstring); ``name`` is its plugin's, whose section is an :class:`OnlineSection`.
+
+    A subclass implements ``loss`` (its per-token values through :func:`~hfsdp.builtin.online.rounds.token_logps`,
+    its metric sums through :meth:`_add`) and says what it needs through these override points, defined in this
+    order below and no others:
+
+    - :meth:`advantages` (required): each completion's advantage from the round's rewards;
+    - :meth:`units`: what a micro-batch's loss sums over (completions, or tokens);
+    - :meth:`keeps_old_logps`, :meth:`keeps_ref_logps`: which per-token log-probs the round keeps (when sampled; of
+      the reference);
+    - :meth:`without_signal`: which micro-steps every rank skips;
+    - :meth:`samples_round`, :meth:`given_completions`: rounds trained on the rows' own completions instead;
+    - :meth:`round_stats`: the round's statistics in the metrics.
+
+    As any :class:`~hfsdp.objective.Objective` it may extend ``prepare``, ``batch_plan``, ``start_step``,
+    ``evaluate`` (with :meth:`_eval_samples` and :meth:`_eval_rewards`) and the metrics (``take_metrics``,
+    ``metrics_of``)."""
+
+    progress_metrics = ("reward",)
+    name = "online"
+    packs_micro_batches = True  # the per-token values through token_logps, one completion per row
+
+    def __init__(self, section: OnlineSection, rewards: list, config, tokenizer):
+        self.section, self.rewards, self.config, self.tokenizer = section, rewards, config, tokenizer
+        self.buffer = RoundBuffer()
+        self.unwrapped = None
+        self._sums: dict[str, torch.Tensor] = {}
+        self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
+        self._skipped = 0  # this step's micro-steps without signal, skipped (:meth:`without_signal`)
+
+    # ---- the override points
+
+    def advantages(self, rewards: torch.Tensor, weights: torch.Tensor, group: int,
+                   entries: list[dict[str, Any]]) -> torch.Tensor:
+        """Each completion's advantage from the round's rewards ``[completions, functions]`` (NaN: no reward), the
+        functions' ``weights`` and the ``group`` of completions per prompt (consecutive); ``entries``: the round's
+        micro-batches in order, with the kept per-token log-probs (``old_logps``, ``ref_logps``) where kept."""
+        raise NotImplementedError
+
+    def units(self, batch: MicroBatch, completions: int) -> int:
+        """What the loss of a micro-batch of ``completions`` sums over (hfsdp divides by the global batch's):
+        completions; a loss summed over tokens returns ``batch.num_targets``."""
+        return completions
+
+    def keeps_old_logps(self) -> bool:
+        """Whether the round keeps each completion's per-token log-probs when sampled (``old_logps``): for the
+        ratio of a round's later steps (``num_iterations`` > 1)."""
+        return self.section.num_iterations > 1
+
+    def keeps_ref_logps(self) -> bool:
+        """Whether the round keeps the reference's per-token log-probs (``ref_logps``: the base, LoRA's adapters
+        disabled): for the KL to it (``beta`` > 0)."""
+        return bool(self.section.beta)
+
+    def without_signal(self, slots: list[dict[str, Any]]) -> bool:
+        """Whether a micro-step (``slots``: its entry on each rank) has a zero gradient, so that every rank skips
+        its forward and backward: every completion's advantage is 0 and there is no KL term in the loss (``beta``
+        0), the loss then being 0 whatever the log-probs."""
+        return not self.section.beta and all(a == 0 for slot in slots for a in slot["advantages"])
+
+    def samples_round(self, round_: int) -> bool:
+        """Whether round ``round_``'s completions are sampled (else :meth:`given_completions`); the same on every
+        rank, a function of the seed and the round."""
+        return True
+
+    def given_completions(self, dataset, row: int, group: int) -> list[list[int]]:
+        """The ``group`` completions of dataset row ``row`` in a round that does not sample."""
+        raise NotImplementedError
+
+    def round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
+        """The round's statistics, in every step's metrics until the next round (the same on every rank): the
+        rewards' (:func:`~hfsdp.builtin.online.scoring.reward_stats`) and the completions' mean length."""
+        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
+        return {**reward_stats(rewards, self.rewards), "completion_length": float(lengths.mean())}
+
+    # ---- the plan and the rounds
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.section.max_new_tokens, whole_global_batch=False)  # each rank its own micro-batches
+
+    def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
+        return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
+                         world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
+                         iterations=self.section.num_iterations)
+
+    def prepare(self, model, accelerator, splits, cache_dir, model_path):
+        self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        caller = RewardCaller(self.name, self.rewards,
+                              reward_timeout_s(self.section, self.config.train.collective_timeout_s),
+                              accelerator.process_index)
+        self.scorer = Scorer(self.name, self.rewards, self.tokenizer, caller, accelerator)
+        accelerator.register_for_checkpointing(self.buffer)
+        return splits
+
+    def step_batches(self, model, dataset, plan, step, rank, pad_id, device, select_logits) -> list[GroupBatch]:
+        round_ = step // self.section.num_iterations
+        if self.buffer.round != round_:
+            started = time.perf_counter()
+            self._generate(model, dataset, plan, step, round_, pad_id, device, select_logits, rank)
+            self._generation_s = time.perf_counter() - started
+        world, entries = plan.world_size, self.buffer.entries
+        micro = []
+        for m in range(plan.accumulation):
+            batch = self._batch(entries[m * world + rank], pad_id, device, select_logits)
+            batch.skip = self.without_signal([entries[m * world + r] for r in range(world)])
+            micro.append(batch)
+        self._skipped = sum(batch.skip for batch in micro)
+        return micro
+
+    def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
+        """The entry's micro-batch; with ``mask_truncated_completions``, a completion that ends in neither EOS nor
+        the pad token (TRL's test: cut at ``max_new_tokens``) is unlabelled, so neither its loss nor its units
+        count."""
+        labelled = None
+        if self.section.mask_truncated_completions:
+            ends = {*eos_ids(self.unwrapped, self.tokenizer), pad_id}
+            labelled = [c[-1] in ends for c in entry["completion_ids"]]
+        prompts, completions = entry["prompt_ids"], entry["completion_ids"]
+        if self.layout.pack_len is None:
+            batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled)
+        else:  # each prompt + completion whole, laid end to end
+            sequences = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + (c if labelled is None or labelled[i]
+                                                                                  else [IGNORE_INDEX] * len(c))}
+                         for i, (p, c) in enumerate(zip(prompts, completions))]
+            batch = self.collate(sequences, [[i] for i in range(len(sequences))], pad_id, device, select_logits)
+        mask = batch.sequence_targets != IGNORE_INDEX
+        units = self.units(batch, len(entry["completion_ids"]))
+        return GroupBatch(**vars(batch) | {"num_targets": units},
+                          advantages=(torch.tensor(entry["advantages"], dtype=torch.float32, device=device)
+                                      if "advantages" in entry else None),
+                          old_logps=spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
+                          ref_logps=spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
+
+    def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits, rank) -> None:
+        """Sample this rank's share of the round (the prompts of its own micro-batches), gather every rank's
+        completions, score and prepare the round's global batch (collective)."""
+        from hfsdp.parallel.world import gather_objects
+
+        s, group = self.section, self.section.num_generations
+        share = round_share(plan, step, round_, rank, group, self.name, self.config.train.seed)
+        per_slot = share.per_micro_batch
+        prompts = [list(dataset[i]["input_ids"]) for part in share.rows for i in part]  # the round's, in slot order
+        if self.samples_round(round_):
+            sampled = self._sample(model, [prompts[p] for p in share.positions for _ in range(group)], share.seeds,
+                                   pad_id, width=max(map(len, prompts)))
+        else:  # the rows' own completions (the same decision on every rank: none samples)
+            sampled = [c for k in share.mine for i in share.rows[k] for c in self.given_completions(dataset, i, group)]
+        per_micro = per_slot * group
+        completions_of = {k: v for part in gather_objects(self.accelerator, {
+            k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(share.mine)}) for k, v in part.items()}
+        entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
+                    "completion_ids": completions_of[k]} for k, part in enumerate(share.rows)]
+        probe = ({"rows": entries[0]["rows"][:1], "completion_ids": entries[0]["completion_ids"][:1]}
+                 if s.check_reward_determinism else None)
+        rewards_of = (self.scorer.gathered(dataset, {k: entries[k] for k in share.mine}, group, probe=probe)
+                      if self.rewards else {k: [[]] * len(e["completion_ids"]) for k, e in enumerate(entries)})
+        self._keep_logps(model, entries, share.mine, pad_id, device, select_logits)
+        rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
+        weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
+        advantages = self.advantages(rewards, weights, group, entries)
+        for k, entry in enumerate(entries):
+            entry["rewards"] = rewards_of[k]
+            entry["advantages"] = advantages[k * per_micro:(k + 1) * per_micro].tolist()
+        self.buffer.round, self.buffer.entries = round_, entries
+        self.buffer.stats = self.round_stats(rewards, entries)
+        if s.log_completions and self.accelerator.is_main_process:
+            log_completions(Path(self.config.train.output_dir) / "completions.jsonl", s.log_completions, step, dataset,
+                            entries, group, self.tokenizer, [name for name, *_ in self.rewards])
+
+    def _keep_logps(self, model, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
+                    select_logits: bool) -> None:
+        """The per-token log-probs when sampled (:meth:`keeps_old_logps`) and of the reference
+        (:meth:`keeps_ref_logps`) of this rank's entries (``mine``), gathered into every rank's ``entries``
+        (collective)."""
+        from hfsdp.parallel.world import gather_objects
+
+        if not (self.keeps_old_logps() or self.keeps_ref_logps()):
+            return
+        temperature, kept = self.section.temperature, {}
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for k in mine:
+                batch = self._batch(entries[k], pad_id, device, select_logits)
+                mask = batch.sequence_targets != IGNORE_INDEX
+                kept[k] = {}
+                if self.keeps_old_logps():
+                    kept[k]["old_logps"] = per_row(token_logps(model, batch, temperature)[0], mask)
+                if self.keeps_ref_logps():
+                    with adapters_disabled(self.unwrapped):
+                        kept[k]["ref_logps"] = per_row(token_logps(model, batch, temperature)[0], mask)
+        model.train(was_training)
+        reshard(model)
+        for part in gather_objects(self.accelerator, kept):
+            for k, values in part.items():
+                entries[k].update(values)
+
+    def _sample(self, model, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int) -> list[list[int]]:
+        """:func:`~hfsdp.builtin.online.sampling.sample` as the section says (collective with several ranks)."""
+        return sample(model, self.unwrapped, prompts, seeds, pad_id, width, self.section,
+                      eos_ids(self.unwrapped, self.tokenizer), self.config.fsdp.gather_for_generation,
+                      synced=self.accelerator.num_processes > 1)
+
+    # ---- the eval
+
+    def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
+        """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
+        ``num_generations_eval`` completions of every eval prompt, sampled as training samples them, each by a
+        generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
+        weights gives the same completions, on any number of ranks. Each rank samples and scores its share of the
+        prompts (every ``world``-th)."""
+        return self._eval_rewards(dataset, *self._eval_samples(model, dataset, accelerator, pad_id))
+
+    def _eval_samples(self, model, dataset, accelerator, pad_id) -> tuple[list[list[int]], list[int], int,
+                                                                         list[list[int]]]:
+        """(every eval prompt's ids, this rank's prompts, completions per prompt, this rank's completions in
+        order) of the eval's sampling (see :meth:`evaluate`; collective: every rank samples in lock-step)."""
+        group = self.section.num_generations_eval or self.section.num_generations
+        prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        mine, seeds = eval_share(len(dataset), accelerator.num_processes, accelerator.process_index, group,
+                                 self.name, self.config.train.seed)
+        sampled = self._sample(model, [prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
+                               width=max(map(len, prompts)))
+        return prompts, mine, group, sampled
+
+    def _eval_rewards(self, dataset, prompts, mine: list[int], group: int, sampled) -> dict[str, float]:
+        """``eval_reward`` and each function's ``eval_rewards/<name>/mean`` of the eval's completions (none without
+        reward functions; collective otherwise)."""
+        if not self.rewards:
+            return {}
+        scores = self.scorer.gathered(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1) * group]}
+                                                for n, i in enumerate(mine)}, group, "eval")
+        rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
+        return {f"eval_{k}": v for k, v in reward_stats(rewards, self.rewards).items() if not k.endswith("std")}
+
+    # ---- the metrics
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to this step's (or eval's) sum ``name``: a mean per token over all ranks in the metrics."""
+        self._sums[name] = self._sums.get(name, 0) + value.detach().double()
+
+    def take_metrics(self, accelerator, prefix: str = "") -> dict[str, float]:
+        means, self._sums = means_over_ranks(accelerator, self._sums, "tokens", prefix), {}
+        return {**self._own_metrics(prefix), **means}
+
+    def step_sums(self) -> dict[str, Any]:
+        sums, self._sums = self._sums, {}
+        return sums
+
+    def metrics_of(self, totals: dict[str, float]) -> dict[str, float]:
+        return {**self._own_metrics(), **means_of(totals, "tokens")}
+
+    def _own_metrics(self, prefix: str = "") -> dict[str, float]:
+        """The round's statistics (the same on every rank), the time spent sampling and the skipped micro-steps."""
+        generation_s, self._generation_s = self._generation_s, 0.0
+        skipped, self._skipped = self._skipped, 0
+        return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
+                f"{prefix}skipped_zero_advantage": skipped}

@@ -1,0 +1,127 @@
+"""A round of the online objectives' completions and what is made of it: the buffer that keeps the round in use for
+its ``num_iterations`` optimizer steps, checkpointed with the run so that a resume inside a round trains on the same
+completions (:class:`RoundBuffer`); the micro-batches of its entries (:class:`GroupBatch`: prompts and completions
+laid out as TRL lays them out, :func:`prompt_completion_batch`, with each completion's advantage and kept per-token
+log-probs); the per-token log-probs and entropies read off them (:func:`token_logps`); and the completions log
+(:func:`log_completions`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.prompt import ROW_COLUMN
+from hfsdp.data.batches import MicroBatch
+from hfsdp.objective import target_logps
+
+
+@dataclass
+class GroupBatch(MicroBatch):
+    """A micro-batch of completions (rows: prompt + completion, only the completion labelled) with each
+    completion's advantage and the kept per-token log-probs (``[completions, tokens]`` at the labelled targets)."""
+
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    entropy_threshold: float | None = None  # set by an objective that trains on the high-entropy tokens only
+
+
+class RoundBuffer:
+    """The generation round in use (every micro-batch of the global batch), checkpointed with the run so that a
+    resume inside a round trains on the same completions: ``state_dict`` holds plain lists, the same on every
+    rank."""
+
+    def __init__(self):
+        self.round = -1
+        self.entries: list[dict[str, Any]] = []  # per global micro-batch: rows, prompts, completions, values
+        self.stats: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "entries": self.entries, "stats": self.stats}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round, self.entries, self.stats = int(state["round"]), state["entries"], state["stats"]
+
+
+@torch.no_grad()  # a metric: no graph through more logits-sized tensors
+def entropies(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's distribution (``logits``: float32, already over the temperature)."""
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
+
+def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies (of the logits over the temperature) at the batch's targets, 0 elsewhere,
+    one completion per row (``batch.sequence_targets``' layout)."""
+    logits = model(**batch.inputs).logits.float() / temperature
+    entropy = entropies(logits)
+    logps, entropy = target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
+    return batch.per_sequence(logps), batch.per_sequence(entropy)
+
+
+def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
+                            select_logits: bool, labelled: list[bool] | None = None) -> MicroBatch:
+    """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
+    right-padded, so every completion starts at the same position and the model computes logits at the longest
+    completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
+    targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
+    prompt), the attention mask hides the padding. ``labelled``: which rows' completions are targets (default
+    all; the others are in the rows, unlabelled)."""
+    width, longest = max(map(len, prompts)), max(map(len, completions))
+    rows = len(prompts)
+    input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, width - len(p):width + len(c)] = torch.tensor(p + c)
+        attention[i, width - len(p):width + len(c)] = 1
+        if labelled is None or labelled[i]:  # position t predicts t + 1
+            targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
+    if select_logits:
+        keep = torch.arange(width - 1, width - 1 + longest)
+        inputs["logits_to_keep"], targets = keep, targets[:, keep]
+    labelled = targets != IGNORE_INDEX
+    return MicroBatch(inputs={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                      targets=targets.to(device), lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
+                      num_targets=int(labelled.sum()),
+                      label_positions=labelled.reshape(-1).nonzero().flatten().to(device))
+
+
+def spread(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """Per-completion token lists placed at the mask's positions (row-major: each row's tokens in order)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask.cpu()] = torch.tensor([v for row in values for v in row], dtype=torch.float32)
+    return out.to(mask.device)
+
+
+def per_row(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    """Each row's values at the mask's positions, as lists (what :func:`spread` places back)."""
+    return [row[m].tolist() for row, m in zip(tensor.detach().float().cpu(), mask.cpu())]
+
+
+def log_completions(path: Path, limit: int, step: int, dataset, entries: list[dict[str, Any]], group: int, tokenizer,
+                    reward_names: list[str]) -> None:
+    """The round's first ``limit`` completions (``entries``, ``group`` per prompt) appended to ``path`` as JSON
+    lines: the step, the row and its prompt, the completion's text and ids, its advantage and each reward (None:
+    none)."""
+    lines = []
+    for entry in entries:
+        texts = tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
+        for j, text in enumerate(texts):
+            if len(lines) == limit:
+                break
+            prompt = json.loads(dataset[entry["rows"][j // group]][ROW_COLUMN])["prompt"]
+            lines.append(json.dumps({"step": step + 1, "row": entry["rows"][j // group], "prompt": prompt,
+                                     "completion": text, "completion_ids": entry["completion_ids"][j],
+                                     "advantage": entry["advantages"][j],
+                                     "rewards": {name: (None if math.isnan(v) else v) for name, v
+                                                 in zip(reward_names, entry["rewards"][j])}}))
+    with open(path, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
