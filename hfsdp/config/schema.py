@@ -21,6 +21,17 @@ def _dtype_alias(value: Any) -> Any:
     return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
+class MayChangeOnResume:
+    """Marks a key a resume may change (:data:`Resumable`)."""
+
+
+T = typing.TypeVar("T")
+# A key that may change between a checkpoint and its resume: the same steps trained, reported, saved or computed
+# otherwise (how long the run goes, how often it logs, evaluates and saves, the layout over the ranks, the batch keys
+# while the global batch stays); a checkpoint's fingerprint of its config leaves these out (hfsdp.setup.record).
+Resumable = typing.Annotated[T, MayChangeOnResume()]
+
+
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, numbers given for strings are accepted."""
 
@@ -232,7 +243,7 @@ class FSDPConfig(Section):
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="HYBRID_SHARD: ranks per shard group (default: processes per node)."
     )
-    single_process: Literal["auto", "fsdp"] = Field(
+    single_process: Resumable[Literal["auto", "fsdp"]] = Field(
         "auto", description="one process: auto runs the model without a wrapper unless an option needs FSDP "
                             "(cpu_offload); fsdp wraps it anyway, as N ranks would.")
     gather_for_generation: bool = Field(
@@ -331,11 +342,11 @@ OPTIMIZER_NAMES = ("adamw", "adamw_8bit", "adafactor", "muon", "schedule_free_ad
 
 
 class TrainConfig(Section):
-    output_dir: str = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
-    max_steps: int | None = Field(None, gt=0, description="optimizer steps; wins over epochs.")
-    epochs: float | None = Field(None, gt=0, description="passes over the train set (when max_steps is unset).")
-    per_device_batch_size: int = Field(1, gt=0, description="samples per micro-batch per rank.")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    output_dir: Resumable[str] = Field(description="run folder: config.yaml, metrics.jsonl, checkpoints/, final/.")
+    max_steps: Resumable[int | None] = Field(None, gt=0, description="optimizer steps; wins over epochs.")
+    epochs: Resumable[float | None] = Field(None, gt=0, description="passes over the train set (when max_steps is unset).")
+    per_device_batch_size: Resumable[int] = Field(1, gt=0, description="samples per micro-batch per rank.")
+    gradient_accumulation_steps: Resumable[int] = Field(1, gt=0, description="micro-batches per optimizer step.")
     group_by_length: bool = Field(
         False, description="put rows of similar length into the same micro-batches (less padding); the order "
                            "stays a function of seed and step.")
@@ -359,43 +370,43 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="null disables clipping.")
     seed: int = Field(42, description="seeds data order, init and dropout.")
-    log_every: int = Field(10, gt=0, description="steps between metrics.jsonl records.")
-    eval_every: int | None = Field(None, gt=0, description="steps between evals; eval also runs at start and end.")
-    eval_at_start: bool = Field(True, description="evaluate before the first step (the before/after report).")
-    max_eval_batches: int | None = Field(None, gt=0, description="cap on eval batches per rank.")
-    save_every: int | None = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
-    keep_last: int | None = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
-    async_save: bool = Field(
+    log_every: Resumable[int] = Field(10, gt=0, description="steps between metrics.jsonl records.")
+    eval_every: Resumable[int | None] = Field(None, gt=0, description="steps between evals; eval also runs at start and end.")
+    eval_at_start: Resumable[bool] = Field(True, description="evaluate before the first step (the before/after report).")
+    max_eval_batches: Resumable[int | None] = Field(None, gt=0, description="cap on eval batches per rank.")
+    save_every: Resumable[int | None] = Field(None, gt=0, description="steps between checkpoints (null: only on preemption).")
+    keep_last: Resumable[int | None] = Field(3, gt=0, description="complete checkpoints kept (null keeps all).")
+    async_save: Resumable[bool] = Field(
         False, description="write SHARDED checkpoints in the background while training continues (staged to a "
                            "host-memory copy first; FSDP-wrapped models); a checkpoint counts only once complete.")
-    export_final: bool = Field(True, description="write the consolidated model to <output_dir>/final.")
-    loss_plot: bool = Field(
+    export_final: Resumable[bool] = Field(True, description="write the consolidated model to <output_dir>/final.")
+    loss_plot: Resumable[bool] = Field(
         True, description="draw <output_dir>/loss.png from metrics.jsonl at the end of the run (main process; "
                           "needs matplotlib; `hfsdp plot` draws it later from the same file).")
-    report_to: list[Tracker] = Field(
+    report_to: Resumable[list[Tracker]] = Field(
         ["tensorboard"], description="experiment trackers (through Accelerate) besides metrics.jsonl, or none; "
         "replaces train.tensorboard (false: none).")
     peak_tflops: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one device for MFU; default: the table of known GPUs in docs/guide.md.")
-    compile: CompileConfig | None = Field(
+    compile: Resumable[CompileConfig | None] = Field(
         None, description="torch.compile each transformer block in place (before FSDP2 shards it; FSDP1: refused): "
                           "true (Inductor), false, or {backend: inductor|aot_eager|eager, mode: default|"
                           "max-autotune-no-cudagraphs|reduce-overhead|max-autotune}. Off by default (docs/benchmarks.md: "
                           "what it gains on CPU).")
-    chunked_loss: bool = Field(
+    chunked_loss: Resumable[bool] = Field(
         True, description="compute the output projection and cross entropy inside the model's forward, chunk by "
                           "chunk, each chunk's gradients made there (no recomputation), so the full logits never "
                           "exist; used where it is exact (checked at start-up, else the plain loss); false: the plain "
                           "loss.")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also "
                                                    "CUBLAS_WORKSPACE_CONFIG).")
-    on_nonfinite: Literal["stop", "skip"] = Field(
+    on_nonfinite: Resumable[Literal["stop", "skip"]] = Field(
         "stop", description="non-finite loss or grad norm: stop (exit 3) or skip the step.")
-    max_consecutive_skips: int = Field(3, gt=0, description="skip policy: stop after this many in a row.")
-    collective_timeout_s: int = Field(
+    max_consecutive_skips: Resumable[int] = Field(3, gt=0, description="skip policy: stop after this many in a row.")
+    collective_timeout_s: Resumable[int] = Field(
         600, gt=0, description="seconds a rank waits in a collective for the others before the job fails "
                                "(a hung or frozen rank); also bounds rank 0's first-time tokenization.")
-    save_timeout_s: float | None = Field(
+    save_timeout_s: Resumable[float | None] = Field(
         3600, gt=0, description="seconds a checkpoint may take from the start of its save until it is complete; "
                                 "a save that takes longer (storage too slow or hung) stops every rank with the step, "
                                 "the path and the time instead of hanging (null: no limit).")
@@ -497,8 +508,8 @@ class HfsdpConfig(Section):
     data: DataConfig
     train: TrainConfig
     fsdp: FSDPConfig = FSDPConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    generation_eval: GenerationEvalConfig | None = Field(
+    parallel: Resumable[ParallelConfig] = ParallelConfig()
+    generation_eval: Resumable[GenerationEvalConfig | None] = Field(
         None, description="off unless the section is given; chat and instruction formats.")
     plugins: list[str] = Field(default_factory=list, description="plugins to enable, by name or dotted path.")
     plugin_config: dict[str, Any] = Field(

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
-from hfsdp.config.schema import HfsdpConfig
+from hfsdp.config.schema import HfsdpConfig, MayChangeOnResume, Section
 from hfsdp.disk.checkpoints import find_resume_checkpoint, read_record, saved_by_fsdp
 from hfsdp.disk.durable import RECORD
 from hfsdp.errors import UserError
@@ -40,22 +40,21 @@ if TYPE_CHECKING:
     from hfsdp.hooks.host import PluginHost
     from hfsdp.layout.degrees import ParallelDims, World
 
-# Keys that may change between a checkpoint and its resume; anything else changes the run and is refused.
-RESUMABLE_CHANGES = (
-    "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every", "train.keep_last",
-    "train.export_final", "train.loss_plot", "train.report_to", "train.on_nonfinite", "train.max_consecutive_skips",
-    "train.output_dir",
-    "train.eval_at_start", "train.max_eval_batches", "train.collective_timeout_s", "train.save_timeout_s",
-    "generation_eval",
-    "fsdp.single_process",  # how one process runs the same steps; RunSetup keeps FSDP to resume an FSDP checkpoint
-    "train.compile", "train.chunked_loss",  # the same steps, computed faster or in less memory
-    "train.async_save",  # the same checkpoint, written while training continues
-)
-# The batch keys may change on resume as long as the global batch they make stays the same.
-BATCH_KEYS = ("train.per_device_batch_size", "train.gradient_accumulation_steps")
-# The layout: tp_size is checked on its own (Record.tp_size, with its own message), dp_shard_size only checks the world
-# size, which may change; out of the fingerprint, checkpoints written before the section existed still resume.
-LAYOUT_KEYS = ("parallel",)
+def resumable_keys(model: type = HfsdpConfig, prefix: str = "") -> tuple[str, ...]:
+    """The keys a resume may change (:data:`hfsdp.config.schema.Resumable`, as the schema declares them), dotted;
+    anything else changes the run and is refused. The batch keys among them may change as long as the global batch
+    they make stays the same (:func:`keep_global_batch`); the layout (``parallel``) as long as ``tp_size`` does
+    (:attr:`Record.tp_size`, with its own message)."""
+    keys: list[str] = []
+    for name, declared in model.model_fields.items():
+        if any(isinstance(m, MayChangeOnResume) for m in declared.metadata):
+            keys.append(prefix + name)
+        elif isinstance(declared.annotation, type) and issubclass(declared.annotation, Section):
+            keys += resumable_keys(declared.annotation, f"{prefix}{name}.")
+    return tuple(keys)
+
+
+RESUMABLE_CHANGES = resumable_keys()
 
 
 @dataclass(frozen=True)
@@ -219,10 +218,9 @@ def keep_global_batch(record: Record, config: HfsdpConfig, dims: "ParallelDims",
 
 
 def run_fingerprint(config: HfsdpConfig) -> str:
-    """What a checkpoint records of its config: the keys that change the run (the batch keys are checked through
-    the global batch, :func:`keep_global_batch`)."""
+    """What a checkpoint records of its config: the keys that change the run (not :data:`RESUMABLE_CHANGES`)."""
     data = config.to_yaml_dict()
-    for dotted in RESUMABLE_CHANGES + BATCH_KEYS + LAYOUT_KEYS:
+    for dotted in RESUMABLE_CHANGES:
         parent, _, leaf = dotted.rpartition(".")
         node = data
         for part in filter(None, parent.split(".")):
