@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hfsdp import __version__
-from hfsdp.errors import ConfigError, PluginError, UserError
+from hfsdp.errors import ConfigError, PluginError, Stopped, UserError
 from hfsdp.export.gguf_file import QUANTS as GGUF_QUANTS
 from hfsdp.parallel import launcher
 
@@ -34,15 +34,26 @@ def _fail(err: BaseException) -> None:
             import traceback
 
             traceback.print_exception(err.cause)
-    sys.exit(getattr(err, "exit_code", 1))
+    sys.exit(128 + err.signum if isinstance(err, Stopped) else getattr(err, "exit_code", 1))
 
 
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (UserError, PluginError) as err:
+        except (UserError, PluginError, Stopped) as err:
             _fail(err)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise :class:`hfsdp.errors.Stopped` (the training loop asks for a checkpoint instead)."""
+    import signal
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def _quiet(verbose: bool) -> None:
@@ -105,6 +116,8 @@ def cli(verbose: bool) -> None:
 def train(config: str | None, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
     """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
     from hfsdp.config.files import load_config, resolve_config_path
+
+    _stop_on_signals()  # a signal before the first step puts back the earlier run --overwrite or --resume set aside
 
     cfg, host = load_config(config, overrides)
     launcher.check_rank_variables(os.environ)

@@ -47,3 +47,17 @@ class PluginError(Exception):
         self.hook = hook
         self.cause = cause
         super().__init__(f"plugin '{plugin}' failed in hook '{hook}': {type(cause).__name__}: {cause}")
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT outside the training loop (where they ask for a checkpoint instead,
+    ``hfsdp.run.loop.PreemptionFlag``): raised by the handler ``hfsdp train`` installs, so that what the run started
+    is undone on the way out (an earlier run it set aside is put back, a temporary export removed). A BaseException,
+    as KeyboardInterrupt: no ``except Exception`` turns it into another error. The CLI exits 128 + the signal's
+    number, as a process killed by it would."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

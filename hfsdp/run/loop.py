@@ -195,6 +195,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
                 micro = objective.step_batches(model, train_set, plan, state.step, world.dp_rank,
                                                tokenizer.pad_token_id, accelerator.device, select_logits)
                 result = train_step(run, micro, scaler, scheduler)
+                if lock is not None:  # the earlier run set aside is not needed any more (hfsdp.disk.aside)
+                    lock.first_step_done()
                 if result.stepped:
                     report_optimizer_state(report, optimizer, output_dir, world.rank)
                 elapsed = time.perf_counter() - t0
@@ -233,6 +235,8 @@ def train(setup: RunSetup, host: PluginHost, opts: Options) -> dict[str, Any]:
             if progress is not None:
                 progress.close()
         saver.wait()  # the last checkpoint complete (or its failure reported) before the final eval and export
+        if lock is not None:  # (a resume with no step left to train)
+            lock.first_step_done()
         loop_s = time.perf_counter() - loop_started
 
         # ---- finish: final eval, export, summary
