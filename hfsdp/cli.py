@@ -198,7 +198,7 @@ def _check_optimizer_values(cfg, source: str) -> None:
 
 
 @cli.command(name="export")
-@click.argument("checkpoint_dir", type=click.Path(path_type=Path))
+@click.argument("source", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
@@ -215,26 +215,28 @@ def _check_optimizer_values(cfg, source: str) -> None:
               help="With --format gguf: the matrices' tensor type [default: q8_0].")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT_DIR if it holds an earlier hfsdp export (anything else in it is never removed).")
-def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
+def export_cmd(source: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
                max_shard_size: str | None, fmt: str, quant: str | None, overwrite: bool) -> None:
-    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter).
+    """Export SOURCE into a Hugging Face safetensors folder (LoRA runs: the adapter): a checkpoint (FULL or SHARDED:
+    consolidated), a finished run's final/, or a run folder (its final/, else its last checkpoint).
 
     OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
     and renamed when complete, so a failed export leaves nothing behind.
     """
     from hfsdp.export.hf_folder import parse_size
-    from hfsdp.export.pipeline import export_checkpoint, gguf_overrides
+    from hfsdp.export.pipeline import export_checkpoint, export_source, gguf_overrides
 
     overrides = list(overrides)
     if quant is not None and fmt != "gguf":
         raise UserError("--quant is the GGUF file's tensor type: add --format gguf")
+    exported = export_source(source)
     if fmt == "gguf":
-        overrides += gguf_overrides(checkpoint_dir, quant)
+        overrides += gguf_overrides(exported, quant)
         merge_lora = True
-    written = export_checkpoint(checkpoint_dir, out_dir, overrides,
+    written = export_checkpoint(exported, out_dir, overrides,
                                 max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
                                 overwrite=overwrite, cache_dir=cache_dir(), merge_adapters=merge_lora)
-    click.echo(f"exported {checkpoint_dir} -> {written}")
+    click.echo(f"exported {exported.weights} -> {written}")
 
 
 @cli.command(name="config-reference")
