@@ -47,6 +47,13 @@ def _resuming(case: Path, *args: str, **record) -> list[str]:
     return ["train", config, "--resume", *args]
 
 
+def _cut(line: int, then: bytes = b"") -> bytes:
+    """The bundled chat rows with line ``line`` (counted from 1) cut short in a string, followed by ``then``."""
+    lines = CHAT.read_bytes().splitlines(keepends=True)[:20]
+    cut = lines[line - 1][:lines[line - 1].index(b'"content": "') + 20] + then + b"\n"
+    return b"".join(lines[:line - 1]) + cut + b"".join(lines[line:])
+
+
 def _after(_made, argv: list[str]) -> list[str]:
     """``argv``, once the file or folder the case needs is made (the first argument)."""
     return argv
@@ -102,9 +109,26 @@ CASES: dict[str, Case] = {
                               "hfsdp reads .txt, .text, .json, .jsonl, .csv, .parquet files, not '.docx'"),
     "unreadable parquet": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.parquet", b"\x00garbage" * 64),
                                                                "eval_path": None})],
-                           "rows.parquet: Parquet magic bytes not found"),
+                           "data: {d}/rows.parquet: not a Parquet file pyarrow can read (Parquet magic bytes not found"),
     "malformed jsonl": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": [\n'),
-                                                            "eval_path": None})], "JSON parse error"),
+                                                            "eval_path": None})],
+                        "data: {d}/rows.jsonl, line 1: Expecting value (column 15): the line ends inside a value, it "
+                        "may be cut short; fix or remove that line"),
+    # pyarrow said "JSON parse error: Missing a closing quotation mark in string. in row 11" for line 13
+    "a jsonl line cut short": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", _cut(13)),
+                                                                   "eval_path": None})],
+                               "data: {d}/rows.jsonl, line 13: Unterminated string starting at"),
+    # ... and "Invalid encoding in string. in row 12" for a line 13 cut inside a character
+    "a jsonl line cut inside a character": (
+        lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", _cut(13, "é".encode()[:1])),
+                                             "eval_path": None})],
+        "data: {d}/rows.jsonl, line 13: not UTF-8 text (byte 0xc3 at column "),
+    "a csv row with an extra field": (lambda d, s: ["train", _cfg(d, data={"path": _write(
+        d / "rows.csv", "prompt,completion\nhi,there\nhello,world,again\n"), "format": "instruction",
+        "eval_path": None})], "data: {d}/rows.csv, line 3: 3 field(s), and the header (line 1) has 2"),
+    "a json document that stops parsing": (lambda d, s: ["train", _cfg(d, data={"path": _write(
+        d / "rows.json", '[\n{"prompt": "a", "completion": "b"},\n{"prompt": "c" "completion": "d"}\n]\n'),
+        "format": "instruction", "eval_path": None})], "data: {d}/rows.json, line 3: Expecting ',' delimiter"),
     "empty dataset": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", "\n"), "eval_path": None})],
                       "is empty (no rows to train on)"),
     "every sample too long (drop)": (lambda d, s: ["train", _cfg(d, data={"max_seq_len": 8, "too_long": "drop"})],
@@ -498,6 +522,7 @@ def test_bad_input(case, results):
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert expected in proc.stderr, proc.stderr[-4000:]
+    assert "Failed to load" not in proc.stderr, proc.stderr[-4000:]  # datasets' own log line of an unreadable file
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hfsdp: error:")]
     assert len(errors) == 1, proc.stderr[-4000:]  # one message, not one per layer that saw the problem
 
