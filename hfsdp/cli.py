@@ -229,13 +229,13 @@ def export_cmd(source: Path, out_dir: Path, overrides: tuple[str, ...], merge_lo
     overrides = list(overrides)
     if quant is not None and fmt != "gguf":
         raise UserError("--quant is the GGUF file's tensor type: add --format gguf")
+    max_shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     exported = export_source(source)
     if fmt == "gguf":
         overrides += gguf_overrides(exported, quant)
         merge_lora = True
-    written = export_checkpoint(exported, out_dir, overrides,
-                                max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite, cache_dir=cache_dir(), merge_adapters=merge_lora)
+    written = export_checkpoint(exported, out_dir, overrides, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                                cache_dir=cache_dir(), merge_adapters=merge_lora)
     click.echo(f"exported {exported.weights} -> {written}")
 
 

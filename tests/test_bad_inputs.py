@@ -95,7 +95,18 @@ CASES: dict[str, Case] = {
     "malformed yaml": (lambda d, s: ["train", _write(d / "c.yaml", "model: {name_or_path: x\ntrain: [\n")],
                        "malformed YAML at line"),
     "--set wrong type": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps=abc"],
-                         "train.max_steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+                         "hfsdp: error: --set: 1 problem(s)\n  train.max_steps: Input should be a valid integer, "
+                         "unable to parse string as an integer (got 'abc')"),
+    "--set wrong type beside the file's own problem": (
+        lambda d, s: ["train", _cfg(d, train={"per_device_batch_size": "two"}), "--set", "train.max_steps=abc"],
+        "config.yaml: 2 problem(s)\n  train.max_steps (--set train.max_steps=abc): Input should be a valid integer"),
+    "a misspelt built-in model": (lambda d, s: ["validate", _cfg(d, model={"name_or_path": "smollm2-135m-instuct"}),
+                                                "--no-rows"],
+                                  "model.name_or_path: 'smollm2-135m-instuct' is not a built-in model: did you mean "
+                                  "smollm2-135m-instruct?"),
+    "a hub model offline": (lambda d, s: ["train", _cfg(d, model={"name_or_path": "someone/a-model"})],
+                            "model.name_or_path: 'someone/a-model' is a hub id that is not in the local Hugging Face "
+                            "cache, and the hub cannot be reached (HF_HUB_OFFLINE is set)"),
     "--set without value": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps"], "overrides look like --set"),
     "unknown plugin": (lambda d, s: ["train", _cfg(d, plugins=["nonexistent_plugin_xyz"])],
                        "'nonexistent_plugin_xyz' is neither an installed plugin nor an importable module"),
@@ -260,7 +271,7 @@ CASES: dict[str, Case] = {
     "text file that is not UTF-8": (
         lambda d, s: ["train", _cfg(d, data={"format": "text", "path": _write(d / "t.txt", b"\xff\xfe\x00abc" * 50),
                                              "eval_path": None})],
-        "data: cannot read"),
+        "data: {d}/t.txt, line 1: not UTF-8 text (byte 0xff at column 1"),
     "chat eval row without an assistant turn": (
         lambda d, s: ["train", _cfg(d, data={"eval_path": _write(d / "eval.jsonl", CHAT.read_text().splitlines()[0]
                                                  + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]})

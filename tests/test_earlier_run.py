@@ -47,24 +47,41 @@ def copy_of(earlier: Path, tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
 BROKEN_ROW = '{"messages": [{"role": "user", "content": "cut sh'
 
 
-def assert_put_back(proc, run: Path, before: dict[str, bytes], exit_code: int = 2) -> None:
+def assert_put_back(proc, run: Path, before: dict[str, bytes], exit_code: int = 2, set_aside: bool = True) -> None:
+    """``proc`` stopped with ``exit_code`` and no traceback, and ``run`` holds the earlier run as it was (put back,
+    saying so, where ``set_aside``: the new run had prepared the folder)."""
     assert proc.returncode == exit_code, proc.stderr[-4000:]
     no_traceback(proc)
-    assert f"hfsdp: {run}: the earlier run is back as it was (this run stopped before its first step, so nothing " \
-           "of it was removed)" in proc.stderr, proc.stderr[-3000:]
+    back = f"hfsdp: {run}: the earlier run is back as it was (this run stopped before its first step, so nothing " \
+           "of it was removed)"
+    assert (back in proc.stderr) == set_aside, proc.stderr[-3000:]
     assert files(run) == before
     assert not (run / ASIDE).exists()
 
 
-@pytest.mark.parametrize("case", ["bad data", "a missing model"])
-def test_an_overwrite_that_fails_before_its_first_step_leaves_the_earlier_run_byte_identical(case, earlier, tmp_path):
+# Each way a new run can fail before its first step on one process: the --set that makes it, what it says, and
+# whether the folder was prepared (the earlier run set aside) before the failure
+FAILURES = {
+    "bad data": ("data.path={tmp}/broken.jsonl", "broken.jsonl, line 1: Unterminated string", True),
+    "a model folder without its weights": ("model.name_or_path={tmp}/no-weights",
+                                           "cannot load the weights of", True),
+    "a hub model offline": ("model.name_or_path=someone/a-model",
+                            "is a hub id that is not in the local Hugging Face cache", True),
+    "a misspelt model name": ("model.name_or_path=smollm2-tinny", "did you mean smollm2-tiny?", False),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_an_overwrite_that_fails_before_its_first_step_leaves_the_earlier_run_byte_identical(
+        case, earlier, tmp_path, tiny_model_dir):
     run, before = copy_of(earlier, tmp_path)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text(BROKEN_ROW + "\n")
-    change = {"bad data": f"data.path={broken}", "a missing model": f"model.name_or_path={tmp_path / 'no-model'}"}
-    proc = train(fault_config(tmp_path), "", "--overwrite", "--set", change[case])
-    assert_put_back(proc, run, before)
-    assert len([line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]) == 1, proc.stderr[-3000:]
+    (tmp_path / "broken.jsonl").write_text(BROKEN_ROW + "\n")
+    shutil.copytree(tiny_model_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    change, says, set_aside = FAILURES[case]
+    proc = train(fault_config(tmp_path), "", "--overwrite", "--set", change.format(tmp=tmp_path))
+    assert_put_back(proc, run, before, set_aside=set_aside)
+    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
+    assert len(errors) == 1 and says in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -155,7 +155,28 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), *, check_da
     ``check_data``: also check that ``data.path`` / ``data.eval_path`` can be read (off for ``hfsdp export``, which
     needs no data). Nothing heavy is imported."""
     path = resolve_config_path(name_or_path)
-    return validate_raw(apply_overrides(read_config(path), list(overrides)), str(path), check_data=check_data)
+    try:
+        return validate_raw(apply_overrides(read_config(path), list(overrides)), str(path), check_data=check_data)
+    except ConfigError as err:  # a value given with --set is blamed on --set, not on the file
+        raise blame_overrides(err, list(overrides)) from None
+
+
+def blame_overrides(err: ConfigError, overrides: list[str]) -> ConfigError:
+    """``err`` with each problem of a key that an override set (or of a key under it) named with its ``--set``, and
+    ``--set`` as the source where every problem is one."""
+    keys = {item.partition("=")[0].strip(): item for item in overrides}
+
+    def given(path: str) -> str | None:
+        return next((item for key, item in keys.items() if path == key or path.startswith((f"{key}.", f"{key}["))),
+                    None)
+
+    blamed = [(path, given(path)) for path, _ in err.problems]
+    if not any(item for _, item in blamed) or err.source == "--set":
+        return err
+    if all(item for _, item in blamed):
+        return ConfigError(err.problems, source="--set")
+    return ConfigError([(f"{path} (--set {item})" if item else path, message)
+                        for (path, item), (_, message) in zip(blamed, err.problems)], source=err.source)
 
 
 def with_plugins(config: HfsdpConfig, plugins: list[str]) -> tuple[HfsdpConfig, plugin_host.PluginHost]:

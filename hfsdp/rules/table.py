@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from hfsdp.config.data_paths import data_path_problems
 from hfsdp.errors import ConfigError, InvalidSectionRead
-from hfsdp.rules import attention, checkpoints, formats, optimizers, parallel, quantization, wrapping
+from hfsdp.rules import attention, checkpoints, formats, models, optimizers, parallel, quantization, wrapping
 from hfsdp.setup import degrees
 
 if TYPE_CHECKING:
@@ -63,8 +63,9 @@ RULES: tuple[Rule, ...] = (
     Rule("config", ("parallel",), lambda c, f: parallel.config_problems(c)),
     Rule("config", ("parallel.tp_size", "parallel.sp_size"), lambda c, f: parallel.objective_problems(c, f.plugins)),
     Rule("config", ("model.quantization",), lambda c, f: quantization.adapter_problems(c, f.plugins.trains_adapters(c))),
-    # ---- the data the config names
+    # ---- the data (and the model) the config names
     Rule("data", ("data",), lambda c, f: data_path_problems(c.data, f.plugins.data_readers())),
+    Rule("data", ("model.name_or_path",), lambda c, f: models.problems(c)),
     # ---- the launched world
     Rule("world", ("fsdp.sharding_strategy", "fsdp.hybrid_shard_size", "parallel"),
          lambda c, f: degrees.problems(c, f.world.size, f.world.local_size)),
