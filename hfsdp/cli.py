@@ -26,7 +26,13 @@ def cache_dir() -> Path:
 def _fail(err: BaseException) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    if isinstance(err, UserError):
+    code = 128 + err.signum if isinstance(err, Stopped) else getattr(err, "exit_code", 1)
+    if isinstance(err, Stopped) and launcher.another_rank_said(os.environ):
+        pass  # torchrun stopped this rank because another said its error
+    elif code == UserError.exit_code:  # the user's error: said once on a node's ranks (torchrun), not by each
+        if launcher.first_to_say(os.environ, f"hfsdp: error: {err}"):
+            click.echo(f"{prefix}hfsdp: error: {err}", err=True)
+    elif isinstance(err, UserError):
         click.echo(f"{prefix}hfsdp: error: {err}", err=True)
     else:
         click.echo(f"{prefix}hfsdp: {err}", err=True)
@@ -34,7 +40,7 @@ def _fail(err: BaseException) -> None:
             import traceback
 
             traceback.print_exception(err.cause)
-    sys.exit(128 + err.signum if isinstance(err, Stopped) else getattr(err, "exit_code", 1))
+    sys.exit(code)
 
 
 class _Group(click.Group):
@@ -479,6 +485,48 @@ def eval_cmd(model_dir: Path, tasks: str, include_paths: tuple[Path, ...], num_f
             click.echo("wrote " + ", ".join(map(str, written)))
     finally:
         harness.leave(world)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
+                                "help_option_names": []})
+@click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[TORCHRUN OPTIONS] COMMAND [ARGS]")
+@click.pass_context
+def launch(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """torchrun for hfsdp's commands, reporting a failed job in hfsdp's words: `hfsdp launch --nproc-per-node 2
+    train my.yaml` starts the processes `torchrun --nproc-per-node 2 -m hfsdp train my.yaml` starts (the same
+    options: multi-node, elastic restarts), and where a rank fails the job ends with that rank's exit code (2 for
+    your error, said once), without torchrun's traceback and failure report (its exit code is 1 whatever the
+    ranks said)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    split = next((i for i, arg in enumerate(args) if arg in cli.commands), None)
+    if split is None and {"-h", "--help"} & set(args):
+        click.echo(ctx.get_help())
+        return
+    if split is None:
+        raise UserError(f"hfsdp launch: name the hfsdp command the ranks run after torchrun's options, e.g. `hfsdp "
+                        f"launch --nproc-per-node 2 train my.yaml` (commands: {', '.join(sorted(cli.commands))})")
+    try:
+        parsed = get_args_parser().parse_args([*args[:split], "--module", "hfsdp", *args[split:]])
+    except SystemExit as usage:  # argparse said what is wrong with torchrun's options
+        sys.exit(2 if usage.code else 0)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what went wrong
+    try:
+        run(parsed)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
+        if code != UserError.exit_code:  # (the user's error was said by the ranks)
+            killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else ""
+            click.echo(f"hfsdp: launch: rank {rank} exited {failure.exitcode}{killed} first; the job stopped",
+                       err=True)
+        sys.exit(code)
+    except SignalException as stopped:  # the launcher itself was signalled: its ranks were stopped first
+        sys.exit(128 + stopped.sigval)
 
 
 def main() -> None:
