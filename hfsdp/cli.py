@@ -272,9 +272,11 @@ def presets() -> None:
 
     from hfsdp.config.files import list_presets
 
-    for name, path in list_presets().items():
+    presets = list_presets()
+    width = max(map(len, presets))  # the names in one column, the longest included
+    for name, path in presets.items():
         first = yaml.safe_load(path.read_text()) or {}
-        click.echo(f"{name:12s} model {first.get('model', {}).get('name_or_path', '?')}, "
+        click.echo(f"{name:{width}s}  model {first.get('model', {}).get('name_or_path', '?')}, "
                    f"data {Path(str(first.get('data', {}).get('path', '?'))).name} — {path}")
 
 
