@@ -1,3 +1,4 @@
 """The host's disk, torch-free: writes that survive a crash (:mod:`~hfsdp.disk.durable`), free space and a full
-disk recognised (:mod:`~hfsdp.disk.space`), and one run per output folder (:mod:`~hfsdp.disk.lock`). Checkpoints,
-the data cache and exports all write through it."""
+disk recognised (:mod:`~hfsdp.disk.space`), one run per output folder (:mod:`~hfsdp.disk.lock`), and the earlier run
+of a folder kept whole until the run replacing or continuing it has done its first step (:mod:`~hfsdp.disk.aside`).
+Checkpoints, the data cache and exports all write through it."""
