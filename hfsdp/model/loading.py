@@ -252,13 +252,12 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    path = resolve_model_path(cfg.name_or_path, cache_dir)
     try:
-        return load_tokenizer(path, cfg)
+        return load_tokenizer(resolve_model_path(cfg.name_or_path, cache_dir), cfg)
     except UserError:
-        if Path(path).expanduser().exists():
+        if Path(cfg.name_or_path).expanduser().exists():
             raise  # a local folder whose tokenizer is broken: train would fail on it too
-        return None
+        return None  # a hub id not here (offline: refused at once, not retried)
 
 
 def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None):
