@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hfsdp import __version__
-from hfsdp.errors import PluginError, UserError
+from hfsdp.errors import PluginError, Stopped, UserError
 from hfsdp.export.gguf_file import QUANTS as GGUF_QUANTS
 from hfsdp.parallel import launcher
 
@@ -26,7 +26,13 @@ def cache_dir() -> Path:
 def _fail(err: BaseException) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    if isinstance(err, UserError):
+    code = 128 + err.signum if isinstance(err, Stopped) else getattr(err, "exit_code", 1)
+    if isinstance(err, Stopped) and launcher.another_rank_said(os.environ):
+        pass  # torchrun stopped this rank because another said its error
+    elif code == UserError.exit_code:  # the user's error: said once on a node's ranks (torchrun), not by each
+        if launcher.first_to_say(os.environ, f"hfsdp: error: {err}"):
+            click.echo(f"{prefix}hfsdp: error: {err}", err=True)
+    elif isinstance(err, UserError):
         click.echo(f"{prefix}hfsdp: error: {err}", err=True)
     else:
         click.echo(f"{prefix}hfsdp: {err}", err=True)
@@ -34,15 +40,26 @@ def _fail(err: BaseException) -> None:
             import traceback
 
             traceback.print_exception(err.cause)
-    sys.exit(getattr(err, "exit_code", 1))
+    sys.exit(code)
 
 
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (UserError, PluginError) as err:
+        except (UserError, PluginError, Stopped) as err:
             _fail(err)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise :class:`hfsdp.errors.Stopped` (the training loop asks for a checkpoint instead)."""
+    import signal
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def _quiet(verbose: bool) -> None:
@@ -106,6 +123,8 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     """Train from CONFIG (a YAML file or a preset name; default: the `default` preset)."""
     from hfsdp.config.files import resolve_config_path, validated_config
 
+    _stop_on_signals()  # a signal before the first step puts back the earlier run --overwrite or --resume set aside
+
     source = str(resolve_config_path(config))
     cfg, host, found = validated_config(config, overrides)
     launcher.check_rank_variables(os.environ)
@@ -119,7 +138,7 @@ def train(config: str | None, overrides: tuple[str, ...], resume: str | None, ov
     # model's phase imports transformers, which reads no ACCELERATE_* or FSDP_* variable before an Accelerator exists
     world = launcher.launched_world(os.environ, on_cpu=not torch.cuda.is_available())
     enforce(cfg, Facts(host, world, **loading.model_facts(cfg.model, cache_dir())), PHASES, source=source,
-            resume=resume, found=found)
+            resume=resume, found=found, overrides=overrides)
     setup = decide(cfg, world, resume)
     launcher.apply_wrapper(os.environ, setup)
     notes = launcher.take_launcher_settings(os.environ, setup.config, world.on_cpu)
@@ -167,7 +186,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 
     cfg, host, found = validated_config(config, overrides)
     enforce(cfg, Facts(host), ("config", "data") if no_rows else ("config", "data", "trial"),
-            source=str(resolve_config_path(config)), found=found)
+            source=str(resolve_config_path(config)), found=found, overrides=overrides)
     if not no_rows:
         from hfsdp.data import prepare
         from hfsdp.model import chat_template, loading  # torch and transformers
@@ -183,7 +202,7 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 
 
 @cli.command(name="export")
-@click.argument("checkpoint_dir", type=click.Path(path_type=Path))
+@click.argument("source", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key of the checkpoint's config (e.g. --set lora.merge=true).")
@@ -200,26 +219,28 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
               help="With --format gguf: the matrices' tensor type [default: q8_0].")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT_DIR if it holds an earlier hfsdp export (anything else in it is never removed).")
-def export_cmd(checkpoint_dir: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
+def export_cmd(source: Path, out_dir: Path, overrides: tuple[str, ...], merge_lora: bool,
                max_shard_size: str | None, fmt: str, quant: str | None, overwrite: bool) -> None:
-    """Consolidate a checkpoint (FULL or SHARDED) into a Hugging Face safetensors folder (LoRA runs: the adapter).
+    """Export SOURCE into a Hugging Face safetensors folder (LoRA runs: the adapter): a checkpoint (FULL or SHARDED:
+    consolidated), a finished run's final/, or a run folder (its final/, else its last checkpoint).
 
     OUT_DIR must be new or empty (or an earlier export, with --overwrite); it is written next to its final place
     and renamed when complete, so a failed export leaves nothing behind.
     """
     from hfsdp.export.hf_folder import parse_size
-    from hfsdp.export.pipeline import export_checkpoint, gguf_overrides
+    from hfsdp.export.pipeline import export_checkpoint, export_source, gguf_overrides
 
     overrides = list(overrides)
     if quant is not None and fmt != "gguf":
         raise UserError("--quant is the GGUF file's tensor type: add --format gguf")
+    max_shard_bytes = parse_size(max_shard_size) if max_shard_size else None
+    exported = export_source(source)
     if fmt == "gguf":
-        overrides += gguf_overrides(checkpoint_dir, quant)
+        overrides += gguf_overrides(exported, quant)
         merge_lora = True
-    written = export_checkpoint(checkpoint_dir, out_dir, overrides,
-                                max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                                overwrite=overwrite, cache_dir=cache_dir(), merge_adapters=merge_lora)
-    click.echo(f"exported {checkpoint_dir} -> {written}")
+    written = export_checkpoint(exported, out_dir, overrides, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                                cache_dir=cache_dir(), merge_adapters=merge_lora)
+    click.echo(f"exported {exported.weights} -> {written}")
 
 
 @cli.command(name="config-reference")
@@ -249,9 +270,11 @@ def presets() -> None:
 
     from hfsdp.config.files import list_presets
 
-    for name, path in list_presets().items():
+    presets = list_presets()
+    width = max(map(len, presets))  # the names in one column, the longest included
+    for name, path in presets.items():
         first = yaml.safe_load(path.read_text()) or {}
-        click.echo(f"{name:12s} model {first.get('model', {}).get('name_or_path', '?')}, "
+        click.echo(f"{name:{width}s}  model {first.get('model', {}).get('name_or_path', '?')}, "
                    f"data {Path(str(first.get('data', {}).get('path', '?'))).name} — {path}")
 
 
@@ -462,6 +485,48 @@ def eval_cmd(model_dir: Path, tasks: str, include_paths: tuple[Path, ...], num_f
             click.echo("wrote " + ", ".join(map(str, written)))
     finally:
         harness.leave(world)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
+                                "help_option_names": []})
+@click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[TORCHRUN OPTIONS] COMMAND [ARGS]")
+@click.pass_context
+def launch(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """torchrun for hfsdp's commands, reporting a failed job in hfsdp's words: `hfsdp launch --nproc-per-node 2
+    train my.yaml` starts the processes `torchrun --nproc-per-node 2 -m hfsdp train my.yaml` starts (the same
+    options: multi-node, elastic restarts), and where a rank fails the job ends with that rank's exit code (2 for
+    your error, said once), without torchrun's traceback and failure report (its exit code is 1 whatever the
+    ranks said)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    split = next((i for i, arg in enumerate(args) if arg in cli.commands), None)
+    if split is None and {"-h", "--help"} & set(args):
+        click.echo(ctx.get_help())
+        return
+    if split is None:
+        raise UserError(f"hfsdp launch: name the hfsdp command the ranks run after torchrun's options, e.g. `hfsdp "
+                        f"launch --nproc-per-node 2 train my.yaml` (commands: {', '.join(sorted(cli.commands))})")
+    try:
+        parsed = get_args_parser().parse_args([*args[:split], "--module", "hfsdp", *args[split:]])
+    except SystemExit as usage:  # argparse said what is wrong with torchrun's options
+        sys.exit(2 if usage.code else 0)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what went wrong
+    try:
+        run(parsed)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
+        if code != UserError.exit_code:  # (the user's error was said by the ranks)
+            killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else ""
+            click.echo(f"hfsdp: launch: rank {rank} exited {failure.exitcode}{killed} first; the job stopped",
+                       err=True)
+        sys.exit(code)
+    except SignalException as stopped:  # the launcher itself was signalled: its ranks were stopped first
+        sys.exit(128 + stopped.sigval)
 
 
 def main() -> None:

@@ -207,6 +207,12 @@ class Payload:
         return (open, (str(self.marker), "w"))
 
 
+def rank_errors(proc: subprocess.CompletedProcess) -> list[str]:
+    """The error lines the ranks printed (``hfsdp: error: ...``), not torchrun's report of them (its ``traceback :``
+    lines show each rank's error file, which hfsdp writes)."""
+    return [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line and "traceback :" not in line]
+
+
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -47,6 +47,13 @@ def _resuming(case: Path, *args: str, **record) -> list[str]:
     return ["train", config, "--resume", *args]
 
 
+def _cut(line: int, then: bytes = b"") -> bytes:
+    """The bundled chat rows with line ``line`` (counted from 1) cut short in a string, followed by ``then``."""
+    lines = CHAT.read_bytes().splitlines(keepends=True)[:20]
+    cut = lines[line - 1][:lines[line - 1].index(b'"content": "') + 20] + then + b"\n"
+    return b"".join(lines[:line - 1]) + cut + b"".join(lines[line:])
+
+
 def _after(_made, argv: list[str]) -> list[str]:
     """``argv``, once the file or folder the case needs is made (the first argument)."""
     return argv
@@ -88,7 +95,18 @@ CASES: dict[str, Case] = {
     "malformed yaml": (lambda d, s: ["train", _write(d / "c.yaml", "model: {name_or_path: x\ntrain: [\n")],
                        "malformed YAML at line"),
     "--set wrong type": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps=abc"],
-                         "train.max_steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+                         "hfsdp: error: --set: 1 problem(s)\n  train.max_steps: Input should be a valid integer, "
+                         "unable to parse string as an integer (got 'abc')"),
+    "--set wrong type beside the file's own problem": (
+        lambda d, s: ["train", _cfg(d, train={"per_device_batch_size": "two"}), "--set", "train.max_steps=abc"],
+        "config.yaml: 2 problem(s)\n  train.max_steps (--set train.max_steps=abc): Input should be a valid integer"),
+    "a misspelt built-in model": (lambda d, s: ["validate", _cfg(d, model={"name_or_path": "smollm2-135m-instuct"}),
+                                                "--no-rows"],
+                                  "model.name_or_path: 'smollm2-135m-instuct' is not a built-in model: did you mean "
+                                  "smollm2-135m-instruct?"),
+    "a hub model offline": (lambda d, s: ["train", _cfg(d, model={"name_or_path": "someone/a-model"})],
+                            "model.name_or_path: 'someone/a-model' is a hub id that is not in the local Hugging Face "
+                            "cache, and the hub cannot be reached (HF_HUB_OFFLINE is set)"),
     "--set without value": (lambda d, s: ["train", _cfg(d), "--set", "train.max_steps"], "overrides look like --set"),
     "unknown plugin": (lambda d, s: ["train", _cfg(d, plugins=["nonexistent_plugin_xyz"])],
                        "'nonexistent_plugin_xyz' is neither an installed plugin nor an importable module"),
@@ -102,9 +120,26 @@ CASES: dict[str, Case] = {
                               "hfsdp reads .txt, .text, .json, .jsonl, .csv, .parquet files, not '.docx'"),
     "unreadable parquet": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.parquet", b"\x00garbage" * 64),
                                                                "eval_path": None})],
-                           "rows.parquet: Parquet magic bytes not found"),
+                           "data: {d}/rows.parquet: not a Parquet file pyarrow can read (Parquet magic bytes not found"),
     "malformed jsonl": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", '{"messages": [\n'),
-                                                            "eval_path": None})], "JSON parse error"),
+                                                            "eval_path": None})],
+                        "data: {d}/rows.jsonl, line 1: Expecting value (column 15): the line ends inside a value, it "
+                        "may be cut short; fix or remove that line"),
+    # pyarrow said "JSON parse error: Missing a closing quotation mark in string. in row 11" for line 13
+    "a jsonl line cut short": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", _cut(13)),
+                                                                   "eval_path": None})],
+                               "data: {d}/rows.jsonl, line 13: Unterminated string starting at"),
+    # ... and "Invalid encoding in string. in row 12" for a line 13 cut inside a character
+    "a jsonl line cut inside a character": (
+        lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", _cut(13, "é".encode()[:1])),
+                                             "eval_path": None})],
+        "data: {d}/rows.jsonl, line 13: not UTF-8 text (byte 0xc3 at column "),
+    "a csv row with an extra field": (lambda d, s: ["train", _cfg(d, data={"path": _write(
+        d / "rows.csv", "prompt,completion\nhi,there\nhello,world,again\n"), "format": "instruction",
+        "eval_path": None})], "data: {d}/rows.csv, line 3: 3 field(s), and the header (line 1) has 2"),
+    "a json document that stops parsing": (lambda d, s: ["train", _cfg(d, data={"path": _write(
+        d / "rows.json", '[\n{"prompt": "a", "completion": "b"},\n{"prompt": "c" "completion": "d"}\n]\n'),
+        "format": "instruction", "eval_path": None})], "data: {d}/rows.json, line 3: Expecting ',' delimiter"),
     "empty dataset": (lambda d, s: ["train", _cfg(d, data={"path": _write(d / "rows.jsonl", "\n"), "eval_path": None})],
                       "is empty (no rows to train on)"),
     "every sample too long (drop)": (lambda d, s: ["train", _cfg(d, data={"max_seq_len": 8, "too_long": "drop"})],
@@ -236,7 +271,7 @@ CASES: dict[str, Case] = {
     "text file that is not UTF-8": (
         lambda d, s: ["train", _cfg(d, data={"format": "text", "path": _write(d / "t.txt", b"\xff\xfe\x00abc" * 50),
                                              "eval_path": None})],
-        "data: cannot read"),
+        "data: {d}/t.txt, line 1: not UTF-8 text (byte 0xff at column 1"),
     "chat eval row without an assistant turn": (
         lambda d, s: ["train", _cfg(d, data={"eval_path": _write(d / "eval.jsonl", CHAT.read_text().splitlines()[0]
                                                  + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
@@ -498,6 +533,7 @@ def test_bad_input(case, results):
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert expected in proc.stderr, proc.stderr[-4000:]
+    assert "Failed to load" not in proc.stderr, proc.stderr[-4000:]  # datasets' own log line of an unreadable file
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hfsdp: error:")]
     assert len(errors) == 1, proc.stderr[-4000:]  # one message, not one per layer that saw the problem
 

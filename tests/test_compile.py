@@ -31,7 +31,7 @@ def test_compile_switch_and_mapping():
     (["model.attn_implementation=flash"], "model.attn_implementation", "flash_attention_2"),
 ])
 def test_refused_before_any_weight_loads(tmp_path, sets, where, says):
-    config = tiny_config(tmp_path, model={"name_or_path": str(tmp_path / "no-such-model")})
+    config = tiny_config(tmp_path, model={"name_or_path": "someone/no-such-model"})  # a hub id, never looked up
     args = [x for s in sets for x in ("--set", s)]
     proc = run_cli("train", str(config), *args, check=False)
     assert proc.returncode == 2, proc.stderr

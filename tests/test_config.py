@@ -283,3 +283,9 @@ def test_core_checks_run_for_the_sections_that_validated(tmp_path):
     problems = _problems(tiny_config(tmp_path, fsdp={"version": "three"},
                                      data={"format": "sharegpt", "path": str(tmp_path / "nope.jsonl")}))
     assert set(problems) == {"fsdp.version", "data.format", "data.path"}, problems
+
+
+def test_hfsdp_presets_lists_every_preset_in_aligned_columns():
+    lines = run_cli("presets").stdout.splitlines()
+    assert sorted(line.split()[0] for line in lines) == sorted(list_presets())
+    assert len({line.index(" model ") for line in lines}) == 1, lines  # distill-online's row too

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import fake_checkpoint, run_cli, tiny_config
 from hfsdp.disk.durable import EXPORT_RECORD
 from hfsdp.errors import UserError
-from hfsdp.export.pipeline import export_checkpoint
+from hfsdp.export.pipeline import export_checkpoint, export_source
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:
@@ -69,7 +69,7 @@ def test_export_into_the_run_folder_is_refused_and_the_run_survives(run):
 def test_out_that_contains_or_lies_inside_the_checkpoint_is_refused(run, target, message):
     before = snapshot(run.parent.parent)
     with pytest.raises(UserError, match=message):
-        export_checkpoint(run / "checkpoints" / "step-2", target(run), [], overwrite=True)
+        export_checkpoint(export_source(run / "checkpoints" / "step-2"), target(run), [], overwrite=True)
     assert snapshot(run.parent.parent) == before
 
 
@@ -80,11 +80,11 @@ def test_out_that_is_or_holds_another_run_is_refused(run, tmp_path, tiny_model_d
     before = snapshot(tmp_path)
     ckpt = run / "checkpoints" / "step-2"
     with pytest.raises(UserError, match="is a training run or checkpoint folder"):
-        export_checkpoint(ckpt, other, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), other, [], overwrite=True)
     with pytest.raises(UserError, match=f"holds a training run \\({other}\\)"):
-        export_checkpoint(ckpt, other.parent, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), other.parent, [], overwrite=True)
     with pytest.raises(UserError, match="is a training run or checkpoint folder"):
-        export_checkpoint(ckpt, other / "checkpoints" / "step-1", [], overwrite=True)
+        export_checkpoint(export_source(ckpt), other / "checkpoints" / "step-1", [], overwrite=True)
     assert snapshot(tmp_path) == before
 
 
@@ -95,12 +95,12 @@ def test_a_folder_that_is_not_an_export_is_never_replaced(run, tmp_path):
     ckpt = run / "checkpoints" / "step-2"
     for overwrite in (False, True):
         with pytest.raises(UserError, match="is not empty and is not an earlier hfsdp export"):
-            export_checkpoint(ckpt, mine, [], overwrite=overwrite)
+            export_checkpoint(export_source(ckpt), mine, [], overwrite=overwrite)
     assert snapshot(mine) == {"notes.txt": b"my notes"}
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     with pytest.raises(UserError, match="exists and is not a folder"):
-        export_checkpoint(ckpt, a_file, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), a_file, [], overwrite=True)
     assert a_file.read_text() == "x"
     assert leftovers(tmp_path) == []
 
@@ -108,7 +108,7 @@ def test_a_folder_that_is_not_an_export_is_never_replaced(run, tmp_path):
 def test_new_empty_and_earlier_exports(run, tmp_path):
     ckpt = run / "checkpoints" / "step-2"
     out = tmp_path / "exports" / "step-2"
-    export_checkpoint(ckpt, out, [])  # a new folder (and its parent) is created
+    export_checkpoint(export_source(ckpt), out, [])  # a new folder (and its parent) is created
     record = json.loads((out / EXPORT_RECORD).read_text())
     assert set(record["files"]) == {p.name for p in out.iterdir()} - {EXPORT_RECORD}
     assert "model.safetensors" in record["files"] and "config.json" in record["files"]
@@ -116,9 +116,9 @@ def test_new_empty_and_earlier_exports(run, tmp_path):
     first = snapshot(out)
 
     with pytest.raises(UserError, match="holds an earlier hfsdp export; pass --overwrite"):
-        export_checkpoint(ckpt, out, [])
+        export_checkpoint(export_source(ckpt), out, [])
     assert snapshot(out) == first
-    export_checkpoint(ckpt, out, [], max_shard_bytes=200_000, overwrite=True)  # replaced: now sharded
+    export_checkpoint(export_source(ckpt), out, [], max_shard_bytes=200_000, overwrite=True)  # replaced: now sharded
     assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
     assert leftovers(out.parent) == []
 
@@ -127,18 +127,18 @@ def test_new_empty_and_earlier_exports(run, tmp_path):
     (out / "README.md").write_text(card + "\nmy notes")  # edited after the export wrote it
     before = snapshot(out)
     with pytest.raises(UserError, match=r"README.md in OUT .* changed since hfsdp wrote it"):
-        export_checkpoint(ckpt, out, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), out, [], overwrite=True)
     assert snapshot(out) == before
     (out / "README.md").write_text(card)
     (out / "notes.md").write_text("mine")  # something the export did not write
     before = snapshot(out)
     with pytest.raises(UserError, match=r"holds 1 file\(s\) the earlier export did not write \(notes.md\)"):
-        export_checkpoint(ckpt, out, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), out, [], overwrite=True)
     assert snapshot(out) == before
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    export_checkpoint(ckpt, empty, [])
+    export_checkpoint(export_source(ckpt), empty, [])
     assert (empty / "model.safetensors").is_file()
 
 
@@ -157,7 +157,7 @@ def test_an_export_killed_midway_leaves_a_folder_the_next_export_into_its_out_re
     for folder in (dead, other_host, live):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"half written")
-    export_checkpoint(ckpt, out, [])
+    export_checkpoint(export_source(ckpt), out, [])
     assert f"removed {dead}, the temporary folder of an export into {out} that was stopped midway" in \
         capsys.readouterr().out
     assert not dead.exists() and other_host.is_dir() and live.is_dir() and (out / "model.safetensors").is_file()
@@ -166,16 +166,16 @@ def test_an_export_killed_midway_leaves_a_folder_the_next_export_into_its_out_re
 def test_a_failed_export_leaves_nothing_and_keeps_the_earlier_export(run, tmp_path):
     ckpt = run / "checkpoints" / "step-2"
     out = tmp_path / "out"
-    export_checkpoint(ckpt, out, [])
+    export_checkpoint(export_source(ckpt), out, [])
     before = snapshot(out)
     weights = torch.load(ckpt / "pytorch_model_fsdp.bin")
     name = "model.layers.0.mlp.up_proj.weight"
     torch.save(dict(weights, **{name: weights[name].t().contiguous()}), ckpt / "pytorch_model_fsdp.bin")
     with pytest.raises(UserError, match=f"'{name}' has shape"):
-        export_checkpoint(ckpt, out, [], overwrite=True)
+        export_checkpoint(export_source(ckpt), out, [], overwrite=True)
     assert snapshot(out) == before
     with pytest.raises(UserError, match=f"'{name}' has shape"):
-        export_checkpoint(ckpt, tmp_path / "new", [])
+        export_checkpoint(export_source(ckpt), tmp_path / "new", [])
     assert not (tmp_path / "new").exists()
     assert leftovers(tmp_path) == []
 
@@ -220,14 +220,14 @@ def test_export_reads_the_metadata_once_and_imports_no_transformers(sharded_chec
     calls = []
     real = safe_load.read_dcp_metadata
     monkeypatch.setattr(safe_load, "read_dcp_metadata", lambda folder: calls.append(folder) or real(folder))
-    out = export_checkpoint(sharded_checkpoint, tmp_path / "out", [])
+    out = export_checkpoint(export_source(sharded_checkpoint), tmp_path / "out", [])
     assert len(calls) == 1  # not once per tensor
     exported, original = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
     assert (out / "tokenizer.json").read_bytes() == (sharded_checkpoint / "model" / "tokenizer.json").read_bytes()
 
-    probe = ("import sys; from pathlib import Path; from hfsdp.export.pipeline import export_checkpoint; "
-             f"export_checkpoint(Path({str(sharded_checkpoint)!r}), Path({str(tmp_path / 'out2')!r}), []); "
+    probe = ("import sys; from pathlib import Path; from hfsdp.export.pipeline import export_checkpoint, export_source; "
+             f"export_checkpoint(export_source(Path({str(sharded_checkpoint)!r})), Path({str(tmp_path / 'out2')!r}), []); "
              "print(sorted(m for m in ('transformers', 'peft', 'accelerate') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

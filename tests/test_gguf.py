@@ -114,9 +114,31 @@ def test_a_lora_checkpoint_is_merged_into_its_gguf(runs, tmp_path):
 
     run, _ = smoke_run(runs, 2, 1, "lora")
     out = tmp_path / "out"
-    run_cli("export", str(run / "checkpoints" / "step-4"), str(out), "--format", "gguf", env=RUN_ENV)
+    # the run folder: its final/ holds adapters, so its checkpoint of the last step is merged
+    proc = run_cli("export", str(run), str(out), "--format", "gguf", env=RUN_ENV)
+    assert f"exported {run / 'checkpoints' / 'step-4'} -> {out}" in proc.stdout
     assert not (out / "adapter_config.json").exists()  # the merged weights, the GGUF from them
     assert_loads_as_exported(out, "q8_0")
+
+
+@pytest.mark.slow
+def test_a_run_that_saved_no_checkpoint_exports_its_final_model_as_gguf(runs, tmp_path):
+    """The default and tools presets save no checkpoint (train.save_every null): `hfsdp export RUN OUT --format
+    gguf` exports the run's final/ (the same weights), and RUN/final is taken as well."""
+    from safetensors.torch import load_file
+
+    run, _ = runs.run("no-checkpoint", 1, {"train": {"max_steps": 2, "save_every": None}})
+    assert not (run / "checkpoints").exists()
+    out = tmp_path / "out"
+    proc = run_cli("export", str(run), str(out), "--format", "gguf", env=RUN_ENV)
+    assert f"exported {run / 'final'} -> {out}" in proc.stdout
+    assert_loads_as_exported(out, "q8_0")
+    final, again = load_file(str(run / "final" / "model.safetensors")), tmp_path / "again"
+    run_cli("export", str(run / "final"), str(again), env=RUN_ENV)
+    for folder in (out, again):
+        exported = load_file(str(folder / "model.safetensors"))
+        assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
+    assert "| optimizer steps | 2 of 2 |" in (again / "README.md").read_text()
 
 
 @pytest.mark.slow

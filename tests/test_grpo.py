@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from hfsdp.checkpoint import store
 
-from conftest import (PRESET_DATA, REPO, base_env, read_completions, read_metrics, run_cli, run_torchrun,
+from conftest import (PRESET_DATA, REPO, base_env, rank_errors, read_completions, read_metrics, run_cli, run_torchrun,
                       tiny_config)
 
 pytestmark = pytest.mark.slow
@@ -162,8 +162,8 @@ def test_a_reward_that_raises_on_one_rank_stops_both(tmp_path):
     config = grpo_config(tmp_path, 2, rewards=[{"name": "grpo_test_rewards:fails_on_rank_1"}])
     proc = run_torchrun(2, "train", str(config), env=base_env(PYTHONPATH=str(REWARDS)), check=False, timeout=300)
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
-    assert len(errors) == 2, proc.stderr[-3000:]  # each rank stops with the same message (no rank waits)
+    errors = rank_errors(proc)  # each rank stops with the same message (no rank waits), said once
+    assert len(errors) == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert all("grpo reward 'grpo_test_rewards:fails_on_rank_1' (from grpo_test_rewards: fails_on_rank_1) raised "
                "ValueError: a reward server is down (scoring the completions of eval rows" in e  # the eval before training
                for e in errors), errors
@@ -180,8 +180,8 @@ def test_a_reward_that_hangs_on_one_rank_stops_both_naming_it_and_the_checkpoint
     proc = run_torchrun(2, "train", str(config), env=base_env(PYTHONPATH=str(REWARDS)), check=False, timeout=300)
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # each rank: a user error
     assert time.monotonic() - started < 100  # not the collective timeout (120 s), nor the hour
-    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
-    assert len(errors) == 2, proc.stderr[-3000:]
+    errors = rank_errors(proc)  # the same message on each rank, said once
+    assert len(errors) == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert all("grpo reward 'grpo_test_rewards:hangs_on_rank_1' (from grpo_test_rewards: hangs_on_rank_1) did not "
                "return within 5 s (grpo.reward_timeout_s), scoring the completions of training rows" in e
                and "on rank 1: it was stopped there" in e for e in errors), errors
@@ -197,8 +197,8 @@ def test_a_reward_that_reads_the_rank_is_found_unless_the_check_is_off(tmp_path)
     config = grpo_config(tmp_path, 2, rewards=[{"name": "grpo_test_rewards:rank_dependent"}], data={"eval_path": None})
     proc = run_torchrun(2, "train", str(config), env=env, check=False, timeout=300)
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if "hfsdp: error:" in line]
-    assert len(errors) == 2, proc.stderr[-3000:]
+    errors = rank_errors(proc)  # the same message on each rank, said once
+    assert len(errors) == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert all("grpo reward 'grpo_test_rewards:rank_dependent' (from grpo_test_rewards: rank_dependent) is not a "
                "function of its inputs: the first completion of training row" in e
                and "scored again alone on rank 1" in e for e in errors), errors

@@ -132,10 +132,13 @@ def test_the_model_card_says_what_was_trained_and_takes_the_eval_results(tmp_pat
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     torch.save(weights, ckpt / "pytorch_model_fsdp.bin")
     out = tmp_path / "exported"
-    run_cli("export", str(ckpt), str(out))
+    run_cli("export", str(ckpt), str(out), "--set", "train.warmup_steps=1")
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and "hfsdp" in card.data.tags
     assert "| base model | `smollm2-tiny` |" in card.text and "| optimizer steps | 1" in card.text
+    # the bundled data by its name (not a path inside site-packages), one warm-up step in the singular
+    assert "| data | `contacts_train.jsonl` (bundled with hfsdp) (chat) |" in card.text, card.text
+    assert "| learning rate | 0.003 (cosine, 1 warm-up step), adamw |" in card.text, card.text
     assert "Not evaluated with lm-evaluation-harness yet" in card.text
 
     run_cli("eval", str(out), "--tasks", TASK, "--limit", "8")

@@ -152,9 +152,9 @@ def assert_same_weights(a: dict, b: dict, atol: float = WEIGHT_ATOL) -> None:
 
 def export(checkpoint: Path, out: Path) -> dict:
     """What ``hfsdp export CHECKPOINT OUT`` writes, in this process (one test runs the CLI itself)."""
-    from hfsdp.export.pipeline import export_checkpoint
+    from hfsdp.export.pipeline import export_checkpoint, export_source
 
-    return weights(export_checkpoint(checkpoint, out, []))
+    return weights(export_checkpoint(export_source(checkpoint), out, []))
 
 
 # ---- 1. sharding is real

@@ -5,7 +5,9 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, run_cli
 
 
 def test_generated_references_are_up_to_date():
@@ -41,3 +43,14 @@ def test_architecture_names_every_module():
                and (f"## `hfsdp/{p.parent.relative_to(package)}/`" not in text or f"`{p.name}`" not in text)]
     assert not missing, f"docs/architecture.md does not name: {', '.join(missing)}"
     assert "README.md" not in text and "docs/architecture.md" in (REPO / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_run_ends_with_the_lines_the_readme_shows_for_make_demo(tmp_path):
+    """The README's `make demo` ending (after its '...'): the default preset's run folder, as a 2-step tiny run
+    into the same folder prints it (the lines before depend on the real model, trained for minutes)."""
+    readme = (REPO / "README.md").read_text()
+    ending = re.search(r"It ends with:\n\n```\n(.*?)```", readme, re.S).group(1).split("...\n")[1].splitlines()
+    proc = run_cli("train", "tiny", "--set", "train.max_steps=2", "--set", "train.output_dir=runs/default",
+                   "--set", "train.save_every=null", "--set", "train.loss_plot=true", cwd=tmp_path)
+    assert proc.stdout.splitlines()[-len(ending):] == ending, proc.stdout[-2000:]

@@ -455,13 +455,13 @@ def test_checkpoint_weights_refuse_non_tensor_files(tmp_path, tiny_model_dir):
 
 
 def test_export_of_a_full_state_dict_checks_shapes(tmp_path, tiny_model_dir):
-    from hfsdp.export.pipeline import export_checkpoint
+    from hfsdp.export.pipeline import export_checkpoint, export_source
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # a state dict holds tied weights too
     ckpt = _fake_checkpoint(tmp_path, tiny_model_dir, "full")
     torch.save(weights, ckpt / "pytorch_model_fsdp.bin")
-    out = export_checkpoint(ckpt, tmp_path / "good", [])  # positive control: the intact file exports
+    out = export_checkpoint(export_source(ckpt), tmp_path / "good", [])  # positive control: the intact file exports
     exported = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(exported[k], weights[k]) for k in exported)
 
@@ -469,7 +469,7 @@ def test_export_of_a_full_state_dict_checks_shapes(tmp_path, tiny_model_dir):
     broken = dict(weights, **{name: weights[name].t().contiguous()})
     torch.save(broken, ckpt / "pytorch_model_fsdp.bin")
     with pytest.raises(UserError, match=f"'{name}' has shape"):
-        export_checkpoint(ckpt, tmp_path / "bad", [])
+        export_checkpoint(export_source(ckpt), tmp_path / "bad", [])
     assert not (tmp_path / "bad").exists()
 
 

@@ -161,9 +161,13 @@ def verify_checkpoint(checkpoint: Path) -> None:
         load_weights_only(state, "a plain state file")
 
 
+INDEX_NAME = "model.safetensors.index.json"  # beside the numbered files of weights written in shards
+
+
 class CheckpointWeights(Mapping):
     """The model weights of a checkpoint, name -> tensor, read lazily one tensor at a time, whatever layout saved
-    them: a DCP folder (SHARDED_STATE_DICT), a ``torch.save`` file (FULL_STATE_DICT) or safetensors (DDP)."""
+    them: a DCP folder (SHARDED_STATE_DICT), a ``torch.save`` file (FULL_STATE_DICT) or safetensors (DDP; and a run's
+    ``final/``, in shards with their index when it was written so)."""
 
     def __init__(self, checkpoint: Path):
         import torch
@@ -193,11 +197,16 @@ class CheckpointWeights(Mapping):
             if bad:
                 raise UserError(f"{full_bin}: expected a mapping of names to tensors; not tensors: {bad[:3]}")
             self.layout = "full (torch.save)"
-        elif safetensors_file.is_file():
+        elif safetensors_file.is_file() or (checkpoint / INDEX_NAME).is_file():
+            import json
+
             from safetensors import safe_open
 
-            self._safetensors = safe_open(str(safetensors_file), framework="pt")  # memory-mapped, one tensor a read
-            self._names_in_file = list(self._safetensors.keys())
+            files = [safetensors_file] if safetensors_file.is_file() else sorted(
+                {checkpoint / f for f in json.loads((checkpoint / INDEX_NAME).read_text())["weight_map"].values()})
+            handles = [safe_open(str(f), framework="pt") for f in files]  # memory-mapped, one tensor a read
+            self._safetensors = {name: handle for handle in handles for name in handle.keys()}
+            self._names_in_file = list(self._safetensors)
             self.layout = "full (safetensors)"
         else:
             raise UserError(f"{checkpoint}: no model weights found (expected pytorch_model_fsdp_0/, "
@@ -218,7 +227,7 @@ class CheckpointWeights(Mapping):
         if self._full is not None:
             return self._full[name]
         if self.layout == "full (safetensors)":
-            return self._safetensors.get_tensor(name)
+            return self._safetensors[name].get_tensor(name)
         return self._read_dcp_tensor(name)
 
     def _read_dcp_tensor(self, name: str) -> torch.Tensor:

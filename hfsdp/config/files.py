@@ -156,7 +156,7 @@ def load_config(name_or_path: str | None, overrides: list[str] = ()) -> tuple[Hf
     (:func:`hfsdp.rules.table.load_checked` does both)."""
     config, host, problems = validated_config(name_or_path, overrides)
     if problems:
-        raise ConfigError(problems, source=str(resolve_config_path(name_or_path)))
+        raise ConfigError(problems, source=str(resolve_config_path(name_or_path))).blamed_on(list(overrides))
     return config, host
 
 

@@ -77,6 +77,10 @@ class QuantizationConfig(Section):
         return self
 
 
+# The models hfsdp builds itself, without the hub (hfsdp.model.loading builds them): their names
+BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "smollm2-tiny", "smollm2-bench")
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
     dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")

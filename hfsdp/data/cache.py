@@ -144,13 +144,18 @@ def load_or_build(cache_dir: Path | None, key: str, build: Callable[[], tuple[An
 def quiet_datasets() -> Any:
     """No progress bars from ``datasets``' own bookkeeping (reading files: "Generating train split"; the
     preprocessing cache: "Saving the dataset", "Loading dataset from disk"): the console shows one bar per phase,
-    hfsdp's (tokenizing, packing, training). Bars the caller turned off stay off."""
+    hfsdp's (tokenizing, packing, training). Bars the caller turned off stay off. Nor its log lines: a file it cannot
+    read is logged by its reader ("Failed to load JSON from file ...") before the error hfsdp reports in its own
+    words (``hfsdp.data.broken_rows``)."""
     import datasets
 
     was_on = datasets.is_progress_bar_enabled()
+    verbosity = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if was_on:
             datasets.enable_progress_bars()

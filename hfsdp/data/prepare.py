@@ -20,6 +20,7 @@ from hfsdp.config.data_paths import (
     shard_files,
 )
 from hfsdp.config.schema import DataConfig, HfsdpConfig
+from hfsdp.data.broken_rows import first_problem
 from hfsdp.data.batches import NEXT_FIT_ROWS, Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
 from hfsdp.errors import PluginError, RowError, UserError
@@ -79,6 +80,7 @@ def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers, num_pr
     if key is not None:
         return _read_with_plugin(path, cfg, split, *readers[key])
     local = Path(path).expanduser()
+    files: list[Path] = []
     try:
         if is_glob(path) or local.is_file():
             files = shard_files(path)
@@ -108,12 +110,22 @@ def _load_split(path: str, cfg: DataConfig, split: str, readers: Readers, num_pr
     except PermissionError as err:
         raise UserError(f"data: cannot read {path}: permission denied ({err.strerror})") from None
     except (FileNotFoundError, ValueError, KeyError) as err:
+        _say_what_is_broken(files)
         raise UserError(f"data: cannot load split '{split}' of {path}: {err}") from None
     except Exception as err:  # datasets raises many kinds for unreadable files (e.g. malformed JSON)
+        _say_what_is_broken(files)
         detail = f"{type(err).__name__}: {err}"
         if err.__cause__ is not None:  # DatasetGenerationError wraps the parser's message
             detail += f" ({type(err.__cause__).__name__}: {err.__cause__})"
         raise UserError(f"data: cannot read {path}: {detail}") from None
+
+
+def _say_what_is_broken(files: list[Path]) -> None:
+    """A data file that ``datasets`` could not read: the file, line and what is wrong, found again by hfsdp (pyarrow
+    counts rows from 0 over what it parsed, or names none), as a UserError; nothing where hfsdp finds nothing."""
+    for f in files:
+        if problem := first_problem(f, _LOADERS[f.suffix.lower()]):
+            raise UserError(f"data: {problem}") from None
 
 
 def _shard_procs(num_proc: int | None, shards: int) -> int | None:

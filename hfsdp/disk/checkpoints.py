@@ -42,9 +42,14 @@ def _what_it_is(path: Path) -> str:
         if found:
             return (f"it is {kind}: name one of its checkpoints, e.g. the latest, {found} "
                     "(train --resume alone takes the latest)")
+    if (path / "final").is_dir() or (path / "metrics.jsonl").is_file():
+        return ("it is a run folder without a complete checkpoint (its run saved none: train.save_every); `hfsdp "
+                "export` takes the run folder or its final/ as it is")
     if (path / EXPORT_RECORD).is_file() or (path / "config.json").is_file():
         return "it is a model folder (config.json), already consolidated: load or train from it instead"
-    return "it was not finished or not ours"
+    if path.name.removeprefix(".tmp-").startswith(PREFIX):
+        return "its save was not finished (a run stopped while writing it): use another checkpoint"
+    return "hfsdp wrote no checkpoint, run or model there"
 
 
 def read_record(path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from hfsdp.disk import aside
 from hfsdp.errors import UserError
 
 LOCK_NAME = ".hfsdp-run.lock"  # in train.output_dir, held (flock) by rank 0 for the life of the run
@@ -64,11 +65,14 @@ class RunLock:
     """``<output_dir>/.hfsdp-run.lock``, locked (``flock``) for the life of the run by one process: a second run into
     the folder is refused while the first lives. The kernel releases the lock when its process ends, however it
     ends (kill -9 included), so a killed run's lock is free again; the file says who holds it. A folder deleted or
-    replaced under the run loses the file (:meth:`still_ours`)."""
+    replaced under the run loses the file (:meth:`still_ours`). ``earlier``: the earlier run this run set aside
+    (``--overwrite``, ``--resume``; :mod:`hfsdp.disk.aside`), put back when the lock is released before
+    :meth:`first_step_done` (a kill -9 leaves it to the next process that takes the lock or reads the folder)."""
 
     path: Path
     fd: int
     inode: int
+    earlier: aside.Earlier | None = None
 
     @classmethod
     def take(cls, output_dir: Path) -> "RunLock":
@@ -128,10 +132,41 @@ class RunLock:
         except OSError:
             return False
 
+    def first_step_done(self) -> None:
+        """The run did its first step: the earlier run it set aside is not needed any more."""
+        if self.earlier is not None:
+            self.earlier.drop()
+
     def release(self) -> None:
+        if self.earlier is not None and (said := self.earlier.put_back()):
+            print(f"hfsdp: {said}", file=sys.stderr, flush=True)
         if self.fd >= 0:
             os.close(self.fd)  # the file stays: deleting it could let two runs lock two different files
             self.fd = -1
+
+
+def put_back_abandoned(run_dir: Path) -> None:
+    """The earlier run of ``run_dir`` back in place where a run killed before its first step (kill -9) left it set
+    aside (:func:`hfsdp.disk.aside.finish_abandoned`), said on stderr; nothing while a live run holds the folder
+    (a run starting there: its earlier run is its own to put back or drop). For every command that trains into a
+    run folder or reads one."""
+    run_dir = Path(run_dir)
+    if not aside.left_behind(run_dir):
+        return
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        if said := aside.finish_abandoned(run_dir):
+            print(f"hfsdp: {said}", file=sys.stderr, flush=True)
+    finally:
+        os.close(fd)
 
 
 def _holder(fd: int) -> str:

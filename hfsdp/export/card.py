@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
+from hfsdp.config.files import PRESET_DIR
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
@@ -42,12 +43,20 @@ def _objective(config: "HfsdpConfig") -> str:
     return named[0] if named else "supervised fine-tuning (next-token cross-entropy)"
 
 
+def _data_path(path: str) -> str:
+    """A data path as the card names it: the presets' bundled data by its file, not by where pip installed it."""
+    if Path(path).expanduser().resolve().parent == (PRESET_DIR / "data").resolve():
+        return f"`{Path(path).name}` (bundled with hfsdp)"
+    return f"`{path}`"
+
+
 def _data(config: "HfsdpConfig") -> str:
     data = config.data
     if data.datasets:
-        parts = [f"`{s.path}`" + (f" (weight {s.weight:g})" if s.weight is not None else "") for s in data.datasets]
+        parts = [_data_path(s.path) + (f" (weight {s.weight:g})" if s.weight is not None else "")
+                 for s in data.datasets]
         return f"{', '.join(parts)} ({data.format})"
-    return f"`{data.path}` ({data.format})"
+    return f"{_data_path(data.path)} ({data.format})"
 
 
 def _adapters(config: "HfsdpConfig", folder: Path) -> str | None:
@@ -78,7 +87,7 @@ def _rows(config: "HfsdpConfig", trained: Trained, folder: Path) -> list[tuple[s
     precision = fsdp.mixed_precision if isinstance(fsdp.mixed_precision, str) else "custom"
     rows += [("batch", f"{train.per_device_batch_size} a rank x {train.gradient_accumulation_steps} accumulation"),
              ("learning rate", f"{train.learning_rate:g} ({train.lr_scheduler}, {train.warmup_steps} warm-up "
-                               f"steps), {train.optimizer}"),
+                               f"step{'' if train.warmup_steps == 1 else 's'}), {train.optimizer}"),
              ("sequence length", f"{config.data.max_seq_len} tokens"),
              ("processes", f"{trained.ranks}, FSDP{fsdp.version} {fsdp.sharding_strategy}" + "".join(
                  f", {what} {n}" for what, n in (("tensor parallel", config.parallel.tp_size),

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from safetensors import safe_open
 
+from hfsdp.checkpoint.safe_load import INDEX_NAME
 from hfsdp.errors import UserError
 from hfsdp.model.metadata import ModelFiles
 from hfsdp.units import GIB, KIB, MIB, TIB
@@ -37,7 +38,6 @@ def parse_size(text: str) -> int:
     if unit not in units or value <= 0:
         raise UserError(f"size '{text}': give a positive number with a unit, e.g. 200MB, 2GB or 512MiB")
     return int(value * units[unit])
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def write_hf_weights(

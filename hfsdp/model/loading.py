@@ -18,10 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from hfsdp.config.schema import FSDPConfig, ModelConfig
+from hfsdp.config.schema import BUILTIN_MODEL_NAMES, FSDPConfig, ModelConfig
 from hfsdp.disk.lock import one_at_a_time
 from hfsdp.errors import UserError
 from hfsdp.hooks.host import Lazy
+from hfsdp.rules.models import model_name_problem
 
 if TYPE_CHECKING:
     from hfsdp.setup.decide import RunSetup
@@ -108,15 +109,16 @@ def _build_tiny(tmp: Path, cache_dir: Path, shape: dict = TINY_SHAPE) -> None:
     _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
 
 
-BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = {
-    "smollm2-135m-instruct": _build_smollm2,
-    "smollm2-tiny": _build_tiny,
-    "smollm2-bench": lambda tmp, cache_dir: _build_tiny(tmp, cache_dir, BENCH_SHAPE),
-}
+BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = dict(zip(BUILTIN_MODEL_NAMES, (
+    _build_smollm2,
+    _build_tiny,
+    lambda tmp, cache_dir: _build_tiny(tmp, cache_dir, BENCH_SHAPE),
+), strict=True))
 
 
 def resolve_model_path(name_or_path: str, cache_dir: Path) -> str:
-    """A local folder or hub id for transformers; built-in names are built into the cache on first use."""
+    """A local folder or hub id for transformers; built-in names are built into the cache on first use. A hub id
+    neither in the local Hugging Face cache nor reachable (offline) is refused at once, not retried."""
     if name_or_path in BUILTIN_MODELS:
         build = BUILTIN_MODELS[name_or_path]
         return str(_build_once(cache_dir / name_or_path, lambda tmp: build(tmp, cache_dir)))
@@ -125,12 +127,40 @@ def resolve_model_path(name_or_path: str, cache_dir: Path) -> str:
         if not (path / "config.json").is_file():
             raise UserError(f"model.name_or_path: {path} exists but has no config.json (is it a Hugging Face folder?)")
         return str(path)
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise UserError(
-            f"model.name_or_path: {name_or_path} does not exist; give a Hugging Face folder, a hub id, "
-            f"or a built-in model ({', '.join(BUILTIN_MODELS)})"
-        )
+    if problem := model_name_problem(name_or_path):
+        raise UserError(f"model.name_or_path: {problem}")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return name_or_path  # in the local Hugging Face cache
+    if why := hub_unreachable():
+        raise UserError(f"model.name_or_path: '{name_or_path}' is a hub id that is not in the local Hugging Face "
+                        f"cache, and the hub cannot be reached ({why}), so nothing can be downloaded: give a local "
+                        f"folder or a built-in model ({', '.join(BUILTIN_MODELS)}), or download it first where "
+                        f"there is network (huggingface-cli download {name_or_path})")
     return name_or_path  # a hub id; transformers reports if it cannot be fetched
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached now, else None: offline mode (``HF_HUB_OFFLINE``, as
+    huggingface_hub read it), or its host does not resolve or answer within 3 s (not tried through a proxy, which
+    may reach it when this machine cannot). Without it, transformers retries for about 30 s before saying so."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+    if urllib.request.getproxies().get(endpoint.scheme):
+        return None
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+    except OSError as err:
+        return f"{endpoint.hostname} does not answer: {err.strerror or err}"
+    return None
 
 
 # Architecture configs (config.json only, no weights) of common hub models, so that `hfsdp plan` answers offline.
@@ -220,13 +250,12 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    path = resolve_model_path(cfg.name_or_path, cache_dir)
     try:
-        return load_tokenizer(path, cfg)
+        return load_tokenizer(resolve_model_path(cfg.name_or_path, cache_dir), cfg)
     except UserError:
-        if Path(path).expanduser().exists():
+        if Path(cfg.name_or_path).expanduser().exists():
             raise  # a local folder whose tokenizer is broken: train would fail on it too
-        return None
+        return None  # a hub id not here (offline: refused at once, not retried)
 
 
 def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None):

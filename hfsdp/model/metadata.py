@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def expected_shapes(model_config) -> dict[str, tuple[int, ...]]:
@@ -46,10 +46,11 @@ class ModelFiles:
         return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)))
 
     @classmethod
-    def in_folder(cls, folder: Path) -> "ModelFiles":
+    def in_folder(cls, folder: Path, keep: Callable[[str], bool] = lambda name: True) -> "ModelFiles":
+        """``keep``: the names of the files to copy (a folder that also holds weights: not those)."""
         def save(out_dir: Path) -> None:
             for path in sorted(folder.iterdir()):
-                if path.is_file() and path.name != SHAPES_NAME:
+                if path.is_file() and path.name != SHAPES_NAME and keep(path.name):
                     shutil.copyfile(path, out_dir / path.name)
 
         record = folder / SHAPES_NAME

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfsdp.errors import UserError
@@ -101,3 +102,48 @@ def take_launcher_settings(env: MutableMapping[str, str], config: "HfsdpConfig",
                          f"(fsdp.version {config.fsdp.version}, {config.fsdp.sharding_strategy}, "
                          f"mixed precision {config.fsdp.precision_name})")
     return notes
+
+
+def first_to_say(env: Mapping[str, str], line: str) -> bool:
+    """Whether this rank prints ``line``, a user's error (the same on every rank that finds it: a config error is
+    found by all): under torchrun, whose per-attempt folder (the parent of each worker's ``TORCHELASTIC_ERROR_FILE``
+    folder) the ranks of a node share, only the first rank that fails prints it, and another only a line of its own;
+    elsewhere (one process, ``mpirun``) every rank prints. Each rank also writes ``line`` into its error file, which
+    torchrun's failure report shows in place of a link to its documentation."""
+    said = _said_file(env)
+    if said is None:
+        return True
+    import json
+    import os
+    import time
+
+    error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.write_text(json.dumps({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}))
+        mine = said.with_name(f"{said.name}.{os.getpid()}")
+        mine.write_text(line)
+        try:
+            os.link(mine, said)  # the first rank's line, whole, or nothing
+            return True
+        except FileExistsError:
+            return said.read_text() != line
+        finally:
+            mine.unlink(missing_ok=True)
+    except OSError:  # the folder is not writable: say it here
+        return True
+
+
+def another_rank_said(env: Mapping[str, str]) -> bool:
+    """Whether a rank of this node already printed its error (:func:`first_to_say`): torchrun then stops the others
+    (SIGTERM), which need not say so."""
+    said = _said_file(env)
+    return said is not None and said.exists()
+
+
+def _said_file(env: Mapping[str, str]) -> Path | None:
+    """Where the first failing rank of a torchrun job's node writes its error (None outside torchrun)."""
+    if not env.get("TORCHELASTIC_ERROR_FILE") or env.get("WORLD_SIZE", "1") == "1":
+        return None
+    return Path(env["TORCHELASTIC_ERROR_FILE"]).parent.parent / "hfsdp-error.txt"

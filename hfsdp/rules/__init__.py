@@ -5,5 +5,6 @@ decides the run (:mod:`hfsdp.setup`), ``hfsdp plan``, ``hfsdp bench`` and ``hfsd
 the degrees and CPU rehearsal (:mod:`~hfsdp.rules.wrapping`), the 4-bit base (:mod:`~hfsdp.rules.quantization`),
 attention kernels (:mod:`~hfsdp.rules.attention`), the optimizer (:mod:`~hfsdp.rules.optimizers`), what tensor and
 sequence parallelism need of the config and the model (:mod:`~hfsdp.rules.parallel`), asynchronous saves
-(:mod:`~hfsdp.rules.checkpoints`) and the data's formats (:mod:`~hfsdp.rules.formats`); plugins add theirs through
-``hfsdp_rules``. Nothing here imports torch, transformers or accelerate, but the ``trial`` phase when it runs."""
+(:mod:`~hfsdp.rules.checkpoints`), the data's formats (:mod:`~hfsdp.rules.formats`) and what a model name can be
+(:mod:`~hfsdp.rules.models`: a misspelt built-in one, a hub id offline); plugins add theirs through ``hfsdp_rules``.
+Nothing here imports torch, transformers or accelerate, but the ``trial`` phase when it runs."""

@@ -24,7 +24,7 @@ from hfsdp.config.files import resolve_config_path, validated_config
 from hfsdp.disk.checkpoints import resumes_saved_by_fsdp
 from hfsdp.errors import ConfigError, InvalidSectionRead
 from hfsdp.hooks.host import Lazy
-from hfsdp.rules import attention, checkpoints, formats, optimizers, parallel, quantization, wrapping
+from hfsdp.rules import attention, checkpoints, formats, models, optimizers, parallel, quantization, wrapping
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
@@ -86,8 +86,9 @@ RULES: tuple[Rule, ...] = (
     Rule("config", ("parallel", "fsdp.sharding_strategy"), lambda c, f: parallel.config_problems(c)),
     Rule("config", ("parallel.tp_size", "parallel.sp_size"), lambda c, f: parallel.objective_problems(c, f.plugins)),
     Rule("config", ("model.quantization",), lambda c, f: quantization.adapter_problems(c, f.plugins.trains_adapters(c))),
-    # ---- the data the config names
+    # ---- the data (and the model) the config names
     Rule("data", ("data",), lambda c, f: data_path_problems(c.data, f.plugins.data_readers())),
+    Rule("data", ("model.name_or_path",), lambda c, f: models.problems(c)),
     # ---- the launched world and its degrees
     Rule("world", ("parallel", "fsdp.sharding_strategy", "fsdp.hybrid_shard_size"),
          lambda c, f: f.world.dims.problems(c)),
@@ -143,10 +144,11 @@ _STAGES: tuple[tuple[Phase, ...], ...] = (("config", "data"), ("world",), ("tria
 
 
 def enforce(config: "HfsdpConfig", facts: Facts, phases: tuple[Phase, ...], source: str = "config",
-            resume: str | None = None, found: list[Problem] = ()) -> Facts:
+            resume: str | None = None, found: list[Problem] = (), overrides: list[str] = ()) -> Facts:
     """Check ``phases`` of ``config`` in the table's stages (see :data:`_STAGES`), raising ConfigError with every
     problem of the first stage that finds one, each tied to its key in ``source``; ``found``: the problems its schemas
-    found (:func:`hfsdp.config.files.validated_config`), reported with the first stage's. Once the config alone
+    found (:func:`hfsdp.config.files.validated_config`), reported with the first stage's; a problem of a key given
+    with ``overrides`` (``--set``) is blamed on it (:meth:`hfsdp.errors.ConfigError.blamed_on`). Once the config alone
     passed, the world's degrees are derived (:meth:`hfsdp.layout.degrees.World.with_dims`), for a run that resumes
     from ``resume`` ("latest", a checkpoint folder, or None: one process keeps FSDP for a checkpoint FSDP saved); the
     facts are returned with them."""
@@ -157,7 +159,7 @@ def enforce(config: "HfsdpConfig", facts: Facts, phases: tuple[Phase, ...], sour
             kept = resumes_saved_by_fsdp(Path(config.train.output_dir), resume)
             facts = facts.with_world(facts.world.with_dims(config, resumes_fsdp=kept))
         if problems := problems + [problem for phase in wanted for problem in check(phase, config, facts)]:
-            raise ConfigError(problems, source=source)
+            raise ConfigError(problems, source=source).blamed_on(list(overrides))
     return facts
 
 
@@ -168,5 +170,5 @@ def load_checked(name_or_path: str | None, overrides: list[str] = (), *,
     what ``hfsdp validate``, ``plan``, ``bench`` and ``export`` start from."""
     config, host, found = validated_config(name_or_path, overrides)
     enforce(config, Facts(host), ("config", "data") if check_data else ("config",),
-            source=str(resolve_config_path(name_or_path)), found=found)
+            source=str(resolve_config_path(name_or_path)), found=found, overrides=overrides)
     return config, host

@@ -55,7 +55,8 @@ class Data:
 class Built:
     """What the loop needs of the built run: ``run`` (what the hooks receive), the rows and the plan of every step,
     the LR schedule and the gradient scaler, where the metrics go, the evaluator, the checkpoint saver, the step
-    meter, the start-up report and the data report."""
+    meter, the start-up report and the data report, and the run lock (the main process's), which holds the earlier
+    run of the folder set aside until the first step (:mod:`hfsdp.disk.aside`)."""
 
     setup: RunSetup
     run: Run
@@ -71,6 +72,7 @@ class Built:
     meter: throughput.StepMeter
     startup: dict[str, Any]
     data_report: dict[str, Any]
+    lock: RunLock | None
 
 
 def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.ExitStack) -> Built:
@@ -106,7 +108,7 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
                         lambda done: checkpoint_complete(run, metrics, done), estimate=checkpoint_bytes, lock=lock,
                         save_timeout_s=config.train.save_timeout_s)
     return Built(setup, run, data.train, plan, max_steps, select_logits, scheduler, scaler, metrics, evaluator, saver,
-                 throughput.StepMeter.for_run(flops, config, accelerator), startup, data.report)
+                 throughput.StepMeter.for_run(flops, config, accelerator), startup, data.report, lock)
 
 
 def _setup_folder(setup: RunSetup, opts: Options,

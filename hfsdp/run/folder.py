@@ -1,15 +1,16 @@
 """The run folder (``train.output_dir``) before anything loads: writable, not another live run's (its lock), an
-earlier run refused or replaced (``--overwrite``) as the CLI says; the model's local path resolved."""
+earlier run refused, or replaced (``--overwrite``) or continued (``--resume``) as the CLI says, and kept whole until
+the new run's first step (:mod:`hfsdp.disk.aside`); the model's local path resolved."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from hfsdp.disk.lock import RunLock
+from hfsdp.disk.aside import set_aside
+from hfsdp.disk.lock import RunLock, put_back_abandoned
 from hfsdp.errors import UserError
 from hfsdp.export.staging import check_export_target
 from hfsdp.model import loading
@@ -19,15 +20,22 @@ from hfsdp.run.state import Options
 
 OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "config.yaml", "summary.json", "loss.png",
            "completions.jsonl")
+STARTUP_REPORTS = "startup_rank*.json"
+# What a resumed run rewrites before its first step (metrics.jsonl and tensorboard/ lose the steps it trains again):
+# copied aside until that step, the checkpoints left in place
+REWRITTEN_BY_RESUME = ("metrics.jsonl", "tensorboard", "config.yaml", "completions.jsonl")
 
 
 def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main: bool) -> RunLock | None:
     """Check and prepare ``train.output_dir`` (writable; not another live run's: the main process takes its
-    :class:`hfsdp.disk.lock.RunLock` first, before ``--overwrite`` removes anything); the lock, held by the main process."""
+    :class:`hfsdp.disk.lock.RunLock` first); the lock, held by the main process, holding what ``--overwrite`` replaces
+    and ``--resume`` rewrites of an earlier run, set aside until this run's first step (:mod:`hfsdp.disk.aside`)."""
     blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"train.output_dir {output_dir}: {blocking} is a file, not a folder; "
                         "set train.output_dir to a folder (it is created if missing)")
+    if is_main:  # a start-up killed before its first step (kill -9) left the earlier run set aside
+        put_back_abandoned(output_dir)
     check_export_target(output_dir / "final", overwrite=True)  # replaced only if it is an earlier hfsdp export
     existing = [name for name in OUTPUTS if (output_dir / name).exists()]
     if existing and not resuming and not opts.overwrite:
@@ -37,12 +45,15 @@ def prepare_output_dir(output_dir: Path, opts: Options, resuming: bool, is_main:
         )
     _check_writable(output_dir, "train.output_dir", "choose a folder you can write to")
     lock = RunLock.take(output_dir) if is_main else None
-    if existing and opts.overwrite and is_main:  # only once the folder is this run's
-        for name in existing:
-            target = output_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        for stale in output_dir.glob("startup_rank*.json"):
-            stale.unlink()
+    if existing and is_main:  # only once the folder is this run's
+        reports = sorted(p.name for p in output_dir.glob(STARTUP_REPORTS))
+        try:
+            lock.earlier = set_aside(output_dir, move=[*existing, *reports] if opts.overwrite else [],
+                                     copy=[*REWRITTEN_BY_RESUME, *reports] if resuming else [],
+                                     outputs=[*OUTPUTS, STARTUP_REPORTS])
+        except BaseException:
+            lock.release()
+            raise
     return lock
 
 

@@ -106,6 +106,8 @@ def train_loop(built: Built, malloc_set: bool) -> tuple[dict[str, Any], float]:
             micro = run.objective.step_batches(run.model, built.train_set, built.plan, state.step, world.dp_rank,
                                                run.tokenizer.pad_token_id, accelerator.device, built.select_logits)
             result = train_step(run, micro, built.scaler, built.scheduler)
+            if built.lock is not None:  # the earlier run set aside is not needed any more (hfsdp.disk.aside)
+                built.lock.first_step_done()
             if result.stepped:
                 report_optimizer_state(built.startup, run.optimizer, run.output_dir, world.rank)
             step_metrics = _step_metrics(built, result, time.perf_counter() - t0)
@@ -135,6 +137,8 @@ def train_loop(built: Built, malloc_set: bool) -> tuple[dict[str, Any], float]:
         if progress is not None:
             progress.close()
     saver.wait()  # the last checkpoint complete (or its failure reported) before the final eval and export
+    if built.lock is not None:  # (a resume with no step left to train)
+        built.lock.first_step_done()
     return last_eval, time.perf_counter() - loop_started
 
 

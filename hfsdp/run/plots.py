@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+from hfsdp.disk.lock import put_back_abandoned
 from hfsdp.errors import UserError
 
 PANELS = (("loss", "train loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"))
@@ -52,7 +53,10 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
-    """Write one PNG with a panel per metric and a line per run; raises PlotUnavailable without matplotlib."""
+    """Write one PNG with a panel per metric and a line per run; raises PlotUnavailable without matplotlib. (A run
+    killed before its first step left the run it replaced set aside: put back first.)"""
+    for folder in run_dirs:
+        put_back_abandoned(folder)
     runs = {_label(d, run_dirs): read_series(d) for d in run_dirs}
     plt = pyplot(str(out))
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hfsdp.errors import UserError
 from hfsdp.disk.durable import write_atomic
+from hfsdp.disk.lock import put_back_abandoned
 from hfsdp.export.card import add_evals
 from hfsdp.export.staging import add_to_record
 from hfsdp.layout.degrees import World
@@ -25,7 +26,10 @@ INSTALL_HINT = "pip install 'hfsdp[eval]' (lm-eval==0.4.13)"
 
 
 def model_folder(path: Path) -> Path:
-    """The Hugging Face folder to evaluate: ``path`` itself, or a run's ``final/`` export."""
+    """The Hugging Face folder to evaluate: ``path`` itself, or a run's ``final/`` export (the run's earlier run put
+    back first where a run killed before its first step left it set aside)."""
+    for run in (path, path.parent):
+        put_back_abandoned(run)
     if (path / "config.json").is_file():
         return path
     if (path / "final" / "config.json").is_file():

@@ -5,7 +5,8 @@ a reference run and an interrupted run can share one config (the plugin list is 
 
 ``HFSDP_TEST_FAULTS`` is a comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (default rank 0):
 
-* ``sigterm`` / ``sigint``: the process signals itself at the end of optimizer step STEP;
+* ``sigterm`` / ``sigint``: the process signals itself at the end of optimizer step STEP (STEP 0: at the train
+  start, ``hfsdp_on_train_start``: everything is loaded and written before the first step);
 * ``sigkill_mid_write``: while ``save_state`` for step STEP writes the model's DCP shard file
   (``pytorch_model_fsdp_0/__<rank>_0.distcp``, in ``.tmp-step-STEP/``, whichever thread writes it), after its first
   tensor, half of the next tensor's bytes are written
@@ -16,9 +17,12 @@ a reference run and an interrupted run can share one config (the plugin list is 
   finished step STEP + 1, so that a background save (``train.async_save``) is still writing while the next step
   changes the parameters and optimizer state it saves (async only: a synchronous save would wait the 120 s);
 * ``nan``: the model's logits are NaN during the training forward passes of step STEP on rank RANK;
-* ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP;
+* ``sigkill`` / ``sigstop``: the process SIGKILLs / SIGSTOPs (freezes) itself at the end of optimizer step STEP
+  (``sigkill`` at STEP 0: at the train start, as ``sigterm``);
 * ``replace_record``: at the end of step STEP, before its save, the newest complete checkpoint's
   ``hfsdp_checkpoint.json`` is rewritten with another record, as another job saving into the folder would;
+* ``sigkill_export`` (STEP 0): the process SIGKILLs itself inside an export, its files written into the temporary
+  folder, before the rename into place (``hfsdp_on_export``);
 * ``delete_output``: at the end of step STEP, before its save, ``train.output_dir`` is deleted, as a cleanup job
   (or a user) would.
 
@@ -74,6 +78,9 @@ def hfsdp_modify_model(model):
 @hookimpl
 def hfsdp_on_train_start(run):
     _state["step"] = run.state.step
+    for kind, sig in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT), ("sigkill", signal.SIGKILL)):
+        if 0 in _faults(kind):
+            os.kill(os.getpid(), sig)
     kills, enospc, slow = _faults("sigkill_mid_write"), _faults("enospc_mid_write"), _faults("slow_write")
     if not (kills or enospc or slow):
         return
@@ -127,3 +134,9 @@ def hfsdp_on_step_end(run, step):
         os.kill(os.getpid(), signal.SIGKILL)
     if step in _faults("sigstop"):
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@hookimpl
+def hfsdp_on_export(out_dir):
+    if 0 in _faults("sigkill_export"):
+        os.kill(os.getpid(), signal.SIGKILL)

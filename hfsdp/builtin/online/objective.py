@@ -242,9 +242,10 @@ class OnlineObjective(Objective):
     def evaluate(self, model, dataset, accelerator, pad_id, select_logits) -> dict[str, float]:
         """As TRL's eval: the mean weighted reward (``eval_reward``) and each function's mean over
         ``num_generations_eval`` completions of every eval prompt, sampled as training samples them, each by a
-        generator seeded by (seed, prompt, generation index) alone, the same at every eval: an eval of unchanged
-        weights gives the same completions, on any number of ranks. Each rank samples and scores its share of the
-        prompts (every ``world``-th)."""
+        generator seeded by (objective, seed, prompt, generation index) alone, the same at every eval: an eval of
+        unchanged weights gives the same completions, on any number of ranks (another objective, e.g. rloo beside
+        grpo, draws others from the same weights: :func:`hfsdp.builtin.online.groups.sample_seed`'s tag). Each rank
+        samples and scores its share of the prompts (every ``world``-th)."""
         return self._eval_rewards(dataset, *self._eval_samples(model, dataset, accelerator, pad_id))
 
     def _eval_samples(self, model, dataset, accelerator, pad_id) -> tuple[list[list[int]], list[int], int,
