@@ -114,7 +114,7 @@ def test_what_the_degrees_wrap_the_model_in_is_checked_in_the_world(tmp_path):
     with pytest.raises(ConfigError, match="train.async_save: the parallel degrees shard nothing"):
         enforce(ddp, Facts(PluginHost([]), _world(2)), ("world",))
     fsdp1 = _config(tmp_path, fsdp={"version": 1}, parallel={"dp_replicate_size": 2})
-    with pytest.raises(ConfigError, match="fsdp.version 1 with parallel.dp_replicate_size"):
+    with pytest.raises(ConfigError, match="fsdp.version 1 with HYBRID_SHARD: needs a GPU"):
         enforce(fsdp1, Facts(PluginHost([]), _world(4)), ("world",))
 
 

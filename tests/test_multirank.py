@@ -337,12 +337,13 @@ def test_gpu_only_options_are_refused_in_rehearsal(tmp_path):
 
 def test_rehearsal_problems_name_every_gpu_only_option():
     from hfsdp.config.schema import FSDPConfig, HfsdpConfig
+    from hfsdp.layout.degrees import ParallelDims
     from hfsdp.rules.wrapping import rehearsal_problems
 
     def problems(**fsdp):
         config = HfsdpConfig(model={"name_or_path": "x"}, data={"path": "x"}, train={"output_dir": "x", "max_steps": 1},
                              fsdp=FSDPConfig(**fsdp))
-        return [option for option, _ in rehearsal_problems(config)]
+        return [option for option, _ in rehearsal_problems(config, ParallelDims())]  # (one process)
 
     assert problems() == []
     assert problems(version=2, cpu_ram_efficient_loading=True) == []

@@ -14,8 +14,9 @@ ranks, inside a node): a data-parallel rank is ``rank // (sp * tp)``, a sequence
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import FSDPConfig, HfsdpConfig, ParallelConfig
@@ -50,6 +51,33 @@ class ParallelDims:
     world_size: int = 1
     local_world_size: int = 1
 
+    # The mesh's dimensions, outermost first (the rank order); the data-parallel ones (the rest train on the same
+    # rows: groups of consecutive ranks inside a node, each the parallel section's ``<name>_size``); those that split
+    # each row's tokens (FSDP shards over them too, flattened with dp_shard: torchtitan's dp_shard_cp). The mesh
+    # (hfsdp.parallel.mesh), the groups' checks and the products below are read off them.
+    MESH: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard", "sp", "tp")
+    DATA_PARALLEL: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard")
+    TOKEN_SPLIT: ClassVar[tuple[str, ...]] = ("sp",)
+    # Why a group of each dimension stays inside a node.
+    INSIDE: ClassVar[dict[str, str]] = {
+        "sp": "sequence-parallel group must stay inside one node (it exchanges every layer's attention inputs and "
+              "outputs)",
+        "tp": "tensor-parallel group must stay inside one node (it all-reduces in every layer)",
+    }
+
+    @classmethod
+    def groups(cls) -> tuple[str, ...]:
+        """The dimensions whose ranks train on the same rows (all but the data-parallel ones), outermost first."""
+        return tuple(name for name in cls.MESH if name not in cls.DATA_PARALLEL)
+
+    @property
+    def sharded_over(self) -> tuple[str, ...]:
+        """The dimensions FSDP shards each parameter over (flattened into one: the mesh's ``dp_shard_cp``)."""
+        return ("dp_shard", *self.TOKEN_SPLIT)
+
+    def product(self, names: tuple[str, ...]) -> int:
+        return math.prod(getattr(self, name) for name in names)
+
     @classmethod
     def of(cls, fsdp: "FSDPConfig", parallel: "ParallelConfig", world_size: int, local_world_size: int,
            resumes_fsdp: bool = False) -> "ParallelDims":
@@ -65,8 +93,8 @@ class ParallelDims:
         * otherwise FSDP of ``fsdp.version``.
 
         Arithmetic only: :meth:`problems` says whether the world allows them."""
-        sp, tp = parallel.sp_size, parallel.tp_size
-        data_parallel = max(1, world_size // (sp * tp))  # (a world too small for the groups: a problem said apart)
+        sizes = {name: getattr(parallel, f"{name}_size") for name in cls.groups()}
+        data_parallel = max(1, world_size // math.prod(sizes.values()))  # (a world too small: a problem said apart)
         asks_fsdp = fsdp.cpu_offload or fsdp.single_process == "fsdp" or resumes_fsdp
         if fsdp.sharding_strategy == "HYBRID_SHARD" and (world_size > 1 or asks_fsdp):
             shard = fsdp.hybrid_shard_size or local_world_size  # (on one FSDP rank: a problem said)
@@ -79,7 +107,7 @@ class ParallelDims:
             replicate = parallel.dp_replicate_size
             shard = parallel.dp_shard_size if parallel.dp_shard_size > 0 else max(1, data_parallel // replicate)
         # (HYBRID_SHARD's groups of one rank shard nothing too: a problem said, not DDP)
-        shards_nothing = shard * sp * tp == 1 and fsdp.sharding_strategy != "HYBRID_SHARD" and (
+        shards_nothing = shard * math.prod(sizes.values()) == 1 and fsdp.sharding_strategy != "HYBRID_SHARD" and (
             world_size > 1 or fsdp.sharding_strategy == "NO_SHARD")
         if fsdp.version == 2 and shards_nothing:
             wrapper = "ddp" if world_size > 1 else "none"
@@ -87,8 +115,8 @@ class ParallelDims:
             wrapper = "fsdp1" if fsdp.version == 1 else "fsdp2"
         else:
             wrapper = "none"
-        return cls(dp_replicate=replicate, dp_shard=shard, sp=sp, tp=tp, wrapper=wrapper, world_size=world_size,
-                   local_world_size=local_world_size)
+        return cls(dp_replicate=replicate, dp_shard=shard, wrapper=wrapper, world_size=world_size,
+                   local_world_size=local_world_size, **sizes)
 
     @property
     def fsdp(self) -> bool:
@@ -103,7 +131,7 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global ``rank``: the ranks of a tensor- or sequence-parallel group train on the
         same rows."""
-        return rank // (self.sp * self.tp)
+        return rank // self.row_copies
 
     def sp_rank(self, rank: int) -> int:
         """Which share of each row's tokens global ``rank`` holds (0 where sequences are not split)."""
@@ -113,13 +141,19 @@ class ParallelDims:
     def row_copies(self) -> int:
         """The ranks that hold each row of the global batch (a tensor- or sequence-parallel group's): sums over all
         ranks of what each row has (its tokens) count it this many times."""
-        return self.tp * self.sp
+        return self.product(self.groups())
 
     @property
     def shard_group(self) -> int:
         """The ranks FSDP shards each parameter over: a replica's data-parallel ranks and their sequence-parallel
         ranks (which hold the same parameters: FSDP shards over them too, as torchtitan's ``dp_shard_cp``)."""
-        return self.dp_shard * self.sp
+        return self.product(self.sharded_over)
+
+    @property
+    def splits_groups(self) -> bool:
+        """The degrees split the world in groups (tensor- or sequence-parallel ones, or HSDP's replicas): the run
+        needs a device mesh (:mod:`hfsdp.parallel.mesh`); without, FSDP and DDP use the whole world's group."""
+        return self.row_copies > 1 or self.hybrid
 
     @property
     def hybrid(self) -> bool:
@@ -132,7 +166,7 @@ class ParallelDims:
         """The ranks whose gradients FSDP (or DDP) averages: the data-parallel ranks, and in each the ranks of a
         sequence-parallel group, whose losses each cover part of their rows' tokens (a tensor-parallel group's ranks
         compute the same loss, and FSDP2 reduces over the data-parallel dimension only)."""
-        return self.dp_size * self.sp
+        return self.dp_size * self.product(self.TOKEN_SPLIT)
 
     @property
     def replicas(self) -> int:
@@ -145,7 +179,7 @@ class ParallelDims:
         where they shard and replicate, NO_SHARD where they only replicate, else the spelled one."""
         if self.hybrid:
             return "HYBRID_SHARD"
-        if self.dp_replicate > 1 and self.shard_group * self.tp == 1:
+        if self.dp_replicate > 1 and self.shard_group * self.row_copies == 1:
             return "NO_SHARD"
         return spelled
 
@@ -155,13 +189,11 @@ class ParallelDims:
         make the world, HYBRID_SHARD's groups shard and replicate. None where no wrapper runs (one process): a
         cluster's config still runs a one-process smoke test."""
         parallel, fsdp = config.parallel, config.fsdp
-        for key, size, inside in (
-                ("sp_size", self.sp, "sequence-parallel group must stay inside one node (it exchanges every layer's "
-                                     "attention inputs and outputs)"),
-                ("tp_size", self.tp, "tensor-parallel group must stay inside one node (it all-reduces in every layer)")):
-            if problems := _group_problems(key, size, self.world_size, self.local_world_size, inside):
+        for name in self.groups():
+            if problems := _group_problems(f"{name}_size", getattr(self, name), self.world_size,
+                                           self.local_world_size, self.INSIDE[name]):
                 return problems
-        inner = self.sp * self.tp
+        inner = self.row_copies
         data_parallel = self.world_size // inner
         if data_parallel % parallel.dp_replicate_size:
             return [("parallel.dp_replicate_size",
@@ -170,7 +202,8 @@ class ParallelDims:
                                                   else ")") + ": launch a multiple of it, or change it")]
         if parallel.dp_shard_size > 0 and parallel.dp_shard_size * parallel.dp_replicate_size * inner != self.world_size:
             named = [f"{key} {value}" for key, value in (("dp_replicate_size", parallel.dp_replicate_size),
-                                                         ("sp_size", self.sp), ("tp_size", self.tp)) if value > 1]
+                                                         *((f"{n}_size", getattr(self, n)) for n in self.groups()))
+                     if value > 1]
             others = parallel.dp_replicate_size * inner
             return [("parallel.dp_shard_size", f"{parallel.dp_shard_size} x {' x '.join(named)} is "
                                                f"{parallel.dp_shard_size * others}, not the world size "

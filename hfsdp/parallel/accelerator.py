@@ -25,7 +25,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.parallel.world import process_group_backend
 from hfsdp.errors import UserError
 from hfsdp.parallel.fsdp import build_fsdp_plugin
-from hfsdp.parallel.mesh import device_mesh, needs_mesh
+from hfsdp.parallel.mesh import device_mesh
 
 if TYPE_CHECKING:
     from hfsdp.setup.decide import RunSetup
@@ -71,7 +71,7 @@ def build_accelerator(setup: "RunSetup", layer_classes: list[str]):
         if plugin.fsdp_version == 1:
             _fsdp1_keep_cpu_gathers()
             _fsdp1_copy_cpu_optimizer_gathers(plugin)
-    if setup.wrapper == "fsdp2" and needs_mesh(world.dims):
+    if setup.wrapper == "fsdp2" and world.dims.splits_groups:
         _attach_mesh(AcceleratorState(), world.dims)
     if plugin is not None:
         expected = DistributedType.FSDP

@@ -94,7 +94,7 @@ RULES: tuple[Rule, ...] = (
          lambda c, f: f.world.dims.problems(c)),
     Rule("world", ("model.attn_implementation",), lambda c, f: attention.attention_problems(c, f.world.on_cpu)),
     Rule("world", ("train.optimizer",), lambda c, f: optimizers.wrapper_problems(c, f.world.dims.wrapper)),
-    Rule("world", ("fsdp",), lambda c, f: wrapping.rehearsal_problems(c) if f.world.on_cpu else []),
+    Rule("world", ("fsdp",), lambda c, f: wrapping.rehearsal_problems(c, f.world.dims) if f.world.on_cpu else []),
     Rule("world", ("train.async_save",), lambda c, f: checkpoints.wrapper_problems(c, f.world.dims)),
     # ---- a trial on torch
     Rule("trial", ("train.optimizer_args",), lambda c, f: optimizers.trial_problems(c)),

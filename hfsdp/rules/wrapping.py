@@ -7,7 +7,12 @@ them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig, MixedPrecisionParts
+
+if TYPE_CHECKING:
+    from hfsdp.layout.degrees import ParallelDims
 
 
 # Shorthands keep the gradient reduction in fp32: summing bf16 gradients across ranks loses precision
@@ -44,22 +49,25 @@ def compile_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     return []
 
 
-# Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run.
+# Options that need an accelerator device; rehearsal mode refuses them up front instead of crashing mid-run. Each
+# reads the config and the run's degrees.
 _GPU_ONLY = {
-    "fsdp.cpu_offload": lambda c: c.fsdp.cpu_offload,
-    "fsdp.version 1 with cpu_ram_efficient_loading": lambda c: c.fsdp.version == 1 and c.fsdp.cpu_ram_efficient_loading,
-    "fsdp.version 1 with HYBRID_SHARD": lambda c: c.fsdp.version == 1 and c.fsdp.sharding_strategy == "HYBRID_SHARD",
-    "fsdp.version 1 with parallel.dp_replicate_size (HYBRID_SHARD by degrees)":
-        lambda c: c.fsdp.version == 1 and c.parallel.dp_replicate_size > 1,
+    "fsdp.cpu_offload": lambda c, d: c.fsdp.cpu_offload,
+    "fsdp.version 1 with cpu_ram_efficient_loading":
+        lambda c, d: c.fsdp.version == 1 and c.fsdp.cpu_ram_efficient_loading,
+    # by name, or by the degrees (replicas of shard groups: parallel.dp_replicate_size)
+    "fsdp.version 1 with HYBRID_SHARD":
+        lambda c, d: c.fsdp.version == 1 and (c.fsdp.sharding_strategy == "HYBRID_SHARD" or d.hybrid),
     # Accelerate's FSDP1 plugin binds sync_module_states to the current CUDA device and raises without one.
-    "fsdp.sync_module_states": lambda c: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
+    "fsdp.sync_module_states": lambda c, d: c.fsdp.version == 1 and bool(c.fsdp.sync_module_states),
     "train.compile.mode reduce-overhead / max-autotune (CUDA graphs)":
-        lambda c: c.train.compile is not None and c.train.compile.cuda_graphs,
+        lambda c, d: c.train.compile is not None and c.train.compile.cuda_graphs,
 }
 
 
-def rehearsal_problems(config: HfsdpConfig) -> list[tuple[str, str]]:
+def rehearsal_problems(config: HfsdpConfig, dims: "ParallelDims") -> list[tuple[str, str]]:
+    """What CPU rehearsal cannot run of ``config`` on the degrees ``dims``."""
     return [
         (option, "needs a GPU; CPU rehearsal mode cannot run it (remove it for the rehearsal)")
-        for option, applies in _GPU_ONLY.items() if applies(config)
+        for option, applies in _GPU_ONLY.items() if applies(config, dims)
     ]
