@@ -45,7 +45,7 @@ def degree_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                     ("dp_shard_size", parallel.dp_shard_size != -1)) if value]
     if strategy not in SPELLING_STRATEGIES or not given:
         return []
-    spelled = "shards nothing (every data-parallel rank a replica)" if strategy == "NO_SHARD" else \
+    spelled = "shards nothing, every data-parallel rank a replica" if strategy == "NO_SHARD" else \
         "shards within fsdp.hybrid_shard_size ranks and replicates across them"
     return [(f"parallel.{key}", f"fsdp.sharding_strategy {strategy} spells the data-parallel degrees itself (it "
                                 f"{spelled}): give them in one place, FULL_SHARD (or SHARD_GRAD_OP) with "

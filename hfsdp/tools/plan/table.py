@@ -39,7 +39,9 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False,
                                                     if e.setup.nodes > 1 else "")
                             + (f" tp{e.setup.dims.tp}" if e.setup.dims.tp > 1 else "")
                             + (f" sp{e.setup.dims.sp}" if e.setup.dims.sp > 1 else "")),
-        ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")),
+        ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")
+                               + (f" (replicate {e.setup.dims.dp_replicate} x shard {e.setup.dims.dp_shard})"
+                                  if e.setup.dims.hybrid else "")),
         ("params", lambda e: size(e.params)),
         ("grads", lambda e: size(e.grads)),
         ("optim", lambda e: size(e.optimizer)),
