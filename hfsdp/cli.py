@@ -91,6 +91,11 @@ def _quiet(verbose: bool) -> None:
                        ("lm_eval.models.huggingface", "Passed an already-initialized model through `pretrained`"),
                        ("lm_eval.api.task", "Custom kwargs can be passed to `--metadata`")):
         logging.getLogger(name).addFilter(lambda record, said=said: said not in record.getMessage())
+    # A checkpoint of the model without a wrapper (one process) is written with safetensors, which keeps one of two
+    # tied tensors (the input and output embeddings, tie_word_embeddings): the reload ties them again (a resume is
+    # bit for bit: tests/test_resume.py).
+    logging.getLogger("accelerate.utils.other").addFilter(
+        lambda record: "Removed shared tensor" not in record.getMessage())
     # bitsandbytes on the CPU looks for an optional faster kernel package on import and falls back to its own.
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
