@@ -170,6 +170,28 @@ def test_a_checkpoint_written_before_still_resumes_its_run():
     assert run_fingerprint(config) == "b1f4d05f1baa4cc0"
 
 
+def test_a_checkpoint_of_a_config_without_a_key_added_since_resumes_and_a_changed_key_is_named(tmp_path):
+    """The checkpoint's own config is read by today's schemas: a key hfsdp added after it was written (here
+    train.deterministic, left out of the saved file) takes its default, so the run resumes whatever its record's
+    fingerprint; a key the user changed is named, with both values."""
+    import yaml
+
+    from hfsdp.disk.checkpoints import CONFIG_NAME
+
+    saved = _config(tmp_path)
+    path = _checkpoint(saved, world_size=1, global_batch=2, by_fsdp=False)
+    older = saved.to_yaml_dict()
+    del older["train"]["deterministic"]
+    (path / CONFIG_NAME).write_text(yaml.safe_dump(older))
+    record = json.loads((path / checkpoint.RECORD).read_text())
+    (path / checkpoint.RECORD).write_text(json.dumps({**record, "config_hash": "of an older schema"}))
+    assert decide(saved, _world(1), resume="latest").resume.path == path
+    changed = _config(tmp_path, train={"learning_rate": 0.1})
+    with pytest.raises(UserError, match=r"the config changed in keys that change the run: train.learning_rate "
+                                        r"\(2e-05 in the checkpoint, 0.1 now\)"):
+        decide(changed, _world(1), resume="latest")
+
+
 def test_no_complete_checkpoint_yet_starts_from_step_0(tmp_path):
     setup = decide(_config(tmp_path), _world(2), resume="latest")
     assert setup.resume is None and setup.resume_asked

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfsdp import __version__
 from hfsdp.config.schema import HfsdpConfig, MayChangeOnResume, Section
-from hfsdp.disk.checkpoints import find_resume_checkpoint, read_record, saved_by_fsdp
+from hfsdp.disk.checkpoints import CONFIG_NAME, find_resume_checkpoint, read_record, saved_by_fsdp
 from hfsdp.disk.durable import RECORD
 from hfsdp.errors import UserError
 
@@ -230,7 +230,60 @@ def run_fingerprint(config: HfsdpConfig) -> str:
 
 
 def check_resume_config(record: Record, config: HfsdpConfig, path: Path) -> None:
-    """The checkpoint at ``path`` was saved by a run of this config, but for the keys that may change on resume."""
-    if record.config_hash != run_fingerprint(config):
-        raise UserError(f"cannot resume from {path}: the config changed in keys that change the run (model, data, "
-                        f"optimizer, fsdp, batch); only these may change on resume: {', '.join(RESUMABLE_CHANGES)}")
+    """The checkpoint at ``path`` was saved by a run of this config, but for the keys that may change on resume
+    (:data:`RESUMABLE_CHANGES`). The checkpoint's own config (``hfsdp_config.yaml``), read by today's schemas, is
+    compared key by key, so that a key added to hfsdp since it was written takes its default there (an earlier
+    checkpoint resumes) and the keys that differ are named; a checkpoint whose config today's schemas cannot read is
+    compared by its record's fingerprint."""
+    saved = _saved_config(path, config)
+    if saved is None:
+        if record.config_hash == run_fingerprint(config):
+            return
+        changed = ""
+    else:
+        before, now = _run_keys(saved), _run_keys(config)
+        differ = [key for key in sorted(before.keys() | now.keys()) if before.get(key) != now.get(key)]
+        if not differ:
+            return
+        changed = ": " + "; ".join(f"{key} ({before.get(key)!r} in the checkpoint, {now.get(key)!r} now)"
+                                   for key in differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    raise UserError(f"cannot resume from {path}: the config changed in keys that change the run{changed}; only these "
+                    f"may change on resume: {', '.join(RESUMABLE_CHANGES)}")
+
+
+def _saved_config(path: Path, config: HfsdpConfig) -> HfsdpConfig | None:
+    """The config a checkpoint was saved with, read by today's schemas (the core's and those of this run's plugin
+    sections), or None where it is missing or they refuse it."""
+    import yaml
+
+    from hfsdp.config.validate import validate_config
+
+    try:
+        raw = yaml.safe_load((path / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    sections = {name: (name, type(section)) for name, section in config.plugin_config.items()}
+    try:
+        saved, problems = validate_config(raw, sections)
+    except Exception:  # noqa: BLE001 (a config hfsdp wrote is refused by today's schemas in whatever way)
+        return None
+    return None if problems else saved
+
+
+def _run_keys(config: HfsdpConfig) -> dict[str, Any]:
+    """The config's values by dotted key, but for the keys that may change on resume."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if prefix.rstrip(".") in RESUMABLE_CHANGES:
+            return
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            out[prefix.rstrip(".")] = node
+
+    walk(config.to_yaml_dict(), "")
+    return out
