@@ -163,8 +163,8 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_by_the_decision(tmp_pa
 def test_a_checkpoint_written_before_still_resumes_its_run():
     """The fingerprint a checkpoint keeps of its config (the keys a resume may not change, as the schema marks the
     others ``Resumable``) is the one hfsdp wrote before the parallel section gained its degrees: ``b1f4d05f1baa4cc0``,
-    computed at 2269ada for this config. A key added to a section the fingerprint reads, unmarked, changes it: every
-    earlier checkpoint would be refused."""
+    computed at 2269ada for this config. (A resume compares the checkpoint's own config first; the fingerprint
+    decides where today's schemas cannot read it.)"""
     config = HfsdpConfig.model_validate({"model": {"name_or_path": "smollm2-tiny"}, "data": {"path": "x.jsonl"},
                                          "train": {"output_dir": "run", "max_steps": 4}})
     assert run_fingerprint(config) == "b1f4d05f1baa4cc0"
