@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from hfsdp import hookimpl
 from hfsdp.builtin.distill import teacher_problems
+from hfsdp.builtin.agent.checks import template_problems
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
 from hfsdp.builtin.online.schema import OnlineSection, RewardSpec
 from hfsdp.rules.table import Rule
@@ -60,7 +61,9 @@ def hfsdp_reward_functions():
 
 @hookimpl
 def hfsdp_rules():
-    return [Rule("config", ("distill_online", "data.format", "plugins"), config_problems)]
+    return [Rule("config", ("distill_online", "data.format", "plugins"), config_problems),
+            Rule("model", ("distill_online.tools", "distill_online.environment", "data.chat_template"),
+                 lambda c, f: template_problems(c, f, "distill_online"))]
 
 
 def config_problems(config, facts):

@@ -135,12 +135,14 @@ class DistillOnline(OnlineObjective):
         padding row, in step)."""
         from hfsdp.parallel.world import all_sum
 
-        prompts, mine, group, sampled = self._eval_samples(model, dataset, accelerator, pad_id)
-        results = self._eval_rewards(dataset, prompts, mine, group, sampled)
-        rows = [prompts[p] for p in mine for _ in range(group)] or [[pad_id]]
+        mine, group, rolled = self._eval_samples(model, dataset, accelerator, pad_id)
+        results = self._eval_rewards(dataset, mine, group, rolled)
+        sampled = rolled["completion_ids"]
+        rows = rolled["prompt_ids"] or [[pad_id]]
         completions = sampled or [[pad_id]]
         labelled = [bool(sampled)] * len(rows)  # the padding row: nothing labelled
-        batch = prompt_completion_batch(rows, completions, pad_id, accelerator.device, select_logits, labelled)
+        batch = prompt_completion_batch(rows, completions, pad_id, accelerator.device, select_logits, labelled,
+                                        rolled.get("tool_masks") or None)
         was_training = model.training
         model.eval()
         with torch.no_grad():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from hfsdp import hookimpl
 from hfsdp.builtin.grpo.schema import GrpoSection
+from hfsdp.builtin.agent.checks import template_problems
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
 from hfsdp.rules.table import Rule
 
@@ -30,7 +31,9 @@ def hfsdp_reward_functions():
 
 @hookimpl
 def hfsdp_rules():
-    return [Rule("config", ("grpo", "data.format"), config_problems)]
+    return [Rule("config", ("grpo", "data.format"), config_problems),
+            Rule("model", ("grpo.tools", "grpo.environment", "data.chat_template"),
+                 lambda c, f: template_problems(c, f, "grpo"))]
 
 
 def config_problems(config, facts):

@@ -37,10 +37,31 @@ class GroupPlan(BatchPlan):
         return super().source_counts(-(-steps // self.iterations))
 
 
-def sample_seed(tag: str, seed: int, round_: int, prompt: int, generation: int) -> int:
-    """The seed of one completion's sampling generator (``tag``: the objective's plugin name)."""
-    digest = hashlib.sha256(f"{tag}:{seed}:{round_}:{prompt}:{generation}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def sample_seed(tag: str, seed: int, round_: int, prompt: int, generation: int, turn: int = 0) -> int:
+    """The seed of one completion's sampling generator (``tag``: the objective's plugin name) for its turn ``turn``
+    (a multi-turn rollout samples again after its tool calls: a generator of its own each turn)."""
+    key = f"{tag}:{seed}:{round_}:{prompt}:{generation}" + (f":{turn}" if turn else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """The seeds of a rank's completions in a round (or the eval, round :data:`EVAL_ROUND`): completion ``i`` is
+    generation ``i % group`` of the prompt at place ``positions[i // group]``; ``seeds(i, turn)`` is
+    :func:`sample_seed`'s."""
+
+    tag: str
+    seed: int
+    round_: int
+    positions: list[int]
+    group: int
+
+    def __call__(self, i: int, turn: int = 0) -> int:
+        return sample_seed(self.tag, self.seed, self.round_, self.positions[i // self.group], i % self.group, turn)
+
+    def first_turn(self) -> list[int]:
+        """Every completion's seed of its first turn, in order."""
+        return [self(i) for i in range(len(self.positions) * self.group)]
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,7 @@ class RoundShare:
     rows: list[list[int]]
     mine: list[int]
     positions: list[int]
-    seeds: list[int]
+    seeds: Seeds
 
     @property
     def per_micro_batch(self) -> int:
@@ -68,12 +89,11 @@ def round_share(plan: BatchPlan, step: int, round_: int, rank: int, group: int, 
     rows = [plan.rows(step, m, r) for m, r in slots]
     mine = [k for k, (_, r) in enumerate(slots) if r == rank]
     positions = [k * len(rows[0]) + q for k in mine for q in range(len(rows[0]))]
-    return RoundShare(rows, mine, positions,
-                      [sample_seed(tag, seed, round_, p, j) for p in positions for j in range(group)])
+    return RoundShare(rows, mine, positions, Seeds(tag, seed, round_, positions, group))
 
 
-def eval_share(prompts: int, world: int, rank: int, group: int, tag: str, seed: int) -> tuple[list[int], list[int]]:
+def eval_share(prompts: int, world: int, rank: int, group: int, tag: str, seed: int) -> tuple[list[int], Seeds]:
     """The eval prompts rank ``rank`` samples (every ``world``-th of ``prompts``) and the seeds of their ``group``
     completions each (round :data:`EVAL_ROUND`: the same at every eval)."""
     mine = list(range(rank, prompts, world))
-    return mine, [sample_seed(tag, seed, EVAL_ROUND, p, j) for p in mine for j in range(group)]
+    return mine, Seeds(tag, seed, EVAL_ROUND, mine, group)

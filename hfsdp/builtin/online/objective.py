@@ -12,6 +12,7 @@ metrics.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfsdp import IGNORE_INDEX
-from hfsdp.builtin.online.groups import GroupPlan, eval_share, round_share
+from hfsdp.builtin.agent.checks import row_problems
+from hfsdp.builtin.agent.rollouts import tool_stats
+from hfsdp.builtin.online.groups import GroupPlan, Seeds, eval_share, round_share
 from hfsdp.builtin.online.rewards import RewardCaller, reward_timeout_s
 from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, log_completions, per_row, prompt_completion_batch,
-                                         spread, token_logps)
+                                         spread, targets_of, token_logps)
 from hfsdp.builtin.online.sampling import eos_ids, sample
 from hfsdp.builtin.online.scoring import Scorer, reward_stats
 from hfsdp.data.batches import MicroBatch, reshard
@@ -60,6 +63,7 @@ class OnlineObjective(Objective):
         self.section, self.rewards, self.config, self.tokenizer = section, rewards, config, tokenizer
         self.buffer = RoundBuffer()
         self.unwrapped = None
+        self.agent = None  # the tools and environments of rollouts that act (prepare)
         self._sums: dict[str, torch.Tensor] = {}
         self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
         self._skipped = 0  # this step's micro-steps without signal, skipped (:meth:`without_signal`)
@@ -105,8 +109,10 @@ class OnlineObjective(Objective):
 
     def round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
         """The round's statistics, in every step's metrics until the next round (the same on every rank): the
-        rewards' (:func:`~hfsdp.builtin.online.scoring.reward_stats`) and the completions' mean length."""
-        lengths = torch.tensor([len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
+        rewards' (:func:`~hfsdp.builtin.online.scoring.reward_stats`) and the completions' mean length (of the
+        tokens the model sampled, as TRL counts it: not the tool results)."""
+        lengths = torch.tensor([sum(m) for e in entries for m in e["tool_masks"]] if "tool_masks" in entries[0] else
+                               [len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
         return {**reward_stats(rewards, self.rewards), "completion_length": float(lengths.mean())}
 
     # ---- the plan and the rounds
@@ -115,12 +121,20 @@ class OnlineObjective(Objective):
         return Sampling(self.section.max_new_tokens, whole_global_batch=False)  # each rank its own micro-batches
 
     def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
+        row_problems(dataset, self.section, self.name, "training")
         return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
                          world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
                          iterations=self.section.num_iterations)
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        if self.section.acts:
+            from hfsdp.builtin.agent.rollouts import Agent
+
+            if "eval" in splits:
+                row_problems(splits["eval"], self.section, self.name, "eval")
+            self.agent = Agent(self.section, self.name, self.tokenizer, self.config.data, accelerator.process_index)
+            self.rewards = [*self.rewards, *self.agent.reward_functions()]
         caller = RewardCaller(self.name, self.rewards,
                               reward_timeout_s(self.section, self.config.train.collective_timeout_s),
                               accelerator.process_index)
@@ -144,19 +158,19 @@ class OnlineObjective(Objective):
         return micro
 
     def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
-        """The entry's micro-batch; with ``mask_truncated_completions``, a completion that ends in neither EOS nor
-        the pad token (TRL's test: cut at ``max_new_tokens``) is unlabelled, so neither its loss nor its units
-        count."""
+        """The entry's micro-batch; the tool results in a completion that acts are unlabelled (TRL's ``tool_mask``);
+        with ``mask_truncated_completions``, a completion that ends in neither EOS nor the pad token (TRL's test: cut
+        at ``max_new_tokens``) is unlabelled, so neither its loss nor its units count."""
         labelled = None
         if self.section.mask_truncated_completions:
             ends = {*eos_ids(self.unwrapped, self.tokenizer), pad_id}
             labelled = [c[-1] in ends for c in entry["completion_ids"]]
-        prompts, completions = entry["prompt_ids"], entry["completion_ids"]
+        prompts, completions, masks = entry["prompt_ids"], entry["completion_ids"], entry.get("tool_masks")
         if self.layout.pack_len is None:
-            batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled)
+            batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks)
         else:  # each prompt + completion whole, laid end to end
-            sequences = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + (c if labelled is None or labelled[i]
-                                                                                  else [IGNORE_INDEX] * len(c))}
+            sequences = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + targets_of(c, masks and masks[i],
+                                                                                            labelled and labelled[i])}
                          for i, (p, c) in enumerate(zip(prompts, completions))]
             batch = self.collate(sequences, [[i] for i in range(len(sequences))], pad_id, device, select_logits)
         mask = batch.sequence_targets != IGNORE_INDEX
@@ -177,17 +191,19 @@ class OnlineObjective(Objective):
         per_slot = share.per_micro_batch
         prompts = [list(dataset[i]["input_ids"]) for part in share.rows for i in part]  # the round's, in slot order
         if self.samples_round(round_):
-            sampled = self._sample(model, [prompts[p] for p in share.positions for _ in range(group)], share.seeds,
-                                   pad_id, width=max(map(len, prompts)))
+            rows = [share.rows[k][q] for k in share.mine for q in range(per_slot) for _ in range(group)]
+            mine = self._roll_out(model, dataset, rows, [prompts[p] for p in share.positions for _ in range(group)],
+                                  share.seeds, pad_id, width=max(map(len, prompts)))
         else:  # the rows' own completions (the same decision on every rank: none samples)
-            sampled = [c for k in share.mine for i in share.rows[k] for c in self.given_completions(dataset, i, group)]
+            mine = {"completion_ids": [c for k in share.mine for i in share.rows[k]
+                                       for c in self.given_completions(dataset, i, group)]}
         per_micro = per_slot * group
-        completions_of = {k: v for part in gather_objects(self.accelerator, {
-            k: sampled[i * per_micro:(i + 1) * per_micro] for i, k in enumerate(share.mine)}) for k, v in part.items()}
+        rolled_of = {k: v for part in gather_objects(self.accelerator, {
+            k: {key: values[i * per_micro:(i + 1) * per_micro] for key, values in mine.items()}
+            for i, k in enumerate(share.mine)}) for k, v in part.items()}
         entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
-                    "completion_ids": completions_of[k]} for k, part in enumerate(share.rows)]
-        probe = ({"rows": entries[0]["rows"][:1], "completion_ids": entries[0]["completion_ids"][:1]}
-                 if s.check_reward_determinism else None)
+                    **rolled_of[k]} for k, part in enumerate(share.rows)]
+        probe = ({key: values[:1] for key, values in entries[0].items()} if s.check_reward_determinism else None)
         rewards_of = (self.scorer.gathered(dataset, {k: entries[k] for k in share.mine}, group, probe=probe)
                       if self.rewards else {k: [[]] * len(e["completion_ids"]) for k, e in enumerate(entries)})
         self._keep_logps(model, entries, share.mine, pad_id, device, select_logits)
@@ -198,7 +214,7 @@ class OnlineObjective(Objective):
             entry["rewards"] = rewards_of[k]
             entry["advantages"] = advantages[k * per_micro:(k + 1) * per_micro].tolist()
         self.buffer.round, self.buffer.entries = round_, entries
-        self.buffer.stats = self.round_stats(rewards, entries)
+        self.buffer.stats = {**self.round_stats(rewards, entries), **tool_stats(entries)}
         if s.log_completions and self.accelerator.is_main_process:
             log_completions(Path(self.config.train.output_dir) / "completions.jsonl", s.log_completions, step, dataset,
                             entries, group, self.tokenizer, [name for name, *_ in self.rewards])
@@ -231,11 +247,28 @@ class OnlineObjective(Objective):
             for k, values in part.items():
                 entries[k].update(values)
 
-    def _sample(self, model, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int) -> list[list[int]]:
-        """:func:`~hfsdp.builtin.online.sampling.sample` as the section says (collective with several ranks)."""
+    def _roll_out(self, model, dataset, rows: list[int], prompts: list[list[int]], seeds: Seeds, pad_id: int,
+                  width: int) -> dict[str, list]:
+        """This rank's completions of dataset ``rows`` (``prompts``: their ids, one per completion, left-padded to
+        ``width``; ``seeds``: their generators'), as per-completion lists: ``completion_ids`` sampled in one turn,
+        or the rollouts of a section that acts (:meth:`hfsdp.builtin.agent.rollouts.Agent.roll_out`: their prompts,
+        turns, tool masks and messages). Collective."""
+        if self.agent is None:
+            return {"completion_ids": self._sample(model, prompts, seeds.first_turn(), pad_id, width)}
+        from hfsdp.parallel.world import gather_objects
+
+        context = getattr(self.unwrapped.config, "max_position_embeddings", None) or sys.maxsize
+        return self.agent.roll_out(
+            dataset, rows, seeds, lambda ids, drawn, widest, most: self._sample(model, ids, drawn, pad_id, widest, most),
+            lambda value: gather_objects(self.accelerator, value), self.section.max_new_tokens, context)
+
+    def _sample(self, model, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int,
+                max_new_tokens: int | None = None) -> list[list[int]]:
+        """:func:`~hfsdp.builtin.online.sampling.sample` as the section says, at most ``max_new_tokens`` (default the
+        section's) (collective with several ranks)."""
         return sample(model, self.unwrapped, prompts, seeds, pad_id, width, self.section,
                       eos_ids(self.unwrapped, self.tokenizer), self.config.fsdp.gather_for_generation,
-                      synced=self.accelerator.num_processes > 1)
+                      synced=self.accelerator.num_processes > 1, max_new_tokens=max_new_tokens)
 
     # ---- the eval
 
@@ -248,24 +281,26 @@ class OnlineObjective(Objective):
         samples and scores its share of the prompts (every ``world``-th)."""
         return self._eval_rewards(dataset, *self._eval_samples(model, dataset, accelerator, pad_id))
 
-    def _eval_samples(self, model, dataset, accelerator, pad_id) -> tuple[list[list[int]], list[int], int,
-                                                                         list[list[int]]]:
-        """(every eval prompt's ids, this rank's prompts, completions per prompt, this rank's completions in
-        order) of the eval's sampling (see :meth:`evaluate`; collective: every rank samples in lock-step)."""
+    def _eval_samples(self, model, dataset, accelerator, pad_id) -> tuple[list[int], int, dict[str, list]]:
+        """(this rank's eval prompts, completions per prompt, this rank's completions in order as per-completion
+        lists: ``prompt_ids``, ``completion_ids`` and, for rollouts that act, their tool masks and messages) of the
+        eval's sampling (see :meth:`evaluate`; collective: every rank samples in lock-step)."""
         group = self.section.num_generations_eval or self.section.num_generations
         prompts = [list(dataset[i]["input_ids"]) for i in range(len(dataset))]
         mine, seeds = eval_share(len(dataset), accelerator.num_processes, accelerator.process_index, group,
                                  self.name, self.config.train.seed)
-        sampled = self._sample(model, [prompts[p] for p in mine for _ in range(group)], seeds, pad_id,
-                               width=max(map(len, prompts)))
-        return prompts, mine, group, sampled
+        rows = [p for p in mine for _ in range(group)]
+        rolled = self._roll_out(model, dataset, rows, [prompts[p] for p in rows], seeds, pad_id,
+                                width=max(map(len, prompts)))
+        return mine, group, {"prompt_ids": [prompts[p] for p in rows], **rolled}
 
-    def _eval_rewards(self, dataset, prompts, mine: list[int], group: int, sampled) -> dict[str, float]:
+    def _eval_rewards(self, dataset, mine: list[int], group: int, rolled: dict[str, list]) -> dict[str, float]:
         """``eval_reward`` and each function's ``eval_rewards/<name>/mean`` of the eval's completions (none without
         reward functions; collective otherwise)."""
         if not self.rewards:
             return {}
-        scores = self.scorer.gathered(dataset, {i: {"rows": [i], "completion_ids": sampled[n * group:(n + 1) * group]}
+        scores = self.scorer.gathered(dataset, {i: {"rows": [i], **{key: values[n * group:(n + 1) * group]
+                                                                     for key, values in rolled.items()}}
                                                 for n, i in enumerate(mine)}, group, "eval")
         rewards = torch.tensor([r for i in range(len(dataset)) for r in scores[i]], dtype=torch.float32)
         return {f"eval_{k}": v for k, v in reward_stats(rewards, self.rewards).items() if not k.endswith("std")}

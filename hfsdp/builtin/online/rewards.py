@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
+from hfsdp.builtin.agent.checks import config_problems as acting_problems
 from hfsdp.builtin.online.schema import OnlineSection
 from hfsdp.builtin.chat.tool_calls import call_of, same_json
 
@@ -81,7 +82,8 @@ def reward_functions(config, plugin: str) -> list[tuple[str, str, Callable[..., 
 def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tuple[str, str]]:
     """What an online objective (``plugin``'s section, an :class:`OnlineSection`) needs of the config: prompt rows,
     whole groups per micro-batch, lora for the KL reference (``kl_reference``: its ``beta`` weighs a KL to the
-    base), no generation eval or grouping, and reward functions that resolve."""
+    base), no generation eval or grouping, reward functions that resolve, and the tools and environments of rollouts
+    that act (:func:`hfsdp.builtin.agent.checks.config_problems`)."""
     section: OnlineSection = config.section(plugin)
     problems = []
     if config.data.format != "prompt":
@@ -106,6 +108,7 @@ def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tupl
                                                        " s): the other ranks, waiting for this rank's rewards, would "
                                                        "time out first without naming the function; lower it or raise "
                                                        "train.collective_timeout_s"))
+    problems += acting_problems(config, plugin)
     try:
         offered = installed_rewards(config.plugins, plugin)
     except Exception as err:  # noqa: BLE001 (a ConfigError's problems, or a broken plugin)

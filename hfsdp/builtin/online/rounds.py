@@ -64,14 +64,23 @@ def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Ten
     return batch.per_sequence(logps), batch.per_sequence(entropy)
 
 
+def targets_of(completion: list[int], mask: list[int] | None = None, labelled: bool | None = None) -> list[int]:
+    """A completion's targets: its tokens, but IGNORE_INDEX where ``mask`` (TRL's ``tool_mask``) is 0 (a tool's
+    result, which the model did not sample) and everywhere where ``labelled`` is False."""
+    if labelled is False:
+        return [IGNORE_INDEX] * len(completion)
+    return list(completion) if mask is None else [t if m else IGNORE_INDEX for t, m in zip(completion, mask)]
+
+
 def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
-                            select_logits: bool, labelled: list[bool] | None = None) -> MicroBatch:
+                            select_logits: bool, labelled: list[bool] | None = None,
+                            masks: list[list[int]] | None = None) -> MicroBatch:
     """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
     right-padded, so every completion starts at the same position and the model computes logits at the longest
     completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
     targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
     prompt), the attention mask hides the padding. ``labelled``: which rows' completions are targets (default
-    all; the others are in the rows, unlabelled)."""
+    all; the others are in the rows, unlabelled); ``masks``: each completion's tool mask (:func:`targets_of`)."""
     width, longest = max(map(len, prompts)), max(map(len, completions))
     rows = len(prompts)
     input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
@@ -80,8 +89,9 @@ def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int
     for i, (p, c) in enumerate(zip(prompts, completions)):
         input_ids[i, width - len(p):width + len(c)] = torch.tensor(p + c)
         attention[i, width - len(p):width + len(c)] = 1
-        if labelled is None or labelled[i]:  # position t predicts t + 1
-            targets[i, width - 1:width - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+        # position t predicts t + 1
+        targets[i, width - 1:width - 1 + len(c)] = torch.tensor(
+            targets_of(c, masks and masks[i], labelled and labelled[i]), dtype=torch.long)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
     if select_logits:
@@ -110,7 +120,8 @@ def log_completions(path: Path, limit: int, step: int, dataset, entries: list[di
                     reward_names: list[str]) -> None:
     """The round's first ``limit`` completions (``entries``, ``group`` per prompt) appended to ``path`` as JSON
     lines: the step, the row and its prompt, the completion's text and ids, its advantage and each reward (None:
-    none)."""
+    none); a rollout that acts adds its conversation (``messages``: each turn, its tool calls and their results),
+    its ``tool_mask`` and what its environment's ``reset`` appended to the prompt (``observation``)."""
     lines = []
     for entry in entries:
         texts = tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
@@ -118,8 +129,10 @@ def log_completions(path: Path, limit: int, step: int, dataset, entries: list[di
             if len(lines) == limit:
                 break
             prompt = json.loads(dataset[entry["rows"][j // group]][ROW_COLUMN])["prompt"]
+            acted = ({"messages": entry["messages"][j], "tool_mask": entry["tool_masks"][j],
+                      "observation": entry["observations"][j]} if "messages" in entry else {})
             lines.append(json.dumps({"step": step + 1, "row": entry["rows"][j // group], "prompt": prompt,
-                                     "completion": text, "completion_ids": entry["completion_ids"][j],
+                                     "completion": text, "completion_ids": entry["completion_ids"][j], **acted,
                                      "advantage": entry["advantages"][j],
                                      "rewards": {name: (None if math.isnan(v) else v) for name, v
                                                  in zip(reward_names, entry["rewards"][j])}}))

@@ -64,10 +64,12 @@ def eos_ids(unwrapped, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int,
-           section: OnlineSection, eos: list[int], gather: bool, synced: bool) -> list[list[int]]:
+           section: OnlineSection, eos: list[int], gather: bool, synced: bool,
+           max_new_tokens: int | None = None) -> list[list[int]]:
     """Completions (token ids up to and including the first EOS) of the prompts, one seeded generator each, of at
-    most ``section.max_new_tokens`` tokens drawn as its ``temperature``, ``top_k`` and ``top_p`` say (``model``: the
-    wrapped model, ``unwrapped`` its module; ``gather``: ``fsdp.gather_for_generation``).
+    most ``max_new_tokens`` (default ``section.max_new_tokens``) tokens drawn as the section's ``temperature``,
+    ``top_k`` and ``top_p`` say (``model``: the wrapped model, ``unwrapped`` its module; ``gather``:
+    ``fsdp.gather_for_generation``).
 
     A row's tokens depend on its prompt and generator alone: the prompts are left-padded to ``width`` (the longest
     prompt of everything sampled together on any rank, not of this rank's share), and a row's logits do not depend
@@ -85,7 +87,8 @@ def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id:
     device = next(unwrapped.parameters()).device
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    config = GenerationConfig(max_new_tokens=section.max_new_tokens, do_sample=False, pad_token_id=pad_id,
+    most = section.max_new_tokens if max_new_tokens is None else max(max_new_tokens, 1)
+    config = GenerationConfig(max_new_tokens=most, do_sample=False, pad_token_id=pad_id,
                               eos_token_id=eos, use_cache=True)
     sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], section.temperature,
                              section.top_k, section.top_p)

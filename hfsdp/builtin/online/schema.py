@@ -21,7 +21,8 @@ class OnlineSection(Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature (the log-probs are of the tempered logits)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens of this mass")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens (0: all)")
-    rewards: list[RewardSpec] = Field(description="the reward functions, summed with their weights")
+    rewards: list[RewardSpec] = Field([], description="the reward functions, summed with their weights (an "
+                                                      "environment's get_reward is one more, weight 1)")
     mask_truncated_completions: bool = Field(False, description="leave out of the loss a completion cut at "
                                                                 "max_new_tokens (not ending in EOS): no loss, not "
                                                                 "counted in the units the loss is divided by")
@@ -40,9 +41,33 @@ class OnlineSection(Section):
     num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
                                                                       "name; default num_generations): eval_reward "
                                                                       "is their mean reward")
+    tools: list[str] = Field([], description="functions the model may call between its turns (TRL's tools): "
+                                             "module:function, each with type hints and a docstring (its schema in "
+                                             "the prompt), or python (hfsdp's code tool, in a bubblewrap sandbox); "
+                                             "they run in worker processes, never in the trainer")
+    environment: str | dict[str, str] | None = Field(None, description="TRL's environment_factory: module:Class "
+                                                                       "(one instance per rollout: reset(**row), its "
+                                                                       "public methods as tools, an optional "
+                                                                       "get_reward), or name: module:Class for rows "
+                                                                       "choosing theirs by an environment column; "
+                                                                       "python: hfsdp's code sandbox")
+    max_tool_calling_iterations: int | None = Field(None, ge=0, description="most rounds of tool calls a rollout "
+                                                                            "makes (TRL's name; default: until no "
+                                                                            "call or max_new_tokens is reached)")
+    tool_timeout_s: float = Field(10.0, gt=0, description="wall-clock seconds a tool call (and reset, get_reward) "
+                                                          "may take; past it its worker process is stopped and the "
+                                                          "model reads an error")
+    tool_memory_mb: int = Field(1024, gt=0, description="address space of a tool's worker process, in MiB")
+    tool_cpu_s: float = Field(10.0, gt=0, description="CPU seconds a tool call may use")
+
+    @property
+    def acts(self) -> bool:
+        """Whether rollouts call tools (``tools`` or an ``environment``): multi-turn."""
+        return bool(self.tools or self.environment)
 
     @model_validator(mode="after")
     def _has_rewards(self):
-        if not self.rewards:
-            raise ValueError("rewards: name at least one reward function")
+        if not self.rewards and not self.environment:
+            raise ValueError("rewards: name at least one reward function (or an environment whose get_reward "
+                             "scores the rollouts)")
         return self

@@ -45,6 +45,14 @@ def reward_stats(rewards: torch.Tensor, functions: list) -> dict[str, float]:
     return stats
 
 
+def with_observation(prompt: list[dict[str, Any]] | None, observation: str | None) -> list[dict[str, Any]] | None:
+    """A row's prompt as the reward functions receive it after an environment's ``reset`` returned ``observation``:
+    appended to the last message's text (TRL's); unchanged without one."""
+    if observation is None or not prompt:
+        return prompt
+    return [*prompt[:-1], {**prompt[-1], "content": (prompt[-1].get("content") or "") + observation}]
+
+
 class Scorer:
     """The reward functions (``functions``: ``(name, source, function, weight)``) of objective ``name``, called on
     this rank's completions through ``caller`` and gathered over the ranks of ``accelerator``."""
@@ -74,15 +82,21 @@ class Scorer:
 
     def _inputs(self, dataset, entry: dict[str, Any], group: int) -> dict[str, list]:
         raw = [json.loads(dataset[i][ROW_COLUMN]) for i in entry["rows"] for _ in range(group)]
-        if isinstance(raw[0]["prompt"], list):  # conversational: each completion the message it is (tool calls...)
-            prompts = [dataset[i]["input_ids"] for i in entry["rows"] for _ in range(group)]
-            completions = [[parse_completion(self.tokenizer, ids, prompt, tools_of(r.get(TOOLS_FIELD)))]
-                           for ids, prompt, r in zip(entry["completion_ids"], prompts, raw)]
+        prompts = [r.get("prompt") for r in raw]
+        extra = {}
+        if "messages" in entry:  # rollouts that act: each completion its turns and tool results, as TRL gives them
+            completions = entry["messages"]
+            prompts = [with_observation(p, seen) for p, seen in zip(prompts, entry["observations"])]
+            extra = {"environment_rewards": entry["environment_rewards"]}
+        elif isinstance(raw[0]["prompt"], list):  # conversational: each completion the message it is (tool calls...)
+            ids = [dataset[i]["input_ids"] for i in entry["rows"] for _ in range(group)]
+            completions = [[parse_completion(self.tokenizer, c, prompt, tools_of(r.get(TOOLS_FIELD)))]
+                           for c, prompt, r in zip(entry["completion_ids"], ids, raw)]
         else:
             completions = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
         columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
-        return {"prompts": [r["prompt"] for r in raw], "completions": completions,
-                "completion_ids": entry["completion_ids"], **columns}
+        return {"prompts": prompts, "completions": completions, "completion_ids": entry["completion_ids"], **columns,
+                **extra}
 
     def _score(self, dataset, entry: dict[str, Any], group: int, split: str) -> list[list[float]] | str:
         """``[completion][function]`` rewards (NaN: None) of ``group`` completions per row, or the message of what

@@ -13,6 +13,7 @@ num_generations`` prompts with their whole groups.
 from __future__ import annotations
 
 from hfsdp import hookimpl
+from hfsdp.builtin.agent.checks import template_problems
 from hfsdp.builtin.online.rewards import BUILTIN_REWARDS, online_problems, reward_functions
 from hfsdp.builtin.rloo.schema import RlooSection, resolved_beta
 from hfsdp.rules.table import Rule
@@ -30,7 +31,9 @@ def hfsdp_reward_functions():
 
 @hookimpl
 def hfsdp_rules():
-    return [Rule("config", ("rloo", "data.format"), config_problems)]
+    return [Rule("config", ("rloo", "data.format"), config_problems),
+            Rule("model", ("rloo.tools", "rloo.environment", "data.chat_template"),
+                 lambda c, f: template_problems(c, f, "rloo"))]
 
 
 def config_problems(config, facts):

@@ -1,0 +1,196 @@
+"""Agents that act (issue 69): GRPO, RLOO and on-policy distillation rollouts that call tools between their turns, as
+TRL 1.16's ``GRPOTrainer`` does with ``tools=`` and ``environment_factory=``, the calls run in worker processes.
+
+The model is the shrunk SmolLM2 taught to call ``lookup_contact`` (a fine-tuning of the bundled tool conversations,
+made once per module: :func:`caller`), so that its rollouts really call the tool, read its result and answer. The
+tools are ``tests/agent_tools/contacts.py``. The runtime's hostile cases are tests/test_agent_runtime.py and
+tests/test_agent_sandbox.py; TRL's own loop against these rollouts is benchmarks/trl_grpo.py (``--tools``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import PRESET_DATA, REPO, base_env, read_completions, read_metrics, run_cli, run_torchrun, tiny_config
+
+TOOLS = REPO / "tests" / "agent_tools"
+FAULTS = REPO / "tests" / "fault_plugin"
+STEPS = 3
+
+
+def smol_tokenizer():
+    from hfsdp.config.schema import ModelConfig
+    from hfsdp.model import chat_template
+    from hfsdp.model.loading import tokenizer_of
+
+    from conftest import CACHE_DIR
+
+    tokenizer = tokenizer_of(ModelConfig(name_or_path="smollm2-tiny"), CACHE_DIR)
+    chat_template.use(tokenizer, "chatml_tools")
+    return tokenizer
+
+
+# ---- the pieces, without a run
+
+def test_the_tool_results_tokens_are_trls_suffix():
+    """The tokens after a turn of tool calls (the results and the next generation prompt) are what TRL's
+    ``_get_tool_suffix_ids`` gives, with one result and with two."""
+    trl = pytest.importorskip("trl.trainer.grpo_trainer")
+    from hfsdp.builtin.agent.turns import tool_suffix_ids
+
+    tokenizer = smol_tokenizer()
+    host = SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, _is_vlm=False, chat_template=None,
+                           chat_template_kwargs={})
+    for results in ([{"role": "tool", "name": "lookup_contact", "content": '{"age": 3}'}],
+                    [{"role": "tool", "name": "a", "content": "x"}, {"role": "tool", "name": "b", "content": "{'error': 'y'}"}]):
+        ours = tool_suffix_ids(tokenizer, results)
+        assert ours == trl.GRPOTrainer._get_tool_suffix_ids(host, results)
+        assert tokenizer.decode(ours).endswith("<|im_start|>assistant\n")
+
+
+def test_a_turns_results_come_in_trls_order_synchronous_calls_first():
+    from hfsdp.builtin.agent.turns import ordered_calls
+
+    calls = [{"type": "function", "function": {"name": n, "arguments": {"k": i}}} for i, n in enumerate("abca")]
+    assert ordered_calls(calls, frozenset({"a"})) == [("b", {"k": 1}), ("c", {"k": 2}), ("a", {"k": 0}),
+                                                      ("a", {"k": 3})]
+    assert ordered_calls(calls, frozenset()) == [("a", {"k": 0}), ("b", {"k": 1}), ("c", {"k": 2}), ("a", {"k": 3})]
+
+
+# ---- runs
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory) -> Path:
+    """The shrunk SmolLM2 fine-tuned on the bundled tool conversations (240 steps): most of its first turns are a
+    well-formed ``lookup_contact`` call (59 of 64 sampled at temperature 1, when this was written)."""
+    folder = tmp_path_factory.mktemp("caller")
+    config = tiny_config(folder, data={"format": "chat", "chat_template": "chatml_tools", "max_seq_len": 384,
+                                       "path": str(PRESET_DATA / "contacts_tools_train.jsonl"), "eval_path": None},
+                         train={"max_steps": 240, "per_device_batch_size": 8, "lr_scheduler": "constant",
+                                "log_every": 40, "save_every": None})
+    run_cli("train", str(config))
+    return folder / "run" / "final"
+
+
+def agent_config(folder: Path, model: Path, world: int, grpo: dict | None = None, train: dict | None = None,
+                 plugins: tuple[str, ...] = (), **fsdp) -> Path:
+    """GRPO of ``model`` on the bundled tool prompts, 8 completions (4 prompts of 2) a step on 1, 2 or 4 ranks,
+    calling ``contacts:lookup_contact``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return tiny_config(
+        folder, model={"name_or_path": str(model)}, plugins=["grpo", *plugins],
+        data={"format": "prompt", "chat_template": "chatml_tools", "max_seq_len": 384, "max_eval_samples": 4,
+              "path": str(PRESET_DATA / "contacts_tools_prompts_train.jsonl"),
+              "eval_path": str(PRESET_DATA / "contacts_tools_prompts_eval.jsonl")},
+        grpo={"num_generations": 2, "max_new_tokens": 72, "log_completions": 16, "tools": ["contacts:lookup_contact"],
+              "rewards": [{"name": "tool_call"}, {"name": "contacts:answered"}], "max_tool_calling_iterations": 2,
+              "tool_timeout_s": 20, **(grpo or {})},
+        train={"max_steps": STEPS, "per_device_batch_size": 8 // max(world, 2), "learning_rate": 1e-3,
+               "gradient_accumulation_steps": max(2 // world, 1), "lr_scheduler": "constant",
+               "collective_timeout_s": 120, **(train or {})},
+        fsdp=fsdp)
+
+
+def train(config: Path, world: int, *args: str, env: dict | None = None, check: bool = True):
+    env = env or base_env(PYTHONPATH=str(TOOLS))
+    if world == 1:
+        return run_cli("train", str(config), *args, env=env, check=check)
+    return run_torchrun(world, "train", str(config), *args, env=env, check=check)
+
+
+@pytest.fixture(scope="module")
+def runs(caller, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("agents")
+    out = {}
+    for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x4", 4, {}), ("x2_fsdp1", 2, {"version": 1})):
+        train(agent_config(root / name, caller, world, **fsdp), world)
+        out[name] = root / name / "run"
+    return out
+
+
+def steps(run: Path) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(run) if "loss" in m}
+
+
+@pytest.mark.slow
+def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_train(runs):
+    """A rollout's conversation in completions.jsonl: the assistant's call, the tool's real result (the contact's
+    record, or the error TRL would give the model), the answer after it; the tool mask is 0 exactly on the result's
+    tokens (the template's suffix) and 1 on what the model sampled; the metrics count the calls."""
+    from hfsdp.builtin.agent.turns import tool_suffix_ids
+
+    import contacts  # noqa: F401 (tests/agent_tools, on sys.path below)
+
+    tokenizer = smol_tokenizer()
+    lines = read_completions(runs["x1"])
+    acted = [line for line in lines if any(m["role"] == "tool" for m in line["messages"])]
+    assert len(acted) >= len(lines) // 2, [line["completion"] for line in lines]
+    for line in acted:
+        messages, mask, ids = line["messages"], line["tool_mask"], line["completion_ids"]
+        assert messages[0]["role"] == "assistant" and messages[0]["tool_calls"]
+        call = messages[0]["tool_calls"][0]["function"]
+        result = messages[1]
+        assert result["role"] == "tool" and result["name"] == call["name"]
+        name = call["arguments"].get("name")
+        want = (json.dumps(contacts.CONTACTS[name]) if name in contacts.CONTACTS
+                else str({"error": str(KeyError(f"no contact named {name!r}"))}))
+        assert result["content"] == want
+        assert len(mask) == len(ids) and mask[0] == 1
+        first = mask.index(0)
+        suffix = tool_suffix_ids(tokenizer, [m for m in messages[1:] if m["role"] == "tool"][:len(
+            messages[0]["tool_calls"])])
+        assert ids[first:first + len(suffix)] == suffix and mask[first:first + len(suffix)] == [0] * len(suffix)
+        assert all(mask[first + len(suffix):first + len(suffix) + 1])
+    metrics = steps(runs["x1"])
+    assert all(0 < m["tools/call_frequency"] for m in metrics.values())
+    assert all(m["tools/turns"] > 1 for m in metrics.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["x2", "x4", "x2_fsdp1"])
+def test_rollouts_that_act_are_token_identical_and_train_the_same_steps_on_any_number_of_ranks(runs, name):
+    one, other = runs["x1"], runs[name]
+    assert read_completions(other) == read_completions(one)
+    a, b = steps(one), steps(other)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "reward", "completion_length", "tools/call_frequency", "tools/turns"):
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_inside_a_multi_turn_round_resume_to_the_same_rollouts_and_steps(runs, caller, tmp_path):
+    """Rank 1 is killed (kill -9) at the end of step 2, inside the second round's tool calls' run (one round a
+    step): the resume from step 1's checkpoint samples round 2 again, its rollouts and steps those of one process."""
+    config = agent_config(tmp_path, caller, 2, plugins=("hfsdp_faults",), train={"save_every": 1})
+    path = os.pathsep.join([str(TOOLS), str(FAULTS)])
+    killed = train(config, 2, env=base_env(PYTHONPATH=path, HFSDP_TEST_FAULTS="sigkill@2:1"), check=False)
+    assert killed.returncode != 0
+    train(config, 2, "--resume", env=base_env(PYTHONPATH=path))
+    assert read_completions(tmp_path / "run") == read_completions(runs["x1"])
+    a, b = steps(runs["x1"]), steps(tmp_path / "run")
+    assert {s: (m["loss"], m["grad_norm"]) for s, m in b.items()} == pytest.approx(
+        {s: (m["loss"], m["grad_norm"]) for s, m in a.items()}, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_environment_resets_per_rollout_sees_its_calls_and_owns_a_reward_named_after_its_class(caller, tmp_path):
+    config = agent_config(tmp_path, caller, 1, grpo={"tools": [], "environment": "contacts:Contacts",
+                                                     "rewards": [{"name": "tool_call"}]},
+                          train={"max_steps": 2})
+    train(config, 1)
+    lines = read_completions(tmp_path / "run")
+    rows = [json.loads(line) for line in (PRESET_DATA / "contacts_tools_prompts_train.jsonl").read_text().splitlines()]
+    assert all(line["observation"] == " (Use the tool.)" for line in lines)
+    assert all(line["prompt"][-1]["content"].endswith("?") for line in lines)  # the row's prompt, as it is
+    for line in lines:
+        messages = line["messages"]
+        executed = [c["function"]["arguments"].get("name") for i, m in enumerate(messages[:-1])
+                    if m.get("tool_calls") and messages[i + 1]["role"] == "tool" for c in m["tool_calls"]]
+        asked = rows[line["row"]]["answer"]["arguments"]["name"]
+        assert line["rewards"]["Contacts"] == float(asked in executed), line
+    metrics = steps(tmp_path / "run")
+    assert all("rewards/Contacts/mean" in m for m in metrics.values())
