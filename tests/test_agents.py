@@ -86,7 +86,7 @@ def agent_config(folder: Path, model: Path, world: int, grpo: dict | None = None
         data={"format": "prompt", "chat_template": "chatml_tools", "max_seq_len": 384, "max_eval_samples": 4,
               "path": str(PRESET_DATA / "contacts_tools_prompts_train.jsonl"),
               "eval_path": str(PRESET_DATA / "contacts_tools_prompts_eval.jsonl")},
-        grpo={"num_generations": 2, "max_new_tokens": 72, "log_completions": 16, "tools": ["contacts:lookup_contact"],
+        grpo={"num_generations": 2, "max_new_tokens": 128, "log_completions": 16, "tools": ["contacts:lookup_contact"],
               "rewards": [{"name": "tool_call"}, {"name": "contacts:answered"}], "max_tool_calling_iterations": 2,
               "tool_timeout_s": 20, **(grpo or {})},
         train={"max_steps": STEPS, "per_device_batch_size": 8 // max(world, 2), "learning_rate": 1e-3,
