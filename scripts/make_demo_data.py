@@ -18,6 +18,12 @@ and the assistant's answer from it, the tool listed in each row's ``tools``. The
 training row names, some in phrasings no training row uses. Their preference files (contacts_tools_pref_<split>.jsonl)
 pair the right call with a call naming someone else; their prompt files (contacts_tools_prompts_<split>.jsonl) hold
 the question, the tools and the expected call as ``answer``.
+
+The agent files (contacts_agent_<split>.jsonl, for GRPO with the ``lookup_contact`` tool: the ``agent-rl`` preset)
+ask one detail (age, city or job) of a person of the contacts database (``database``: the first record of each name
+in contacts_train then contacts_eval, what ``hfsdp.builtin.agent.contacts.CONTACTS`` reads) and carry the detail
+asked (``field``) and its value (``answer``), which no prompt holds: only a lookup finds it. The eval rows ask about
+the tool eval rows' people, whom no training row of either file names.
 """
 
 import json
@@ -196,12 +202,46 @@ def tool_prompt_splits() -> dict[str, list[dict]]:
                     for row in rows] for split, rows in tool_splits().items()}
 
 
+def database() -> dict[str, dict]:
+    """The contacts database: name -> record, the first record of each name in contacts_train then contacts_eval
+    (names repeat with other details; ``hfsdp.builtin.agent.contacts`` reads the files the same way)."""
+    out: dict[str, dict] = {}
+    for rows in splits().values():
+        for row in rows:
+            person = json.loads(row["messages"][-1]["content"])
+            out.setdefault(person["name"], person)
+    return out
+
+
+def agent_row(person: dict, question: tuple[str, str, str]) -> dict:
+    """One agent row: the question, the detail it asks (``field``) and its value in the database (``answer``)."""
+    asked, text, _ = question
+    return {"prompt": [{"role": "user", "content": text.format(name=person["name"])}], "field": asked,
+            "answer": str(person[asked])}
+
+
+def agent_splits() -> dict[str, list[dict]]:
+    """The agent files (contacts_agent_<split>.jsonl): a one-detail question (not "all") about each of 256 people of
+    the database for training, and about each of the tool eval rows' 32 held-out people for eval (a quarter in
+    EVAL_QUESTIONS' words), whom no training row of either file names."""
+    rng = random.Random(97531)
+    people = database()
+    single = [q for q in QUESTIONS if q[0] != "all"]
+    held_out = [json.loads(row["messages"][2]["content"])["name"] for row in tool_splits()["eval"]]
+    train_names = [n for n in people if n not in set(held_out)]
+    rng.shuffle(train_names)
+    train = [agent_row(people[n], rng.choice(single)) for n in train_names[:256]]
+    evaluation = [agent_row(people[n], rng.choice(EVAL_QUESTIONS if i % 4 == 3 else single))
+                  for i, n in enumerate(held_out)]
+    return {"train": train, "eval": evaluation}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
                              ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits()),
                              ("contacts_tools", tool_splits()), ("contacts_tools_pref", tool_preference_splits()),
-                             ("contacts_tools_prompts", tool_prompt_splits())):
+                             ("contacts_tools_prompts", tool_prompt_splits()), ("contacts_agent", agent_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

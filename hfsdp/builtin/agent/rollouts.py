@@ -90,6 +90,7 @@ class Agent:
             "observations": observations,
             "environment_rewards": [[self.toolset.rewarded[env], value] for env, value in zip(environments, rewards)],
             "tool_stats": [{"calls": r.calls, "failures": r.failures, "turns": r.turns, "rolled_back": r.rolled_back,
+                            "answered_from_result": int(answered_from_result(r.messages)),
                             **{f"failed_{kind}": n for kind, n in r.failure_kinds.items()}} for r in rollouts],
         }
 
@@ -124,10 +125,47 @@ class Agent:
         self.workers.close()
 
 
+def _leaves(value: Any) -> list[str]:
+    """The scalar values inside a JSON value, as text (strings as they are, numbers and booleans as JSON writes
+    them)."""
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if value is None:
+        return []
+    return [value if isinstance(value, str) else json.dumps(value)]
+
+
+def answered_from_result(messages: list[dict[str, Any]]) -> bool:
+    """Whether a rollout (its completion's messages) called a tool, read a result that is not an error, and then
+    answered from it: its last message an assistant turn without calls whose text holds a value of a result (a JSON
+    result's scalar values, else its whole text) that none of the calls' arguments holds (the name looked up, echoed
+    back, is not an answer)."""
+    if not messages or messages[-1].get("role") != "assistant" or messages[-1].get("tool_calls"):
+        return False
+    answer = messages[-1].get("content") or ""
+    asked = {leaf for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or ()
+             for leaf in _leaves((call.get("function") or {}).get("arguments"))}
+    for message in messages[:-1]:
+        if message.get("role") != "tool":
+            continue
+        try:
+            result = json.loads(message.get("content") or "")
+        except ValueError:
+            result = message.get("content") or ""
+        if isinstance(result, dict) and set(result) == {"error"}:
+            continue
+        if any(leaf and leaf not in asked and leaf in answer for leaf in _leaves(result)):
+            return True
+    return False
+
+
 def tool_stats(entries: list[dict[str, Any]]) -> dict[str, float]:
     """A round's tool metrics (the same on every rank): TRL's ``tools/call_frequency`` (calls per rollout) and
-    ``tools/failure_frequency`` (failed calls per call), the turns per rollout, the results rolled back as too long,
-    and the failures by kind (``tools/failed_timeout``, ``_crashed``, ...)."""
+    ``tools/failure_frequency`` (failed calls per call), the turns per rollout, the share of rollouts that answered
+    from a tool's result (``tools/answered_from_result``: :func:`answered_from_result`), the results rolled back as
+    too long, and the failures by kind (``tools/failed_timeout``, ``_crashed``, ...)."""
     stats = [s for entry in entries for s in entry.get("tool_stats", ())]
     if not stats:
         return {}
@@ -135,4 +173,6 @@ def tool_stats(entries: list[dict[str, Any]]) -> dict[str, float]:
     calls = total.pop("calls")
     return {"tools/call_frequency": calls / len(stats),
             "tools/failure_frequency": total.pop("failures") / calls if calls else 0.0,
-            "tools/turns": total.pop("turns") / len(stats), **{f"tools/{k}": float(v) for k, v in total.items()}}
+            "tools/turns": total.pop("turns") / len(stats),
+            "tools/answered_from_result": total.pop("answered_from_result", 0) / len(stats),
+            **{f"tools/{k}": float(v) for k, v in total.items()}}

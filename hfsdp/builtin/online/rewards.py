@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from hfsdp.builtin.agent.checks import config_problems as acting_problems
+from hfsdp.builtin.agent.contacts import contact_answer
 from hfsdp.builtin.online.schema import OnlineSection
 from hfsdp.builtin.chat.tool_calls import call_of, same_json
 
@@ -267,4 +268,4 @@ def tool_call(completions: list, answer: list, **kwargs) -> list[float]:
 
 
 # What the online plugins (grpo, rloo) offer through hfsdp_reward_functions.
-BUILTIN_REWARDS = {"json_fields": json_fields, "tool_call": tool_call}
+BUILTIN_REWARDS = {"json_fields": json_fields, "tool_call": tool_call, "contact_answer": contact_answer}
