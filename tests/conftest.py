@@ -31,6 +31,14 @@ PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 CACHE_DIR = Path(os.environ.get("HFSDP_CACHE_DIR", Path.home() / ".cache" / "hfsdp-tests"))
 
 
+def preset_overrides(name: str) -> list[str]:
+    """The ``--set`` overrides that let bundled preset ``name`` validate on a fresh checkout: a preset that starts
+    from another preset's run (``model.name_or_path: runs/<preset>/final``, as agent-rl from tools) validates with
+    the built-in model that run starts from (the same architecture and tokenizer) instead."""
+    model = yaml.safe_load((REPO / "hfsdp" / "config" / "presets" / f"{name}.yaml").read_text())["model"]
+    return ["model.name_or_path=smollm2-135m-instruct"] if model["name_or_path"].startswith("runs/") else []
+
+
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FSDP_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",

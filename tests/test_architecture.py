@@ -11,7 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import REPO, base_env
+from conftest import REPO, base_env, preset_overrides
 
 PACKAGE = REPO / "hfsdp"
 
@@ -20,9 +20,11 @@ def test_validate_no_rows_of_every_example_and_preset_config_imports_no_torch():
     """``hfsdp validate --no-rows`` promises an answer without torch, transformers or accelerate: on every shipped
     config, QLoRA, DPO and GRPO included (a QLoRA config imported torch through config -> quantization -> fsdp)."""
     configs = sorted(str(p) for p in (REPO / "examples").glob("*.yaml"))
-    configs += sorted(p.stem for p in (PACKAGE / "config" / "presets").glob("*.yaml"))
-    script = ("import sys\nfrom hfsdp.cli import cli\nfor config in sys.argv[1:]:\n"
-              "    try:\n        cli(['validate', '--no-rows', config], prog_name='hfsdp')\n"
+    configs += sorted("|".join([p.stem, *preset_overrides(p.stem)]) for p in (PACKAGE / "config" / "presets").glob("*.yaml"))
+    script = ("import sys\nfrom hfsdp.cli import cli\nfor arg in sys.argv[1:]:\n"
+              "    config, *overrides = arg.split('|')\n"
+              "    try:\n        cli(['validate', '--no-rows', config, *[a for o in overrides for a in ('--set', o)]], "
+              "prog_name='hfsdp')\n"
               "    except SystemExit as e:\n        assert not e.code, (config, e.code)\n"
               "    heavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
               "    print('HEAVY', config, heavy, file=sys.stderr)\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import run_cli, tiny_config
+from conftest import preset_overrides, run_cli, tiny_config
 from hfsdp.config.files import list_presets
 from hfsdp.rules.table import load_checked
 from hfsdp.errors import ConfigError
@@ -135,7 +135,7 @@ def test_overrides_typed_by_schema(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(list_presets()))
 def test_bundled_presets_validate(name):
-    config, host = load_checked(name)
+    config, host = load_checked(name, preset_overrides(name))
     assert config.train.max_steps or config.train.epochs
     assert config.data.format in host.dataset_formats()
     assert Path(config.data.path).is_file(), "preset data paths resolve next to the preset"

@@ -82,3 +82,13 @@ def test_bundled_tool_pairs_and_prompts_are_the_generators_right_and_wrong_calls
     for pair in module.tool_preference_splits()["train"]:
         right, wrong = (pair[k][0]["tool_calls"][0]["function"]["arguments"]["name"] for k in ("chosen", "rejected"))
         assert right != wrong and right.split()[1] == wrong.split()[1] and right in pair["prompt"][0]["content"]
+
+
+def test_bundled_agent_rows_are_the_generators_and_its_database_is_the_agent_tools():
+    from hfsdp.builtin.agent.contacts import CONTACTS
+
+    module = generator()
+    assert module.database() == CONTACTS
+    for split, expected in module.agent_splits().items():
+        bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_agent_{split}.jsonl").read_text().splitlines()]
+        assert bundled == expected, f"contacts_agent_{split}.jsonl is stale: run python scripts/make_demo_data.py"
