@@ -73,8 +73,9 @@ def test_contact_answer_needs_the_right_value_alone_in_a_final_answer():
 def test_answered_from_result_is_an_answer_holding_a_value_of_a_result_other_than_the_arguments():
     record = {"name": "Mei Smith", "age": 37, "city": "Zagreb", "job": "electrician"}
     result = {"role": "tool", "name": "lookup_contact", "content": json.dumps(record)}
-    error = {"role": "tool", "name": "lookup_contact", "content": json.dumps({"error": "'no contact named'"})}
+    error = {"role": "tool", "name": "lookup_contact", "content": str({"error": "\"no contact named '37'\""})}
     answer = {"role": "assistant", "content": "Mei Smith is 37 years old."}
+    assert not answered_from_result([_call("37"), error, {"role": "assistant", "content": "no contact named '37'"}])
     assert answered_from_result([_call("Mei Smith"), result, answer])
     assert not answered_from_result([answer])  # no call
     assert not answered_from_result([_call("Mei Smith"), error, answer])  # an error is not a result

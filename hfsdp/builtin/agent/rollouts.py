@@ -10,6 +10,7 @@ read after the last turn: one more reward per environment class that defines it,
 
 from __future__ import annotations
 
+import ast
 import json
 from typing import Any, Callable
 
@@ -137,6 +138,17 @@ def _leaves(value: Any) -> list[str]:
     return [value if isinstance(value, str) else json.dumps(value)]
 
 
+def _result_value(content: str) -> Any:
+    """A tool result's value: its JSON, else the Python literal it writes (``str(result)``, TRL's error text
+    ``str({"error": ...})``), else the text itself."""
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(content)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return content
+
+
 def answered_from_result(messages: list[dict[str, Any]]) -> bool:
     """Whether a rollout (its completion's messages) called a tool, read a result that is not an error, and then
     answered from it: its last message an assistant turn without calls whose text holds a value of a result (a JSON
@@ -150,11 +162,8 @@ def answered_from_result(messages: list[dict[str, Any]]) -> bool:
     for message in messages[:-1]:
         if message.get("role") != "tool":
             continue
-        try:
-            result = json.loads(message.get("content") or "")
-        except ValueError:
-            result = message.get("content") or ""
-        if isinstance(result, dict) and set(result) == {"error"}:
+        result = _result_value(message.get("content") or "")
+        if isinstance(result, dict) and set(result) == {"error"}:  # a failed call (TRL's str({"error": ...}))
             continue
         if any(leaf and leaf not in asked and leaf in answer for leaf in _leaves(result)):
             return True
