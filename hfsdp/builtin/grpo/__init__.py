@@ -1,8 +1,8 @@
 """Plugin ``grpo``: Group Relative Policy Optimization (online RL with reward functions) on ``prompt`` rows. Enable with
 ``plugins: [grpo]`` and ``data.format: prompt``. Config section ``grpo:``:
 :class:`~hfsdp.builtin.grpo.schema.GrpoSection` (``hfsdp config-reference grpo``, docs/configuration.md). Rewards come
-from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields`` and ``tool_call``, as ``rloo`` does) or
-``module:function`` names, resolved as every online objective's (:mod:`hfsdp.builtin.online.rewards`). The
+from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields``, ``tool_call`` and ``contact_answer``, as
+``rloo`` does) or ``module:function`` names, resolved as every online objective's (:mod:`hfsdp.builtin.online.rewards`). The
 objective, its advantages and its loss: :mod:`hfsdp.builtin.grpo.loss`, on the online objectives' base class
 (:mod:`hfsdp.builtin.online.objective`; both imported when a run trains, so that ``hfsdp validate`` needs no torch).
 

@@ -1,10 +1,10 @@
-"""Plugin ``rloo``: REINFORCE leave-one-out (TRL 1.16's ``RLOOTrainer``), online RL with reward functions on
-``prompt`` rows. Enable with ``plugins: [rloo]`` and ``data.format: prompt``. Config section ``rloo:``:
+"""Plugin ``rloo``: REINFORCE leave-one-out (TRL 1.16's ``RLOOTrainer``), online RL with reward functions on ``prompt``
+rows. Enable with ``plugins: [rloo]`` and ``data.format: prompt``. Config section ``rloo:``:
 :class:`~hfsdp.builtin.rloo.schema.RlooSection` (``hfsdp config-reference rloo``, docs/configuration.md). Rewards
-come from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields`` and ``tool_call``, as ``grpo``
-does) or ``module:function`` names, called as TRL calls them. The objective, its advantages and its loss:
-:mod:`hfsdp.builtin.rloo.loss`, on the online objectives' base class (:mod:`hfsdp.builtin.online.objective`;
-both imported when a run trains, so that ``hfsdp validate`` needs no torch).
+come from the hook ``hfsdp_reward_functions`` (this plugin offers ``json_fields``, ``tool_call`` and
+``contact_answer``, as ``grpo`` does) or ``module:function`` names, called as TRL calls them. The objective, its
+advantages and its loss: :mod:`hfsdp.builtin.rloo.loss`, on the online objectives' base class
+(:mod:`hfsdp.builtin.online.objective`; both imported when a run trains, so that ``hfsdp validate`` needs no torch).
 
 ``train.per_device_batch_size`` counts completions, as TRL's: each micro-batch holds ``per_device_batch_size /
 num_generations`` prompts with their whole groups.
