@@ -117,13 +117,14 @@ def steps(run: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_train(runs):
+def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_train(runs, monkeypatch):
     """A rollout's conversation in completions.jsonl: the assistant's call, the tool's real result (the contact's
     record, or the error TRL would give the model), the answer after it; the tool mask is 0 exactly on the result's
     tokens (the template's suffix) and 1 on what the model sampled; the metrics count the calls."""
     from hfsdp.builtin.agent.turns import tool_suffix_ids
 
-    import contacts  # noqa: F401 (tests/agent_tools, on sys.path below)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import contacts
 
     tokenizer = smol_tokenizer()
     lines = read_completions(runs["x1"])
