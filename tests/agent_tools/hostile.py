@@ -351,3 +351,13 @@ def exits_after_returning() -> str:
     """Return, then end its process with exit code 4 a moment later (from a thread)."""
     threading.Timer(0.05, os._exit, (4,)).start()
     return "bye"
+
+
+class HangingInit:
+    """An environment whose construction sleeps forever."""
+
+    def __init__(self):
+        time.sleep(10**6)
+
+    def reset(self, **row) -> None:
+        pass

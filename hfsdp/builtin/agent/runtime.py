@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import weakref
@@ -275,6 +274,7 @@ class ToolWorkers:
                     queue.extend(pending)
                     if self._rollouts[i][0] in self.toolset.environments:
                         queue.extendleft(reversed(self._history[i]))
+                    busy[i] = self._start(i)
                     continue
                 if step.kind != "start":  # (one that runs already)
                     timeout = self.limits.timeout_s + (ASYNC_GRACE_S if step.kind == "async" else 0)
@@ -516,7 +516,9 @@ def _serve() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed when the parent's thread ends
     if os.getppid() != parent:
         os._exit(1)
-    threading.Thread(target=_lifeline, args=(lifeline,), daemon=True).start()
+    if os.fork() == 0:  # before any thread: the lifeline's watcher, a process of this group
+        _lifeline(lifeline)
+    os.close(lifeline)
     conn = Connection(connection)
     _, path, limits, section, toolset = conn.recv()
     sys.path[:] = path
@@ -536,10 +538,18 @@ def _serve() -> None:
 
 
 def _lifeline(fd: int) -> None:
-    """Kill this process's group when the parent's end of the lifeline closes (the parent died or closed it)."""
-    while os.read(fd, 1):
-        pass
-    os.killpg(0, signal.SIGKILL)
+    """The watcher: kill the tool process's group when the parent's end of the lifeline closes (the parent died or
+    closed it); never returns. A process of its own, not a thread of the tool process: PR_SET_PDEATHSIG kills the
+    tool process at once, with no chance to kill its group (what a tool started outlived the trainer), and a thread
+    would need the GIL a tool may hold. It keeps no descriptor but the lifeline (the connection's end would hide a
+    crash of the tool process) and no parent-death signal (a fork clears it)."""
+    try:
+        os.closerange(3, fd)
+        os.closerange(fd + 1, 1 << 20)
+        while os.read(fd, 1):
+            pass
+    finally:
+        os.killpg(0, signal.SIGKILL)
 
 
 def _limit(memory_mb: int) -> None:
@@ -581,8 +591,10 @@ def _resolve(name: str, builtins: dict[str, str], what: str) -> tuple[str, Any]:
 
 
 def _raised(err: BaseException) -> str:
-    """An exception as one line: its type, message and the innermost line it came from."""
-    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    """An exception as one line: its type, message and the innermost line it came from, outside this module (an
+    environment's __init__ called with no arguments raises at the call, here: no line of hfsdp's is named)."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    where = [frame for frame in frames if frame.filename != __file__][-1:]
     at = f" (at {Path(where[0].filename).name}:{where[0].lineno})" if where else ""
     return f"{type(err).__name__}: {err}{at}"
 
