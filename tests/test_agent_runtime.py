@@ -262,7 +262,7 @@ def test_describe_refuses_each_unusable_tool_and_environment_by_config_key():
         ("rloo.tools[2]", "'hostile:undocumented': Cannot generate JSON schema for undocumented because the docstring "
                           "has no description for the argument 'x'" + schema),
         ("rloo.tools[4]", "'hostile:echo' is named echo, as rloo.tools[3] is: the model calls tools by name; rename one"),
-        ("rloo.tools[5]", "'hostile:NOT_CALLABLE' is a int, not a function"),
+        ("rloo.tools[5]", "'hostile:NOT_CALLABLE' is not callable (its type: int); name a function"),
         ("rloo.tools[6]", "'hostile:missing': module 'hostile' has no attribute 'missing'; name a function it defines"),
         ("rloo.tools[7]", "'calculator' is not one of hfsdp's (python); name one of them, or your own as module:function"),
         ("rloo.environment.a", "'hostile:NoReset' (NoReset) has no reset method: define reset(self, **row), which TRL "

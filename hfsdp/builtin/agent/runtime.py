@@ -586,7 +586,7 @@ def _resolve(name: str, builtins: dict[str, str], what: str) -> tuple[str, Any]:
         raise _Problem(f"'{name}': module '{module}' has no attribute '{attr}'; name a {what} it defines")
     found = getattr(found, attr)
     if not callable(found):
-        raise _Problem(f"'{name}' is a {type(found).__name__}, not a {what}")
+        raise _Problem(f"'{name}' is not callable (its type: {type(found).__name__}); name a {what}")
     return name, found
 
 
