@@ -72,8 +72,33 @@ PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 AGENTS = {  # what each --agent mode sets on the grpo section: the tool function, or the environment owning the reward
     "tools": ["grpo.tools=[contacts:lookup_contact]",
               "grpo.rewards=[{name: tool_call}, {name: 'contacts:answered'}, {name: 'trl_grpo:looked_up'}]"],
-    "environment": ["grpo.tools=[]", "grpo.environment=contacts:Contacts", "grpo.rewards=[{name: 'trl_grpo:looked_up'}]"],
+    "environment": ["grpo.tools=[]", "grpo.environment=trl_grpo:Lookups", "grpo.rewards=[{name: 'trl_grpo:looked_up'}]"],
 }
+
+
+class Lookups:
+    """``--agent environment``'s environment: tests/agent_tools/contacts.py's ``Contacts`` (its tool method, its
+    ``get_reward``: the row's person looked up), but its ``reset`` appends nothing to the prompt (returns None).
+    Given ``Contacts``' text " (Use the tool.)" after the question the tiny model rarely calls the tool (1 of 16 of
+    its first rollouts), which leaves the environment's methods unexercised; ``--set
+    grpo.environment=contacts:Contacts`` compares that one (the prompt with the text is checked token for token)."""
+
+    def reset(self, **row) -> None:
+        import contacts  # tests/agent_tools, on the path of both sides
+
+        self.contacts = contacts.Contacts()
+        self.contacts.reset(**row)
+
+    def lookup_contact(self, name: str) -> str:
+        """A contact's age, city and job, by full name.
+
+        Args:
+            name: the contact's full name
+        """
+        return self.contacts.lookup_contact(name)
+
+    def get_reward(self) -> float:
+        return self.contacts.get_reward()
 
 
 def looked_up(completions, **kwargs) -> list[float]:
