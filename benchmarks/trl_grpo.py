@@ -34,8 +34,22 @@ times interleaved; prints each side's mean step time over steps 2.., split into 
 and training, with the mean completion length (the two sample different completions of the same distribution, so
 their lengths differ by chance), and hfsdp's speed as a ratio of TRL's (per step and per completion token).
 
+``--agent tools`` / ``--agent environment`` (issue 69): multi-turn rollouts that call tools, as TRL's
+``GRPOTrainer(tools=..., environment_factory=...)`` makes them. hfsdp trains GRPO on the bundled tool prompts
+(contacts_tools_prompts_train.jsonl, template chatml_tools, 128 new tokens, at most 2 rounds of calls) with
+``grpo.tools: [contacts:lookup_contact]`` (tests/agent_tools/contacts.py), or ``grpo.environment:
+trl_grpo:Lookups`` (this module's: the contacts environment, its ``get_reward`` a reward column named after the
+class); TRL then gets the same function (``tools=[lookup_contact]``) or class (``environment_factory=Lookups``) and
+runs its own ``_tool_call_loop``, while its ``_generate_single_turn`` replays hfsdp's sampled turns (the completion
+split by its ``tool_mask``: a round's first call returns every rollout's first turn, each call of TRL's loop the next
+turn of the rollouts it continues, after checking that it continues hfsdp's and that its input, prompt, earlier
+turns and its own tool results' tokens, is hfsdp's). TRL's completion ids, ``tool_mask``, conversations and rewards
+are then compared with hfsdp's, with the losses and gradient norms as above (:class:`AgentReplay`). The model:
+``--model PATH``, else the tiny SmolLM2 taught to call the tool, made first (:func:`make_caller`, a minute or two).
+
     python benchmarks/trl_grpo.py [CONFIG] --steps 4 [--set KEY=VALUE ...]
     python benchmarks/trl_grpo.py [CONFIG] --speed --steps 6 --rounds 3 [--set KEY=VALUE ...]
+    python benchmarks/trl_grpo.py --agent tools|environment [--model PATH] --steps 4 [--set KEY=VALUE ...]
 
 CONFIG defaults to the ``grpo`` preset (the real SmolLM2-135M-Instruct); ``--set model.name_or_path=smollm2-tiny``
 runs it in seconds; ``--set "plugins=[grpo, lora]" --set grpo.beta=0.04`` compares LoRA with the KL term. Needs
