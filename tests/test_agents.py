@@ -61,6 +61,51 @@ def test_a_turns_results_come_in_trls_order_synchronous_calls_first():
     assert ordered_calls(calls, frozenset()) == [("a", {"k": 0}), ("b", {"k": 1}), ("c", {"k": 2}), ("a", {"k": 3})]
 
 
+# ---- refusals, before any weight loads
+
+def test_tools_and_environments_trl_cannot_use_are_refused_by_key_with_the_fix(tmp_path):
+    """``hfsdp validate``: every problem at once, each under its config key: a module that does not import, a
+    function without type hints (TRL's schema needs them), an environment without ``reset``, a tool method named as
+    a standalone tool, an environment that needs constructor arguments; exit 2, one screen."""
+    config = agent_config(tmp_path, "smollm2-tiny", 1, grpo={
+        "tools": ["contacts:lookup_contact", "nope_not_a_module:run", "json:dumps"],
+        "environment": {"counter": "collections:Counter", "contacts": "contacts:Contacts",
+                        "needs": "argparse:Action"}})
+    proc = run_cli("validate", str(config), env=base_env(PYTHONPATH=str(TOOLS)), check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said and said.count("\n") < 30, said
+    for key, text in (("grpo.tools[1]", "cannot import module 'nope_not_a_module'"),
+                      ("grpo.tools[2]", "Argument obj is missing a type hint"),
+                      ("grpo.environment.counter", "has no reset method: define reset(self, **row)"),
+                      ("grpo.environment.contacts", "has a method lookup_contact, a name grpo.tools[0] gives"),
+                      ("grpo.environment.needs", "an environment is made with no arguments")):
+        assert f"{key}: " in said and text in said, (key, said)
+    assert "grpo.tools[0]:" not in said  # the good one
+
+
+def test_a_template_that_cannot_render_tool_results_and_rows_without_their_environment_are_refused(tmp_path):
+    """Refused by ``train`` before the weights load: a chat template that does not render a tool call and its
+    result (the model phase: the fix names the template to use), and, with an ``environment`` mapping, rows that
+    do not name theirs (as the rows are read)."""
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Who is {n}?"}]}) + "\n"
+                            for n in ("Ada", "Bo", "Cy", "Di")))
+    config = agent_config(tmp_path / "template", "smollm2-tiny", 1, data={"chat_template": str(plain),
+                                                                            "path": str(rows), "eval_path": None})
+    proc = run_cli("train", str(config), env=base_env(PYTHONPATH=str(TOOLS)), check=False)
+    assert proc.returncode == 2 and "grpo.tools: rollouts that call tools" in proc.stderr, proc.stderr[-2000:]
+    assert "chatml_tools" in proc.stderr and "Loading weights" not in proc.stderr
+    config = agent_config(tmp_path / "mapping", "smollm2-tiny", 1, grpo={
+        "tools": [], "environment": {"contacts": "contacts:Contacts"}}, data={"path": str(rows), "eval_path": None})
+    proc = run_cli("train", str(config), env=base_env(PYTHONPATH=str(TOOLS)), check=False)
+    assert proc.returncode == 2 and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
+    assert ("grpo.environment is a mapping (contacts), and training row 0 (counting from 0) has no environment "
+            "column") in proc.stderr
+
+
 # ---- runs
 
 @pytest.fixture(scope="module")
@@ -76,8 +121,8 @@ def caller(tmp_path_factory) -> Path:
     return folder / "run" / "final"
 
 
-def agent_config(folder: Path, model: Path, world: int, grpo: dict | None = None, train: dict | None = None,
-                 plugins: tuple[str, ...] = (), **fsdp) -> Path:
+def agent_config(folder: Path, model: Path | str, world: int, grpo: dict | None = None, train: dict | None = None,
+                 plugins: tuple[str, ...] = (), data: dict | None = None, **fsdp) -> Path:
     """GRPO of ``model`` on the bundled tool prompts, 8 completions (4 prompts of 2) a step on 1, 2 or 4 ranks,
     calling ``contacts:lookup_contact``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +130,7 @@ def agent_config(folder: Path, model: Path, world: int, grpo: dict | None = None
         folder, model={"name_or_path": str(model)}, plugins=["grpo", *plugins],
         data={"format": "prompt", "chat_template": "chatml_tools", "max_seq_len": 384, "max_eval_samples": 4,
               "path": str(PRESET_DATA / "contacts_tools_prompts_train.jsonl"),
-              "eval_path": str(PRESET_DATA / "contacts_tools_prompts_eval.jsonl")},
+              "eval_path": str(PRESET_DATA / "contacts_tools_prompts_eval.jsonl"), **(data or {})},
         grpo={"num_generations": 2, "max_new_tokens": 128, "log_completions": 16, "tools": ["contacts:lookup_contact"],
               "rewards": [{"name": "tool_call"}, {"name": "contacts:answered"}], "max_tool_calling_iterations": 2,
               "tool_timeout_s": 20, **(grpo or {})},
@@ -117,13 +162,14 @@ def steps(run: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_train(runs):
+def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_train(runs, monkeypatch):
     """A rollout's conversation in completions.jsonl: the assistant's call, the tool's real result (the contact's
     record, or the error TRL would give the model), the answer after it; the tool mask is 0 exactly on the result's
     tokens (the template's suffix) and 1 on what the model sampled; the metrics count the calls."""
     from hfsdp.builtin.agent.turns import tool_suffix_ids
 
-    import contacts  # noqa: F401 (tests/agent_tools, on sys.path below)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import contacts
 
     tokenizer = smol_tokenizer()
     lines = read_completions(runs["x1"])
