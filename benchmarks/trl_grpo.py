@@ -38,8 +38,8 @@ their lengths differ by chance), and hfsdp's speed as a ratio of TRL's (per step
 ``GRPOTrainer(tools=..., environment_factory=...)`` makes them. hfsdp trains GRPO on the bundled tool prompts
 (contacts_tools_prompts_train.jsonl, template chatml_tools, 128 new tokens, at most 2 rounds of calls) with
 ``grpo.tools: [contacts:lookup_contact]`` (tests/agent_tools/contacts.py), or ``grpo.environment:
-trl_grpo:Lookups`` (this module's: the contacts environment, its ``get_reward`` a reward column named after the
-class); TRL then gets the same function (``tools=[lookup_contact]``) or class (``environment_factory=Lookups``) and
+contacts:QuietContacts`` (the contacts environment without its reset text, its ``get_reward`` a reward column named after the
+class); TRL then gets the same function (``tools=[lookup_contact]``) or class (``environment_factory=QuietContacts``) and
 runs its own ``_tool_call_loop``, while its ``_generate_single_turn`` replays hfsdp's sampled turns (the completion
 split by its ``tool_mask``: a round's first call returns every rollout's first turn, each call of TRL's loop the next
 turn of the rollouts it continues, after checking that it continues hfsdp's and that its input, prompt, earlier
@@ -85,43 +85,9 @@ AGENT_TOOLS = REPO / "tests" / "agent_tools"
 PRESET_DATA = REPO / "hfsdp" / "config" / "presets" / "data"
 AGENTS = {  # what each --agent mode sets on the grpo section: the tool function, or the environment owning the reward
     "tools": ["grpo.tools=[contacts:lookup_contact]",
-              "grpo.rewards=[{name: tool_call}, {name: 'contacts:answered'}, {name: 'trl_grpo:looked_up'}]"],
-    "environment": ["grpo.tools=[]", "grpo.environment=trl_grpo:Lookups", "grpo.rewards=[{name: 'trl_grpo:looked_up'}]"],
+              "grpo.rewards=[{name: tool_call}, {name: 'contacts:answered'}, {name: 'contacts:looked_up'}]"],
+    "environment": ["grpo.tools=[]", "grpo.environment=contacts:QuietContacts", "grpo.rewards=[{name: 'contacts:looked_up'}]"],
 }
-
-
-class Lookups:
-    """``--agent environment``'s environment: tests/agent_tools/contacts.py's ``Contacts`` (its tool method, its
-    ``get_reward``: the row's person looked up), but its ``reset`` appends nothing to the prompt (returns None).
-    Given ``Contacts``' text " (Use the tool.)" after the question the tiny model rarely calls the tool (1 of 16 of
-    its first rollouts), which leaves the environment's methods unexercised; ``--set
-    grpo.environment=contacts:Contacts`` compares that one (the prompt with the text is checked token for token)."""
-
-    def reset(self, **row) -> None:
-        import contacts  # tests/agent_tools, on the path of both sides
-
-        self.contacts = contacts.Contacts()
-        self.contacts.reset(**row)
-
-    def lookup_contact(self, name: str) -> str:
-        """A contact's age, city and job, by full name.
-
-        Args:
-            name: the contact's full name
-        """
-        return self.contacts.lookup_contact(name)
-
-    def get_reward(self) -> float:
-        return self.contacts.get_reward()
-
-
-def looked_up(completions, **kwargs) -> list[float]:
-    """``--agent``'s reward (``trl_grpo:looked_up``, beside the tools' own): 1 where the rollout got a contact's
-    record from the tool (a result that is not an error), else 0. The tiny model calls the tool in about half its
-    rollouts and mostly with a name it made up, so the contacts' own rewards (the right person looked up, named in
-    the answer) are 0 in most groups; this one varies within them, so that every step has a gradient."""
-    return [float(any(m.get("role") == "tool" and not str(m.get("content", "")).startswith("{'error'")
-                      for m in completion)) for completion in completions]
 
 
 @hookimpl

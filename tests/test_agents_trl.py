@@ -5,7 +5,8 @@ sampled turns while its own loop runs the calls, appends their results and build
 must come out token for token hfsdp's (completion ids, tool mask, conversations), the rewards equal, and each step's
 loss and gradient norm within 1e-6 relative on the first step (the same weights) and 2e-6 on the later ones (each
 side's float32 AdamW updates round apart: the drift the real model shows in docs/benchmarks.md's TRL GRPO section).
-The model is the shrunk SmolLM2 taught to call the tool (the benchmark's ``make_caller``, made once a module)."""
+The model is the shrunk SmolLM2 taught to call the tool (tests/test_agents.py's, made once a session; the
+benchmark's ``make_caller`` makes the same)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench(run_registry):
     pytest.importorskip("trl")
+    from test_agents import tool_caller
+
     with pytest.MonkeyPatch.context() as patch:
         for path in (REPO / "benchmarks", REPO / "tests" / "agent_tools"):
             patch.syspath_prepend(str(path))
@@ -29,7 +32,7 @@ def bench(tmp_path_factory):
             patch.setenv(key, value)
         import trl_grpo
 
-        model = trl_grpo.make_caller(tmp_path_factory.mktemp("caller"))
+        model = tool_caller(run_registry)
         yield trl_grpo, model
 
 
@@ -53,7 +56,7 @@ def test_trls_tool_loop_on_hfsdps_turns_makes_the_same_rollouts_rewards_losses_a
     assert all(diff == 0 for diff in checks["rewards"].values()), checks["rewards"]
     assert len(checks["rewards"]) == len(section.rewards) + (agent == "environment")  # get_reward: one more
     if agent == "environment":
-        assert "Lookups" in checks["rewards"] and section.environment == "trl_grpo:Lookups"
+        assert "QuietContacts" in checks["rewards"] and section.environment == "contacts:QuietContacts"
     assert len(ours) == len(theirs["losses"]) == len(theirs["float64_norms"]) == STEPS
     for step, (m, loss, norm) in enumerate(zip(ours, theirs["losses"], theirs["float64_norms"]), start=1):
         tolerance = 1e-6 if step == 1 else 2e-6
