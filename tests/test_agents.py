@@ -249,7 +249,8 @@ def test_environments_chosen_per_row_reset_per_rollout_see_its_calls_and_own_rew
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = agent_config(tmp_path, caller, 1, grpo={
         "tools": [], "environment": {"loud": "contacts:Contacts", "quiet": "contacts:QuietContacts"},
-        "rewards": [{"name": "contacts:looked_up"}]}, train={"max_steps": 2}, data={"path": str(data)})
+        "rewards": [{"name": "contacts:looked_up"}]}, train={"max_steps": 2},
+        data={"path": str(data), "eval_path": str(data)})  # the eval rows too
     train(config, 1)
     lines = read_completions(tmp_path / "run")
     assert {rows[line["row"]]["environment"] for line in lines} == {"loud", "quiet"}
@@ -267,4 +268,7 @@ def test_environments_chosen_per_row_reset_per_rollout_see_its_calls_and_own_rew
         assert line["rewards"]["Contacts" if loud else "QuietContacts"] == got, line
         assert line["rewards"]["QuietContacts" if loud else "Contacts"] is None, line
     assert acted > 0
-    assert all("rewards/Contacts/mean" in m and "rewards/QuietContacts/mean" in m for m in steps(tmp_path / "run").values())
+    metrics = read_metrics(tmp_path / "run")
+    assert all("rewards/Contacts/mean" in m and "rewards/QuietContacts/mean" in m for m in metrics if "loss" in m)
+    assert [sorted(k for k in m if "Contacts" in k) for m in metrics if "eval_reward" in m] == [
+        ["eval_rewards/Contacts/mean", "eval_rewards/QuietContacts/mean"]] * 2
