@@ -229,9 +229,9 @@ def test_python_raises_rather_than_run_unconfined_where_bwrap_is_missing(monkeyp
     sandbox_problem.cache_clear()
     try:
         problem = sandbox_problem()
-        assert problem == ("the built-in python tool runs the model's code in a bubblewrap sandbox, and bwrap is not "
-                           "here: install them (Debian/Ubuntu: apt-get install bubblewrap python3 util-linux), or "
-                           "remove python from the tools and environment")
+        assert problem == ("the built-in python tool runs the model's code in a bubblewrap sandbox, and this host "
+                           "lacks bwrap: install bubblewrap, util-linux and python3 (Debian/Ubuntu: apt-get install "
+                           "bubblewrap util-linux python3), or remove python from the tools and environment")
         with pytest.raises(RuntimeError) as raised:
             python("print('unconfined')")
         assert str(raised.value) == problem
@@ -256,9 +256,10 @@ def test_the_python_tool_is_refused_in_its_tool_process_where_bwrap_is_missing(m
         [(text, failure)] = workers.call([(0, "python", {"code": "print('unconfined')"})])
     assert failure == "raised"
     assert "unconfined" not in text
-    assert text == str({"error": "the built-in python tool runs the model's code in a bubblewrap sandbox, and bwrap is "
-                                 "not here: install them (Debian/Ubuntu: apt-get install bubblewrap python3 util-linux), "
-                                 "or remove python from the tools and environment"})
+    assert text == str({"error": "the built-in python tool runs the model's code in a bubblewrap sandbox, and this "
+                                 "host lacks bwrap: install bubblewrap, util-linux and python3 (Debian/Ubuntu: apt-get "
+                                 "install bubblewrap util-linux python3), or remove python from the tools and "
+                                 "environment"})
 
 
 @needs_sandbox
