@@ -135,6 +135,10 @@ class Objective:
                                        layout.pack_attention, layout.pack_segments)
         return batch if split is None else split.apply(batch, device)
 
+    def check_rows(self, splits: dict[str, Any]) -> None:
+        """Before any weight loads, every rank: raise a :class:`~hfsdp.errors.UserError` naming the first row of the
+        tokenized ``splits`` (``train``, maybe ``eval``) that this objective cannot use (by default none)."""
+
     def batch_plan(self, dataset, train_config, world_size: int, mixture) -> BatchPlan:
         """Which rows each optimizer step trains on (a pure function of seed and step; its ``steps_for_epochs`` is
         the run's length)."""

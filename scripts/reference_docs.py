@@ -24,7 +24,7 @@ PACKAGES = ["config", "hooks", "disk", "layout", "rules", "setup", "data", "mode
             "builtin/lora", "builtin/dpo", "builtin/orpo", "builtin/simpo", "builtin/grpo", "builtin/rloo",
             "builtin/reward_model", "builtin/kto", "builtin/distill", "builtin/distill_online",
             "builtin/safetensors_export", "builtin/gguf_export", "builtin/bench_probe", "builtin/online",
-            "builtin/reference_model", "builtin/reference_free"]
+            "builtin/reference_model", "builtin/reference_free", "builtin/agent"]
 FLOW = """\
 # Architecture
 

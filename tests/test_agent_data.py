@@ -289,3 +289,8 @@ def test_the_tool_call_reward_scores_the_first_parsed_call(tiny_model_dir):
     # the fifth: cut by max_new_tokens after its JSON, before </tool_call>: read as a call (as TRL reads it)
     assert tool_call(completions, [answer] * 5 + [json.dumps(answer)]) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert tool_call(completions[:1], [json.dumps(answer)]) == [1.0]
+    # a rollout that acted: its first call counts, not its last turn's text
+    result = {"role": "tool", "name": "lookup_contact", "content": "{}"}
+    acted = [completions[0] + [result, {"role": "assistant", "content": "Ann is 3."}],
+             completions[1] + [result] + completions[0]]
+    assert tool_call(acted, [answer, answer]) == [1.0, 0.0]

@@ -32,6 +32,7 @@ CHAOS = {
     "mixture+packing+sgd": (("mixture", "packing", "sgd"), 53_06),
     "rloo+async_save": (("rloo", "async_save"), 53_07),
     "distill_online": (("distill_online",), 53_08),
+    "acting+lora": (("acting", "lora"), 69_01),  # rollouts that act: kills inside their turns and tool calls
 }
 CI = ("grpo+async_save", "tp2+schedule_free")
 KILLS = 5

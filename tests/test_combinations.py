@@ -81,6 +81,21 @@ def with_tools(sections: dict) -> dict:
     return _merge(sections, tools)
 
 
+def acting(sections: dict) -> dict:
+    """Rollouts that act (issue 69): the online objective the other options chose (GRPO if none) on the tool
+    prompts, each rollout with an environment (its reset appended to the prompt, its tool rendered into it, its
+    get_reward an extra reward) and up to 2 turns of calls: the random tiny model calls none in 4 tokens, so that
+    the rollouts' turns, the tool workers on each rank and the environments' rewards meet the other options
+    (tests/test_agents.py: a model that calls, on 1, 2 and 4 ranks). On-policy distillation samples every round
+    (lmbda 1): the tool prompts hold no completion of their own."""
+    online = next((name for name in ("grpo", "rloo", "distill_online") if name in sections), None)
+    if online is None:
+        sections, online = _merge(sections, GRPO), "grpo"
+    return _merge(with_tools(sections), {online: {"environment": "grpo_test_rewards:Notebook",
+                                                  "max_tool_calling_iterations": 2,
+                                                  **({"lmbda": 1.0} if online == "distill_online" else {})}})
+
+
 def grpo_with(*plugins: str, **keys) -> dict:
     """:data:`GRPO` with more ``grpo`` keys (TRL's loss options, issue 50) and plugins before it."""
     return {**GRPO, "plugins": [*plugins, "grpo"], "grpo": {**GRPO["grpo"], **keys}}
@@ -230,6 +245,7 @@ OPTIONS = {
     "gguf": {"plugins": ["lora", "gguf_export"], "lora": {"merge": True}},
     "dpo_tools": lambda sections: with_tools(_merge(sections, DPO)),
     "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
+    "acting": acting,
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
@@ -307,11 +323,11 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", *PACKED_OPTIONS)
+                          "distill_online", "acting", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
-              "rloo", "lora_rloo", "distill_online", *PACKED_OPTIONS)
+              "rloo", "lora_rloo", "distill_online", "acting", *PACKED_OPTIONS)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -358,7 +374,7 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    grpo = any(name in option for option in options for name in ("grpo", "rloo", "distill_online"))  # online
+    grpo = any(name in option for option in options for name in ("grpo", "rloo", "distill_online", "acting"))  # online
     assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's and RLOO's loss may be <= 0
                for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -402,7 +418,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     if "lora_rloo" in options:  # the KL penalty: 0 at the first round (the adapters' B is 0), then not
         kl = [m["kl"] for m in read_metrics(run) if "loss" in m]
         assert kl[0] == 0 and kl[3] != 0 and all(0 <= m["clip_ratio"] <= 1 for m in read_metrics(run) if "loss" in m)
-    if "distill_online" in options:  # lmbda 0.5: the first round sampled, the second the rows' answers (JSON)
+    if "distill_online" in options and "acting" in options:  # lmbda 1: every round sampled
+        assert [m["on_policy"] for m in read_metrics(run) if "loss" in m] == [1, 1, 1, 1]
+    elif "distill_online" in options:  # lmbda 0.5: the first round sampled, the second the rows' answers (JSON)
         assert [m["on_policy"] for m in read_metrics(run) if "loss" in m] == [1, 1, 1, 0]
         assert [c["completion"].startswith('{"name"') for c in read_completions(run)] == [False, False, True, True]
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
@@ -413,7 +431,15 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert all(m["distill/divergence"] > 1e-4 for m in read_metrics(run) if "loss" in m)
         sharded = "loaded frozen, sharded over 2 ranks (FSDP2)" in proc.stdout + proc.stderr
         assert sharded == (world == 2 and version == 2), (proc.stdout + proc.stderr)[-3000:]
-    if any(option in ("agent", "dpo_tools", "grpo_tools") for option in options):  # the template chose and saved
+    if "acting" in options:  # each rollout's environment reset (its line after the prompt) and rewarded
+        completions = read_completions(run)
+        assert all(c["observation"] == " Answer briefly." for c in completions)
+        if "mixture" not in options:  # the rows of the tool prompts' file: each its own reward
+            rows = [json.loads(line) for line in Path(sections["data"]["path"]).read_text().splitlines()]
+            assert [c["rewards"]["Notebook"] for c in completions] == pytest.approx(
+                [len(rows[c["row"]]["answer"]["arguments"]["name"]) % 3 / 3 for c in completions])
+        assert all(m["tools/turns"] == 1 and "rewards/Notebook/mean" in m for m in read_metrics(run) if "loss" in m)
+    if any(option in ("agent", "dpo_tools", "grpo_tools", "acting") for option in options):  # the template chose
         assert "<tool_call>" in (run / "final" / "chat_template.jinja").read_text()
     assert_model_card(run, options, world)
     if "gguf" in options:
@@ -746,6 +772,9 @@ def test_plan_counts_the_teacher_each_rank_holds(runs):
 FEATURES = {
     # first: its data is that of the format the other feature chose (with_tools), before a mixture is made of it
     "agent": {"rows"},                          # tool conversations, masked by a template's generation markers
+    # second: rollouts that act on the tool prompts (turns of calls, an environment each, tool results masked), before
+    # a mixture is made of them
+    "acting": {"rows", "loss"},
     "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
     "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
     "size_wrap": {"layers", "units"},           # FSDP units of its own policy
@@ -797,7 +826,9 @@ REFUSED_PAIRS = {
     frozenset(("sp2", "compile")): "compiled blocks with the all-to-all inside are not tried yet",
     frozenset(("sp2", "tp2")): "tensor x sequence parallelism is not built yet",
     **{frozenset(("sp2", name)): "(a plugin's objective) is not composed with sequence parallelism yet"
-       for name in ("dpo", "grpo", "rloo", "distill_online")},
+       for name in ("dpo", "grpo", "rloo", "distill_online", "acting")},
+    frozenset(("dpo", "acting")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("tp2", "acting")): "(a plugin's objective) is not composed with tensor parallelism yet",
 }
 
 
@@ -942,7 +973,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools",
+                                      "grpo_tools", "acting",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)

@@ -181,6 +181,7 @@ def _plan_steps(setup: RunSetup, data: Data, say, objective: Objective) -> tuple
     plan), the run's length, and what a checkpoint must resume on (its schedule length and data); a resume's
     checkpoint is checked against them here, before any weight loads."""
     config = setup.config
+    objective.check_rows({"train": data.train, **({"eval": data.eval} if data.eval is not None else {})})
     plan = objective.batch_plan(data.train, config.train, setup.world.dims.dp_size,
                                 batches.Mixture.of(config.data, [s["rows"] for s in data.report["sources"]]))
     max_steps = config.train.max_steps or plan.steps_for_epochs(config.train.epochs)

@@ -5,7 +5,8 @@ The trackers get the resolved config as hyper-parameters, flattened to dotted ke
 
 A resumed run continues the same file: the records of steps it will train again (those after its checkpoint, or
 all of them when it starts over from step 0) are dropped first, so that every step appears once however often the
-run was interrupted and restarted. TensorBoard purges its events of those steps likewise.
+run was interrupted and restarted (an online objective's ``completions.jsonl`` too). TensorBoard purges its events
+of those steps likewise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from typing import Any
 TRACKER_PROJECT = "hfsdp"
 
 
+STEP_LOGS = ("metrics.jsonl", "completions.jsonl")
+"""The run folder's logs of records by step (an online objective's completions: the step that sampled them): a
+resumed run drops the records of the steps it trains again."""
+
+
 class MetricsWriter:
     """Writes on the main process only; on other ranks ``write`` does nothing (Accelerate's trackers, likewise)."""
 
@@ -31,8 +37,10 @@ class MetricsWriter:
         self.enabled = accelerator.is_main_process
         self._accelerator = accelerator if trackers else None
         path = output_dir / "metrics.jsonl"
-        if self.enabled and continue_from is not None and path.exists():
-            drop_replayed_records(path, continue_from)
+        if self.enabled and continue_from is not None:
+            for log in STEP_LOGS:
+                if (output_dir / log).exists():
+                    drop_replayed_records(output_dir / log, continue_from)
         self._file = open(path, "a") if self.enabled else None
         if self._accelerator is not None:
             # purge_step: TensorBoard hides the events of the steps trained again, as the file above drops them.

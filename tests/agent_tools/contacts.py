@@ -1,6 +1,8 @@
 """Test tools and environments over the bundled contacts (the tool results of the ``tools`` preset's conversations):
 ``lookup_contact`` as a plain function (TRL's ``tools=``) and :class:`Contacts`, an environment whose reward is
-whether the rollout looked up the person its row asks about (TRL's ``environment_factory`` with ``get_reward``)."""
+whether the rollout looked up the person its row asks about (TRL's ``environment_factory`` with ``get_reward``;
+:class:`QuietContacts`, the same without the line its reset appends to the prompt), and the rewards ``answered``
+and ``looked_up``."""
 
 from __future__ import annotations
 
@@ -64,3 +66,19 @@ def answered(completions, answer, **kwargs) -> list[float]:
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         out.append(float(any(str(record[k]) in text for k in ("age", "city", "job") if k in record)))
     return out
+
+
+class QuietContacts(Contacts):
+    """:class:`Contacts` whose reset appends nothing to the prompt: the shrunk test model, fine-tuned on the bare
+    questions, calls the tool in about half its rollouts of them, in few of those with " (Use the tool.)" after."""
+
+    def reset(self, **row) -> None:
+        super().reset(**row)
+
+
+def looked_up(completions, **kwargs) -> list[float]:
+    """1 where the rollout got a contact's record from the tool (a result that is not an error), else 0. The shrunk
+    model mostly asks for a name it made up, so ``answered`` and ``tool_call`` are 0 in most groups; this one
+    varies within them, so that the steps have a gradient."""
+    return [float(any(m.get("role") == "tool" and not str(m.get("content", "")).startswith("{'error'")
+                      for m in completion)) for completion in completions]

@@ -68,6 +68,29 @@ def nan_for_the_last(completions, **kwargs):
     return [*letters(completions)[:-1], float("nan")]
 
 
+class Notebook:
+    """An environment for the random tiny model's rollouts (agents that act, issue 69): its reset appends a line to
+    the prompt, its one tool keeps notes, and its reward (a third of the asked name's length, modulo 3) differs
+    between rows, not within a group."""
+
+    def reset(self, **row) -> str:
+        self.notes: list[str] = []
+        self.reward = len(row["answer"]["arguments"]["name"]) % 3 / 3
+        return " Answer briefly."
+
+    def note(self, text: str) -> str:
+        """Keep a note for later.
+
+        Args:
+            text: what to note
+        """
+        self.notes.append(text)
+        return f"{len(self.notes)} notes kept"
+
+    def get_reward(self) -> float:
+        return self.reward
+
+
 @hfsdp.hookimpl
 def hfsdp_reward_functions():
     return {"letters": letters}

@@ -179,9 +179,9 @@ def tool_stats(entries: list[dict[str, Any]]) -> dict[str, float]:
     if not stats:
         return {}
     total = {key: sum(s.get(key, 0) for s in stats) for key in dict.fromkeys(k for s in stats for k in s)}
-    calls = total.pop("calls")
+    calls, failures = total.pop("calls"), total.pop("failures")
     return {"tools/call_frequency": calls / len(stats),
-            "tools/failure_frequency": total.pop("failures") / calls if calls else 0.0,
+            "tools/failure_frequency": failures / calls if calls else 0.0,
             "tools/turns": total.pop("turns") / len(stats),
             "tools/answered_from_result": total.pop("answered_from_result", 0) / len(stats),
             **{f"tools/{k}": float(v) for k, v in total.items()}}

@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import weakref
@@ -264,18 +263,34 @@ class ToolWorkers:
                     busy[i] = self._start(i)
                     continue
                 step = queue.popleft()
+                if step.kind != "start" and self._workers[i].proc.poll() is not None:
+                    # Its process ended after its last reply (a thread of a tool's that exits, the OOM killer): a
+                    # new one, with the rollout's state replayed, takes the step; none of its calls failed.
+                    self._workers[i].stop()
+                    self._workers[i] = None
+                    self.stats["crashes"] += 1
+                    pending = [queued for queued in (step, *queue) if queued.replay is None]
+                    queue.clear()
+                    queue.extend(pending)
+                    if self._rollouts[i][0] in self.toolset.environments:
+                        queue.extendleft(reversed(self._history[i]))
+                    busy[i] = self._start(i)
+                    continue
                 if step.kind != "start":  # (one that runs already)
                     timeout = self.limits.timeout_s + (ASYNC_GRACE_S if step.kind == "async" else 0)
-                    self._workers[i].send(step.request, timeout)
                     busy[i] = step
+                    try:
+                        self._workers[i].send(step.request, timeout)
+                    except OSError:  # its process ended while idle: the wait below reads its end's EOF
+                        pass
             if not busy:
                 break
             soonest = min(self._workers[i].deadline for i in busy)
-            ready = wait([self._workers[i].conn for i in busy], max(soonest - time.monotonic(), 0))
+            ready = wait([w for i in busy for w in self._workers[i].waitables()], max(soonest - time.monotonic(), 0))
             for i in list(busy):
                 worker = self._workers[i]
                 try:
-                    if worker.conn in ready:
+                    if worker.conn in ready or worker.pidfd in ready:
                         reply = worker.receive()
                     elif time.monotonic() >= worker.deadline:
                         worker.stop()
@@ -418,6 +433,13 @@ class _Worker:
         theirs.close()
         os.close(lifeline)
         self.conn = Connection(ours.detach())
+        # The process's own end, watched beside the connection: a child it forked holds the connection's other end
+        # too (a fork copies every descriptor), so that the connection alone would not tell its death until the
+        # deadline (a crash then read as a timeout).
+        try:
+            self.pidfd: int | None = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # Linux before 5.3
+            self.pidfd = None
         self.at: str | None = None
         self.timeout_s = 0.0
         self.deadline = 0.0
@@ -427,10 +449,17 @@ class _Worker:
         self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
         self.conn.send(request)
 
+    def waitables(self) -> list:
+        """What :func:`multiprocessing.connection.wait` watches for this process: its connection, its pidfd."""
+        return [self.conn] if self.pidfd is None else [self.conn, self.pidfd]
+
     def receive(self) -> tuple | None:
-        """The reply (the caller waited for the connection), or None for progress (``("at", item)``, which gives the
-        item ``timeout_s`` of its own); :class:`_Ended` if the process closed its end."""
+        """The reply (the caller waited for the connection or the process's end), or None for progress
+        (``("at", item)``, which gives the item ``timeout_s`` of its own); :class:`_Ended` if the process closed its
+        end or ended with nothing left to read."""
         try:
+            if not self.conn.poll(0):  # woken by the process's end, not by its connection
+                raise EOFError
             reply = self.conn.recv()
         except (EOFError, OSError):
             raise self._ended() from None
@@ -443,7 +472,7 @@ class _Worker:
         """The reply to the request in flight, waited for until the deadline; :class:`_Ended` on a death or the
         deadline (the process is then killed)."""
         while True:
-            if not self.conn.poll(max(self.deadline - time.monotonic(), 0)):
+            if not wait(self.waitables(), max(self.deadline - time.monotonic(), 0)):
                 self.stop()
                 raise _Ended("timeout", "")
             reply = self.receive()
@@ -473,6 +502,8 @@ class _Worker:
         if not self.conn.closed:
             self.conn.close()
             os.close(self._lifeline)
+            if self.pidfd is not None:
+                os.close(self.pidfd)
 
 
 # The tool process's side.
@@ -485,7 +516,9 @@ def _serve() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed when the parent's thread ends
     if os.getppid() != parent:
         os._exit(1)
-    threading.Thread(target=_lifeline, args=(lifeline,), daemon=True).start()
+    if os.fork() == 0:  # before any thread: the lifeline's watcher, a process of this group
+        _lifeline(lifeline)
+    os.close(lifeline)
     conn = Connection(connection)
     _, path, limits, section, toolset = conn.recv()
     sys.path[:] = path
@@ -505,10 +538,18 @@ def _serve() -> None:
 
 
 def _lifeline(fd: int) -> None:
-    """Kill this process's group when the parent's end of the lifeline closes (the parent died or closed it)."""
-    while os.read(fd, 1):
-        pass
-    os.killpg(0, signal.SIGKILL)
+    """The watcher: kill the tool process's group when the parent's end of the lifeline closes (the parent died or
+    closed it); never returns. A process of its own, not a thread of the tool process: PR_SET_PDEATHSIG kills the
+    tool process at once, with no chance to kill its group (what a tool started outlived the trainer), and a thread
+    would need the GIL a tool may hold. It keeps no descriptor but the lifeline (the connection's end would hide a
+    crash of the tool process) and no parent-death signal (a fork clears it)."""
+    try:
+        os.closerange(3, fd)
+        os.closerange(fd + 1, 1 << 20)
+        while os.read(fd, 1):
+            pass
+    finally:
+        os.killpg(0, signal.SIGKILL)
 
 
 def _limit(memory_mb: int) -> None:
@@ -545,13 +586,15 @@ def _resolve(name: str, builtins: dict[str, str], what: str) -> tuple[str, Any]:
         raise _Problem(f"'{name}': module '{module}' has no attribute '{attr}'; name a {what} it defines")
     found = getattr(found, attr)
     if not callable(found):
-        raise _Problem(f"'{name}' is a {type(found).__name__}, not a {what}")
+        raise _Problem(f"'{name}' is not callable (its type: {type(found).__name__}); name a {what}")
     return name, found
 
 
 def _raised(err: BaseException) -> str:
-    """An exception as one line: its type, message and the innermost line it came from."""
-    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    """An exception as one line: its type, message and the innermost line it came from, outside this module (an
+    environment's __init__ called with no arguments raises at the call, here: no line of hfsdp's is named)."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    where = [frame for frame in frames if frame.filename != __file__][-1:]
     at = f" (at {Path(where[0].filename).name}:{where[0].lineno})" if where else ""
     return f"{type(err).__name__}: {err}{at}"
 
@@ -584,9 +627,13 @@ class _Served:
         """Import the toolset's tools and environments, or (None: a process for :func:`describe`) transformers'
         schema writer."""
         if toolset is None:
-            from transformers.utils.chat_template_utils import get_json_schema
+            from transformers.utils import chat_template_utils
 
-            self.get_json_schema = get_json_schema
+            # Its type table imports torch where torch is installed (for a torch.Tensor hint, "audio"): over a second
+            # and about 1 GB of address space, past a small tool_memory_mb, where every tool was then refused with
+            # "libtorch_cpu.so: failed to map segment". No tool of a rollout takes a tensor: not here, torch stays out.
+            chat_template_utils.is_torch_available = lambda: False
+            self.get_json_schema = chat_template_utils.get_json_schema
         else:
             try:
                 self.tools = {fn.__name__: fn for fn in (_resolve(spec, {}, "function")[1] for spec in toolset.tools)}

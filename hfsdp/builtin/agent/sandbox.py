@@ -111,8 +111,9 @@ def sandbox_problem() -> str | None:
     missing = [path for path in (INTERPRETER, "/usr/bin/prlimit", "/usr/bin/choom") if not os.access(path, os.X_OK)]
     if shutil.which("bwrap") is None or missing:
         what = ", ".join((["bwrap"] if shutil.which("bwrap") is None else []) + missing)
-        return (f"the built-in python tool runs the model's code in a bubblewrap sandbox, and {what} is not here: "
-                "install them (Debian/Ubuntu: apt-get install bubblewrap python3 util-linux), or remove python from "
+        return (f"the built-in python tool runs the model's code in a bubblewrap sandbox, and this host lacks {what}: "
+                "install bubblewrap, util-linux and python3 (Debian/Ubuntu: apt-get install bubblewrap util-linux "
+                "python3), or remove python from "
                 "the tools and environment")
     try:
         output = _sandboxed("print(6 * 7)", None)

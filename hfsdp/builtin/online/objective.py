@@ -120,8 +120,11 @@ class OnlineObjective(Objective):
     def sampling(self) -> Sampling:
         return Sampling(self.section.max_new_tokens, whole_global_batch=False)  # each rank its own micro-batches
 
+    def check_rows(self, splits) -> None:
+        for split, dataset in splits.items():
+            row_problems(dataset, self.section, self.name, {"train": "training"}.get(split, split))
+
     def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
-        row_problems(dataset, self.section, self.name, "training")
         return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
                          world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
                          iterations=self.section.num_iterations)
@@ -131,8 +134,6 @@ class OnlineObjective(Objective):
         if self.section.acts:
             from hfsdp.builtin.agent.rollouts import Agent
 
-            if "eval" in splits:
-                row_problems(splits["eval"], self.section, self.name, "eval")
             self.agent = Agent(self.section, self.name, self.tokenizer, self.config.data, accelerator.process_index)
             self.rewards = [*self.rewards, *self.agent.reward_functions()]
         caller = RewardCaller(self.name, self.rewards,

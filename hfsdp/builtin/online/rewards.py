@@ -256,11 +256,13 @@ def json_fields(completions: list, answer: list, **kwargs) -> list[float]:
 def tool_call(completions: list, answer: list, **kwargs) -> list[float]:
     """1 where the completion's first tool call (the message's ``tool_calls``, as the chat template's response format
     parses them: :func:`hfsdp.builtin.chat.parse_completion`) is the expected one (the ``answer`` column: ``{name,
-    arguments}``, or a JSON text of it), its name and arguments equal as JSON values; else 0."""
+    arguments}``, or a JSON text of it), its name and arguments equal as JSON values; else 0. A rollout that acted
+    (its completion: the assistant's turns and the tools' results, as TRL's) is scored by the first call it made."""
     out = []
     for completion, expected in zip(completions, answer):
-        message = completion[-1] if isinstance(completion, list) else {}
-        calls = [c for c in map(call_of, message.get("tool_calls") or []) if c is not None]
+        messages = completion if isinstance(completion, list) else []
+        asked = [m["tool_calls"] for m in messages if m.get("role") == "assistant" and m.get("tool_calls")]
+        calls = [c for c in map(call_of, asked[0] if asked else []) if c is not None]
         want = call_of(json.loads(expected) if isinstance(expected, str) else expected)
         out.append(float(bool(calls) and want is not None and calls[0]["name"] == want["name"]
                          and same_json(calls[0]["arguments"], want["arguments"])))

@@ -58,7 +58,9 @@ class OnlineSection(Section):
                                                           "may take; past it its worker process is stopped and the "
                                                           "model reads an error")
     tool_memory_mb: int = Field(1024, gt=0, description="address space of a tool's worker process, in MiB")
-    tool_cpu_s: float = Field(10.0, gt=0, description="CPU seconds a tool call may use")
+    tool_cpu_s: float = Field(5.0, gt=0, description="CPU seconds a tool call may use (below tool_timeout_s, a "
+                                                     "busy loop is stopped by this limit, with the same message "
+                                                     "every run, unless the host gives it under half a core)")
 
     @property
     def acts(self) -> bool:
