@@ -2,7 +2,7 @@
 way to win): :data:`CONTACTS` (name -> ``{name, age, city, job}``: the first record of each name in the bundled
 contacts_train then contacts_eval files, as ``scripts/make_demo_data.py``'s ``database`` builds the agent rows),
 ``lookup_contact`` (a plain function: TRL's ``tools=``, ``grpo.tools: [hfsdp.builtin.agent.contacts:lookup_contact]``),
-:class:`Contacts` (the same tool as an environment: TRL's ``environment_factory``), and the built-in reward
+and the built-in reward
 ``contact_answer``: whether the final answer states the detail a row asks about (its ``field`` column) with the value
 the database holds (its ``answer`` column), and no other value of that detail. Torch-free: a tool worker imports it."""
 
@@ -37,22 +37,6 @@ def lookup_contact(name: str) -> str:
     if name not in CONTACTS:
         raise KeyError(f"no contact named {name!r}")
     return json.dumps(CONTACTS[name])
-
-
-class Contacts:
-    """One rollout's view of the contacts: :func:`lookup_contact` as its tool; no reward of its own (name
-    ``contact_answer`` in the rewards)."""
-
-    def reset(self, **row) -> None:
-        return None
-
-    def lookup_contact(self, name: str) -> str:
-        """A contact's age, city and job, by full name.
-
-        Args:
-            name: the contact's full name
-        """
-        return lookup_contact(name)
 
 
 # Every value each detail takes in the database: an answer that names another one as well is not an answer.
