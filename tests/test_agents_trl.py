@@ -36,7 +36,14 @@ def bench(run_registry):
         yield trl_grpo, model
 
 
-@pytest.mark.parametrize("agent", ["tools", "environment"])
+def pytest_generate_tests(metafunc):
+    """CI runs the environment (its tool methods, its get_reward a reward column: TRL's whole tool loop and the
+    environment's part of it); ``--full-matrix`` the plain tool function too, to keep CI inside its 35 minutes."""
+    if "agent" in metafunc.fixturenames:
+        full = metafunc.config.getoption("full_matrix")
+        metafunc.parametrize("agent", ["tools", "environment"] if full else ["environment"])
+
+
 def test_trls_tool_loop_on_hfsdps_turns_makes_the_same_rollouts_rewards_losses_and_gradients(agent, bench, tmp_path):
     trl_grpo, model = bench
     from hfsdp.rules.table import load_checked

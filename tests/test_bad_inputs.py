@@ -398,7 +398,7 @@ CASES: dict[str, Case] = {
                                  "data.format: prompt rows (without answers) train an objective that generates"),
     "grpo unknown reward": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "brevity"}])],
                             "grpo.rewards[0].name: unknown reward 'brevity' (offered by the enabled plugins: "
-                            "json_fields, tool_call)"),
+                            "contact_answer, json_fields, tool_call)"),
     "grpo reward module missing": (lambda d, s: ["train", _prompts(d, [], rewards=[{"name": "mypkg.rewards:brevity"}])],
                                    "grpo.rewards[0].name: 'mypkg.rewards:brevity': cannot import module 'mypkg.rewards'"),
     "grpo group not dividing the batch": (
