@@ -160,7 +160,8 @@ def runs(caller, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("agents")
     out = {}
     for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x4", 4, {}), ("x2_fsdp1", 2, {"version": 1})):
-        train(agent_config(root / name, caller, world, **fsdp), world)
+        proc = train(agent_config(root / name, caller, world, **fsdp), world)
+        (root / name / "console.txt").write_text(proc.stdout + proc.stderr)
         out[name] = root / name / "run"
     return out
 
@@ -200,6 +201,8 @@ def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_trai
         assert ids[first:first + len(suffix)] == suffix and mask[first:first + len(suffix)] == [0] * len(suffix)
         assert all(mask[first + len(suffix):first + len(suffix) + 1])
     metrics = steps(runs["x1"])
+    shown = (runs["x1"].parent / "console.txt").read_text()  # the progress bar: the share that answered from a result
+    assert f"answered_from_result={metrics[3]['tools/answered_from_result']:.3f}" in shown, shown[-2000:]
     assert sorted(metrics) == [1, 2, 3] and all(m["tools/call_frequency"] > 0 and m["tools/turns"] > 1
                                                 for m in metrics.values()), metrics
 

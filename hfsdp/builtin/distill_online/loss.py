@@ -37,7 +37,7 @@ from hfsdp.errors import UserError
 
 class DistillOnline(OnlineObjective):
     name = "distill_online"
-    progress_metrics = ("distill/divergence",)
+    progress_metrics = ("distill/divergence", "tools/answered_from_result")
 
     def __init__(self, section, rewards, config, tokenizer, cache_dir):
         super().__init__(section, rewards, config, tokenizer)

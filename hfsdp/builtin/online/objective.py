@@ -55,7 +55,7 @@ class OnlineObjective(Objective):
     ``evaluate`` (with :meth:`_eval_samples` and :meth:`_eval_rewards`) and the metrics (``take_metrics``,
     ``metrics_of``)."""
 
-    progress_metrics = ("reward",)
+    progress_metrics = ("reward", "tools/answered_from_result")  # the second: rollouts that act
     name = "online"
     packs_micro_batches = True  # the per-token values through token_logps, one completion per row
 
