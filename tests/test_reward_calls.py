@@ -6,6 +6,7 @@ both, a reward that depends on the rank is found): tests/test_grpo.py."""
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import pytest
@@ -79,7 +80,9 @@ def test_a_reward_that_keeps_memory_across_calls_is_named_once(capsys):
         calls.score(inputs(), rows=[0, 1], group=2)
     err = capsys.readouterr().err
     assert err.count("hfsdp: warning: rank 0: grpo reward 'mine'") == 1, err
-    assert "more resident memory over its 3 calls after the first" in err  # crossed at the 4th call, said once
+    # crossed at the 4th call (1.2 of the limit), said once; the 5th where the process's other pages shrank by over
+    # the margin meanwhile (CI, 2026-12-06: "over its 4 calls")
+    assert re.search(r"more resident memory over its [34] calls after the first", err), err
 
 
 def test_a_reward_that_frees_what_it_allocates_is_not_named(capsys):
