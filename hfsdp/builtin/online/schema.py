@@ -4,14 +4,53 @@ subclasses it (``grpo:``, :class:`hfsdp.builtin.grpo.schema.GrpoSection`) and ad
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
-from hfsdp.config.schema import Section
+from hfsdp.config.schema import DType, Section
 
 
 class RewardSpec(Section):
     name: str = Field(description="a name a plugin's hfsdp_reward_functions offers, or module:function")
     weight: float = Field(1.0, description="its weight in the summed reward")
+
+
+class GenerationSection(Section):
+    """Where and how the completions are sampled (``<objective>.generation``)."""
+
+    engine: Literal["inline", "workers", "vllm"] = Field(
+        "inline", description="inline: the training ranks sample each round, then train on it; workers: generation "
+                              "processes beside the trainer hold a copy of the policy and sample rounds ahead while "
+                              "the ranks train (max_staleness), the new weights reaching them through shared memory "
+                              "after each round; vllm: a vLLM server on a GPU host (TRL's server mode)")
+    processes: int = Field(1, ge=1, description="generation processes of the workers engine (each samples a share "
+                                                "of every round; the completions do not depend on how many)")
+    max_staleness: int = Field(0, ge=0, description="round r is sampled by the policy of round max(0, r - "
+                                                    "max_staleness), exactly, whatever the timing (TRL's "
+                                                    "AsyncGRPO name): 0 samples each round with the weights it "
+                                                    "trains from (as inline); k lets sampling run k rounds ahead")
+    dtype: DType | None = Field(None, description="the sampling copy's dtype (default the model's): a lower "
+                                                  "precision samples faster and brings a train-inference mismatch "
+                                                  "(metric sampling/sampling_logp_difference)")
+    importance_sampling_correction: bool = Field(True, description="TRL's vllm_importance_sampling_correction: "
+                                                                   "weigh each token's loss by the ratio of the "
+                                                                   "trainer's to the sampler's probability (the "
+                                                                   "workers and vllm engines; inline samples with "
+                                                                   "the trained model itself)")
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "sequence_mask", description="TRL's vllm_importance_sampling_mode: the ratio per token or per completion, "
+                                     "clipped to [clip_min, clip_max] (truncate) or set to 0 outside it (mask)")
+    importance_sampling_clip_max: float | None = Field(3.0, gt=0, description="TRL's "
+                                                                             "vllm_importance_sampling_clip_max "
+                                                                             "(formerly _cap)")
+    importance_sampling_clip_min: float | None = Field(None, ge=0, description="TRL's "
+                                                                              "vllm_importance_sampling_clip_min")
+
+    @property
+    def beside(self) -> bool:
+        """Whether the completions are sampled by another copy of the policy than the trained model."""
+        return self.engine != "inline"
 
 
 class OnlineSection(Section):
@@ -41,6 +80,8 @@ class OnlineSection(Section):
     num_generations_eval: int | None = Field(None, ge=1, description="completions sampled per eval prompt (TRL's "
                                                                       "name; default num_generations): eval_reward "
                                                                       "is their mean reward")
+    generation: GenerationSection = Field(default_factory=GenerationSection,
+                                          description="where and how completions are sampled")
     tools: list[str] = Field([], description="functions the model may call between its turns (TRL's tools): "
                                              "module:function, each with type hints and a docstring (its schema in "
                                              "the prompt), or python (hfsdp's code tool, in a bubblewrap sandbox); "
