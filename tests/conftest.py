@@ -73,6 +73,26 @@ def tiny_config(tmp_path: Path, **sections: Any) -> Path:
     return path
 
 
+REWARDS = REPO / "tests" / "reward_plugin"  # the test plugin grpo_test_rewards (the reward "letters")
+GRPO_STEPS = 3
+
+
+def grpo_config(folder: Path, world: int, rewards: list[dict] | None = None, plugins: tuple[str, ...] = (),
+                train: dict | None = None, data: dict | None = None, grpo: dict | None = None, **fsdp) -> Path:
+    """The global batch is 8 completions (4 prompts of 2) a step on 1, 2 or 4 ranks; ``train``, ``data`` and
+    ``grpo`` change keys of those sections."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return tiny_config(
+        folder, plugins=["grpo", "lora", "grpo_test_rewards", *plugins],  # a plugin offering the reward "letters"
+        data={"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"),
+              "eval_path": str(PRESET_DATA / "contacts_prompts_eval.jsonl"), "max_eval_samples": 4, **(data or {})},
+        grpo={"num_generations": 2, "max_new_tokens": 6, "beta": 0.04, "num_iterations": 2, "log_completions": 16,
+              "rewards": rewards or [{"name": "letters"}, {"name": "json_fields", "weight": 0.5}], **(grpo or {})},
+        train={"max_steps": GRPO_STEPS, "per_device_batch_size": 8 // max(world, 2), "gradient_accumulation_steps":
+               max(2 // world, 1), "lr_scheduler": "constant", "collective_timeout_s": 120, **(train or {})},
+        fsdp=fsdp)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """``python -m hfsdp ARGS`` (the real CLI): forked from a server that imported the heavy libraries once

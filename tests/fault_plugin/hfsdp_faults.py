@@ -24,7 +24,9 @@ a reference run and an interrupted run can share one config (the plugin list is 
 * ``sigkill_export`` (STEP 0): the process SIGKILLs itself inside an export, its files written into the temporary
   folder, before the rename into place (``hfsdp_on_export``);
 * ``delete_output``: at the end of step STEP, before its save, ``train.output_dir`` is deleted, as a cleanup job
-  (or a user) would.
+  (or a user) would;
+* ``sigkill_generation`` / ``sigstop_generation``: at the end of step STEP, the rank's generation processes
+  (``generation.engine: workers``) are SIGKILLed / SIGSTOPped (frozen).
 
 ``HFSDP_TEST_PROGRESS`` (a file path): the first rank appends each optimizer step it ends to it, one line each, flushed
 (the chaos harness, tests/chaos.py, counts an attempt's steps there).
@@ -134,6 +136,17 @@ def hfsdp_on_step_end(run, step):
         os.kill(os.getpid(), signal.SIGKILL)
     if step in _faults("sigstop"):
         os.kill(os.getpid(), signal.SIGSTOP)
+    for kind, sig in (("sigkill_generation", signal.SIGKILL), ("sigstop_generation", signal.SIGSTOP)):
+        if step in _faults(kind):
+            for pid in _generation_processes():
+                os.kill(pid, sig)
+
+
+def _generation_processes():
+    """The process ids of this process's generation processes: its children started by multiprocessing's spawn."""
+    me = os.getpid()
+    children = open(f"/proc/{me}/task/{me}/children").read().split()
+    return [int(pid) for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
 
 
 @hookimpl

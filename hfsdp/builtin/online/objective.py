@@ -24,7 +24,7 @@ from hfsdp.builtin.agent.checks import row_problems
 from hfsdp.builtin.agent.rollouts import tool_stats
 from hfsdp.builtin.online.groups import GroupPlan, Seeds, eval_share, round_share
 from hfsdp.builtin.online.rewards import RewardCaller, reward_timeout_s
-from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, log_completions, per_row, prompt_completion_batch,
+from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, labelled_of, log_completions, per_row, prompt_completion_batch,
                                          spread, targets_of, token_logps)
 from hfsdp.builtin.online.sampling import eos_ids, sample
 from hfsdp.builtin.online.scoring import Scorer, reward_stats
@@ -64,6 +64,8 @@ class OnlineObjective(Objective):
         self.buffer = RoundBuffer()
         self.unwrapped = None
         self.agent = None  # the tools and environments of rollouts that act (prepare)
+        self.engine = None  # the generation processes of generation.engine workers (prepare)
+        self._rounds = 0  # the run's rounds (batch_plan)
         self._sums: dict[str, torch.Tensor] = {}
         self._generation_s = 0.0  # this step's seconds of sampling, scoring and kept log-probs (0: a reused round)
         self._skipped = 0  # this step's micro-steps without signal, skipped (:meth:`without_signal`)
@@ -125,9 +127,12 @@ class OnlineObjective(Objective):
             row_problems(dataset, self.section, self.name, {"train": "training"}.get(split, split))
 
     def batch_plan(self, dataset, train_config, world_size, mixture) -> GroupPlan:
-        return GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
+        plan = GroupPlan(len(dataset), train_config.per_device_batch_size // self.section.num_generations,
                          world_size, train_config.gradient_accumulation_steps, train_config.seed, mixture=mixture,
                          iterations=self.section.num_iterations)
+        steps = train_config.max_steps or plan.steps_for_epochs(train_config.epochs)
+        self._rounds = -(-steps // self.section.num_iterations)
+        return plan
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
@@ -140,6 +145,12 @@ class OnlineObjective(Objective):
                               reward_timeout_s(self.section, self.config.train.collective_timeout_s),
                               accelerator.process_index)
         self.scorer = Scorer(self.name, self.rewards, self.tokenizer, caller, accelerator)
+        if self.section.generation.engine == "workers":
+            from hfsdp.builtin.online.engine import GenerationWorkers
+
+            self.engine = GenerationWorkers(self.section, accelerator.process_index,
+                                            self.config.train.collective_timeout_s / 2, self.name)
+            self.buffer.engine = self.engine
         accelerator.register_for_checkpointing(self.buffer)
         return splits
 
@@ -164,8 +175,7 @@ class OnlineObjective(Objective):
         at ``max_new_tokens``) is unlabelled, so neither its loss nor its units count."""
         labelled = None
         if self.section.mask_truncated_completions:
-            ends = {*eos_ids(self.unwrapped, self.tokenizer), pad_id}
-            labelled = [c[-1] in ends for c in entry["completion_ids"]]
+            labelled = labelled_of(entry["completion_ids"], {*eos_ids(self.unwrapped, self.tokenizer), pad_id})
         prompts, completions, masks = entry["prompt_ids"], entry["completion_ids"], entry.get("tool_masks")
         if self.layout.pack_len is None:
             batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks)
@@ -191,7 +201,9 @@ class OnlineObjective(Objective):
         share = round_share(plan, step, round_, rank, group, self.name, self.config.train.seed)
         per_slot = share.per_micro_batch
         prompts = [list(dataset[i]["input_ids"]) for part in share.rows for i in part]  # the round's, in slot order
-        if self.samples_round(round_):
+        if self.samples_round(round_) and self.engine is not None:
+            rolled_of = self._from_engine(model, dataset, plan, round_, pad_id, select_logits)
+        elif self.samples_round(round_):
             rows = [share.rows[k][q] for k in share.mine for q in range(per_slot) for _ in range(group)]
             mine = self._roll_out(model, dataset, rows, [prompts[p] for p in share.positions for _ in range(group)],
                                   share.seeds, pad_id, width=max(map(len, prompts)))
@@ -199,9 +211,10 @@ class OnlineObjective(Objective):
             mine = {"completion_ids": [c for k in share.mine for i in share.rows[k]
                                        for c in self.given_completions(dataset, i, group)]}
         per_micro = per_slot * group
-        rolled_of = {k: v for part in gather_objects(self.accelerator, {
-            k: {key: values[i * per_micro:(i + 1) * per_micro] for key, values in mine.items()}
-            for i, k in enumerate(share.mine)}) for k, v in part.items()}
+        if self.engine is None or not self.samples_round(round_):
+            rolled_of = {k: v for part in gather_objects(self.accelerator, {
+                k: {key: values[i * per_micro:(i + 1) * per_micro] for key, values in mine.items()}
+                for i, k in enumerate(share.mine)}) for k, v in part.items()}
         entries = [{"rows": part, "prompt_ids": [prompts[k * per_slot + q] for q in range(per_slot) for _ in range(group)],
                     **rolled_of[k]} for k, part in enumerate(share.rows)]
         probe = ({key: values[:1] for key, values in entries[0].items()} if s.check_reward_determinism else None)
@@ -219,6 +232,59 @@ class OnlineObjective(Objective):
         if s.log_completions and self.accelerator.is_main_process:
             log_completions(Path(self.config.train.output_dir) / "completions.jsonl", s.log_completions, step, dataset,
                             entries, group, self.tokenizer, [name for name, *_ in self.rewards])
+
+    def _from_engine(self, model, dataset, plan, round_: int, pad_id: int, select_logits: bool) -> dict[int, dict]:
+        """Round ``round_``'s completions and sampler log-probs per micro-batch, from the generation processes
+        (:mod:`~hfsdp.builtin.online.engine`): the weights published as version ``round_``, the rounds up to
+        ``round_ + max_staleness`` asked for, round ``round_`` waited for (rank 0) and sent to every rank
+        (collective)."""
+        from hfsdp.builtin.online.engine import GenerationError
+        from hfsdp.errors import UserError
+        from hfsdp.parallel.world import gather_objects
+
+        engine = self.engine
+        if engine.settings is None:
+            engine.settings = self._engine_settings(pad_id, select_logits)
+        engine.publish(model, self.unwrapped, round_, self.config.fsdp.gather_for_generation)
+        failure, values = None, {}
+        if self.accelerator.process_index == 0:
+            try:
+                if not engine.processes:
+                    engine.start()
+                for later in range(max(engine.asked + 1, round_), min(round_ + engine.staleness, self._rounds - 1) + 1):
+                    if self.samples_round(later):
+                        engine.ask(later, *self._round_prompts(dataset, plan, later))
+                values = engine.take(round_)
+                engine.stats["generation/staleness"] = float(engine.staleness_of(round_))
+            except GenerationError as err:
+                failure = str(err)
+        failure, values = gather_objects(self.accelerator, (failure, values))[0]
+        if failure is not None:
+            raise UserError(failure)
+        return values
+
+    def _engine_settings(self, pad_id: int, select_logits: bool):
+        """What the generation processes need to build and run the policy (:class:`~hfsdp.builtin.online.engine.Settings`)."""
+        from hfsdp.builtin.online.engine import Settings
+
+        peft = getattr(self.unwrapped, "peft_config", None)
+        return Settings(self.unwrapped.config, self.config.model.dtype, self.unwrapped.config._attn_implementation,
+                        peft["default"] if peft else None, self.section, eos_ids(self.unwrapped, self.tokenizer),
+                        pad_id, select_logits, self.section.mask_truncated_completions, torch.get_num_threads())
+
+    def _round_prompts(self, dataset, plan, round_: int) -> tuple[dict[int, dict[str, list]], int]:
+        """Every micro-batch's prompts of round ``round_`` (one per completion, in order) with their seeds, and the
+        width the prompts are padded to (the round's longest)."""
+        group = self.section.num_generations
+        share = round_share(plan, round_ * self.section.num_iterations, round_, 0, group, self.name,
+                            self.config.train.seed)
+        per_slot = share.per_micro_batch
+        seeds = Seeds(self.name, self.config.train.seed, round_, list(range(len(share.rows) * per_slot)), group)
+        prompts = {k: [list(dataset[i]["input_ids"]) for i in part] for k, part in enumerate(share.rows)}
+        slots = {k: {"prompt_ids": [p for p in prompts[k] for _ in range(group)],
+                     "seeds": [seeds(k * per_slot * group + j) for j in range(per_slot * group)]}
+                 for k in prompts}
+        return slots, max(len(p) for part in prompts.values() for p in part)
 
     def _keep_logps(self, model, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
                     select_logits: bool) -> None:
@@ -327,5 +393,6 @@ class OnlineObjective(Objective):
         """The round's statistics (the same on every rank), the time spent sampling and the skipped micro-steps."""
         generation_s, self._generation_s = self._generation_s, 0.0
         skipped, self._skipped = self._skipped, 0
+        engine = self.engine.take_stats() if self.engine is not None and not prefix else {}  # training steps
         return {**{f"{prefix}{k}": v for k, v in self.buffer.stats.items()}, f"{prefix}generation_s": generation_s,
-                f"{prefix}skipped_zero_advantage": skipped}
+                f"{prefix}skipped_zero_advantage": skipped, **engine}

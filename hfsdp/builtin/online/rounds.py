@@ -35,18 +35,23 @@ class GroupBatch(MicroBatch):
 class RoundBuffer:
     """The generation round in use (every micro-batch of the global batch), checkpointed with the run so that a
     resume inside a round trains on the same completions: ``state_dict`` holds plain lists, the same on every
-    rank."""
+    rank; with the workers engine (``engine``), also the rounds sampled ahead and not trained on yet (waited for:
+    :meth:`hfsdp.builtin.online.engine.GenerationWorkers.ahead`)."""
 
     def __init__(self):
         self.round = -1
         self.entries: list[dict[str, Any]] = []  # per global micro-batch: rows, prompts, completions, values
         self.stats: dict[str, float] = {}
+        self.engine = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "entries": self.entries, "stats": self.stats}
+        ahead = self.engine.ahead() if self.engine is not None else {}
+        return {"round": self.round, "entries": self.entries, "stats": self.stats, "ahead": ahead}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round, self.entries, self.stats = int(state["round"]), state["entries"], state["stats"]
+        if self.engine is not None:
+            self.engine.restore(state.get("ahead", {}))
 
 
 @torch.no_grad()  # a metric: no graph through more logits-sized tensors
@@ -62,6 +67,12 @@ def token_logps(model, batch: MicroBatch, temperature: float) -> tuple[torch.Ten
     entropy = entropies(logits)
     logps, entropy = target_logps(logits, batch.targets), entropy * (batch.targets != IGNORE_INDEX)
     return batch.per_sequence(logps), batch.per_sequence(entropy)
+
+
+def labelled_of(completions: list[list[int]], ends: set[int]) -> list[bool]:
+    """Whether each completion ends in one of ``ends`` (EOS or the pad token): TRL's test of a completion not cut at
+    ``max_new_tokens`` (``mask_truncated_completions`` leaves the others out of the loss)."""
+    return [c[-1] in ends for c in completions]
 
 
 def targets_of(completion: list[int], mask: list[int] | None = None, labelled: bool | None = None) -> list[int]:
