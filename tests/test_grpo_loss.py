@@ -5,10 +5,18 @@ sequence importance sampling, two-sided clipping (delta), the off-policy sequenc
 out (hfsdp's own micro-batches against TRL's mask) and the top entropy quantile, the summed loss and its gradient
 with respect to the per-token log-probs are TRL's within 1e-6 (TRL computes each micro-batch's loss divided by the
 accumulation; hfsdp sums each micro-batch's loss in its units and divides by the global batch's). Also TRL's
-advantages (group and batch scaling, a None reward, both multi_objective_aggregation modes)."""
+advantages (group and batch scaling, a None reward, both multi_objective_aggregation modes).
+
+The importance-sampling correction of an engine beside the trainer (TRL's vllm_importance_sampling_correction): the
+ratio and the sampling/ metrics are those of TRL's own lines of _generate_and_score_completions, cut from its source
+and run on the test's tensors (one process's generation batch: the round); hfsdp's round keeps the log-probs as
+per-completion lists at the labelled tokens, made into micro-batches by GRPO._batch; every mode and clip bounds, with
+and without tool results and truncated completions, a token the sampler did not score (NaN)."""
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 import types
 from collections import defaultdict
 from types import SimpleNamespace
@@ -20,6 +28,8 @@ from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.grpo import GrpoSection
 from hfsdp.builtin.grpo.loss import (GRPO, TOKEN_MEAN_LOSSES, advantages_of, entropy_threshold, high_entropy,
                                      token_loss)
+from hfsdp.builtin.online.correction import importance_sampling_ratio, round_logps
+from hfsdp.builtin.online.rounds import per_row
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -62,8 +72,9 @@ def trl_host(section: GrpoSection, micro: int, leaf, entropies, m: int):
         importance_sampling_level=section.importance_sampling_level, get_off_policy_mask=trl_grpo.GRPOTrainer.
         get_off_policy_mask, get_gamma_weights=trl_grpo.GRPOTrainer.get_gamma_weights,
         beta=section.beta, loss_type=section.loss_type, epsilon_low=section.epsilon,
-        epsilon_high=section.epsilon_high or section.epsilon, use_vllm=False,
-        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        epsilon_high=section.epsilon_high or section.epsilon, use_vllm=section.generation.beside,
+        vllm_importance_sampling_correction=section.generation.importance_sampling_correction,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=micro, max_completion_length=MAX_NEW, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(**args, steps_per_generation=micro),
@@ -73,17 +84,20 @@ def trl_host(section: GrpoSection, micro: int, leaf, entropies, m: int):
     return host
 
 
-def trl_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv, entropies):
+def trl_loss(section: GrpoSection, iterations: int, mask, logps, old, ref, adv, entropies, extra=None):
     """Sum over the micro-batches (the tensors' first dimension) of TRL's _compute_loss, and the gradient wrt the
-    log-probs."""
+    log-probs; ``extra``: more of its inputs, ``[micro, ...]`` tensors (a ``tool_mask`` counts in
+    ``num_items_in_batch`` as TRL counts it)."""
     micro = mask.size(0)
+    extra = extra or {}
     leaf = logps.clone().requires_grad_(True)
     total = 0.0
     for m in range(micro):
         rows = mask.size(1)
         inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1),
                   "completion_ids": torch.zeros(rows, MAX_NEW, dtype=torch.long), "completion_mask": mask[m].long(),
-                  "advantages": adv[m], "num_items_in_batch": mask.sum().float()}
+                  "advantages": adv[m], "num_items_in_batch": (mask * extra.get("tool_mask", 1)).sum().float(),
+                  **{k: v[m] for k, v in extra.items()}}
         if iterations > 1:
             inputs["old_per_token_logps"] = old[m]
         if section.beta:
@@ -289,3 +303,211 @@ def test_a_completions_log_probs_do_not_depend_on_the_rows_beside_it(tiny_model_
             alone = token_logps(model, single, 0.7)[0]
             got, want = together[i][mask[i]], alone[0][single.targets[0] != IGNORE_INDEX]
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (i, got, want)
+
+
+# ---- the importance-sampling correction of an engine beside the trainer (TRL's vllm_importance_sampling_correction)
+
+MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+CLIPS = [(None, 3.0), (0.8, 1.25)]  # TRL's default bounds; both sides of 1 (each binds on kept_round's tensors)
+TRUNCATED = 9  # a completion's last token that is neither EOS nor the pad token: cut at MAX_NEW
+
+
+def trl_lines(first: str, last: str) -> str:
+    """TRL's own lines of GRPOTrainer._generate_and_score_completions from the one containing ``first`` up to the
+    one containing ``last`` (left out), dedented, to run as they stand."""
+    lines = inspect.getsource(trl_grpo.GRPOTrainer._generate_and_score_completions).splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    end = next(i for i in range(start, len(lines)) if last in lines[i])
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def trl_sampling(section: GrpoSection, old, sampler, completion_mask, tool_mask):
+    """TRL's importance-sampling ratio and its ``sampling/`` metrics of one process's generation batch
+    (``[completions, tokens]``), by TRL's own lines (the ratio's block, then the metrics' block under its
+    ``if self.use_vllm and self.vllm_importance_sampling_correction``) run on these tensors."""
+    g = section.generation
+    host = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True,
+                           vllm_importance_sampling_mode=g.importance_sampling_mode,
+                           vllm_importance_sampling_clip_min=g.importance_sampling_clip_min,
+                           vllm_importance_sampling_clip_max=g.importance_sampling_clip_max,
+                           _metrics={"train": defaultdict(list)}, accelerator=SimpleNamespace(gather=lambda t: t))
+    scope = {**vars(trl_grpo), "self": host, "old_per_token_logps": old, "sampling_per_token_logps": sampler,
+             "completion_mask": completion_mask, "tool_mask": tool_mask, "device": torch.device("cpu"),
+             "mode": "train"}
+    exec(trl_lines("# Compute the importance sampling ratio when using vLLM",
+                   "# Compute the per-token log probabilities for the reference model"), scope)
+    exec(trl_lines("delta = torch.abs(old_per_token_logps - sampling_per_token_logps)", "output = {"), scope)
+    return scope["vllm_importance_sampling_ratio"], {k: v[0] for k, v in host._metrics["train"].items()}
+
+
+def beside(mode: str = "sequence_mask", clip=(None, 3.0), correction: bool = True, **keys) -> GrpoSection:
+    return section_of(generation={"engine": "workers", "importance_sampling_correction": correction,
+                                  "importance_sampling_mode": mode, "importance_sampling_clip_min": clip[0],
+                                  "importance_sampling_clip_max": clip[1]}, **keys)
+
+
+def kept_round(section: GrpoSection, acted: bool, same: bool = False):
+    """(a round's entries as a round from an engine beside the trainer keeps them: per completion, the trainer's
+    ``old_logps`` and the sampler's ``sampler_logps`` at its labelled tokens; TRL's tensors of the same completions:
+    the completion mask, truncated completions zeroed as its mask_truncated_completions zeroes them, the tool mask,
+    None unless ``acted``, the old and the sampler's log-probs, ``[micro, rows, tokens]``). The sampler's log-probs
+    are the old ones plus noise, one labelled token NaN (unscored) and one completion's 1.2 below, or the old ones
+    (``same``). ``acted``: rollouts
+    with tool results (unlabelled) and, with ``mask_truncated_completions``, completions cut at MAX_NEW."""
+    mask, _, old, *_ = fixed_inputs()
+    g = torch.Generator().manual_seed(5)
+    sampler = old.clone() if same else old + 0.25 * torch.randn(old.shape, generator=g)
+    ids = torch.randint(10, 50, (MICRO, ROWS, MAX_NEW), generator=g)
+    tool = torch.rand(old.shape, generator=g) > 0.3 if acted else torch.ones_like(mask)
+    if not same:  # a token the sampler did not score; a completion it found far less likely (TRL's bound 3 binds)
+        sampler[0, 1, 0], tool[0, 1, 0] = float("nan"), True
+        sampler[1, 0], tool[1, 0, :2] = old[1, 0] - 1.2, True
+    completion_masks, entries = [], []
+    for m in range(MICRO):
+        completions = [ids[m, r, :int(mask[m, r].sum())].tolist() for r in range(ROWS)]
+        for r, c in enumerate(completions):
+            c[-1] = TRUNCATED if acted and len(c) == MAX_NEW and (m + r) % 2 == 0 else EOS
+        cut = torch.tensor([c[-1] == TRUNCATED for c in completions]) & section.mask_truncated_completions
+        completion_masks.append(mask[m] & ~cut[:, None])
+        labelled = completion_masks[-1] & tool[m]
+        entries.append({"prompt_ids": [[5, 6]] * ROWS, "completion_ids": completions,
+                        "old_logps": per_row(old[m], labelled), "sampler_logps": per_row(sampler[m], labelled),
+                        **({"tool_masks": [tool[m, r, :len(c)].int().tolist() for r, c in enumerate(completions)]}
+                           if acted else {})})
+    return entries, (torch.stack(completion_masks), tool.int() if acted else None, old, sampler)
+
+
+def hfsdp_round_loss(section: GrpoSection, entries):
+    """hfsdp's loss of the round's micro-batches (GRPO._batch of its entries, the kept log-probs spread over the
+    labelled tokens), each as GRPO.loss computes it from the fixed log-probs, divided by the global batch's units;
+    and the gradient wrt the log-probs."""
+    _, logps, _, ref, adv, _ = fixed_inputs()
+    objective = GRPO(section, [], None, SimpleNamespace(eos_token_id=EOS))
+    objective.unwrapped = _Model()
+    batches = [objective._batch({**entry, "advantages": adv[m].tolist()}, PAD, "cpu", select_logits=True)
+               for m, entry in enumerate(entries)]
+    units = sum(batch.num_targets for batch in batches)
+    leaf = logps.clone().requires_grad_(True)
+    total = 0.0
+    for m, batch in enumerate(batches):
+        part, _ = token_loss(leaf[m], batch.old_logps, batch.advantages, ref[m] if section.beta else None,
+                             batch.sequence_targets != IGNORE_INDEX, section, MAX_NEW, None, batch.sampler_logps)
+        total = total + part / units
+    total.backward()
+    return total.detach(), leaf.grad
+
+
+def trl_round_loss(section: GrpoSection, trl_tensors):
+    """TRL's loss of the same round: the ratio from its own lines over the generation batch, then _compute_loss of
+    each micro-batch with the old log-probs (TRL computes them whenever it corrects) and the sampler's."""
+    completion_mask, tool_mask, old, sampler = trl_tensors
+    _, logps, _, ref, adv, entropies = fixed_inputs()
+    extra = {"old_per_token_logps": old, "sampling_per_token_logps": sampler}
+    if section.generation.importance_sampling_correction:
+        flat = [t.flatten(0, 1) if t is not None else None for t in trl_tensors]
+        ratio, _ = trl_sampling(section, flat[2], flat[3], flat[0].int(), flat[1])
+        extra["importance_sampling_ratio"] = ratio.view(MICRO, ROWS, -1)
+    if tool_mask is not None:
+        extra["tool_mask"] = tool_mask
+    return trl_loss(section, 1, completion_mask, logps, old, ref, adv, entropies, extra)
+
+
+def assert_round_is_trls(section: GrpoSection, acted: bool) -> float:
+    entries, trl_tensors = kept_round(section, acted)
+    ours, our_grad = hfsdp_round_loss(section, entries)
+    theirs, their_grad = trl_round_loss(section, trl_tensors)
+    assert float(ours) == pytest.approx(theirs, rel=REL, abs=1e-8), (float(ours), theirs)
+    assert torch.allclose(our_grad, their_grad, rtol=REL, atol=1e-8), (our_grad - their_grad).abs().max()
+    assert our_grad.abs().sum() > 0
+    return float(ours)
+
+
+@pytest.mark.parametrize("acted", [False, True], ids=["plain", "tools-and-truncated"])
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: f"clip={c[0]}-{c[1]}")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_corrected_loss_and_its_gradient_are_trls(loss_type, mode, clip, acted):
+    """Every importance_sampling_mode and clip bounds, with the KL term (which TRL leaves uncorrected), on completions
+    with and without tool results and truncated completions: TRL's loss given its own ratio; and not the loss
+    uncorrected (the correction acted). vespo takes token modes only (as TRL, the schema refuses the others)."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        with pytest.raises(ValueError, match="token_truncate or token_mask"):
+            beside(mode, clip, loss_type=loss_type)
+        return
+    keys = {"loss_type": loss_type, "beta": 0.04, "mask_truncated_completions": acted}
+    section = beside(mode, clip, **keys)
+    corrected = assert_round_is_trls(section, acted)
+    uncorrected = assert_round_is_trls(beside(mode, clip, correction=False, **keys), acted)
+    assert corrected != pytest.approx(uncorrected, rel=1e-4)
+    old, sampler, mask = round_logps(kept_round(section, acted)[0])
+    unbounded = beside(mode.replace("mask", "truncate"), (None, None)).generation
+    assert not torch.allclose(importance_sampling_ratio(old, sampler, mask, section.generation),
+                              importance_sampling_ratio(old, sampler, mask, unbounded))  # the bounds bound
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_off_policy_mask_reads_the_samplers_log_probs_as_trls(loss_type, correction):
+    """With an engine beside the trainer, TRL's off-policy mask compares the sampler's log-probs (vLLM's) with the
+    current ones, corrected or not (the threshold drops a completion by the sampler's, not by the old ones)."""
+    mode = "token_truncate" if loss_type == "vespo" else "sequence_mask"
+    assert_round_is_trls(beside(mode, correction=correction, loss_type=loss_type, beta=0.04,
+                                off_policy_mask_threshold=0.5), acted=True)
+
+
+@pytest.mark.parametrize("acted", [False, True], ids=["plain", "tools-and-truncated"])
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: f"clip={c[0]}-{c[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rounds_sampling_metrics_are_trls_on_one_process(mode, clip, acted):
+    """The round's sampling/sampling_logp_difference and sampling/importance_sampling_ratio metrics are TRL's
+    (its own lines, one process, the round as its generation batch), a NaN sampler log-prob left out of the
+    difference; with the correction off the difference alone is reported."""
+    section = beside(mode, clip, mask_truncated_completions=acted)
+    entries, (completion_mask, tool_mask, old, sampler) = kept_round(section, acted)
+    flat = [t.flatten(0, 1) if t is not None else None for t in (completion_mask, tool_mask, old, sampler)]
+    _, theirs = trl_sampling(section, flat[2], flat[3], flat[0].int(), flat[1])
+    objective = GRPO(section, [], None, None)
+    ours = objective.round_stats(torch.zeros(MICRO * ROWS, 0), entries)
+    assert set(theirs) <= set(ours) and len(theirs) == 5
+    assert all(ours[k] == pytest.approx(v, rel=REL, abs=1e-8) for k, v in theirs.items()), (ours, theirs)
+    assert theirs["sampling/sampling_logp_difference/mean"] > 0
+    off = GRPO(beside(mode, clip, correction=False), [], None, None).round_stats(torch.zeros(MICRO * ROWS, 0), entries)
+    assert {k for k in off if k.startswith("sampling/")} == {k for k in theirs if "difference" in k}
+    assert all(off[k] == ours[k] for k in off if k.startswith("sampling/"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_sampler_that_agrees_exactly_gives_ratios_of_1_and_the_uncorrected_loss_bit_for_bit(loss_type, mode):
+    """sampler_logps == old_logps: every ratio is exactly 1, the mismatch exactly 0, and the loss and its gradient
+    are bit for bit those of the same round trained inline (no sampler's log-probs, no correction)."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        return  # refused (test_the_corrected_loss_and_its_gradient_are_trls)
+    keys = {"loss_type": loss_type, "beta": 0.04, "mask_truncated_completions": True, "off_policy_mask_threshold": 0.05}
+    section = beside(mode, **keys)
+    entries, _ = kept_round(section, acted=True, same=True)
+    old, sampler, mask = round_logps(entries)
+    ratio = importance_sampling_ratio(old, sampler, mask, section.generation)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+    stats = GRPO(section, [], None, None).round_stats(torch.zeros(MICRO * ROWS, 0), entries)
+    assert {k: v for k, v in stats.items() if k.startswith("sampling/")} == {
+        "sampling/sampling_logp_difference/mean": 0.0, "sampling/sampling_logp_difference/max": 0.0,
+        "sampling/importance_sampling_ratio/min": 1.0, "sampling/importance_sampling_ratio/mean": 1.0,
+        "sampling/importance_sampling_ratio/max": 1.0}
+    corrected, corrected_grad = hfsdp_round_loss(section, entries)
+    inline, inline_grad = hfsdp_round_loss(section_of(**keys), [{k: v for k, v in e.items() if k != "sampler_logps"}
+                                                                for e in entries])
+    assert torch.equal(corrected, inline) and torch.equal(corrected_grad, inline_grad)
+
+
+def test_a_round_keeps_the_trainers_log_probs_when_an_engine_samples_beside_it():
+    """For the mismatch and the correction: every online objective (RLOO's loss has no correction, as TRL's)."""
+    from hfsdp.builtin.rloo import RlooSection
+    from hfsdp.builtin.rloo.loss import RLOO
+
+    assert not GRPO(section_of(), [], None, None).keeps_old_logps()
+    assert GRPO(beside(), [], None, None).keeps_old_logps()
+    assert GRPO(beside(correction=False), [], None, None).keeps_old_logps()
+    rloo = RlooSection(rewards=[{"name": "json_fields"}], beta=0.0, generation={"engine": "workers"})
+    assert RLOO(rloo, [], None, None).keeps_old_logps()
+    assert not RLOO(rloo.model_copy(update={"generation": section_of().generation}), [], None, None).keeps_old_logps()

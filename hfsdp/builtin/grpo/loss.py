@@ -23,9 +23,13 @@ detached); sapo ``-4 sigmoid(t (r - 1)) / t A`` (``t`` = ``sapo_temperature_pos`
 log w - lambda w)`` detached (``vespo_k/lambda_pos`` where A >= 0, else ``_neg``). Then the completions that
 ``off_policy_mask_threshold`` drops (A < 0 and a mean KL(old || current) above it) and, with
 ``top_entropy_quantile`` < 1, the tokens whose entropy is under the quantile of the global batch's entropies
-(:func:`high_entropy`) lose their policy term; plus ``beta (exp(ref - logp) - (ref - logp) - 1)`` (the k3 KL
-estimator, times ``r`` with ``use_bias_correction_kl``; ``ref`` the base model's log-prob, the LoRA adapters
-disabled). A completion ``mask_truncated_completions`` leaves out is unlabelled (:mod:`hfsdp.builtin.online.objective`):
+(:func:`high_entropy`) lose their policy term; with an engine beside the trainer (``generation.engine`` workers or
+vllm) and ``generation.importance_sampling_correction`` (TRL's with vLLM), the policy term is multiplied by the
+importance-sampling ratio of the trainer's log-probs when sampled to the sampler's
+(:func:`hfsdp.builtin.online.correction.importance_sampling_ratio`; vespo's weight takes it in instead), and the
+off-policy mask's KL is the sampler's to the current policy; plus ``beta (exp(ref - logp) - (ref - logp) - 1)``
+(the k3 KL estimator, times ``r`` with ``use_bias_correction_kl``; ``ref`` the base model's log-prob, the LoRA
+adapters disabled). A completion ``mask_truncated_completions`` leaves out is unlabelled (:mod:`hfsdp.builtin.online.objective`):
 no token of it counts. Aggregated as TRL aggregates it (hfsdp then divides by the global batch's units, so any split
 over ranks and micro-batches gives one process's gradient): ``grpo`` and ``sapo`` the mean over completions of each
 one's token mean; ``bnpo`` the mean over micro-batches of their token mean; ``dr_grpo`` the token sum over
@@ -50,6 +54,7 @@ import math
 import torch
 
 from hfsdp import IGNORE_INDEX
+from hfsdp.builtin.online.correction import importance_sampling_ratio, ratio_stats, round_logps
 from hfsdp.builtin.online.objective import OnlineObjective
 from hfsdp.builtin.online.rounds import GroupBatch, token_logps
 from hfsdp.builtin.online.scoring import nanstd
@@ -102,11 +107,17 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
     return float(torch.quantile(entropies.float(), 1 - quantile)) if entropies.numel() else math.inf
 
 
-def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, section) -> torch.Tensor:
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, section,
+                  is_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """vespo's gamma weight ``phi(w)`` of each completion's ratio ``w`` (``[completions, 1]``, no gradient), TRL's
-    ``get_gamma_weights``."""
+    ``get_gamma_weights``; ``is_ratio``: the importance-sampling ratio to the sampler's log-probs per token, whose
+    logs (clamped) join ``w``'s (over the labelled tokens: TRL sums over its padding too, where the ratio is 1 but
+    for a mask mode whose [clip_min, clip_max] leaves out 1)."""
     with torch.no_grad():
         summed = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            logs = torch.clamp(torch.log(is_ratio), VESPO_LOG_MIN, VESPO_LOG_MAX)
+            summed = summed + (logs * mask).sum(-1, keepdim=True)
         log_w = torch.clamp(summed, VESPO_LOG_MIN, VESPO_LOG_MAX)
         positive = a >= 0
         k = torch.where(positive, section.vespo_k_pos, section.vespo_k_neg)
@@ -115,9 +126,11 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, 
 
 
 def policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, a: torch.Tensor,
-                mask: torch.Tensor, section) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                mask: torch.Tensor, section,
+                is_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token policy term of ``section.loss_type`` (see the module docstring) and its metrics; ``ratio``
-    ``[completions, tokens]`` or ``[completions, 1]`` (sequence level), ``a`` the advantages ``[completions, 1]``."""
+    ``[completions, tokens]`` or ``[completions, 1]`` (sequence level), ``a`` the advantages ``[completions, 1]``;
+    ``is_ratio``: the importance-sampling ratio to the sampler (vespo's weight takes it in)."""
     high = section.epsilon_high if section.epsilon_high is not None else section.epsilon
     if section.loss_type == "cispo":
         capped = torch.clamp(ratio, max=high).detach()
@@ -126,7 +139,7 @@ def policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
         temperature = torch.where(a > 0, section.sapo_temperature_pos, section.sapo_temperature_neg)
         return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * a, {}
     if section.loss_type == "vespo":
-        phi = vespo_weights(log_ratio, mask, a, section)
+        phi = vespo_weights(log_ratio, mask, a, section, is_ratio)
         return -phi * a * logps, {"vespo_phi": phi.expand_as(logps)}
     clipped = torch.clamp(ratio, 1 - section.epsilon, 1 + high)
     if section.delta is not None:
@@ -139,18 +152,23 @@ def policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
 def off_policy_keep(logps: torch.Tensor, old: torch.Tensor, a: torch.Tensor, mask: torch.Tensor,
                     threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (TRL's ``get_off_policy_mask``): 1 where a completion's advantage
-    is >= 0 or its mean KL(old || current) is at most ``threshold``, else 0 (``[completions, 1]``)."""
+    is >= 0 or its mean KL(old || current) is at most ``threshold``, else 0 (``[completions, 1]``); ``old``: the
+    sampler's log-probs where an engine beside the trainer sampled them (as TRL's with vLLM), else the trainer's
+    when sampled."""
     kl = torch.nan_to_num(old - logps.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
     return ((a >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
 def token_loss(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, ref: torch.Tensor | None,
-               mask: torch.Tensor, section, max_new_tokens: int,
-               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               mask: torch.Tensor, section, max_new_tokens: int, keep: torch.Tensor | None = None,
+               sampler: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the micro-batch's summed loss in its units, per-token values for the metrics): see the module docstring.
-    ``logps``, ``old``, ``ref``, ``mask``: ``[completions, tokens]``; ``advantages``: ``[completions]``; ``keep``:
-    the tokens whose policy term counts (``top_entropy_quantile``; None: all)."""
+    ``logps``, ``old``, ``ref``, ``sampler``, ``mask``: ``[completions, tokens]``; ``advantages``:
+    ``[completions]``; ``keep``: the tokens whose policy term counts (``top_entropy_quantile``; None: all);
+    ``sampler``: the sampler's log-probs of a round an engine beside the trainer sampled (None: inline)."""
+    is_ratio = (importance_sampling_ratio(old, sampler, mask, section.generation) if section.generation.corrects
+                else None)
     mask = mask.float()
     a = advantages[:, None]
     log_ratio = logps - old
@@ -159,11 +177,14 @@ def token_loss(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
     else:
         log_ratio_used = log_ratio
     ratio = torch.exp(log_ratio_used)
-    per_token, parts = policy_loss(logps, log_ratio, ratio, a, mask, section)
+    per_token, parts = policy_loss(logps, log_ratio, ratio, a, mask, section, is_ratio)
     if section.off_policy_mask_threshold is not None:
-        per_token = per_token * off_policy_keep(logps, old, a, mask, section.off_policy_mask_threshold)
+        per_token = per_token * off_policy_keep(logps, sampler if sampler is not None else old, a, mask,
+                                                section.off_policy_mask_threshold)
     if keep is not None:
         per_token = per_token * keep
+    if is_ratio is not None and section.loss_type != "vespo":
+        per_token = per_token * is_ratio
     if section.beta:
         kl = torch.exp(ref - logps) - (ref - logps) - 1
         parts["kl"] = kl.detach()
@@ -192,6 +213,17 @@ class GRPO(OnlineObjective):
         return advantages_of(rewards, weights, group, self.section.scale_rewards,
                              self.section.multi_objective_aggregation)
 
+    def round_stats(self, rewards: torch.Tensor, entries) -> dict[str, float]:
+        """With the correction (``generation.corrects``): the round's importance-sampling ratios
+        (:func:`~hfsdp.builtin.online.correction.ratio_stats`)."""
+        stats = super().round_stats(rewards, entries)
+        generation = self.section.generation
+        if generation.corrects:
+            old, sampler, mask = round_logps(entries)
+            stats.update(ratio_stats(importance_sampling_ratio(old, sampler, mask, generation), mask,
+                                     generation.importance_sampling_mode))
+        return stats
+
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.model = model  # the wrapped model, for the entropy pass of start_step
         return super().prepare(model, accelerator, splits, cache_dir, model_path)
@@ -219,7 +251,8 @@ class GRPO(OnlineObjective):
         mask = batch.sequence_targets != IGNORE_INDEX
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         keep = high_entropy(entropy, mask, batch.entropy_threshold) if batch.entropy_threshold is not None else None
-        loss, parts = token_loss(logps, old, batch.advantages, batch.ref_logps, mask, s, s.max_new_tokens, keep)
+        loss, parts = token_loss(logps, old, batch.advantages, batch.ref_logps, mask, s, s.max_new_tokens, keep,
+                                 batch.sampler_logps)
         fmask = mask.float()
         self._add("tokens", fmask.sum())
         self._add("entropy", (entropy * fmask).sum())

@@ -1,13 +1,14 @@
 """The ``grpo:`` section: the online objectives' keys (:class:`hfsdp.builtin.online.schema.OnlineSection`) and
 GRPO's loss and advantages, each named and defaulted as TRL 1.16's ``GRPOConfig`` field of the same name (see
-docs/guide.md for the whole mapping). Combinations TRL runs are accepted as TRL runs them (TRL refuses none of them;
-it warns about three, said in the descriptions of ``importance_sampling_level`` and ``loss_type``)."""
+docs/guide.md for the whole mapping). Combinations TRL runs are accepted as TRL runs them (TRL warns about three,
+said in the descriptions of ``importance_sampling_level`` and ``loss_type``); the one it refuses is refused
+(vespo with the importance-sampling correction per completion)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from hfsdp.builtin.online.schema import OnlineSection
 
@@ -49,6 +50,18 @@ class GrpoSection(OnlineSection):
                                      "entropies, found by a forward without gradient before the step's own")
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage "
-                                "whose mean KL(old || current) exceeds this is left out (None: off)")
+                                "whose mean KL(old || current) exceeds this is left out (None: off; old: the "
+                                "sampler's log-probs with the workers or vllm engine, as TRL's with vLLM)")
     use_bias_correction_kl: bool = Field(True, description="multiply the KL term by the ratio (DeepSeek-V3.2's "
                                                            "unbiased reverse-KL gradient); beta > 0 only")
+
+    @model_validator(mode="after")
+    def _vespo_corrects_per_token(self):
+        generation = self.generation
+        if (self.loss_type == "vespo" and generation.corrects
+                and generation.importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError("loss_type vespo takes the importance-sampling correction into its weight per token "
+                             "(as TRL's): set generation.importance_sampling_mode to token_truncate or token_mask "
+                             f"(not {generation.importance_sampling_mode}), or generation."
+                             "importance_sampling_correction: false")
+        return self

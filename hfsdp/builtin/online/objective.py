@@ -4,7 +4,8 @@
 prompts a round takes and which of them each rank samples, with which seeds (:mod:`~hfsdp.builtin.online.groups`);
 each rank samples its share (:mod:`~hfsdp.builtin.online.sampling`) and scores it with the reward functions
 (:mod:`~hfsdp.builtin.online.scoring`), and keeps its per-token log-probs when sampled and of the reference where the
-objective needs them, all gathered onto every rank; the round is trained on for ``num_iterations`` optimizer steps
+objective needs them (and, from an engine beside the trainer, the sampler's: :mod:`~hfsdp.builtin.online.correction`),
+all gathered onto every rank; the round is trained on for ``num_iterations`` optimizer steps
 from a checkpointed buffer (:mod:`~hfsdp.builtin.online.rounds`). So 1 process and N ranks sample, score and train on
 the same completions, N ranks each a 1/N share. Besides: the reward eval, the completions log and the per-token
 metrics.
@@ -22,6 +23,7 @@ import torch
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.agent.checks import row_problems
 from hfsdp.builtin.agent.rollouts import tool_stats
+from hfsdp.builtin.online.correction import mismatch_stats, round_logps
 from hfsdp.builtin.online.groups import GroupPlan, Seeds, eval_share, round_share
 from hfsdp.builtin.online.rewards import RewardCaller, reward_timeout_s
 from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, labelled_of, log_completions, per_row, prompt_completion_batch,
@@ -76,7 +78,8 @@ class OnlineObjective(Objective):
                    entries: list[dict[str, Any]]) -> torch.Tensor:
         """Each completion's advantage from the round's rewards ``[completions, functions]`` (NaN: no reward), the
         functions' ``weights`` and the ``group`` of completions per prompt (consecutive); ``entries``: the round's
-        micro-batches in order, with the kept per-token log-probs (``old_logps``, ``ref_logps``) where kept."""
+        micro-batches in order, with the kept per-token log-probs (``old_logps``, ``ref_logps``, ``sampler_logps``)
+        where kept."""
         raise NotImplementedError
 
     def units(self, batch: MicroBatch, completions: int) -> int:
@@ -86,8 +89,10 @@ class OnlineObjective(Objective):
 
     def keeps_old_logps(self) -> bool:
         """Whether the round keeps each completion's per-token log-probs when sampled (``old_logps``): for the
-        ratio of a round's later steps (``num_iterations`` > 1)."""
-        return self.section.num_iterations > 1
+        ratio of a round's later steps (``num_iterations`` > 1) and, with an engine beside the trainer, for the
+        train-inference mismatch (:meth:`round_stats`) and GRPO's correction of it (one forward without gradient a
+        round, as TRL's with vLLM)."""
+        return self.section.num_iterations > 1 or self.section.generation.beside
 
     def keeps_ref_logps(self) -> bool:
         """Whether the round keeps the reference's per-token log-probs (``ref_logps``: the base, LoRA's adapters
@@ -111,11 +116,16 @@ class OnlineObjective(Objective):
 
     def round_stats(self, rewards: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, float]:
         """The round's statistics, in every step's metrics until the next round (the same on every rank): the
-        rewards' (:func:`~hfsdp.builtin.online.scoring.reward_stats`) and the completions' mean length (of the
-        tokens the model sampled, as TRL counts it: not the tool results)."""
+        rewards' (:func:`~hfsdp.builtin.online.scoring.reward_stats`), the completions' mean length (of the
+        tokens the model sampled, as TRL counts it: not the tool results) and, for a round an engine beside the
+        trainer sampled, the train-inference mismatch
+        (:func:`~hfsdp.builtin.online.correction.mismatch_stats`)."""
         lengths = torch.tensor([sum(m) for e in entries for m in e["tool_masks"]] if "tool_masks" in entries[0] else
                                [len(c) for e in entries for c in e["completion_ids"]], dtype=torch.float32)
-        return {**reward_stats(rewards, self.rewards), "completion_length": float(lengths.mean())}
+        stats = {**reward_stats(rewards, self.rewards), "completion_length": float(lengths.mean())}
+        if "sampler_logps" in entries[0]:
+            stats.update(mismatch_stats(*round_logps(entries)))
+        return stats
 
     # ---- the plan and the rounds
 
@@ -190,7 +200,8 @@ class OnlineObjective(Objective):
                           advantages=(torch.tensor(entry["advantages"], dtype=torch.float32, device=device)
                                       if "advantages" in entry else None),
                           old_logps=spread(entry["old_logps"], mask) if entry.get("old_logps") else None,
-                          ref_logps=spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None)
+                          ref_logps=spread(entry["ref_logps"], mask) if entry.get("ref_logps") else None,
+                          sampler_logps=spread(entry["sampler_logps"], mask) if entry.get("sampler_logps") else None)
 
     def _generate(self, model, dataset, plan, step, round_, pad_id, device, select_logits, rank) -> None:
         """Sample this rank's share of the round (the prompts of its own micro-batches), gather every rank's

@@ -24,11 +24,13 @@ from hfsdp.objective import target_logps
 @dataclass
 class GroupBatch(MicroBatch):
     """A micro-batch of completions (rows: prompt + completion, only the completion labelled) with each
-    completion's advantage and the kept per-token log-probs (``[completions, tokens]`` at the labelled targets)."""
+    completion's advantage and the kept per-token log-probs (``[completions, tokens]`` at the labelled targets): the
+    trainer's when sampled, the reference's and, from an engine beside the trainer, the sampler's."""
 
     advantages: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampler_logps: torch.Tensor | None = None
     entropy_threshold: float | None = None  # set by an objective that trains on the high-entropy tokens only
 
 

@@ -34,10 +34,11 @@ class GenerationSection(Section):
                                                   "precision samples faster and brings a train-inference mismatch "
                                                   "(metric sampling/sampling_logp_difference)")
     importance_sampling_correction: bool = Field(True, description="TRL's vllm_importance_sampling_correction: "
-                                                                   "weigh each token's loss by the ratio of the "
-                                                                   "trainer's to the sampler's probability (the "
-                                                                   "workers and vllm engines; inline samples with "
-                                                                   "the trained model itself)")
+                                                                   "weigh each token's GRPO loss by the ratio of "
+                                                                   "the trainer's to the sampler's probability "
+                                                                   "(the workers and vllm engines; inline samples "
+                                                                   "with the trained model itself; TRL's RLOO and "
+                                                                   "distillation have none)")
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "sequence_mask", description="TRL's vllm_importance_sampling_mode: the ratio per token or per completion, "
                                      "clipped to [clip_min, clip_max] (truncate) or set to 0 outside it (mask)")
@@ -51,6 +52,12 @@ class GenerationSection(Section):
     def beside(self) -> bool:
         """Whether the completions are sampled by another copy of the policy than the trained model."""
         return self.engine != "inline"
+
+    @property
+    def corrects(self) -> bool:
+        """Whether GRPO's loss is weighed by the importance-sampling ratio of the trainer's to the sampler's
+        probabilities (:mod:`hfsdp.builtin.online.correction`)."""
+        return self.beside and self.importance_sampling_correction
 
 
 class OnlineSection(Section):

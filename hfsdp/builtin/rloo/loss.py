@@ -12,11 +12,13 @@ batch (std plus 1e-4). Unscorable completions, and those with no scorable siblin
 The loss of a completion (:func:`sequence_loss`) is PPO's clipped objective at the sequence level:
 ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`` with ``r = exp(logp - logp_old)``, ``logp`` the sum of its
 tokens' log-probs (of the logits over the temperature) and ``logp_old`` that sum when it was sampled (kept with
-``num_iterations`` > 1 or ``beta`` > 0, else ``logp`` detached: ``r`` = 1 with its gradient). The mean over the
-global batch's completions (hfsdp sums each micro-batch's and divides by the global count: TRL's per-micro-batch
-mean divided by the accumulation, for any split over ranks and micro-batches). A completion that
-``mask_truncated_completions`` leaves out has no tokens: its ``r`` is 1 without gradient and it still counts in
-the mean, as in TRL.
+``num_iterations`` > 1, ``beta`` > 0 or an engine beside the trainer, else ``logp`` detached: ``r`` = 1 with its
+gradient). The mean over the global batch's completions (hfsdp sums each micro-batch's and divides by the global
+count: TRL's per-micro-batch mean divided by the accumulation, for any split over ranks and micro-batches). A
+completion that ``mask_truncated_completions`` leaves out has no tokens: its ``r`` is 1 without gradient and it
+still counts in the mean, as in TRL. No importance-sampling correction of the sampler's log-probs: TRL's RLOO has
+none (its vLLM returns no log-probs); an engine beside the trainer still reports the mismatch (the round's
+``sampling/sampling_logp_difference``).
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ class RLOO(OnlineObjective):
     name = "rloo"
 
     def keeps_old_logps(self) -> bool:
-        """The log-probs when sampled are kept for the later steps of a round, and for the KL penalty."""
-        return self.section.num_iterations > 1 or bool(self.section.beta)
+        """The log-probs when sampled are kept as every online objective keeps them, and for the KL penalty."""
+        return super().keeps_old_logps() or bool(self.section.beta)
 
     def without_signal(self, slots) -> bool:
         """Every advantage 0: the loss is 0 whatever the log-probs (the KL is in the rewards, not the loss)."""
