@@ -20,8 +20,8 @@ from hfsdp.checkpoint import store
 
 from conftest import (REPO, REWARDS, base_env, grpo_config, read_completions, read_metrics, run_cli,
                       run_torchrun)
-
-pytestmark = pytest.mark.slow
+from test_distill_online import online_config
+from test_rloo import rloo_config
 
 FAULTS = REPO / "tests" / "fault_plugin"
 STEPS = 6  # three rounds of 2 steps
@@ -49,7 +49,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
                                     ("stale0", 1, {"engine": "workers"}),
                                     ("stale1", 1, {"engine": "workers", "max_staleness": 1}),
                                     ("stale1_p2", 1, {"engine": "workers", "max_staleness": 1, "processes": 2}),
-                                    ("stale1_x2", 2, {"engine": "workers", "max_staleness": 1})):
+                                    ("stale1_x2", 2, {"engine": "workers", "max_staleness": 1}),
+                                    ("bf16", 1, {"engine": "workers", "dtype": "bfloat16"})):
         config = engine_config(root / name, world, generation)
         proc = run_cli("train", str(config), env=env()) if world == 1 else run_torchrun(2, "train", str(config),
                                                                                        env=env())
@@ -71,6 +72,7 @@ def same_weights(a: Path, b: Path) -> bool:
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_staleness_0_trains_bit_for_bit_what_the_inline_engine_trains(runs):
     inline, stale0 = runs["inline"][0], runs["stale0"][0]
     assert read_completions(stale0) == read_completions(inline)
@@ -81,8 +83,21 @@ def test_staleness_0_trains_bit_for_bit_what_the_inline_engine_trains(runs):
                 assert b[step][key] == value, (step, key, a[step], b[step])
         assert b[step]["generation/staleness"] == 0
     assert same_weights(stale0, inline)
+    # the sampler's log-probs are the trainer's, measured: no mismatch, every importance-sampling ratio 1
+    assert {b[s]["sampling/sampling_logp_difference/max"] for s in b} == {0.0}
+    assert {(b[s]["sampling/importance_sampling_ratio/min"], b[s]["sampling/importance_sampling_ratio/max"])
+            for s in b} == {(1.0, 1.0)}
 
 
+@pytest.mark.slow
+def test_a_bfloat16_sampling_copy_brings_a_mismatch_the_metrics_show_and_the_ratio_corrects(runs):
+    metrics = steps(runs["bf16"][0])
+    assert all(metrics[s]["sampling/sampling_logp_difference/max"] > 1e-3 for s in metrics)
+    assert all(metrics[s]["sampling/importance_sampling_ratio/max"] != 1.0 for s in metrics)
+    assert metrics[1]["generation/sync_bytes"] < steps(runs["stale0"][0])[1]["generation/sync_bytes"] * 0.6
+
+
+@pytest.mark.slow
 def test_staleness_1_samples_each_round_but_the_first_with_the_policy_a_round_old(runs):
     inline, stale1 = runs["inline"][0], runs["stale1"][0]
     first = [c for c in read_completions(stale1) if c["step"] == 1]
@@ -97,11 +112,13 @@ def test_staleness_1_samples_each_round_but_the_first_with_the_policy_a_round_ol
     assert metrics[2]["generation/sync_bytes"] == 0  # no round sampled at step 2
 
 
+@pytest.mark.slow
 def test_two_generation_processes_sample_the_rounds_one_samples(runs):
     assert read_completions(runs["stale1_p2"][0]) == read_completions(runs["stale1"][0])
     assert same_weights(runs["stale1_p2"][0], runs["stale1"][0])
 
 
+@pytest.mark.slow
 def test_two_ranks_train_on_the_rounds_one_process_trains_on(runs):
     one, two = runs["stale1"][0], runs["stale1_x2"][0]
     assert read_completions(two) == read_completions(one)
@@ -111,6 +128,7 @@ def test_two_ranks_train_on_the_rounds_one_process_trains_on(runs):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+@pytest.mark.slow
 def test_a_killed_generation_process_is_restarted_and_the_run_ends_as_the_uninterrupted_one(runs, tmp_path):
     config = engine_config(tmp_path, 1, {"engine": "workers", "max_staleness": 1}, plugins=("hfsdp_faults",))
     proc = run_cli("train", str(config), env=env("sigkill_generation@1"))
@@ -121,6 +139,7 @@ def test_a_killed_generation_process_is_restarted_and_the_run_ends_as_the_uninte
     assert same_weights(run, runs["stale1"][0])
 
 
+@pytest.mark.slow
 def test_the_job_killed_with_a_round_in_flight_resumes_with_it_from_its_checkpoint(runs, tmp_path):
     """kill -9 at the end of step 2, before its checkpoint: the step-1 checkpoint (inside round 0; round 1, sampled by
     version 0, in flight) holds round 1, which the resume trains on as the uninterrupted run did."""
@@ -137,6 +156,7 @@ def test_the_job_killed_with_a_round_in_flight_resumes_with_it_from_its_checkpoi
     assert same_weights(run, whole)
 
 
+@pytest.mark.slow
 def test_a_hung_generation_process_stops_the_run_naming_it_and_the_checkpoint_stays(tmp_path):
     """The generation process is frozen (SIGSTOP) after step 2; round 1 (step 3) waits for it half of
     collective_timeout_s (15 s), then the run stops with the process named, step-2 complete for --resume."""
@@ -150,3 +170,26 @@ def test_a_hung_generation_process_stops_the_run_naming_it_and_the_checkpoint_st
             in proc.stderr), proc.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert store.latest(checkpoints) == checkpoints / "step-2" and sorted(steps(tmp_path / "run")) == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["rloo", "distill_online"])
+def test_rloo_and_on_policy_distillation_train_through_the_engine_what_they_train_inline(objective, tmp_path,
+                                                                                          tiny_teacher_dir):
+    config = (rloo_config(tmp_path, 1) if objective == "rloo" else online_config(tmp_path, 1, tiny_teacher_dir))
+    for name, engine in (("inline", "inline"), ("workers", "workers")):
+        run_cli("train", str(config), "--set", f"{objective}.generation.engine={engine}", "--set",
+                f"train.output_dir={tmp_path / name}", env=env())
+    assert read_completions(tmp_path / "workers") == read_completions(tmp_path / "inline")
+    a, b = steps(tmp_path / "inline"), steps(tmp_path / "workers")
+    assert {s: (m["loss"], m["grad_norm"]) for s, m in a.items()} == {s: (m["loss"], m["grad_norm"])
+                                                                      for s, m in b.items()}
+    assert {m["sampling/sampling_logp_difference/max"] for m in b.values()} == {0.0}
+
+
+def test_what_the_workers_engine_does_not_run_is_refused_naming_the_key(tmp_path):
+    config = grpo_config(tmp_path, 1, grpo={"generation": {"engine": "workers"}, "tools": ["python"]})
+    proc = run_cli("validate", str(config), check=False, env=env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("grpo.generation.engine: the workers engine samples single-turn completions: rollouts that call tools"
+            in proc.stderr), proc.stderr

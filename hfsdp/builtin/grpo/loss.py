@@ -23,8 +23,8 @@ detached); sapo ``-4 sigmoid(t (r - 1)) / t A`` (``t`` = ``sapo_temperature_pos`
 log w - lambda w)`` detached (``vespo_k/lambda_pos`` where A >= 0, else ``_neg``). Then the completions that
 ``off_policy_mask_threshold`` drops (A < 0 and a mean KL(old || current) above it) and, with
 ``top_entropy_quantile`` < 1, the tokens whose entropy is under the quantile of the global batch's entropies
-(:func:`high_entropy`) lose their policy term; with an engine beside the trainer (``generation.engine`` workers or
-vllm) and ``generation.importance_sampling_correction`` (TRL's with vLLM), the policy term is multiplied by the
+(:func:`high_entropy`) lose their policy term; with an engine beside the trainer (``generation.engine: workers``)
+and ``generation.importance_sampling_correction`` (TRL's with vLLM), the policy term is multiplied by the
 importance-sampling ratio of the trainer's log-probs when sampled to the sampler's
 (:func:`hfsdp.builtin.online.correction.importance_sampling_ratio`; vespo's weight takes it in instead), and the
 off-policy mask's KL is the sampler's to the current policy; plus ``beta (exp(ref - logp) - (ref - logp) - 1)``

@@ -51,7 +51,7 @@ class GrpoSection(OnlineSection):
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage "
                                 "whose mean KL(old || current) exceeds this is left out (None: off; old: the "
-                                "sampler's log-probs with the workers or vllm engine, as TRL's with vLLM)")
+                                "sampler's log-probs with the workers engine, as TRL's with vLLM)")
     use_bias_correction_kl: bool = Field(True, description="multiply the KL term by the ratio (DeepSeek-V3.2's "
                                                            "unbiased reverse-KL gradient); beta > 0 only")
 

@@ -1,4 +1,4 @@
-"""The train-inference mismatch of an engine that samples beside the trainer (``generation.engine`` workers or vllm:
+"""The train-inference mismatch of an engine that samples beside the trainer (``generation.engine: workers``:
 :attr:`~hfsdp.builtin.online.schema.GenerationSection.beside`) and TRL 1.16's correction of it
 (``vllm_importance_sampling_correction``). Such a round keeps, for each completion, the sampler's log-prob of each
 labelled token (``sampler_logps``) beside the trainer's when sampled (``old_logps``, the same layout); GRPO's loss

@@ -27,7 +27,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -74,37 +74,18 @@ class SharedWeights:
 
     frozen: dict[str, torch.Tensor]
     slots: list[dict[str, torch.Tensor]]
-    ties: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first name
-
-    @property
-    def slot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.slots[0].values())
-
-    @property
-    def total_bytes(self) -> int:
-        return (sum(t.numel() * t.element_size() for t in self.frozen.values())
-                + self.slot_bytes * len(self.slots))
 
 
 class GenerationError(Exception):
     """A generation process that did not start, or did not answer in time: the run stops with this message."""
 
 
-def trained_parameters(unwrapped):
+def trained_parameters(unwrapped) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of each of the model's parameters once (a tied one under its first name), named as the
-    model without its FSDP and checkpoint wrappers names them, with what names each tied one has besides."""
+    model without its FSDP and checkpoint wrappers names them."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-    first: dict[int, str] = {}
-    named, ties = [], {}
-    for name, param in unwrapped.named_parameters(remove_duplicate=False):
-        name = clean_tensor_name(name)
-        if id(param) in first:
-            ties[name] = first[id(param)]
-            continue
-        first[id(param)] = name
-        named.append((name, param))
-    return named, ties
+    return [(clean_tensor_name(name), param) for name, param in unwrapped.named_parameters()]
 
 
 class _Process:
@@ -188,16 +169,16 @@ class GenerationWorkers:
         if self.published < 0:
             self.floor = version
         with generating(model, gather):
-            named, ties = trained_parameters(unwrapped)
+            named = trained_parameters(unwrapped)
             first = self.weights is None
             if first and self.rank == 0:
-                self.weights = self._allocate(named, ties)
+                self.weights = self._allocate(named)
             slot = None if self.rank else self.weights.slots[version % len(self.weights.slots)]
             for name, param in named:
                 if not (param.requires_grad or first):
                     continue
                 value = param.full_tensor() if isinstance(param, DTensor) else param
-                copied += value.numel() * value.element_size()
+                copied += value.numel() * self._sampling_dtype(value).itemsize
                 if self.rank == 0:
                     target = slot[name] if name in slot else self.weights.frozen[name]
                     target.copy_(value.detach())
@@ -208,18 +189,20 @@ class GenerationWorkers:
         """How many versions older than round ``round_``'s own its sampler was."""
         return round_ - self.version_of(round_)
 
-    def _allocate(self, named, ties) -> SharedWeights:
+    def _sampling_dtype(self, param) -> torch.dtype:
+        """A parameter's dtype in the generation processes: ``generation.dtype`` for a floating-point one, if set."""
+        return getattr(torch, self.generation.dtype) if self.generation.dtype and param.is_floating_point() \
+            else param.dtype
+
+    def _allocate(self, named) -> SharedWeights:
         """Shared-memory tensors for the parameters (``named``): the frozen ones once, the trainable ones in
         ``max_staleness + 1`` slots, in the sampling dtype."""
-        dtype = getattr(torch, self.generation.dtype) if self.generation.dtype else None
-
         def empty(param):
-            wanted = dtype if dtype is not None and param.is_floating_point() else param.dtype
-            return torch.empty(param.shape, dtype=wanted).share_memory_()
+            return torch.empty(param.shape, dtype=self._sampling_dtype(param)).share_memory_()
 
         frozen = {name: empty(p) for name, p in named if not p.requires_grad}
         slots = [{name: empty(p) for name, p in named if p.requires_grad} for _ in range(self.staleness + 1)]
-        return SharedWeights(frozen, slots, ties)
+        return SharedWeights(frozen, slots)
 
     # ---- rank 0
 
@@ -374,7 +357,7 @@ def _model(settings: Settings, weights: SharedWeights):
         from peft import get_peft_model
 
         model = get_peft_model(model, settings.peft_config)
-    named, _ = trained_parameters(model)
+    named = trained_parameters(model)
     wanted = {**weights.frozen, **weights.slots[0]}
     if set(dict(named)) != set(wanted):
         missing, extra = sorted(set(wanted) - set(dict(named))), sorted(set(dict(named)) - set(wanted))

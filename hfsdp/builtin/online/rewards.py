@@ -109,7 +109,7 @@ def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tupl
                                                        " s): the other ranks, waiting for this rank's rewards, would "
                                                        "time out first without naming the function; lower it or raise "
                                                        "train.collective_timeout_s"))
-    problems += acting_problems(config, plugin)
+    problems += acting_problems(config, plugin) + engine_problems(config, plugin)
     try:
         offered = installed_rewards(config.plugins, plugin)
     except Exception as err:  # noqa: BLE001 (a ConfigError's problems, or a broken plugin)
@@ -119,6 +119,25 @@ def online_problems(config, plugin: str, kl_reference: bool = True) -> list[tupl
             resolve_reward(spec.name, config.plugins, offered)
         except ValueError as err:
             problems.append((f"{plugin}.rewards[{i}].name", str(err)))
+    return problems
+
+
+def engine_problems(config, plugin: str) -> list[tuple[str, str]]:
+    """What the workers engine (``generation.engine: workers``) does not run: rollouts that act (their tools run
+    beside the trainer's sampler, turn by turn) and a quantized base (its copy in the generation processes is a
+    full-precision module)."""
+    section: OnlineSection = config.section(plugin)
+    if section.generation.engine != "workers":
+        return []
+    problems = []
+    if section.acts:
+        problems.append((f"{plugin}.generation.engine", "the workers engine samples single-turn completions: rollouts "
+                                                        "that call tools (tools, environment) are sampled inline; set "
+                                                        "generation.engine: inline"))
+    if config.model.quantization is not None:
+        problems.append((f"{plugin}.generation.engine", "the generation processes hold a full-precision copy of the "
+                                                        "policy, not a quantized base (model.quantization): set "
+                                                        "generation.engine: inline"))
     return problems
 
 

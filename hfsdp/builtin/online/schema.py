@@ -19,11 +19,11 @@ class RewardSpec(Section):
 class GenerationSection(Section):
     """Where and how the completions are sampled (``<objective>.generation``)."""
 
-    engine: Literal["inline", "workers", "vllm"] = Field(
+    engine: Literal["inline", "workers"] = Field(
         "inline", description="inline: the training ranks sample each round, then train on it; workers: generation "
-                              "processes beside the trainer hold a copy of the policy and sample rounds ahead while "
-                              "the ranks train (max_staleness), the new weights reaching them through shared memory "
-                              "after each round; vllm: a vLLM server on a GPU host (TRL's server mode)")
+                              "processes beside the trainer (on the first rank's host) hold a copy of the policy "
+                              "and sample rounds ahead while the ranks train (max_staleness), the new weights "
+                              "reaching them through shared memory after each round")
     processes: int = Field(1, ge=1, description="generation processes of the workers engine (each samples a share "
                                                 "of every round; the completions do not depend on how many)")
     max_staleness: int = Field(0, ge=0, description="round r is sampled by the policy of round max(0, r - "
@@ -36,7 +36,7 @@ class GenerationSection(Section):
     importance_sampling_correction: bool = Field(True, description="TRL's vllm_importance_sampling_correction: "
                                                                    "weigh each token's GRPO loss by the ratio of "
                                                                    "the trainer's to the sampler's probability "
-                                                                   "(the workers and vllm engines; inline samples "
+                                                                   "(the workers engine; inline samples "
                                                                    "with the trained model itself; TRL's RLOO and "
                                                                    "distillation have none)")
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
