@@ -33,6 +33,8 @@ CHAOS = {
     "rloo+async_save": (("rloo", "async_save"), 53_07),
     "distill_online": (("distill_online",), 53_08),
     "acting+lora": (("acting", "lora"), 69_01),  # rollouts that act: kills inside their turns and tool calls
+    # sampling beside the trainer (max_staleness 1): kills with a round in flight in the generation process
+    "workers+lora+async_save": (("workers", "lora", "async_save"), 70_01),
 }
 CI = ("grpo+async_save", "tp2+schedule_free")
 KILLS = 5

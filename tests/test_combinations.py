@@ -96,6 +96,16 @@ def acting(sections: dict) -> dict:
                                                   **({"lmbda": 1.0} if online == "distill_online" else {})}})
 
 
+def workers(sections: dict) -> dict:
+    """Sampling beside the trainer (issue 70): the online objective the other options chose (GRPO if none) sampled
+    by a generation process at max_staleness 1 (round 1 by the policy of round 0), the weights published through
+    shared memory after each round (tests/test_generation_engine.py: against inline bit for bit, 2 processes, faults)."""
+    online = next((name for name in ("grpo", "rloo", "distill_online") if name in sections), None)
+    if online is None:
+        sections, online = _merge(sections, GRPO), "grpo"
+    return _merge(sections, {online: {"generation": {"engine": "workers", "max_staleness": 1}}})
+
+
 def grpo_with(*plugins: str, **keys) -> dict:
     """:data:`GRPO` with more ``grpo`` keys (TRL's loss options, issue 50) and plugins before it."""
     return {**GRPO, "plugins": [*plugins, "grpo"], "grpo": {**GRPO["grpo"], **keys}}
@@ -246,6 +256,7 @@ OPTIONS = {
     "dpo_tools": lambda sections: with_tools(_merge(sections, DPO)),
     "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
     "acting": acting,
+    "workers": workers,
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
@@ -323,7 +334,7 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", "acting", *PACKED_OPTIONS)
+                          "distill_online", "acting", "workers", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
@@ -374,7 +385,8 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]  # Accelerate calls FSDP1's sharding_strategy so
     steps = losses(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
-    grpo = any(name in option for option in options for name in ("grpo", "rloo", "distill_online", "acting"))  # online
+    grpo = any(name in option for option in options
+               for name in ("grpo", "rloo", "distill_online", "acting", "workers"))  # online
     assert all(loss == loss and (0 < loss or grpo) and abs(loss) < 20  # GRPO's and RLOO's loss may be <= 0
                for loss, _ in steps.values()), steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -423,6 +435,10 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
     elif "distill_online" in options:  # lmbda 0.5: the first round sampled, the second the rows' answers (JSON)
         assert [m["on_policy"] for m in read_metrics(run) if "loss" in m] == [1, 1, 1, 0]
         assert [c["completion"].startswith('{"name"') for c in read_completions(run)] == [False, False, True, True]
+    if "workers" in options and "distill_online" not in options:  # (lmbda 0.5: round 1 is the rows' answers)
+        # round 0 by version 0, round 1 by version 0 too (staleness 1), the weights published at each round
+        metrics = [m for m in read_metrics(run) if "loss" in m]
+        assert [m["generation/staleness"] for m in metrics] == [0, 0, 0, 1] and metrics[0]["generation/sync_bytes"] > 0
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -775,6 +791,8 @@ FEATURES = {
     # second: rollouts that act on the tool prompts (turns of calls, an environment each, tool results masked), before
     # a mixture is made of them
     "acting": {"rows", "loss"},
+    # third: the online objective's rounds sampled by a generation process from the published full parameters
+    "workers": {"rows", "params"},
     "checkpointing": {"layers"},                # each decoder layer in a CheckpointWrapper
     "compile": {"layers", "attention"},         # each decoder layer compiled (Inductor)
     "size_wrap": {"layers", "units"},           # FSDP units of its own policy
@@ -829,6 +847,11 @@ REFUSED_PAIRS = {
        for name in ("dpo", "grpo", "rloo", "distill_online", "acting")},
     frozenset(("dpo", "acting")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
     frozenset(("tp2", "acting")): "(a plugin's objective) is not composed with tensor parallelism yet",
+    frozenset(("dpo", "workers")): "dpo trains on preference rows (prompt, chosen, rejected), not 'prompt'",
+    frozenset(("tp2", "workers")): "(a plugin's objective) is not composed with tensor parallelism yet",
+    frozenset(("sp2", "workers")): "(a plugin's objective) is not composed with sequence parallelism yet",
+    frozenset(("acting", "workers")): "the workers engine samples single-turn completions",
+    frozenset(("qlora", "workers")): "the generation processes hold a full-precision copy of the policy",
 }
 
 
@@ -849,6 +872,10 @@ ALL_PAIRS = _pairs()
 # activation checkpointing and packing in tests/test_compile.py.
 FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("checkpointing", "qlora", "size_wrap", "packing",
                                                                   "grpo")}
+# The workers engine meets the rows' options and the parameters' in CI through packing (the trainer's old log-probs
+# of packed rows against the sampler's unpacked ones) and FSDP1 (its smoke cell: the full parameters summoned); its
+# other pairs (LoRA on 1 and 2 ranks: tests/test_generation_engine.py) with --full-matrix.
+FULL_MATRIX_PAIRS |= {frozenset(("workers", other)) for other in ("agent", "mixture", "fsdp1", "lora", "muon")}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 
@@ -973,7 +1000,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools", "acting",
+                                      "grpo_tools", "acting", "workers",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)

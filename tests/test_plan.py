@@ -367,3 +367,38 @@ def test_grpo_is_planned_with_its_completions_and_their_kv_cache(tmp_path, tiny_
                          do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     held = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
     assert held == kv_elements_per_token(config) * 3 * (11 + 5 - 1) * 4  # the last token's keys are never made
+
+
+def test_the_workers_engines_generation_processes_are_counted_beside_the_ranks(tmp_path, tiny_model_dir):
+    """grpo.generation.engine workers (issue 70): the header counts the shared weights of the generation processes
+    (the frozen parameters once, LoRA's adapters in max_staleness + 1 slots) and a process's KV cache per
+    completion, as the engine allocates them."""
+    import re
+
+    from hfsdp.tools.plan.facts import kv_elements_per_token
+    from transformers import AutoConfig
+
+    prompts = {"format": "prompt", "path": str(PRESET_DATA / "contacts_prompts_train.jsonl"), "max_seq_len": 96}
+    cfg = tiny_config(tmp_path, plugins=["grpo", "lora"], data=prompts,
+                      grpo={"num_generations": 4, "max_new_tokens": 32, "rewards": [{"name": "json_fields"}],
+                            "generation": {"engine": "workers", "max_staleness": 2, "processes": 2}},
+                      train={"per_device_batch_size": 8})
+    data = plan_json(str(cfg), "--nproc", "1", "--strategies", "FULL_SHARD")
+    header = run_cli("plan", str(cfg), "--nproc", "1", "--strategies", "FULL_SHARD").stdout
+    said = re.search(r"generation processes \(workers engine, on the CPU of the first rank's host, not in the "
+                     r"columns\): 2 beside the ranks; shared weights (.+) \(frozen (.+) once, trainable (.+) x 3 "
+                     r"slots\); each process's KV cache (.+) per completion", header)
+    assert said, header
+
+    def mib(text: str) -> float:
+        value, unit = text.split()
+        return float(value) * (1024 if unit == "GiB" else 1)
+
+    shared, frozen, slot, kv = map(mib, said.groups())
+    assert slot == pytest.approx(data["trainable_parameters"] * 4 / 2 ** 20, abs=0.01)
+    assert frozen == pytest.approx((data["parameters"] - data["trainable_parameters"]) * 4 / 2 ** 20, abs=0.01)
+    assert shared == pytest.approx(frozen + 3 * slot, abs=0.02)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert kv == pytest.approx(kv_elements_per_token(config) * (96 + 32) * 4 / 2 ** 20, abs=0.01)
+    assert "generation processes" not in run_cli("plan", str(cfg), "--nproc", "1", "--set",
+                                                  "grpo.generation.engine=inline").stdout

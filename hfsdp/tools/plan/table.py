@@ -105,7 +105,39 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
                f"up to {config.data.max_seq_len}, "
                + ("every rank the global batch's" if sampling.whole_global_batch else "each rank its own")
                + ", with the KV cache (column sampling: gathered parameters, cache and transients)"
-               if sampling else ""))
+               if sampling else "")
+            + generation_processes_line(facts, config, objective))
+
+
+def generation_processes_line(facts: ModelFacts, config: HfsdpConfig, objective) -> str:
+    """The workers engine (``<objective>.generation.engine: workers``): what its generation processes hold beside
+    the ranks, in host memory on the first rank's host: the shared weights (the frozen parameters once, the
+    trainable ones in ``max_staleness + 1`` slots, in the sampling dtype) and each process's KV cache of its share
+    of a round, per completion at full length."""
+    generation = getattr(getattr(objective, "section", None), "generation", None)
+    if generation is None or generation.engine != "workers":
+        return ""
+    import torch
+
+    def itemsize(param) -> int:
+        return getattr(torch, generation.dtype).itemsize if generation.dtype else param.itemsize
+
+    frozen = sum(p.numel * itemsize(p) for p in facts.params if not p.trainable)
+    slot = sum(p.numel * itemsize(p) for p in facts.params if p.trainable)
+    shared = frozen + (generation.max_staleness + 1) * slot
+    width = config.data.max_seq_len + objective.sampling().new_tokens
+    kv = facts.kv_per_token * width * (getattr(torch, generation.dtype).itemsize if generation.dtype
+                                       else facts.params[0].itemsize)
+    return (f"\ngeneration processes (workers engine, on the CPU of the first rank's host, not in the columns): "
+            f"{generation.processes} beside the ranks; shared weights {size_gib(shared)} (frozen {size_gib(frozen)} "
+            f"once, trainable {size_gib(slot)} x {generation.max_staleness + 1} slots); each process's KV cache "
+            f"{size_gib(kv)} per completion it samples at once (its share of a round); column sampling is the "
+            f"inline engine's, an upper bound here (the ranks only gather the parameters to publish them)")
+
+
+def size_gib(n: int) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{n / MIB:.2f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
 
 
 def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
