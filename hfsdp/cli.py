@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from hfsdp import __version__
+from hfsdp import __version__, quiet
 from hfsdp.errors import PluginError, Stopped, UserError
 from hfsdp.export.gguf_file import QUANTS as GGUF_QUANTS
 from hfsdp.parallel import launcher
@@ -62,45 +62,6 @@ def _stop_on_signals() -> None:
         signal.signal(sig, stop)
 
 
-def _quiet(verbose: bool) -> None:
-    """Hide warnings a user cannot act on (libraries' deprecations, Accelerate's OMP_NUM_THREADS notice, DCP's
-    single-process note on export); --verbose or HFSDP_DEBUG shows everything."""
-    if verbose:
-        return
-    import logging
-    import warnings
-
-    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    # FSDP1's sharded optimizer-state load asks torch for a device in a way torch itself deprecated.
-    warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
-    warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
-    # FSDP1 on one process says it shards nothing (the start-up report says what runs) and returns full state dicts.
-    warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD` instead of")
-    warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will")
-    # torch's notice about how Accelerate slices HYBRID_SHARD's mesh (every HYBRID_SHARD run, FSDP2).
-    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
-    # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.
-    logging.getLogger("accelerate.utils.dataclasses").addFilter(
-        lambda record: not record.getMessage().startswith("sharding_strategy is deprecated in favor of"))
-    # lm-eval on a model hfsdp loaded and sharded (hfsdp eval): its warnings are about models it loads itself, and
-    # its note on custom task arguments is about its own command line
-    for name, said in (("lm_eval.models.huggingface", "`pretrained` model kwarg is not of type `str`"),
-                       ("lm_eval.models.huggingface", "Passed an already-initialized model through `pretrained`"),
-                       ("lm_eval.api.task", "Custom kwargs can be passed to `--metadata`")):
-        logging.getLogger(name).addFilter(lambda record, said=said: said not in record.getMessage())
-    # A checkpoint of the model without a wrapper (one process) is written with safetensors, which keeps one of two
-    # tied tensors (the input and output embeddings, tie_word_embeddings): the reload ties them again (a resume is
-    # bit for bit: tests/test_resume.py).
-    logging.getLogger("accelerate.utils.other").addFilter(
-        lambda record: "Removed shared tensor" not in record.getMessage())
-    # bitsandbytes on the CPU looks for an optional faster kernel package on import and falls back to its own.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
-
-
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="hfsdp")
 @click.option("-v", "--verbose", is_flag=True,
@@ -114,7 +75,8 @@ def cli(verbose: bool) -> None:
     On GPUs:   accelerate launch -m hfsdp train my.yaml
     On CPUs:   torchrun --nproc-per-node 2 -m hfsdp train my.yaml   (FSDP rehearsal on gloo)
     """
-    _quiet(verbose or bool(os.environ.get("HFSDP_DEBUG")))
+    if not (verbose or os.environ.get("HFSDP_DEBUG")):
+        quiet.hide_library_warnings()
 
 
 @cli.command()

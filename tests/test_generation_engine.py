@@ -193,3 +193,12 @@ def test_what_the_workers_engine_does_not_run_is_refused_naming_the_key(tmp_path
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert ("grpo.generation.engine: the workers engine samples single-turn completions: rollouts that call tools"
             in proc.stderr), proc.stderr
+
+
+@pytest.mark.slow
+def test_the_generation_processes_say_nothing_the_trainer_hides(runs):
+    """A generation process builds LoRA's model with peft (which imports bitsandbytes, whose CPU backend logs a
+    kernel it cannot fetch offline) and hides the libraries' warnings as the CLI does."""
+    for name in ("stale1", "stale1_x2"):
+        console = runs[name][1]
+        assert "kernels-community" not in console and "Warning" not in console, console[-3000:]

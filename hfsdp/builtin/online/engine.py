@@ -53,18 +53,20 @@ class Request:
 class Settings:
     """What a generation process needs besides the weights: the model's config, dtype and attention, LoRA's config
     (None: none), the sampling section, the ids that end a completion, the pad id, whether logits are kept at the
-    completion's positions only, the truncated completions' rule and its thread count."""
+    completion's positions only, the truncated completions' rule, its thread count and whether it hides its
+    libraries' warnings."""
 
     model_config: Any
     dtype: str
     attention: str
-    peft_config: Any
+    peft_config: dict | None  # plain JSON values (:func:`peft_dict`)
     section: Any
     eos: list[int]
     pad_id: int
     select_logits: bool
     mask_truncated: bool
     threads: int
+    quiet: bool  # the trainer hides its libraries' warnings (hfsdp.quiet): the process does too
 
 
 @dataclass
@@ -74,6 +76,15 @@ class SharedWeights:
 
     frozen: dict[str, torch.Tensor]
     slots: list[dict[str, torch.Tensor]]
+
+
+def peft_dict(config) -> dict:
+    """LoRA's config as plain JSON values, as peft writes ``adapter_config.json`` (its enums as their strings, sets as
+    lists): unpickling peft's own objects would import peft (and bitsandbytes, which speaks on import) before the
+    generation process hides its libraries' warnings."""
+    import json
+
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 class GenerationError(Exception):
@@ -135,6 +146,7 @@ class GenerationWorkers:
         self.asked = -1  # the last round asked for
         self.published = -1
         self.floor = 0  # the first version this process published: no older one is in the slots
+        self.held = [-1] * (self.staleness + 1)  # the version each slot holds
         self.restarts = 0
         self.stats: dict[str, float] = {}  # this round's, until taken (:meth:`take_stats`)
 
@@ -168,9 +180,9 @@ class GenerationWorkers:
         copied = 0
         if self.published < 0:
             self.floor = version
+        first = self.published < 0
         with generating(model, gather):
             named = trained_parameters(unwrapped)
-            first = self.weights is None
             if first and self.rank == 0:
                 self.weights = self._allocate(named)
             slot = None if self.rank else self.weights.slots[version % len(self.weights.slots)]
@@ -183,6 +195,7 @@ class GenerationWorkers:
                     target = slot[name] if name in slot else self.weights.frozen[name]
                     target.copy_(value.detach())
         self.published = version
+        self.held[version % (self.staleness + 1)] = version
         self.stats = {"generation/sync_s": time.perf_counter() - started, "generation/sync_bytes": float(copied)}
 
     def staleness_of(self, round_: int) -> int:
@@ -218,9 +231,13 @@ class GenerationWorkers:
         keys = sorted(slots)
         share = -(-len(keys) // len(self.processes))
         parts = [keys[i:i + share] for i in range(0, len(keys), share)]
+        version = self.version_of(round_)
+        if self.held[version % len(self.held)] != version:  # an invariant of the schedule (module docstring)
+            raise RuntimeError(f"round {round_} needs version {version}, but its slot holds version "
+                               f"{self.held[version % len(self.held)]}")
         self.done[round_], self.parts[round_] = {}, len(parts)
         for process, part in zip(self.processes, parts):
-            process.send(Request(round_, self.version_of(round_), {k: slots[k] for k in part}, width))
+            process.send(Request(round_, version, {k: slots[k] for k in part}, width))
         self.asked = round_
 
     def take(self, round_: int) -> dict[int, dict[str, list]]:
@@ -320,6 +337,10 @@ def _serve(conn, settings: Settings, weights: SharedWeights) -> None:
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the trainer
     torch.set_num_threads(settings.threads)
+    if settings.quiet:
+        from hfsdp.quiet import hide_library_warnings
+
+        hide_library_warnings()
     try:
         model, trainable = _model(settings, weights)
     except Exception:  # noqa: BLE001 (reported to the trainer, which stops the run with it)
@@ -354,9 +375,9 @@ def _model(settings: Settings, weights: SharedWeights):
                                                  attn_implementation=settings.attention)
     model.tie_weights()
     if settings.peft_config is not None:
-        from peft import get_peft_model
+        from peft import get_peft_config, get_peft_model
 
-        model = get_peft_model(model, settings.peft_config)
+        model = get_peft_model(model, get_peft_config(settings.peft_config))
     named = trained_parameters(model)
     wanted = {**weights.frozen, **weights.slots[0]}
     if set(dict(named)) != set(wanted):

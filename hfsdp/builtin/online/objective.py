@@ -212,17 +212,18 @@ class OnlineObjective(Objective):
         share = round_share(plan, step, round_, rank, group, self.name, self.config.train.seed)
         per_slot = share.per_micro_batch
         prompts = [list(dataset[i]["input_ids"]) for part in share.rows for i in part]  # the round's, in slot order
-        if self.samples_round(round_) and self.engine is not None:
-            rolled_of = self._from_engine(model, dataset, plan, round_, pad_id, select_logits)
-        elif self.samples_round(round_):
-            rows = [share.rows[k][q] for k in share.mine for q in range(per_slot) for _ in range(group)]
-            mine = self._roll_out(model, dataset, rows, [prompts[p] for p in share.positions for _ in range(group)],
-                                  share.seeds, pad_id, width=max(map(len, prompts)))
-        else:  # the rows' own completions (the same decision on every rank: none samples)
-            mine = {"completion_ids": [c for k in share.mine for i in share.rows[k]
-                                       for c in self.given_completions(dataset, i, group)]}
         per_micro = per_slot * group
-        if self.engine is None or not self.samples_round(round_):
+        # the workers engine: this round's completions (None: a round that does not sample), the weights published
+        rolled_of = (self._from_engine(model, dataset, plan, round_, pad_id, select_logits)
+                     if self.engine is not None else None)
+        if rolled_of is None:
+            if self.samples_round(round_):
+                rows = [share.rows[k][q] for k in share.mine for q in range(per_slot) for _ in range(group)]
+                mine = self._roll_out(model, dataset, rows, [prompts[p] for p in share.positions for _ in range(group)],
+                                      share.seeds, pad_id, width=max(map(len, prompts)))
+            else:  # the rows' own completions (the same decision on every rank: none samples)
+                mine = {"completion_ids": [c for k in share.mine for i in share.rows[k]
+                                           for c in self.given_completions(dataset, i, group)]}
             rolled_of = {k: v for part in gather_objects(self.accelerator, {
                 k: {key: values[i * per_micro:(i + 1) * per_micro] for key, values in mine.items()}
                 for i, k in enumerate(share.mine)}) for k, v in part.items()}
@@ -244,11 +245,13 @@ class OnlineObjective(Objective):
             log_completions(Path(self.config.train.output_dir) / "completions.jsonl", s.log_completions, step, dataset,
                             entries, group, self.tokenizer, [name for name, *_ in self.rewards])
 
-    def _from_engine(self, model, dataset, plan, round_: int, pad_id: int, select_logits: bool) -> dict[int, dict]:
+    def _from_engine(self, model, dataset, plan, round_: int, pad_id: int,
+                     select_logits: bool) -> dict[int, dict] | None:
         """Round ``round_``'s completions and sampler log-probs per micro-batch, from the generation processes
-        (:mod:`~hfsdp.builtin.online.engine`): the weights published as version ``round_``, the rounds up to
-        ``round_ + max_staleness`` asked for, round ``round_`` waited for (rank 0) and sent to every rank
-        (collective)."""
+        (:mod:`~hfsdp.builtin.online.engine`): the weights published as version ``round_`` (every round: a later
+        round sampled by it needs it, whether this one samples or not), the rounds up to ``round_ +
+        max_staleness`` that sample asked for, round ``round_`` waited for (rank 0) and sent to every rank; None
+        for a round that does not sample (collective)."""
         from hfsdp.builtin.online.engine import GenerationError
         from hfsdp.errors import UserError
         from hfsdp.parallel.world import gather_objects
@@ -265,8 +268,11 @@ class OnlineObjective(Objective):
                 for later in range(max(engine.asked + 1, round_), min(round_ + engine.staleness, self._rounds - 1) + 1):
                     if self.samples_round(later):
                         engine.ask(later, *self._round_prompts(dataset, plan, later))
-                values = engine.take(round_)
-                engine.stats["generation/staleness"] = float(engine.staleness_of(round_))
+                if self.samples_round(round_):
+                    values = engine.take(round_)
+                    engine.stats["generation/staleness"] = float(engine.staleness_of(round_))
+                else:
+                    values = None
             except GenerationError as err:
                 failure = str(err)
         failure, values = gather_objects(self.accelerator, (failure, values))[0]
@@ -276,12 +282,14 @@ class OnlineObjective(Objective):
 
     def _engine_settings(self, pad_id: int, select_logits: bool):
         """What the generation processes need to build and run the policy (:class:`~hfsdp.builtin.online.engine.Settings`)."""
-        from hfsdp.builtin.online.engine import Settings
+        from hfsdp.builtin.online.engine import Settings, peft_dict
+        from hfsdp.quiet import hidden
 
         peft = getattr(self.unwrapped, "peft_config", None)
         return Settings(self.unwrapped.config, self.config.model.dtype, self.unwrapped.config._attn_implementation,
-                        peft["default"] if peft else None, self.section, eos_ids(self.unwrapped, self.tokenizer),
-                        pad_id, select_logits, self.section.mask_truncated_completions, torch.get_num_threads())
+                        peft_dict(peft["default"]) if peft else None, self.section, eos_ids(self.unwrapped, self.tokenizer),
+                        pad_id, select_logits, self.section.mask_truncated_completions, torch.get_num_threads(),
+                        hidden())
 
     def _round_prompts(self, dataset, plan, round_: int) -> tuple[dict[int, dict[str, list]], int]:
         """Every micro-batch's prompts of round ``round_`` (one per completion, in order) with their seeds, and the
