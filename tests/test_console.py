@@ -34,11 +34,12 @@ def test_tiny_preset_and_export_print_no_warnings(tmp_path):
 def test_only_warnings_a_user_can_act_on_are_shown_unless_verbose(verbose, shown):
     import warnings
 
-    from hfsdp.cli import _quiet
+    from hfsdp.quiet import hide_library_warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _quiet(verbose)
+        if not verbose:  # what the CLI does
+            hide_library_warnings()
         warnings.warn("OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 2 to improve oob performance.", UserWarning)
         warnings.warn("old", FutureWarning)
         warnings.warn("check your data", UserWarning)
