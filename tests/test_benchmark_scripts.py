@@ -8,6 +8,8 @@ fails the build, instead of rotting until someone needs its figures.
   SFTTrainer, hfsdp's LoRA and TRL + peft's, and the machine's floor (``benchmarks/floor.py``) on the tiny model
   (one process), and of hfsdp, the bare FSDP loop and the floor on 2 gloo ranks. Its figures are
   not checked (a shared machine), only that each tool trained the same rows and the table was written.
+* ``benchmarks/sampling.py`` runs one round on the tiny model: the inline sampler and ``generate`` sample the same
+  completions (its figures not checked either).
 """
 
 from __future__ import annotations
@@ -106,3 +108,15 @@ def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_di
                      for t in ("trl", "trl-lora")}
         assert 0 < trainable["trl-lora"] < trainable["trl"] / 10, trainable
         assert "hfsdp-lora ÷ trl-lora: tokens/s" in table
+
+
+@pytest.mark.slow
+def test_sampling_benchmark_compares_the_inline_sampler_with_generate(tmp_path, tiny_model_dir):
+    """benchmarks/sampling.py on the tiny model, one round: both paths sample the same completions, and it says
+    how fast each was."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "sampling.py"), "--rounds", "1", "--repeats", "1", "--set",
+         "model.name_or_path=smollm2-tiny"], capture_output=True, text=True, env=base_env(), timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("same completions") == 2 and "DIFFERENT" not in proc.stdout, proc.stdout
+    assert re.search(r"generate [\d.]+, inline [\d.]+: [\d.]+x", proc.stdout), proc.stdout

@@ -31,11 +31,11 @@ EXPECTED = {
     "kto": {**STEP, "builtin.kto.loss:kl_estimate > all_reduce": 2},
     "distill": STEP,  # the frozen teacher's forwards gather its shards as FSDP's own collectives
     # GRPO (a new round each step): every rank's completions and rewards gathered, and the lock-step of sampling
-    # (transformers' synced_gpus: one all-reduce per decode step, max_new_tokens 4 + the last)
+    # (one all-reduce before each decode step: max_new_tokens 4, the first token drawn from the prefill)
     "grpo": {**STEP,
              "builtin.online.objective:_generate > all_gather_object": 1,
              "builtin.online.scoring:gathered > all_gather_object": 1,
-             "builtin.online.sampling:sample > all_reduce": 5},
+             "builtin.online.sampling:decode > all_reduce": 3},
 }
 DATA = {"sft": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl")},
         "dpo": {"format": "preference", "path": str(PRESET_DATA / "contacts_pref_train.jsonl")},

@@ -83,9 +83,10 @@ def _normalise(text: str) -> str:
 
 @contextlib.contextmanager
 def generating(model, whole: bool = True):
-    """The model ready for ``generate`` on its unwrapped module, in eval mode, its parameters gathered: under FSDP1
-    all of them (FSDP1 only gathers them inside its own forward, and ``generate`` calls the inner module); under FSDP2
-    with ``whole`` (``fsdp.gather_for_generation``) every unit's, once, kept gathered through every decode step;
+    """The model ready for generating on its unwrapped module (``generate``, or the online objectives' sampler's own
+    forwards with the KV cache), in eval mode, its parameters gathered: under FSDP1 all of them (FSDP1 only gathers
+    them inside its own forward, and ``generate`` calls the inner module); under FSDP2 with ``whole``
+    (``fsdp.gather_for_generation``) every unit's, once, kept gathered through every decode step;
     without it each forward gathers each unit again (so every rank must generate the same batches). Afterwards back
     in its mode, resharded."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP

@@ -3,10 +3,11 @@ objective's (:class:`hfsdp.builtin.online.objective.OnlineObjective`), TRL 1.16'
 
 Each generation round (``grpo.num_iterations`` optimizer steps) takes the plan's prompts of the global batch
 (``per_device_batch_size / num_generations`` prompts per micro-batch) and samples ``num_generations`` completions of
-each with the KV cache (``generate``), each rank those of its own micro-batches in one call, in lock-step. Every
-token is drawn by the completion's own generator, seeded by (seed, round, prompt position, generation index), never
-by rank, micro-batch or batch composition, so 1 process and N ranks sample the same completions. Each rank scores
-the completions it trains on with the reward functions (TRL's calling convention, hook ``hfsdp_reward_functions``);
+each with the KV cache (each prompt prefilled once), each rank those of its own micro-batches in one call, in
+lock-step. Every token is drawn by the completion's own generator, seeded by (seed, round, prompt position,
+generation index), never by rank, micro-batch or batch composition, so 1 process and N ranks sample the same
+completions. Each rank scores the completions it trains on with the reward functions (TRL's calling convention,
+hook ``hfsdp_reward_functions``);
 the rewards are gathered, and the advantages are TRL's (:func:`advantages_of`): with ``multi_objective_aggregation:
 sum_then_normalize`` the weighted sum of the rewards (None: left out) minus the group's mean, divided by the group's
 (or the batch's) standard deviation plus 1e-4 (``scale_rewards``); with ``normalize_then_sum`` each function's

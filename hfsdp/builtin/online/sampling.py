@@ -1,8 +1,10 @@
-"""Sampling the online objectives' completions (:func:`sample`): all at once with the KV cache (``generate``), each
-token drawn by its completion's own seeded generator (:func:`seeded_sampler`) from the logits over the temperature,
-cut to the top k and the top-p nucleus as transformers' warpers cut them (:func:`filtered_logits`), up to and
-including the first EOS (:func:`completion_mask`). A completion's tokens depend on its prompt and generator alone,
-whatever else is sampled beside it, on whichever rank."""
+"""Sampling the online objectives' completions (:func:`sample`): each distinct prompt prefilled once, its KV cache
+copied to each of its completions, which then decode together a token a forward (:func:`decode`), each token drawn by
+its completion's own seeded generator from the logits over the temperature, cut to the top k and the top-p nucleus
+as transformers' warpers cut them (:func:`draw`, :func:`filtered_logits`), up to and including the first EOS
+(:func:`completion_mask`). A completion's tokens depend on its prompt and generator alone, whatever else is sampled
+beside it, on whichever rank: they are those ``generate`` drew on the prompts repeated once per completion
+(benchmarks/sampling.py compares the two)."""
 
 from __future__ import annotations
 
@@ -30,22 +32,6 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return logits
 
 
-def seeded_sampler(generators: list[torch.Generator], temperature: float, top_k: int, top_p: float):
-    """A transformers logits processor that draws each row's next token with that row's generator and leaves only
-    it possible, so that greedy decoding emits it: a row's tokens depend on its generator and its logits alone."""
-    from transformers import LogitsProcessor
-
-    class SeededSampler(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            probs = filtered_logits(scores, temperature, top_k, top_p).softmax(-1).cpu()
-            drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
-            out = torch.full_like(scores, -math.inf)
-            out[torch.arange(len(drawn)), drawn.to(scores.device)] = 0.0
-            return out
-
-    return SeededSampler()
-
-
 def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """TRL's mask of the generated tokens: up to and including the first EOS."""
     is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))
@@ -64,37 +50,92 @@ def eos_ids(unwrapped, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int,
-           section: OnlineSection, eos: list[int], gather: bool, synced: bool,
-           max_new_tokens: int | None = None) -> list[list[int]]:
+           section: OnlineSection, eos: list[int], gather: bool, synced: bool, max_new_tokens: int | None = None,
+           logps: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """Completions (token ids up to and including the first EOS) of the prompts, one seeded generator each, of at
     most ``max_new_tokens`` (default ``section.max_new_tokens``) tokens drawn as the section's ``temperature``,
     ``top_k`` and ``top_p`` say (``model``: the wrapped model, ``unwrapped`` its module; ``gather``:
-    ``fsdp.gather_for_generation``).
+    ``fsdp.gather_for_generation``); with ``logps``, (completions, each token's log-prob under the sampler: of the
+    logits over the temperature, before top-k and top-p, as :func:`~hfsdp.builtin.online.rounds.token_logps`).
 
-    A row's tokens depend on its prompt and generator alone: the prompts are left-padded to ``width`` (the longest
-    prompt of everything sampled together on any rank, not of this rank's share), and a row's logits do not depend
-    on the other rows of the batch (the rows of a matrix product and of attention are computed apart). With several
-    ranks (``synced``: transformers' ``synced_gpus``) every rank takes as many decode steps as the rank that stops
-    last, its finished rows stepping on padding, as FSDP needs every rank in each forward; a rank without prompts
-    (an eval of fewer prompts than ranks) samples one padding row in step with them and returns none."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
+    Each distinct prompt is prefilled once and its KV cache copied to each of its completions (a group's prompt is
+    repeated ``num_generations`` times), which then decode together (:func:`decode`). A row's tokens depend on its
+    prompt and generator alone: the prompts are left-padded to ``width`` (the longest prompt of everything sampled
+    together on any rank, not of this rank's share), and a row's logits do not depend on the other rows of the
+    batch (the rows of a matrix product and of attention are computed apart), so they are those of ``generate`` on
+    the repeated prompts (bit for bit on a CPU; a GPU's matrix-product kernel may change with the number of rows,
+    and with it the last bits of a logit). With several ranks (``synced``) every rank takes as many decode steps as the
+    rank that stops last, its finished rows stepping on padding, as FSDP needs every rank in each forward; a rank
+    without prompts (an eval of fewer prompts than ranks) samples one padding row in step with them and returns
+    none."""
     from hfsdp.run.generation import generating
 
     wanted = len(prompts)
     if not wanted:
         prompts, seeds = [[pad_id]], [0]
+    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}
     device = next(unwrapped.parameters()).device
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], device=device)
     most = section.max_new_tokens if max_new_tokens is None else max(max_new_tokens, 1)
-    config = GenerationConfig(max_new_tokens=most, do_sample=False, pad_token_id=pad_id,
-                              eos_token_id=eos, use_cache=True)
-    sampler = seeded_sampler([torch.Generator().manual_seed(seed) for seed in seeds], section.temperature,
-                             section.top_k, section.top_p)
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     with generating(model, gather):
-        out = unwrapped.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                                 logits_processor=LogitsProcessorList([sampler]), synced_gpus=synced)
-    generated = out[:, width:]
-    mask = completion_mask(generated, eos)
-    return [row[m].tolist() for row, m in zip(generated.cpu(), mask.cpu())][:wanted]
+        tokens, drawn_logps = decode(unwrapped, input_ids, attention, [distinct[tuple(p)] for p in prompts],
+                                     generators, section, eos, pad_id, most, synced)
+    mask = completion_mask(tokens, eos)
+    completions = [row[m].tolist() for row, m in zip(tokens, mask)][:wanted]
+    if not logps:
+        return completions
+    return completions, [row[m].tolist() for row, m in zip(drawn_logps, mask)][:wanted]
+
+
+def decode(unwrapped, input_ids: torch.Tensor, attention: torch.Tensor, rows: list[int],
+           generators: list[torch.Generator], section: OnlineSection, eos: list[int], pad_id: int, most: int,
+           synced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens ``[rows, steps]`` (after a row's EOS, padding) and their log-probs under the sampler, on the CPU,
+    of the completions of ``rows`` (each an index into the left-padded prompts ``input_ids``), row ``i``'s tokens
+    drawn by ``generators[i]`` (:func:`draw`): the prompts are prefilled once, their KV cache copied to their rows,
+    then one forward a token, as ``generate`` steps, until every row has ended (an EOS) or ``most`` tokens; with
+    ``synced`` (transformers' ``synced_gpus``) until every rank's have, one all-reduce a step."""
+    import torch.distributed as dist
+
+    device = input_ids.device
+    index = torch.tensor(rows, device=device)
+    out = unwrapped(input_ids=input_ids, attention_mask=attention, use_cache=True)
+    cache, logits = out.cache, out.logits[:, -1].float()[index]
+    cache.reorder_cache(index)  # each prompt's keys and values to each of its completions
+    attention = attention[index]
+    open_ = torch.ones(len(rows), dtype=torch.bool)
+    tokens, logps = [], []
+    for step in range(most):
+        token, logp = draw(logits, generators, open_, section)
+        token[~open_] = pad_id  # a finished row steps on padding
+        tokens.append(token)
+        logps.append(logp)
+        open_ &= ~torch.isin(token, torch.tensor(eos))
+        if step + 1 == most:
+            break
+        left = open_.any().float().to(device)
+        if synced:
+            dist.all_reduce(left)
+        if not left.item():
+            break
+        attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
+        logits = unwrapped(input_ids=token[:, None].to(device), attention_mask=attention, cache=cache,
+                           use_cache=True).logits[:, -1].float()
+    return torch.stack(tokens, 1), torch.stack(logps, 1).cpu()
+
+
+def draw(logits: torch.Tensor, generators: list[torch.Generator], open_: torch.Tensor,
+         section: OnlineSection) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each open row's next token, drawn by its own generator from the logits over the temperature cut to the top k
+    and the top-p nucleus (:func:`filtered_logits`), on the CPU, and its log-prob under the logits over the
+    temperature (:func:`hfsdp.objective.target_logps`, as the trainer's), on their device; a closed row draws nothing
+    (its token 0)."""
+    from hfsdp.objective import target_logps
+
+    probs = filtered_logits(logits, section.temperature, section.top_k, section.top_p).softmax(-1).cpu()
+    token = torch.zeros(len(generators), dtype=torch.long)
+    for i in open_.nonzero().flatten().tolist():
+        token[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+    return token, target_logps(logits / section.temperature, token.to(logits.device))
