@@ -101,8 +101,9 @@ def decode(unwrapped, input_ids: torch.Tensor, attention: torch.Tensor, rows: li
 
     device = input_ids.device
     index = torch.tensor(rows, device=device)
+    named = cache_argument(unwrapped)
     out = unwrapped(input_ids=input_ids, attention_mask=attention, use_cache=True)
-    cache, logits = out.cache, out.logits[:, -1].float()[index]
+    cache, logits = getattr(out, named), out.logits[:, -1].float()[index]
     cache.reorder_cache(index)  # each prompt's keys and values to each of its completions
     attention = attention[index]
     open_ = torch.ones(len(rows), dtype=torch.bool)
@@ -121,9 +122,19 @@ def decode(unwrapped, input_ids: torch.Tensor, attention: torch.Tensor, rows: li
         if not left.item():
             break
         attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
-        logits = unwrapped(input_ids=token[:, None].to(device), attention_mask=attention, cache=cache,
+        logits = unwrapped(input_ids=token[:, None].to(device), attention_mask=attention, **{named: cache},
                            use_cache=True).logits[:, -1].float()
     return torch.stack(tokens, 1), torch.stack(logps, 1).cpu()
+
+
+def cache_argument(unwrapped) -> str:
+    """The name the causal LM's forward gives the KV cache, in and out: ``cache`` (transformers 5) or
+    ``past_key_values`` (4.x, which would take ``cache`` into its ``**kwargs`` and decode without it); a LoRA model
+    is asked about its base model."""
+    import inspect
+
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def draw(logits: torch.Tensor, generators: list[torch.Generator], open_: torch.Tensor,
