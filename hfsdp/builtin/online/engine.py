@@ -307,8 +307,9 @@ class GenerationWorkers:
     def _restart(self, process: _Process) -> None:
         """Replace a generation process that died, and ask its replacement for the rounds it had not answered (the
         same tokens: their versions are still in the slots)."""
-        code = process.process.exitcode if not process.process.is_alive() else None
-        process.stop()
+        process.process.join(timeout=5)  # its end seen on the pipe may come before the kernel reaps it
+        process.stop()  # (killed if it lives on without its pipe)
+        code = process.process.exitcode
         pending = process.pending
         if not process.ready:
             raise GenerationError(f"{self.objective}.generation: generation process {process.index} ended while "
