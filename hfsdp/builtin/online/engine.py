@@ -198,10 +198,6 @@ class GenerationWorkers:
         self.held[version % (self.staleness + 1)] = version
         self.stats = {"generation/sync_s": time.perf_counter() - started, "generation/sync_bytes": float(copied)}
 
-    def staleness_of(self, round_: int) -> int:
-        """How many versions older than round ``round_``'s own its sampler was."""
-        return round_ - self.version_of(round_)
-
     def _sampling_dtype(self, param) -> torch.dtype:
         """A parameter's dtype in the generation processes: ``generation.dtype`` for a floating-point one, if set."""
         return getattr(torch, self.generation.dtype) if self.generation.dtype and param.is_floating_point() \
@@ -248,6 +244,7 @@ class GenerationWorkers:
             self._receive()
         self.parts.pop(round_, None)
         self.stats["generation/wait_s"] = time.perf_counter() - started
+        self.stats["generation/staleness"] = float(round_ - self.version_of(round_))  # versions behind its own
         return self.done.pop(round_)
 
     def ahead(self) -> dict[int, dict[int, dict[str, list]]]:

@@ -268,11 +268,7 @@ class OnlineObjective(Objective):
                 for later in range(max(engine.asked + 1, round_), min(round_ + engine.staleness, self._rounds - 1) + 1):
                     if self.samples_round(later):
                         engine.ask(later, *self._round_prompts(dataset, plan, later))
-                if self.samples_round(round_):
-                    values = engine.take(round_)
-                    engine.stats["generation/staleness"] = float(engine.staleness_of(round_))
-                else:
-                    values = None
+                values = engine.take(round_) if self.samples_round(round_) else None
             except GenerationError as err:
                 failure = str(err)
         failure, values = gather_objects(self.accelerator, (failure, values))[0]
