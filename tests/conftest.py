@@ -312,6 +312,55 @@ def _tiny_variant(name: str, seed: int, **config_changes) -> Path:
     return folder
 
 
+# Tiny mixture-of-experts models (issue 71), each architecture's routing on the tiny model's width: 8 experts per
+# MoE layer, 2 a token; DeepSeek-V3's latent attention, grouped routing (2 groups, 1 chosen), one shared expert, its
+# first layer dense.
+TINY_MOE = {
+    "qwen3_moe": {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+    "mixtral": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "gpt_oss": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+    "deepseek_v3": {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4},  # (MLA: as many KV heads as heads)
+}
+
+
+def tiny_moe_config(model_type: str, vocab_size: int = 49152):
+    """The config of a tiny ``model_type`` mixture of experts (:data:`TINY_MOE`) on the tiny model's width."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, **TINY_MOE[model_type]})
+
+
+def tiny_moe_folder(model_type: str) -> Path:
+    """A tiny ``model_type`` mixture of experts, randomly initialised from seed 0, with the tiny model's tokenizer,
+    built once into the test cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.model.loading import resolve_model_path
+
+    folder = CACHE_DIR / f"tiny-{model_type}-seed0"
+    if not (folder / "model.safetensors").is_file():
+        tokenizer_of = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
+        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_moe_config(model_type)).save_pretrained(tmp, safe_serialization=True)
+        for f in tokenizer_of.iterdir():
+            if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
+                shutil.copy(f, tmp / f.name)
+        try:
+            tmp.rename(folder)
+        except OSError:  # built meanwhile by another process
+            shutil.rmtree(tmp)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_untied_model_dir() -> Path:
     """The shrunk SmolLM2 with untied input and output embeddings (its own lm_head), randomly initialised with seed

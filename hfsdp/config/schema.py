@@ -41,6 +41,8 @@ class Section(BaseModel):
 # model.attn_implementation: the transformers attention kernels hfsdp runs; which are usable where is checked at
 # start-up (hfsdp.rules.attention.attention_problems), before any weight loads.
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+# transformers' implementations of a mixture-of-experts layer's experts (``model.experts_implementation``).
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 
 
 QuantStorage = Literal["uint8", "float32", "bfloat16", "float16"]
@@ -89,6 +91,15 @@ class ModelConfig(Section):
     attn_implementation: Literal[ATTENTION_KERNELS] = Field(
         "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
                             "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
+    experts_implementation: Literal[EXPERTS_IMPLEMENTATIONS] | None = Field(
+        None, description="mixture-of-experts models: how each layer's experts run: grouped_mm (one grouped matmul "
+                          "per projection over the tokens sorted by expert), eager (a loop over the experts), "
+                          "batched_mm (each token's experts' weights gathered: for a few tokens at a time, slow to "
+                          "train). Default: transformers' choice, grouped_mm where torch has it, else eager.")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="mixture-of-experts models: weight of the router's load-balancing loss added to the "
+                                "training loss (default: the model config's router_aux_loss_coef; 0 turns it off). "
+                                "Metrics router/aux_loss and router/imbalance (max / mean tokens per expert).")
     quantization: QuantizationConfig | None = Field(
         None, description="QLoRA: load the base's Linears in 4 bits (bitsandbytes) and train LoRA on them "
                           "(docs/guide.md: QLoRA): {bits: 4, quant_type: nf4|fp4 (nf4), double_quant (true), "

@@ -258,14 +258,20 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         return None  # a hub id not here (offline: refused at once, not retried)
 
 
-def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None):
-    """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights.
-    What the caller then does to it (a plugin's adapters) stays on the meta device inside its own
-    ``torch.device("meta")``."""
+def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None,
+               cfg: ModelConfig | None = None):
+    """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights;
+    ``cfg``: the model section's experts settings applied (:func:`hfsdp.model.experts.configure`). What the caller
+    then does to it (a plugin's adapters) stays on the meta device inside its own ``torch.device("meta")``."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hfsdp.model import experts
+
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if cfg is not None:
+        model_config, more = experts.configure(model_config, cfg)
+        kwargs.update(more)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code, **kwargs)
 
@@ -277,7 +283,10 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hfsdp.model import experts
+
     dtype = getattr(torch, cfg.dtype)
+    model_config, more = experts.configure(load_model_config(path, cfg), cfg)
     if empty:
         from accelerate import init_empty_weights
 
@@ -287,8 +296,8 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
         # the sharded ones by storage address, which meta tensors lack.
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
-                load_model_config(path, cfg), dtype=dtype, attn_implementation=cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code,
+                model_config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code, **more,
             )
         model.tie_weights()  # init_empty_weights re-creates each parameter, which unties embeddings
         allocated: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
@@ -302,8 +311,8 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
         return model
     try:
         return AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=cfg.attn_implementation, **quantized_loading(quant),
+            path, config=model_config, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation, **more, **quantized_loading(quant),
         )
     except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
         raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
@@ -342,7 +351,7 @@ def build_meta_model(model_config, setup: "RunSetup", host, dtype: str):
         warnings.simplefilter("ignore")  # deprecation notices peft triggers in transformers
         # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
         attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
-        model = meta_model(model_config, config.model.trust_remote_code, attn)
+        model = meta_model(model_config, config.model.trust_remote_code, attn, config.model)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
                            setup=setup)
     return model.to(getattr(torch, dtype))

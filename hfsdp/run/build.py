@@ -23,7 +23,7 @@ from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, loading, packed_attention, quantized, token_loss
+from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.objective import (MicroBatchLayout, Objective, TokenCrossEntropy, micro_batch_packing,
                              micro_batch_padding, objective_of, rows_said)
@@ -87,7 +87,7 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
     planned = replaced or TokenCrossEntropy()
     pack_len = micro_batch_packing(host, config, planned)
     plan, max_steps, identity = _plan_steps(setup, data, accelerator.print, planned)
-    model, optimizer, flops, objective = _setup_model(
+    model, optimizer, flops, objective, router = _setup_model(
         accelerator, setup, host, model_path, model_config, tokenizer,
         packed=batches.is_packed(data.train.column_names) or pack_len is not None, replaced=replaced)
     objective.lay_out(_layout(accelerator, model, setup, flops, pack_len))
@@ -102,7 +102,7 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
     run = Run(config, accelerator, model, tokenizer, output_dir, state, host, accelerator.is_main_process,
               world=setup.world, optimizer=optimizer, model_config=model_config, generation_config=generation_config,
               model_files=ModelFiles.of(model_config, tokenizer, generation_config), resume_identity=identity,
-              objective=objective)
+              objective=objective, router=router)
     evaluator = Evaluator(run, accelerator.unwrap_model(model), data.eval, data.gen_items, metrics, select_logits)
     saver = store.Saver(accelerator, model, optimizer, config.train.async_save, config.train.collective_timeout_s,
                         lambda done: checkpoint_complete(run, metrics, done), estimate=checkpoint_bytes, lock=lock,
@@ -194,11 +194,13 @@ def _plan_steps(setup: RunSetup, data: Data, say, objective: Objective) -> tuple
 
 
 def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str, model_config, tokenizer,
-                 packed: bool, replaced: Objective | None = None) -> tuple[Any, Any, throughput.FlopsModel, Objective]:
+                 packed: bool, replaced: Objective | None = None
+                 ) -> tuple[Any, Any, throughput.FlopsModel, Objective, experts.Router | None]:
     """The model loaded, modified by plugins (LoRA) and prepared by Accelerate with its optimizer, the FLOPs model of
-    it (counted before sharding) and the objective to train it with (``replaced``, a plugin's, else next-token cross
+    it (counted before sharding), the objective to train it with (``replaced``, a plugin's, else next-token cross
     entropy through, by ``train.chunked_loss``, :class:`token_loss.ChunkedLoss` where the probe proves it exact,
-    else :func:`token_loss.token_loss_sum`). ``packed`` rows: proves attention stays inside each sample."""
+    else :func:`token_loss.token_loss_sum`) and a mixture of experts' router (None for a dense model). ``packed``
+    rows: proves attention stays inside each sample."""
     config, world = setup.config, setup.world
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
@@ -207,6 +209,7 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
                        setup=setup)
     probe = quantized.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
+    router = experts.Router.of(model, config, model_config)
     vocab_size = model.config.vocab_size
     chunked = (token_loss.ChunkedLoss(model, vocab_size)
                if config.train.chunked_loss and replaced is None and token_loss.output_head(model) else None)
@@ -216,10 +219,10 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
     if packed:
         batches.check_packed_attention(model, vocab_size, accelerator.device)
     if replaced is not None:
-        return model, optimizer, flops, replaced
+        return model, optimizer, flops, replaced, router
     loss_sum = token_loss.run_loss(model, chunked, accelerator, vocab_size) if config.train.chunked_loss \
         else token_loss.token_loss_sum
-    return model, optimizer, flops, TokenCrossEntropy(loss_sum)
+    return model, optimizer, flops, TokenCrossEntropy(loss_sum), router
 
 
 def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, pack_len: int | None) -> MicroBatchLayout:

@@ -14,6 +14,7 @@ import torch
 
 from hfsdp import __version__
 from hfsdp.errors import UserError
+from hfsdp.model import experts
 from hfsdp.parallel import quantized_base
 from hfsdp.parallel.world import local_tensor
 from hfsdp.rules import quantization
@@ -58,6 +59,9 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         "param_bytes_full_model": full,
         "checkpoint_saves": "asynchronous" if config.train.async_save else "synchronous",
     }
+    moe = experts.experts_report(model)
+    if moe is not None:
+        report["experts"] = moe
     quant = quantization.settings(config)
     if quant is not None:
         report["quantized_base"] = quantized_base.base_report(model, quant)
@@ -117,6 +121,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  parameters on this rank: {report['param_bytes_this_rank'] / MIB:.1f} MiB of "
         f"{report['param_bytes_full_model'] / MIB:.1f} MiB "
         f"({100 * report['param_bytes_this_rank'] / max(1, report['param_bytes_full_model']):.0f}%)"
+        + ("\n" + experts.format_experts_report(report["experts"]) if "experts" in report else "")
         + ("\n  checkpoints: asynchronous (staged into host memory, written in the background; complete once "
            "every rank's write is on disk)" if report.get("checkpoint_saves") == "asynchronous" else "")
         + (f"\n  torch.compile: {report['compiled_blocks']} transformer blocks compiled in place (the first steps "

@@ -53,6 +53,9 @@ class Run:
     # what the loop trains: ``objective(model, batch)`` is the micro-batch's summed loss (a plugin's, hook
     # hfsdp_objective, else next-token cross entropy)
     objective: Objective = field(default_factory=TokenCrossEntropy)
+    # a mixture-of-experts model's routing (hfsdp.model.experts.Router: its load-balancing loss and metrics); None
+    # for a dense model
+    router: Any = None
 
 
 @dataclass

@@ -59,6 +59,9 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
     counts = StartedSum(accelerator, [sum(b.num_targets for b in micro), local_tokens, local_sq_lengths,
                                       local_positions])
     run.objective.start_step(accelerator, micro)
+    router = run.router
+    if router is not None:
+        router.start_step()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:  # no host sync in here: the loss is summed on the device
         if batch.skip:  # every rank skips this micro-step: its gradient is 0
@@ -67,6 +70,9 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
             part = run.objective(model, batch)
             global_labels = counts.result()[0] / tp
             loss = part * dims.gradient_ranks / max(global_labels, 1)
+            balancing = router.take_loss(len(micro)) if router is not None else None
+            if balancing is not None:  # a mixture of experts' load-balancing loss (hfsdp.model.experts)
+                loss = loss + balancing
         with phase("backward"):
             accelerator.backward(scaler.scale(loss) if scaler else loss)
         loss_sum += part.detach().double()
@@ -81,13 +87,18 @@ def train_step(run: Run, micro: list[batches.MicroBatch], scaler, scheduler) -> 
         # the objective's metric sums, where it gives them, ride the same all-reduce (no collective of their own)
         sums = run.objective.step_sums()
         names = sorted(sums or {})
-        summed = torch.stack([loss_sum / tp, *(torch.as_tensor(sums[k], dtype=torch.float64).to(loss_sum.device)
-                                               for k in names)])
+        routed = router.sums() if router is not None else []  # the router's counts too
+        summed = torch.cat([torch.stack([loss_sum / tp, *(torch.as_tensor(sums[k], dtype=torch.float64)
+                                                          .to(loss_sum.device) for k in names)]),
+                            torch.tensor(routed, dtype=torch.float64, device=loss_sum.device)])
         norm, (total_loss, *totals) = clip_grad_norm(accelerator, trainable, config.train.max_grad_norm, run.world,
                                                      summed_with=summed)  # one all-reduce for all
         grad_norm = float(norm)
+        totals, routed = totals[:len(names)], totals[len(names):]
     metrics = (run.objective.metrics_of(dict(zip(names, totals))) if sums is not None
                else run.objective.take_metrics(accelerator))
+    if router is not None:
+        metrics = {**metrics, **router.metrics_of(routed)}
     global_labels, global_tokens, global_sq_lengths, global_positions = (
         total / copies for total, copies in zip(counts.result(), (tp, dims.row_copies, dims.row_copies, tp)))
     step_loss = total_loss / max(global_labels, 1)
