@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import (PRESET_DATA, RUN_ENV, RunRegistry, rank_errors, read_completions, read_metrics, run_cli, run_torchrun,
-                      tiny_config, tiny_teacher_folder)
+                      tiny_config, tiny_moe_folder, tiny_teacher_folder)
 
 pytestmark = pytest.mark.slow
 
@@ -257,6 +257,10 @@ OPTIONS = {
     "grpo_tools": lambda sections: with_tools(_merge(sections, GRPO)),
     "acting": acting,
     "workers": workers,
+    # a mixture of experts (issue 71): the tiny Qwen3-MoE (8 experts a layer, 2 a token), its experts' 3-D weights
+    # sharded, its router's load-balancing loss in the gradient (tests/test_moe.py: every architecture, against
+    # transformers' loss, 2 ranks against one process)
+    "moe": {"model": {"name_or_path": str(tiny_moe_folder("qwen3_moe"))}},
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
@@ -334,7 +338,7 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", "acting", "workers", *PACKED_OPTIONS)
+                          "distill_online", "acting", "workers", "moe", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
@@ -439,6 +443,11 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         # round 0 by version 0, round 1 by version 0 too (staleness 1), the weights published at each round
         metrics = [m for m in read_metrics(run) if "loss" in m]
         assert [m["generation/staleness"] for m in metrics] == [0, 0, 0, 1] and metrics[0]["generation/sync_bytes"] > 0
+    if "moe" in options:  # the router watched on every step, its load-balancing loss added where it trains
+        metrics = [m for m in read_metrics(run) if "loss" in m]
+        assert all(1 <= m["router/imbalance"] <= 4 and m["router/aux_loss"] > 1 for m in metrics), metrics
+        assert report["experts"] == {"experts": 8, "top_k": 2, "layers": 2, "implementation": "grouped_mm",
+                                     "aux_coef": 0.001}, report
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -812,6 +821,7 @@ FEATURES = {
     "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
     "sp2": {"rows", "attention", "loss"},       # each row's positions split, heads exchanged, the loss's counts
+    "moe": {"layers", "params", "loss"},        # experts' 3-D weights, the router's loss added to the step's
 }
 PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
 # In pairs, compile runs dynamo's capture and AOTAutograd (backend aot_eager) around the other feature's code, where
@@ -876,6 +886,11 @@ FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("checkpointing"
 # of packed rows against the sampler's unpacked ones) and FSDP1 (its smoke cell: the full parameters summoned); its
 # other pairs (LoRA on 1 and 2 ranks: tests/test_generation_engine.py) with --full-matrix.
 FULL_MATRIX_PAIRS |= {frozenset(("workers", other)) for other in ("agent", "mixture", "fsdp1", "lora", "muon")}
+# A mixture of experts meets in CI the options that change its experts' weights (FSDP1 flattens them, LoRA freezes
+# them) and recomputes its layers (checkpointing: a recomputed layer's tokens not counted twice); its other pairs
+# with --full-matrix.
+FULL_MATRIX_PAIRS |= {frozenset(("moe", other)) for other in FEATURES if other not in ("moe", "checkpointing",
+                                                                                       "fsdp1", "lora")}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 
@@ -1000,7 +1015,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools", "acting", "workers",
+                                      "grpo_tools", "acting", "workers", "moe",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
