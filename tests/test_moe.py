@@ -161,3 +161,21 @@ def test_expert_keys_are_refused_where_the_architecture_cannot_take_them(tmp_pat
     dense.write_text(yaml.safe_dump(bad))
     proc = run_cli("validate", str(dense), check=False)
     assert proc.returncode != 0 and "grouped_mm" in proc.stderr + proc.stdout
+
+
+def test_model_flops_count_the_experts_a_token_is_routed_to():
+    """A step's model FLOPs (tflops, MFU) count of each MoE layer's routed experts the top_k a token computes with
+    (2 of 8 here), not all of them; a shared expert and everything else in full."""
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.run.throughput import FlopsModel
+
+    config = tiny_moe_config("qwen3_moe", vocab_size=512)
+    model = AutoModelForCausalLM.from_config(config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    embedding = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    assert experts > 0
+    flops = FlopsModel.of(model, config)
+    assert flops.params == total - experts + experts * 2 // 8 and flops.trainable == flops.params
+    assert embedding == 512 * 64  # tied: counted once, as the head

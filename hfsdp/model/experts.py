@@ -45,6 +45,18 @@ def _is_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
 
 
+def routed_parameters(model: torch.nn.Module) -> set[int]:
+    """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts: a share
+    :func:`active_share` of them)."""
+    return {id(p) for module in model.modules() if _is_experts(module) for p in module.parameters()}
+
+
+def active_share(model_config: Any) -> float:
+    """The share of a routed experts' parameters a token computes with (``top_k / count``; 1 for a dense model)."""
+    experts = experts_of(model_config)
+    return experts.top_k / experts.count if experts is not None else 1.0
+
+
 def _layer_index(name: str) -> int:
     """The decoder layer of an experts module's name (``model.layers.3.mlp.experts``: 3)."""
     found = re.findall(r"\.(\d+)\.", f".{name}.")

@@ -51,20 +51,28 @@ _PRECISIONS = ("bf16", "fp16", "fp32")
 class FlopsModel:
     """What the FLOPs of a step depend on, counted once from the (unsharded) model."""
 
-    params: int  # N: every parameter but the input embedding table (a tied output head counted once)
+    params: int  # N: every parameter a token computes with but the input embedding table (a tied output head
+    # counted once; of a mixture of experts' routed experts, the top_k of every layer's count a token is routed to)
     trainable: int  # the part of N that gets weight gradients
     layers: int
     attention_width: int  # heads x head_dim
 
     @classmethod
     def of(cls, model, model_config) -> "FlopsModel":
+        from hfsdp.model import experts
+
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         tied = head is not None and head.weight is embedding
         unique = {id(p): p for p in model.parameters()}
         unique.pop(id(embedding), None)
-        params = sum(p.numel() for p in unique.values()) + (embedding.numel() if tied else 0)
-        trainable = sum(p.numel() for p in unique.values() if p.requires_grad)
+        routed, active = experts.routed_parameters(model), experts.active_share(model_config)
+
+        def counted(p) -> float:
+            return p.numel() * (active if id(p) in routed else 1)
+
+        params = round(sum(counted(p) for p in unique.values())) + (embedding.numel() if tied else 0)
+        trainable = round(sum(counted(p) for p in unique.values() if p.requires_grad))
         trainable += embedding.numel() if tied and embedding.requires_grad else 0
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
