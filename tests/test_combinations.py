@@ -862,6 +862,8 @@ REFUSED_PAIRS = {
     frozenset(("sp2", "workers")): "(a plugin's objective) is not composed with sequence parallelism yet",
     frozenset(("acting", "workers")): "the workers engine samples single-turn completions",
     frozenset(("qlora", "workers")): "the generation processes hold a full-precision copy of the policy",
+    frozenset(("tp2", "moe")): "qwen3_moe's tensor-parallel plan uses replicated_with_grad_allreduce, which hfsdp "
+                               "does not apply yet",
 }
 
 

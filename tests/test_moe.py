@@ -12,6 +12,8 @@ import yaml
 
 from conftest import (TINY_MOE, read_metrics, run_cli, run_torchrun, tiny_config, tiny_moe_config, tiny_moe_folder)
 
+# LoRA on the tiny Qwen3-MoE's experts (and on the attention Linears, LoRA's default targets)
+EXPERT_LORA = {"plugins": ["lora"], "lora": {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
 TEXT = ("The Quick Brown Fox jumped over the lazy dog while the cat watched from the window, counting the "
         "birds that flew by the old oak tree.")
 
@@ -156,6 +158,13 @@ def test_expert_keys_are_refused_where_the_architecture_cannot_take_them(tmp_pat
     assert proc.returncode != 0 and "Traceback" not in output
     assert "gpt_oss (GptOssForCausalLM) does not implement sdpa in transformers: set model.attn_implementation: " \
            "eager" in output
+    for lora, said in (({**EXPERT_LORA["lora"], "dropout": 0.05}, "lora.dropout: 0.05 with lora.target_parameters"),
+                       ({"target_parameters": ["mlp.experts.gate_proj"]},
+                        "lora.target_parameters: mlp.experts.gate_proj names no parameter of this model (its "
+                        "experts': mlp.experts.down_proj, mlp.experts.gate_up_proj)")):
+        adapters = moe_config(tmp_path / "lora", plugins=["lora"], lora=lora)
+        proc = run_cli("train", str(adapters), check=False)
+        assert proc.returncode == 2 and said in proc.stderr + proc.stdout, proc.stderr[-2000:]
     bad = yaml.safe_load(dense.read_text())
     bad["model"]["experts_implementation"] = "megablocks"
     dense.write_text(yaml.safe_dump(bad))
@@ -179,3 +188,90 @@ def test_model_flops_count_the_experts_a_token_is_routed_to():
     flops = FlopsModel.of(model, config)
     assert flops.params == total - experts + experts * 2 // 8 and flops.trainable == flops.params
     assert embedding == 512 * 64  # tied: counted once, as the head
+
+
+
+def test_lora_on_the_experts_trains_on_two_ranks_resumes_and_exports_what_peft_loads(tmp_path):
+    """LoRA on the fused expert weights (peft's target_parameters) besides the attention Linears: 2 FSDP2 ranks
+    train as one process accumulating the same micro-batches, a resume from step 2 ends bit for bit where the run
+    ended, the exported adapter loads in peft on the base, and the merged export (hfsdp export --merge-lora) is the
+    model peft merges: the same logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from test_combinations import assert_resumed_exactly, resume_from
+
+    train = {"max_steps": 4, "save_every": 2, "lr_scheduler": "constant", "learning_rate": 1e-2}
+    one = moe_config(tmp_path / "one", plugins=EXPERT_LORA["plugins"], lora=EXPERT_LORA["lora"],
+                     train={**train, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "one" / "run")})
+    two = moe_config(tmp_path / "two", plugins=EXPERT_LORA["plugins"], lora=EXPERT_LORA["lora"],
+                     train={**train, "output_dir": str(tmp_path / "two" / "run")})
+    run_cli("train", str(one))
+    proc = run_torchrun(2, "train", str(two))
+    assert "on k_proj, o_proj, q_proj, v_proj, mlp.experts.gate_up_proj, mlp.experts.down_proj:" in proc.stdout
+    run = tmp_path / "two" / "run"
+    single, ranks = steps(tmp_path / "one" / "run"), steps(run)
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "grad_norm", "router/imbalance"):
+            assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
+    assert_resumed_exactly(resume_from(tmp_path / "resumed", run, 2, step=2), run)
+
+    adapter = load_file(run / "final" / "adapter_model.safetensors")
+    experts_b = [k for k in adapter if ".mlp.experts." in k and "lora_B" in k]
+    assert len(experts_b) == 4 and all(adapter[k].abs().max() > 0 for k in experts_b)  # 2 layers x 2 weights
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_moe_folder("qwen3_moe")))
+    peft_model = PeftModel.from_pretrained(base, str(run / "final"))
+    ids = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    run_cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / "merged"), "--merge-lora")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    with torch.no_grad():
+        got = merged(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_moe_folder("qwen3_moe"))).state_dict()
+    unloaded = peft_model.merge_and_unload().state_dict()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        torch.testing.assert_close(merged.state_dict()[name], unloaded[name], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(merged.state_dict()[name], original[name])  # the experts' adapters merged in
+
+
+def test_plan_says_the_parameters_a_token_computes_with(tmp_path):
+    """``hfsdp plan`` of Qwen3-30B-A3B (the architecture hfsdp ships): its 30.5B parameters and the 3.35B a token
+    computes with (8 of each layer's 128 experts), as Qwen's model card gives them (30.5B, 3.3B activated); with
+    the example's LoRA on the experts, the adapters of the experts a token is routed to count as active too."""
+    from conftest import REPO
+
+    example = REPO / "examples" / "qwen3-30b-a3b-lora-chat.yaml"
+    full = yaml.safe_load(example.read_text())
+    del full["plugins"], full["lora"]
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(full))
+    plan = json.loads(run_cli("plan", str(tmp_path / "full.yaml"), "--nproc", "8", "--json").stdout)
+    assert round(plan["parameters"] / 1e9, 1) == 30.5 and round(plan["active_parameters"] / 1e9, 2) == 3.35
+    text = run_cli("plan", str(example), "--nproc", "8", "--strategies", "FULL_SHARD").stdout
+    assert "31.17B parameters (3.41B active a token, 642.5M trainable)" in text
+
+
+def test_the_router_loss_is_computed_in_training_forwards_only():
+    """A run's MoE model computes its load-balancing loss in a forward with autograd on (training) and never while
+    it samples: a padded batch's decoding steps have fewer router logits than the padding mask has positions, which
+    transformers' loss would refuse (a GRPO round, an evaluation's generation)."""
+    from hfsdp.config.schema import ModelConfig
+    from hfsdp.model import experts
+    from hfsdp.model.loading import load_model
+
+    cfg = ModelConfig(name_or_path=str(tiny_moe_folder("qwen3_moe")))
+    model = load_model(cfg.name_or_path, cfg)
+    router = experts.Router(model, coefficient=0.001)
+    ids = torch.tensor([[5, 6, 7, 8], [2, 2, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=2)
+    assert out.shape == (2, 7) and router.take_loss(1) is None
+    router.start_step()
+    model(input_ids=ids, attention_mask=mask)
+    loss = router.take_loss(2)
+    assert loss is not None and loss.requires_grad and float(loss) == pytest.approx(0.001 / 2 * float(
+        model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss), rel=1e-6)
+    assert router.metrics_of(router.sums())["router/imbalance"] >= 1

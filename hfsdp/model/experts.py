@@ -26,16 +26,17 @@ from hfsdp.rules.experts import aux_coefficient, experts_of
 
 def configure(model_config: Any, cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
     """``model_config`` as a run loads it, and the loading keyword arguments: for a mixture-of-experts model, the
-    router's logits returned (so that the model computes its load-balancing loss) with the coefficient
-    (:func:`~hfsdp.rules.experts.aux_coefficient`) where it is not 0 (else not returned), and
-    ``model.experts_implementation`` where given; a dense model's config as it is."""
-    if experts_of(model_config) is None:
+    load-balancing loss's coefficient (:func:`~hfsdp.rules.experts.aux_coefficient`) where the architecture has
+    one, the router's logits not returned by default (:class:`Router` asks for them in the training forwards
+    only: sampling and evaluation never compute the loss, whose padding mask a decoding step's logits would not
+    match), and ``model.experts_implementation`` where given; a dense model's config as it is."""
+    experts = experts_of(model_config)
+    if experts is None:
         return model_config, {}
-    coefficient = aux_coefficient(cfg, model_config)
     model_config = copy.deepcopy(model_config)
-    model_config.output_router_logits = bool(coefficient)
-    if coefficient:
-        model_config.router_aux_loss_coef = coefficient
+    model_config.output_router_logits = False
+    if experts.aux_coef is not None:
+        model_config.router_aux_loss_coef = aux_coefficient(cfg, model_config)
     return model_config, ({"experts_implementation": cfg.experts_implementation} if cfg.experts_implementation
                           else {})
 
@@ -47,8 +48,11 @@ def _is_experts(module: torch.nn.Module) -> bool:
 
 def routed_parameters(model: torch.nn.Module) -> set[int]:
     """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts: a share
-    :func:`active_share` of them)."""
-    return {id(p) for module in model.modules() if _is_experts(module) for p in module.parameters()}
+    :func:`active_share` of them), their LoRA adapters included (peft's wrappers of an experts module)."""
+    def routed(module) -> bool:
+        return _is_experts(module) or (hasattr(module, "get_base_layer") and _is_experts(module.get_base_layer()))
+
+    return {id(p) for module in model.modules() if routed(module) for p in module.parameters()}
 
 
 def active_share(model_config: Any) -> float:
@@ -73,7 +77,7 @@ def experts_report(model: torch.nn.Module) -> dict[str, Any] | None:
     config = found[0].config
     return {"experts": found[0].num_experts, "top_k": getattr(config, "num_experts_per_tok", 1), "layers": len(found),
             "implementation": config._experts_implementation,
-            "aux_coef": config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0}
+            "aux_coef": getattr(config, "router_aux_loss_coef", None) or 0.0}
 
 
 def format_experts_report(report: dict[str, Any]) -> str:
@@ -100,7 +104,7 @@ class Router:
         self._aux: list[torch.Tensor] = []  # the load-balancing losses of this micro-batch's training forwards
         self._aux_sum: torch.Tensor | float = 0.0  # (summed on the device: no host sync in the step's loop)
         self._aux_forwards = 0
-        root.register_forward_pre_hook(self._forward_starts)
+        root.register_forward_pre_hook(self._forward_starts, with_kwargs=True)
         root.register_forward_hook(self._forward_ends)
         for position, (_, module) in enumerate(found):
             module.register_forward_pre_hook(self._counter(position), with_kwargs=True)
@@ -112,9 +116,12 @@ class Router:
             return None
         return cls(model, aux_coefficient(config.model, model_config))
 
-    def _forward_starts(self, module, args) -> None:
+    def _forward_starts(self, module, args, kwargs):
         self._training = torch.is_grad_enabled()
         self._seen.clear()
+        if self._training and self.coefficient:  # the model computes its load-balancing loss of this forward
+            return args, {**kwargs, "output_router_logits": True}
+        return None
 
     def _forward_ends(self, module, args, output) -> None:
         aux = getattr(output, "aux_loss", None)

@@ -25,6 +25,7 @@ FSDP pitfalls this plugin avoids:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -47,6 +48,10 @@ class LoraSection(Section):
     target_modules: list[str] | None = Field(
         None, description="module names to adapt; default: every Linear inside the decoder blocks (not lm_head)"
     )
+    target_parameters: list[str] | None = Field(
+        None, description="parameters to adapt that are not a Linear's weight, as peft's target_parameters: a "
+                          "mixture of experts' fused expert weights, e.g. [mlp.experts.gate_up_proj, "
+                          "mlp.experts.down_proj] (docs/guide.md: Mixture-of-experts); default: none")
     bias: Literal["none", "all", "lora_only"] = Field(
         "none", description="biases trained: none, all, or those of adapted modules")
     modules_to_save: list[str] | None = Field(None, description="modules trained in full next to the adapters")
@@ -110,7 +115,8 @@ def peft_config(section: LoraSection, target_modules: list[str]):
 
     return LoraConfig(
         r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=list(target_modules),
-        bias=section.bias, modules_to_save=section.modules_to_save, task_type="CAUSAL_LM",
+        target_parameters=section.target_parameters, bias=section.bias, modules_to_save=section.modules_to_save,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -136,10 +142,23 @@ def adapted(model, config, section: LoraSection):
 
     targets = resolved_targets(model, config, section)
     _check_tied(model, targets, section.modules_to_save)
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [t for t in section.target_parameters or [] if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched:
+        experts = sorted({n.split(".", 3)[-1] for n in names if ".experts." in n and n.count(".") >= 3})
+        raise ConfigError([("lora.target_parameters", f"{', '.join(unmatched)} names no parameter of this model"
+                                                      + (f" (its experts': {', '.join(experts)})" if experts else ""))])
     try:
         return get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
     except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
-        raise ConfigError([("lora.target_modules", str(err))]) from None
+        said = str(err)
+        if section.target_parameters and "lora_dropout" in said:
+            raise ConfigError([("lora.dropout", f"{section.dropout:g} with lora.target_parameters: peft's adapters "
+                                                f"of parameters take no dropout ({said}): set lora.dropout: 0")]) from None
+        key = ("lora.target_parameters" if section.target_parameters and ("target_parameters" in said
+                                                                         or "ParamWrapper" in said)
+               else "lora.target_modules")
+        raise ConfigError([(key, said)]) from None
 
 
 def _meta_adapted(model_config, config, section: LoraSection):
@@ -191,7 +210,7 @@ def hfsdp_modify_model(model, config, world):
     section: LoraSection = config.section("lora")
     base_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     peft_model = adapted(model, config, section)
-    targets = sorted(peft_model.peft_config[ADAPTER].target_modules)
+    targets = sorted(peft_model.peft_config[ADAPTER].target_modules) + list(section.target_parameters or [])
     for p in peft_model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != base_dtype:
             p.data = p.data.to(base_dtype)
@@ -258,10 +277,12 @@ class MergedWeights(Mapping):
     """The base model's weights with the adapters merged in (``W + (B @ A) * alpha / r``), computed lazily one
     tensor at a time from a peft state dict, under the base model's names."""
 
-    def __init__(self, state_dict: Mapping[str, Any], section: LoraSection):
+    def __init__(self, state_dict: Mapping[str, Any], section: LoraSection,
+                 parameters: dict[str, tuple[str, str, int, bool]] | None = None):
         self.sd = state_dict
         self.section = section
         self.scaling = section.alpha / section.r
+        self.parameters = parameters or {}  # lora.target_parameters' (parameter_merges)
         self.sources: dict[str, str] = {}
         keys = list(state_dict)
         keyset = set(keys)
@@ -270,10 +291,12 @@ class MergedWeights(Mapping):
                 raise UserError(f"lora export: '{key}' is not a peft model weight (expected names under {PREFIX})")
             if _is_lora_key(key) or ".original_module." in key:
                 continue
-            name = key[len(PREFIX):].replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+            name = re.sub(r"\.base_layer(?=\.)", "", key[len(PREFIX):]).replace(f".modules_to_save.{ADAPTER}.", ".")
             self.sources[name] = key
         self.merges: dict[str, tuple[str, str, bool]] = {}
         for name, key in self.sources.items():
+            if name in self.parameters:
+                continue
             if ".base_layer." not in key or not key.endswith(".weight"):
                 continue
             module = key.rsplit(".base_layer.", 1)[0]
@@ -282,7 +305,10 @@ class MergedWeights(Mapping):
             for (a, b), is_embedding in ((linear, False), (embedding, True)):
                 if a in keyset and b in keyset:
                     self.merges[name] = (a, b, is_embedding)
-        if not self.merges:
+        missing = [key for a, b, _, _ in self.parameters.values() for key in (a, b) if key not in keyset]
+        if missing:
+            raise UserError(f"lora export: the weights lack the adapters of lora.target_parameters: {missing[:2]}")
+        if not self.merges and not self.parameters:
             raise UserError("lora export: the weights hold no LoRA adapter to merge")
 
     def __iter__(self) -> Iterator[str]:
@@ -293,6 +319,8 @@ class MergedWeights(Mapping):
 
     def __getitem__(self, name: str):
         weight = self.sd[self.sources[name]]
+        if name in self.parameters:
+            return self._merged_parameter(name, weight)
         if name not in self.merges:
             return weight
         a_key, b_key, is_embedding = self.merges[name]
@@ -307,6 +335,43 @@ class MergedWeights(Mapping):
                             f"vs {list(weight.shape)}")
         return (weight.float() + delta * self.scaling).to(weight.dtype)
 
+    def _merged_parameter(self, name: str, weight):
+        """A parameter peft adapted in place (``ParamWrapper``) merged as peft's ``get_delta_weight`` merges it: the
+        adapters of ``experts`` stacked experts, each ``B_e @ A_e`` in the parameter's layout."""
+        import torch
+
+        a_key, b_key, experts, swapped = self.parameters[name]
+        a, b = self.sd[a_key].float(), self.sd[b_key].float()
+        if experts == 1:
+            delta = b @ a
+        else:
+            a = a.reshape(experts, -1, a.shape[-1])  # experts x rank x in
+            b = b.reshape(b.shape[0], -1, experts)  # out x rank x experts
+            delta = torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b, a)
+        if tuple(delta.shape) != tuple(weight.shape):
+            raise UserError(f"lora export: cannot merge {a_key} into {name}: shapes {list(delta.shape)} "
+                            f"vs {list(weight.shape)}")
+        return (weight.float() + delta * self.scaling).to(weight.dtype)
+
+
+def parameter_merges(model_config, config, section: LoraSection) -> dict[str, tuple[str, str, int, bool]]:
+    """For ``lora.target_parameters``: each adapted parameter's name in the base model, its adapter's A and B keys,
+    the experts it stacks and whether peft swapped its in and out features (a layout of experts x out x in), read
+    off peft's wrappers on the meta device."""
+    if not section.target_parameters:
+        return {}
+    from peft.tuners.lora.layer import ParamWrapper
+
+    model, _ = _meta_peft_model(model_config, config, section)
+    merges = {}
+    for path, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            base = re.sub(r"\.base_layer(?=\.|$)", "", path)[len(PREFIX):]
+            merges[f"{base}.{module.parameter_name}"] = (f"{path}.lora_A.{ADAPTER}.weight",
+                                                         f"{path}.lora_B.{ADAPTER}.weight", module.num_experts,
+                                                         module._did_swap_in_out_features)
+    return merges
+
 
 @hookimpl
 def hfsdp_trains_adapters():
@@ -320,7 +385,8 @@ def hfsdp_export(state_dict, model_config, tokenizer, out_dir, generation_config
 
     section: LoraSection = config.section("lora")
     if section.merge or merge_adapters:
-        write_hf_folder(MergedWeights(state_dict, section), model_config, tokenizer, Path(out_dir),
+        write_hf_folder(MergedWeights(state_dict, section, parameter_merges(model_config, config, section)),
+                        model_config, tokenizer, Path(out_dir),
                         generation_config=generation_config, max_shard_bytes=max_shard_bytes)
     else:
         write_adapter(state_dict, model_config, tokenizer, Path(out_dir), config)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.model import quantized
+from hfsdp.model import experts, quantized
 from hfsdp.model.loading import build_meta_model, layer_classes
 from hfsdp.rules import parallel, quantization
 from hfsdp.run import optimizers
@@ -60,6 +60,9 @@ class ModelFacts:
     # elements per token that sequence parallelism's all-to-alls exchange in a forward: every layer's queries, keys,
     # values and attention output
     exchanged_per_token: int = 0
+    # a mixture of experts: the parameters a token computes with (each MoE layer's top_k routed experts of its
+    # count, everything else); None for a dense model
+    active_params: int | None = None
 
     def tp_local(self, tp: int) -> "ModelFacts":
         """What one rank of a tensor-parallel group of ``tp`` keeps before FSDP2 shards it (the largest slices)."""
@@ -189,13 +192,17 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
         params.append(Param(numel=rows, rows=rows, itemsize=itemsize, trainable=False, unit=unit, cast=False,
                             replicated=quant.quant_storage == "uint8", weights=p.numel()))
     params = tuple(params)
+    routed = experts.routed_parameters(model)
+    active = (sum(p.numel() * (experts.active_share(model_config) if id(p) in routed else 1)
+                  for p in model.parameters()) if routed else None)
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
                       tied_embeddings=tied, tied_trainable_numel=tied_numel,
                       quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0,
                       kv_per_token=kv_elements_per_token(model_config),
-                      exchanged_per_token=exchanged_elements_per_token(model_config))
+                      exchanged_per_token=exchanged_elements_per_token(model_config),
+                      active_params=round(active) if active is not None else None)
 
 
 def _attention_shape(model_config) -> tuple[int, int, int, int]:

@@ -88,7 +88,9 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
         loss = "chunked" if config.train.chunked_loss else "plain (full logits)"
     tokens = config.data.max_seq_len + (sampling.new_tokens if sampling else 0)
     return (f"{facts.name}: {_count(facts.total_params)} parameters"
-            + (f" ({_count(facts.trainable_params)} trainable)" if adapted else "")
+            + (f" ({', '.join(said)})" if (said := [
+                *([f"{_count(facts.active_params)} active a token"] if facts.active_params is not None else []),
+                *([f"{_count(facts.trainable_params)} trainable"] if adapted else [])]) else "")
             + f", {facts.num_layers} layers in {len(facts.units)} FSDP units; weights {config.model.dtype}, "
             f"mixed precision {fsdp.precision_name}, FSDP{fsdp.version}, activation checkpointing "
             f"{'on' if fsdp.activation_checkpointing else 'off'}, cpu offload {'on' if fsdp.cpu_offload else 'off'}\n"
@@ -168,6 +170,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBa
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
         out.append(d)
     return {"model": facts.name, "parameters": facts.total_params, "trainable_parameters": facts.trainable_params,
+            **({"active_parameters": facts.active_params} if facts.active_params is not None else {}),
             "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget,
             **({"micro_batch": {"rows": shape.rows, "tokens_per_row": shape.width, "tokens": shape.tokens,
                                 "logits_positions_per_row": shape.positions, "packing": shape.packing}}

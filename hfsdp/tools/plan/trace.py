@@ -37,6 +37,18 @@ def _fused_sdpa():
     return sdpa
 
 
+def _meta_autocast(autocast):
+    """``torch.autocast`` that takes the meta device for the CPU: peft's adapters of fused expert weights (LoRA's
+    ``target_parameters``) open ``torch.autocast(device_type=<the weight's>, enabled=False)``, which torch refuses
+    for the meta device the trace runs on; disabled, it changes nothing."""
+
+    class MetaAutocast(autocast):
+        def __init__(self, device_type, *args, **kwargs):
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    return MetaAutocast
+
+
 @dataclass(frozen=True)
 class MicroBatchShape:
     """The micro-batch ``hfsdp plan`` traces: ``rows`` of ``width`` tokens, with logits at the last ``positions`` of
@@ -160,8 +172,10 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
 
         hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(layer.register_forward_hook(post))
-    patch = (mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa())
-             if config.model.attn_implementation != "eager" else contextlib.nullcontext())
+    patch = contextlib.ExitStack()
+    if config.model.attn_implementation != "eager":
+        patch.enter_context(mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa()))
+    patch.enter_context(mock.patch.object(torch, "autocast", _meta_autocast(torch.autocast)))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     head = model.get_output_embeddings()
     lm_head = head is not None  # else a sequence-classification model (plugin reward_model): one score per token
