@@ -52,7 +52,7 @@ def test_grouped_experts_compute_what_the_loop_of_experts_computes(model_type):
 
 
 def _one_sgd_step(tmp_path: Path, coefficient: float | None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "row.jsonl"
@@ -63,7 +63,7 @@ def _one_sgd_step(tmp_path: Path, coefficient: float | None) -> dict[str, torch.
                                "lr_scheduler": "constant", "weight_decay": 0.0, "max_grad_norm": None,
                                "output_dir": str(tmp_path / "run"), "eval_at_start": False})
     run_cli("train", str(config))
-    return load_file(tmp_path / "run" / "final" / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final")).state_dict()
 
 
 def test_the_load_balancing_loss_enters_the_gradient_as_transformers_computes_it(tmp_path):
@@ -107,6 +107,7 @@ def test_two_ranks_train_as_one_process_with_the_same_router_metrics(tmp_path):
     assert "experts: 8 per MoE layer, top 2, in 2 layers (grouped_mm) | router load-balancing loss x 0.001" in proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
     assert single.keys() == ranks.keys() == {1, 2, 3}
+    assert_saved_as_transformers_saves(tmp_path / "two" / "run" / "final", "qwen3_moe")
     for step in single:
         for key in ("loss", "grad_norm", "router/aux_loss", "router/imbalance", "router/imbalance/layer_0",
                     "router/imbalance/layer_1"):
@@ -119,7 +120,8 @@ def test_two_ranks_train_as_one_process_with_the_same_router_metrics(tmp_path):
 def test_every_architecture_trains_on_two_ranks_with_the_loop_of_experts(tmp_path, model_type):
     """Mixtral, gpt-oss and DeepSeek-V3 (grouped routing, a shared expert, a dense first layer) through the same path
     on 2 FSDP2 ranks, their experts in transformers' eager loop: the loss falls, the router is watched (DeepSeek-V3
-    has no load-balancing loss in transformers: none is added or reported), and the export reloads."""
+    has no load-balancing loss in transformers: none is added or reported), and the export reloads, in the layout
+    transformers saves (Mixtral's and DeepSeek-V3's one tensor per expert, gpt-oss's fused)."""
     from transformers import AutoModelForCausalLM
 
     attention = {"attn_implementation": "eager"} if model_type == "gpt_oss" else {}  # (its sinks: no sdpa)
@@ -135,6 +137,20 @@ def test_every_architecture_trains_on_two_ranks_with_the_loop_of_experts(tmp_pat
         f"router/imbalance/layer_{i}" for i in moe_layers]
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final"))
     assert model.config.model_type == model_type
+    assert_saved_as_transformers_saves(tmp_path / "run" / "final", model_type)
+
+
+def assert_saved_as_transformers_saves(folder: Path, model_type: str) -> None:
+    """The exported weights hold the tensor names and shapes transformers' save_pretrained writes for the
+    architecture (one tensor per expert and projection where the hub's checkpoints hold them so), as the tiny
+    folder it started from does."""
+    from safetensors import safe_open
+
+    def shapes(path: Path) -> dict[str, list[int]]:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+    assert shapes(folder) == shapes(tiny_moe_folder(model_type))
 
 
 def test_expert_keys_are_refused_where_the_architecture_cannot_take_them(tmp_path):

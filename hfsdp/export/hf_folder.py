@@ -195,11 +195,18 @@ def verify_hf_weights(folder: Path, expected: Mapping[str, tuple[int, ...]] | No
 def write_model_folder(state_dict: Mapping[str, torch.Tensor], files: ModelFiles, out_dir: Path, *,
                        max_shard_bytes: int | None = None) -> Path:
     """A complete, verified Hugging Face model folder written into ``out_dir`` (the empty folder the
-    ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards)."""
+    ``hfsdp_export`` hook receives; hfsdp renames it into place afterwards), in the layout transformers'
+    ``save_pretrained`` writes (a mixture of experts' weights one tensor per expert, as the hub holds them)."""
     out_dir = Path(out_dir)
     # a tied output head is the input embedding: never written (a safetensors checkpoint may not even hold it)
     skip = {"lm_head.weight"} if files.tied else set()
-    write_hf_weights(state_dict.items(), out_dir, expected=files.expected, skip=skip, max_shard_bytes=max_shard_bytes)
+    tensors, expected = state_dict.items(), files.expected
+    if files.layout is not None:  # the layout save_pretrained writes (hfsdp.model.metadata.SavedLayout)
+        layout = files.layout
+        tensors = ((saved, tensor) for name, weight in tensors if name not in skip
+                   for saved, tensor in layout(name, weight).items())
+        expected = layout.shapes()
+    write_hf_weights(tensors, out_dir, expected=expected, skip=skip, max_shard_bytes=max_shard_bytes)
     files.save(out_dir)
     return out_dir
 

@@ -258,6 +258,32 @@ def tokenizer_of(cfg: ModelConfig, cache_dir: Path):
         return None  # a hub id not here (offline: refused at once, not retried)
 
 
+# The flag of a transformers model class that says it implements each attention kernel (``_sdpa_can_dispatch``
+# and its siblings read them as a model is built).
+KERNEL_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                "flex_attention": "_supports_flex_attn"}
+
+
+def check_attention(model_config, kernel: str | None) -> None:
+    """UserError where ``model.attn_implementation`` (``kernel``) is a kernel the architecture's transformers class
+    does not implement (gpt-oss has no sdpa: its attention sinks), said as the model is first built (before any
+    weight loads) instead of as transformers' error. An architecture transformers does not map (remote code) is
+    left to its own check."""
+    from transformers import AutoModelForCausalLM
+
+    flag = KERNEL_FLAGS.get(kernel)
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(model_config)] if flag else None
+    except (KeyError, ValueError):
+        return
+    if model_class is None or getattr(model_class, flag, True):
+        return
+    offered = [name for name, other in KERNEL_FLAGS.items() if getattr(model_class, other, False)]
+    raise UserError(f"model.attn_implementation: {model_config.model_type} ({model_class.__name__}) does not "
+                    f"implement {kernel} in transformers: set model.attn_implementation: eager"
+                    + (f" (or {', '.join(offered)} where it runs)" if offered else ""))
+
+
 def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None,
                cfg: ModelConfig | None = None):
     """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights;
@@ -270,6 +296,7 @@ def meta_model(model_config, trust_remote_code: bool = False, attn_implementatio
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if cfg is not None:
+        check_attention(model_config, cfg.attn_implementation)
         model_config, more = experts.configure(model_config, cfg)
         kwargs.update(more)
     with torch.device("meta"):
@@ -287,6 +314,7 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
 
     dtype = getattr(torch, cfg.dtype)
     model_config, more = experts.configure(load_model_config(path, cfg), cfg)
+    check_attention(model_config, cfg.attn_implementation)
     if empty:
         from accelerate import init_empty_weights
 

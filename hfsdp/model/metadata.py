@@ -18,6 +18,40 @@ def expected_shapes(model_config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in meta_model(model_config).state_dict().items()}
 
 
+class SavedLayout:
+    """The layout transformers' ``save_pretrained`` writes an architecture's weights in, where it differs from the
+    model's own: the reverse of the conversion its ``from_pretrained`` applies (a mixture of experts' fused expert
+    weights written back as one tensor per expert and projection, as the hub holds them), one tensor at a time.
+    :meth:`of` is None where the architecture converts nothing."""
+
+    def __init__(self, model):
+        self._model = model  # on the meta device
+
+    @classmethod
+    def of(cls, model_config) -> "SavedLayout | None":
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+
+        from hfsdp.model.loading import meta_model
+
+        model = meta_model(model_config)
+        converts = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        return cls(model) if converts else None
+
+    def __call__(self, name: str, tensor) -> dict[str, Any]:
+        """The tensors ``save_pretrained`` writes for the model's tensor ``name``."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self._model, {name: tensor})
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The saved tensors' shapes."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return {name: tuple(t.shape) for name, t in revert_weight_conversion(
+            self._model, dict(self._model.state_dict())).items()}
+
+
 SHAPES_NAME = "hfsdp_model_shapes.json"  # in a checkpoint's model/: what an export checks, without transformers
 
 
@@ -29,10 +63,11 @@ class ModelFiles:
     whose files are copied as they are and whose shapes hfsdp recorded at save time, so that exporting a checkpoint
     needs no transformers import (a checkpoint without the record falls back to transformers)."""
 
-    def __init__(self, save, expected: dict[str, tuple[int, ...]], tied: bool):
+    def __init__(self, save, expected: dict[str, tuple[int, ...]], tied: bool, layout: "SavedLayout | None" = None):
         self.save = save  # save(out_dir): write the files
         self.expected = expected
         self.tied = tied
+        self.layout = layout  # the architecture's saved layout, where it has one: exports write it
 
     @classmethod
     def of(cls, model_config, tokenizer, generation_config=None) -> "ModelFiles":
@@ -43,7 +78,8 @@ class ModelFiles:
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 
-        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)))
+        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)),
+                   SavedLayout.of(model_config))
 
     @classmethod
     def in_folder(cls, folder: Path, keep: Callable[[str], bool] = lambda name: True) -> "ModelFiles":
@@ -54,18 +90,21 @@ class ModelFiles:
                     shutil.copyfile(path, out_dir / path.name)
 
         record = folder / SHAPES_NAME
-        if record.is_file():
-            plan = json.loads(record.read_text())
+        plan = json.loads(record.read_text()) if record.is_file() else None
+        if plan is not None and not plan.get("saved_layout", True):  # (a record before saved_layout: asked below)
             return cls(save, {k: tuple(v) for k, v in plan["shapes"].items()}, bool(plan["tie_word_embeddings"]))
         from transformers import AutoConfig
 
         model_config = AutoConfig.from_pretrained(str(folder))
-        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)))
+        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)),
+                   SavedLayout.of(model_config))
 
     def record(self, folder: Path) -> None:
-        """Write what :meth:`in_folder` reads back (into a checkpoint's ``model/``)."""
+        """Write what :meth:`in_folder` reads back (into a checkpoint's ``model/``): the shapes, and whether the
+        architecture has a saved layout (then the export asks transformers for it)."""
         (folder / SHAPES_NAME).write_text(json.dumps(
-            {"tie_word_embeddings": self.tied, "shapes": {k: list(v) for k, v in self.expected.items()}}))
+            {"tie_word_embeddings": self.tied, "shapes": {k: list(v) for k, v in self.expected.items()},
+             "saved_layout": self.layout is not None}))
 
 
 def model_metadata(model_dir: str | Path) -> dict[str, Any]:

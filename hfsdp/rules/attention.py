@@ -31,31 +31,3 @@ def attention_problems(config, on_cpu: bool) -> list[tuple[str, str]]:
                                     "GPUs only): use sdpa or eager on CPU"))
     return problems
 
-
-# The flag of a transformers model class that says it implements each kernel (``_sdpa_can_dispatch`` and its
-# siblings read them as a model loads).
-KERNEL_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
-                "flex_attention": "_supports_flex_attn"}
-
-
-def architecture_problems(config, model_config) -> list[tuple[str, str]]:
-    """``model.attn_implementation`` on an architecture whose transformers class does not implement it (gpt-oss
-    has no sdpa: its attention sinks), said before any weight loads instead of as transformers' error at the
-    first load. Reads the class's flag (importing its modeling module); an architecture transformers does not map
-    (remote code) is left to its own check."""
-    flag = KERNEL_FLAGS.get(config.model.attn_implementation)
-    if flag is None or getattr(model_config, "model_type", None) is None:
-        return []
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model_class = AutoModelForCausalLM._model_mapping[type(model_config)]
-    except (KeyError, ValueError):
-        return []
-    if getattr(model_class, flag, True):
-        return []
-    offered = [kernel for kernel, other in KERNEL_FLAGS.items() if getattr(model_class, other, False)]
-    return [("model.attn_implementation", f"{model_config.model_type} ({model_class.__name__}) does not implement "
-                                          f"{config.model.attn_implementation} in transformers: set "
-                                          f"model.attn_implementation: eager"
-                                          + (f" (or {', '.join(offered)} where it runs)" if offered else ""))]

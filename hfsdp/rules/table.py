@@ -102,7 +102,6 @@ RULES: tuple[Rule, ...] = (
     # ---- the architecture
     Rule("model", ("parallel.tp_size", "parallel.sp_size"),  # (the model's config read only where a group splits it)
          lambda c, f: parallel.model_problems(c, f.model_config) if c.parallel.tp_size * c.parallel.sp_size > 1 else []),
-    Rule("model", ("model.attn_implementation",), lambda c, f: attention.architecture_problems(c, f.model_config)),
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
 )
