@@ -288,21 +288,34 @@ def tiny_model_dir() -> Path:
 def _tiny_variant(name: str, seed: int, **config_changes) -> Path:
     """A shrunk SmolLM2 of the tiny model's config with ``config_changes``, randomly initialised from ``seed``, and
     the same tokenizer, built once into the test cache (the same folder for every test process)."""
+    from transformers import AutoConfig
+
+    from hfsdp.model.loading import resolve_model_path
+
+    def config():
+        changed = AutoConfig.from_pretrained(resolve_model_path("smollm2-tiny", CACHE_DIR))
+        for key, value in config_changes.items():
+            setattr(changed, key, value)
+        return changed
+
+    return _random_model_folder(name, seed, config)
+
+
+def _random_model_folder(name: str, seed: int, config) -> Path:
+    """A model of ``config()`` randomly initialised from ``seed`` with the tiny model's tokenizer, built once into
+    the test cache as ``name`` (the same folder for every test process)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from hfsdp.model.loading import resolve_model_path
 
     folder = CACHE_DIR / name
     if not (folder / "model.safetensors").is_file():
-        student = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
+        tokenizer_of = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
         tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
-        config = AutoConfig.from_pretrained(str(student))
-        for key, value in config_changes.items():
-            setattr(config, key, value)
         torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
-        for f in student.iterdir():
+        AutoModelForCausalLM.from_config(config()).save_pretrained(tmp, safe_serialization=True)
+        for f in tokenizer_of.iterdir():
             if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
                 shutil.copy(f, tmp / f.name)
         try:
@@ -340,25 +353,7 @@ def tiny_moe_config(model_type: str, vocab_size: int = 49152):
 def tiny_moe_folder(model_type: str) -> Path:
     """A tiny ``model_type`` mixture of experts, randomly initialised from seed 0, with the tiny model's tokenizer,
     built once into the test cache."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from hfsdp.model.loading import resolve_model_path
-
-    folder = CACHE_DIR / f"tiny-{model_type}-seed0"
-    if not (folder / "model.safetensors").is_file():
-        tokenizer_of = Path(resolve_model_path("smollm2-tiny", CACHE_DIR))
-        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(tiny_moe_config(model_type)).save_pretrained(tmp, safe_serialization=True)
-        for f in tokenizer_of.iterdir():
-            if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
-                shutil.copy(f, tmp / f.name)
-        try:
-            tmp.rename(folder)
-        except OSError:  # built meanwhile by another process
-            shutil.rmtree(tmp)
-    return folder
+    return _random_model_folder(f"tiny-{model_type}-seed0", 0, lambda: tiny_moe_config(model_type))
 
 
 @pytest.fixture(scope="session")
