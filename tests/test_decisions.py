@@ -267,3 +267,14 @@ def test_plan_estimate_shards_params_grads_and_optimizer_state():
     assert full.device_peak < ddp.device_peak
     checkpointed = at(2, activation_checkpointing=True)
     assert checkpointed.activations < full.activations
+
+
+def test_a_key_added_since_the_fingerprint_changes_it_only_when_set():
+    """model.router_aux_loss_coef (issue 71) joined the schema after checkpoints began recording the fingerprint:
+    at its default the fingerprint is the one written before; set, it differs (a run that changes it does not
+    resume a checkpoint that knew nothing of it)."""
+    base = {"model": {"name_or_path": "smollm2-tiny"}, "data": {"path": "x.jsonl"},
+            "train": {"output_dir": "run", "max_steps": 4}}
+    assert run_fingerprint(HfsdpConfig.model_validate(base)) == "b1f4d05f1baa4cc0"
+    weighted = {**base, "model": {**base["model"], "router_aux_loss_coef": 0.01}}
+    assert run_fingerprint(HfsdpConfig.model_validate(weighted)) != "b1f4d05f1baa4cc0"

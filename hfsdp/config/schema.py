@@ -91,7 +91,7 @@ class ModelConfig(Section):
     attn_implementation: Literal[ATTENTION_KERNELS] = Field(
         "sdpa", description="attention kernel: sdpa (torch's fused kernels), eager (plain matmuls), "
                             "flash_attention_2 (GPUs, package flash-attn), flex_attention (torch's FlexAttention).")
-    experts_implementation: Literal[EXPERTS_IMPLEMENTATIONS] | None = Field(
+    experts_implementation: Resumable[Literal[EXPERTS_IMPLEMENTATIONS] | None] = Field(
         None, description="mixture-of-experts models: how each layer's experts run: grouped_mm (one grouped matmul "
                           "per projection over the tokens sorted by expert), eager (a loop over the experts), "
                           "batched_mm (each token's experts' weights gathered: for a few tokens at a time, slow to "

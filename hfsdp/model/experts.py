@@ -137,8 +137,7 @@ class Router:
             chosen = args[1] if len(args) > 1 else kwargs["top_k_index"]
             if self._counts is None:
                 self._counts = torch.zeros(len(self.layers), self.experts, dtype=torch.float64, device=chosen.device)
-            # (an expert-parallel rank's ids past its experts are not its tokens: minlength and the slice keep them out)
-            self._counts[position] += torch.bincount(chosen.reshape(-1), minlength=self.experts)[:self.experts]
+            self._counts[position] += torch.bincount(chosen.reshape(-1), minlength=self.experts)
         return count
 
     def start_step(self) -> None:

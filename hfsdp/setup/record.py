@@ -217,16 +217,31 @@ def keep_global_batch(record: Record, config: HfsdpConfig, dims: "ParallelDims",
                     f"{per_device * accumulation * ranks}; {fix}")
 
 
+# Keys that change the run, added to the schema after checkpoints began recording run_fingerprint, each with its
+# default: left out of the fingerprint at that default, so that a checkpoint written before them keeps its
+# fingerprint (a run that sets one otherwise still differs from it).
+ADDED_SINCE_FINGERPRINT = {"model.router_aux_loss_coef": None}
+
+
 def run_fingerprint(config: HfsdpConfig) -> str:
-    """What a checkpoint records of its config: the keys that change the run (not :data:`RESUMABLE_CHANGES`)."""
+    """What a checkpoint records of its config: the keys that change the run (not :data:`RESUMABLE_CHANGES`, nor
+    a key of :data:`ADDED_SINCE_FINGERPRINT` at its default)."""
     data = config.to_yaml_dict()
-    for dotted in RESUMABLE_CHANGES:
+    dropped = [*RESUMABLE_CHANGES, *(key for key, default in ADDED_SINCE_FINGERPRINT.items()
+                                     if _value(data, key) == default)]
+    for dotted in dropped:
         parent, _, leaf = dotted.rpartition(".")
         node = data
         for part in filter(None, parent.split(".")):
             node = node.get(part, {})
         node.pop(leaf, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _value(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part, {}) if isinstance(data, dict) else {}
+    return data
 
 
 def check_resume_config(record: Record, config: HfsdpConfig, path: Path) -> None:
