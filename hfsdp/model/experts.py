@@ -47,18 +47,24 @@ def _is_experts(module: torch.nn.Module) -> bool:
 
 
 def routed_parameters(model: torch.nn.Module) -> set[int]:
-    """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts: a share
-    :func:`active_share` of them), their LoRA adapters included (peft's wrappers of an experts module)."""
+    """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts:
+    :func:`active_numel`), their LoRA adapters included (peft's wrappers of an experts module)."""
     def routed(module) -> bool:
         return _is_experts(module) or (hasattr(module, "get_base_layer") and _is_experts(module.get_base_layer()))
 
     return {id(p) for module in model.modules() if routed(module) for p in module.parameters()}
 
 
-def active_share(model_config: Any) -> float:
-    """The share of a routed experts' parameters a token computes with (``top_k / count``; 1 for a dense model)."""
-    experts = experts_of(model_config)
-    return experts.top_k / experts.count if experts is not None else 1.0
+def active_numel(model: torch.nn.Module, model_config: Any):
+    """``numel(p)``: the elements of ``model``'s parameter ``p`` a token computes with, ``top_k / count`` of a routed
+    experts' parameter (:func:`routed_parameters`), all of any other."""
+    routed, experts = routed_parameters(model), experts_of(model_config)
+    share = experts.top_k / experts.count if experts is not None else 1.0
+
+    def numel(p) -> float:
+        return p.numel() * (share if id(p) in routed else 1)
+
+    return numel
 
 
 def _layer_index(name: str) -> int:

@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def expected_shapes(model_config) -> dict[str, tuple[int, ...]]:
-    """Parameter and persistent-buffer shapes of the architecture, from a model built on the meta device."""
-    from hfsdp.model.loading import meta_model
-
-    return {name: tuple(t.shape) for name, t in meta_model(model_config).state_dict().items()}
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    """Parameter and persistent-buffer shapes of a model (built on the meta device)."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 class SavedLayout:
@@ -28,13 +26,11 @@ class SavedLayout:
         self._model = model  # on the meta device
 
     @classmethod
-    def of(cls, model_config) -> "SavedLayout | None":
+    def of(cls, model) -> "SavedLayout | None":
+        """The layout of ``model`` (on the meta device), or None."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
 
-        from hfsdp.model.loading import meta_model
-
-        model = meta_model(model_config)
         converts = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
         return cls(model) if converts else None
 
@@ -78,8 +74,17 @@ class ModelFiles:
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 
-        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)),
-                   SavedLayout.of(model_config))
+        return cls.of_architecture(save, model_config)
+
+    @classmethod
+    def of_architecture(cls, save, model_config) -> "ModelFiles":
+        """``save`` with what the architecture of ``model_config`` implies: its shapes, tied embeddings and saved
+        layout, from one model built on the meta device."""
+        from hfsdp.model.loading import meta_model
+
+        model = meta_model(model_config)
+        return cls(save, _shapes(model), bool(getattr(model_config, "tie_word_embeddings", False)),
+                   SavedLayout.of(model))
 
     @classmethod
     def in_folder(cls, folder: Path, keep: Callable[[str], bool] = lambda name: True) -> "ModelFiles":
@@ -95,9 +100,7 @@ class ModelFiles:
             return cls(save, {k: tuple(v) for k, v in plan["shapes"].items()}, bool(plan["tie_word_embeddings"]))
         from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(str(folder))
-        return cls(save, expected_shapes(model_config), bool(getattr(model_config, "tie_word_embeddings", False)),
-                   SavedLayout.of(model_config))
+        return cls.of_architecture(save, AutoConfig.from_pretrained(str(folder)))
 
     def record(self, folder: Path) -> None:
         """Write what :meth:`in_folder` reads back (into a checkpoint's ``model/``): the shapes, and whether the

@@ -66,11 +66,7 @@ class FlopsModel:
         tied = head is not None and head.weight is embedding
         unique = {id(p): p for p in model.parameters()}
         unique.pop(id(embedding), None)
-        routed, active = experts.routed_parameters(model), experts.active_share(model_config)
-
-        def counted(p) -> float:
-            return p.numel() * (active if id(p) in routed else 1)
-
+        counted = experts.active_numel(model, model_config)
         params = round(sum(counted(p) for p in unique.values())) + (embedding.numel() if tied else 0)
         trainable = round(sum(counted(p) for p in unique.values() if p.requires_grad))
         trainable += embedding.numel() if tied and embedding.requires_grad else 0

@@ -192,9 +192,8 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
         params.append(Param(numel=rows, rows=rows, itemsize=itemsize, trainable=False, unit=unit, cast=False,
                             replicated=quant.quant_storage == "uint8", weights=p.numel()))
     params = tuple(params)
-    routed = experts.routed_parameters(model)
-    active = (sum(p.numel() * (experts.active_share(model_config) if id(p) in routed else 1)
-                  for p in model.parameters()) if routed else None)
+    counted = experts.active_numel(model, model_config)
+    active = sum(counted(p) for p in model.parameters()) if experts.routed_parameters(model) else None
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
