@@ -22,6 +22,9 @@ that a slow spell of a shared machine hits all of them), medians over the rounds
   trained by a plain torch loop, one model per implementation from the same weights: forward, backward, fused AdamW
   step on the same random batches of ``--batch`` x ``--seq-len`` tokens, the implementations alternating step by
   step; tokens/s over the steps after the first.
+* ``plan`` (not in the default ``--parts``): ``hfsdp bench`` of the ``cli`` part's model and config on 2 FSDP2
+  ranks at each ``--plan-ep`` expert-parallel size (default 1,2): ``hfsdp plan``'s peak per rank against the
+  measured one (target: within 10 %).
 * ``cli`` (not in the default ``--parts``): the same tiny model with SmolLM2's tokenizer (so vocabulary 49,152)
   trained by ``python -m hfsdp train`` with ``model.experts_implementation`` set, ``--cli-rounds`` runs per
   implementation alternating, on the bundled contacts task as text packed into rows of ``--seq-len``; tokens_per_s
@@ -37,7 +40,7 @@ grouped ÷ eager tokens/s ratios and whether the issue's targets are met (layer 
                              [--hidden 512 --moe-intermediate 192 --experts 64 --top-k 8] [--batched-tokens 32]
                              [--model-layers 4 --model-hidden 256 --model-intermediate 96 --model-experts 64
                               --model-top-k 8 --vocab 8192] [--batch 4 --seq-len 256 --model-steps 6]
-                             [--cli-rounds 2 --cli-steps 6 --out bench-results/moe]
+                             [--cli-rounds 2 --cli-steps 6 --plan-ep 1,2 --out bench-results/moe]
 """
 
 from __future__ import annotations
@@ -365,6 +368,47 @@ def print_cli(result: dict) -> float:
     return grouped / eager
 
 
+# --- the plan against the measured peak, with and without expert parallelism --------------------------------------
+
+
+def plan_part(args) -> list[dict]:
+    """``hfsdp bench`` of the CLI part's model and config on 2 FSDP2 ranks at each of ``--plan-ep``: each row's
+    measured peak above the pre-load baseline and ``hfsdp plan``'s prediction for the same config (its sweep
+    column, at ``--seq-len``)."""
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    folder = out / (f"qwen3-moe-l{args.model_layers}-h{args.model_hidden}-i{args.model_intermediate}-"
+                    f"e{args.model_experts}-k{args.model_top_k}")
+    build_folder(args, folder)
+    config = write_cli_config(args, out, folder)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    rows = []
+    for ep in [int(e) for e in args.plan_ep.split(",")]:
+        bench_out = out / f"bench-ep{ep}"
+        cmd = [sys.executable, "-m", "hfsdp", "bench", str(config), "--nproc", "2", "--strategies", "FULL_SHARD",
+               "--steps", str(args.cli_steps), "--seq-lens", str(args.seq_len), "--out", str(bench_out),
+               "--set", "fsdp.version=2", "--set", f"parallel.ep_size={ep}"]
+        done = subprocesses.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            sys.stdout.write(done.stdout + done.stderr)
+            raise SystemExit(f"hfsdp bench at ep {ep} failed ({done.returncode})")
+        row = json.loads((bench_out / "bench.json").read_text())["rows"][0]
+        rows.append({"ep": ep, **{k: row.get(k) for k in ("plan_peak_mib", "mem_peak_above_base_mib",
+                                                          "plan_vs_measured", "tokens_per_s")}})
+        print(f"  hfsdp bench, ep {ep}: plan {row.get('plan_peak_mib') or 0:.0f} MiB, measured "
+              f"{row['mem_peak_above_base_mib']:.0f} MiB", flush=True)
+    return rows
+
+
+def print_plan(rows: list[dict]) -> float:
+    print("| ep | plan peak MiB/rank | measured peak above base MiB/rank | plan ÷ measured | tokens/s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ep']} | {r['plan_peak_mib']:.0f} | {r['mem_peak_above_base_mib']:.0f} | "
+              f"{r['plan_vs_measured']:.3f} | {r['tokens_per_s']:.0f} |")
+    return max(abs(r["plan_vs_measured"] - 1) for r in rows)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -374,7 +418,8 @@ def met(ratio: float, target: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="layer,batched,model", help="comma-separated: layer, batched, model, cli")
+    p.add_argument("--parts", default="layer,batched,model",
+                   help="comma-separated: layer, batched, model, cli, plan")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP_NUM_THREADS of the CLI runs)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the layer parts")
     p.add_argument("--tolerance", type=float, default=1e-4)
@@ -399,11 +444,13 @@ def main() -> None:
     model.add_argument("--model-steps", type=int, default=6, help="timed steps per implementation (after one)")
     model.add_argument("--cli-rounds", type=int, default=2, help="hfsdp train runs per implementation")
     model.add_argument("--cli-steps", type=int, default=6)
+    model.add_argument("--plan-ep", default="1,2", help="the plan part's expert-parallel sizes (2 ranks)")
     model.add_argument("--out", type=Path, default=Path("bench-results/moe"))
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"layer", "batched", "model", "cli"}:
-        p.error(f"unknown parts: {', '.join(sorted(parts - {'layer', 'batched', 'model', 'cli'}))}")
+    known = {"layer", "batched", "model", "cli", "plan"}
+    if parts - known:
+        p.error(f"unknown parts: {', '.join(sorted(parts - known))}")
 
     import torch
     import transformers
@@ -463,6 +510,13 @@ def main() -> None:
         check("hfsdp train losses", result["diff"])
         verdicts.append(f"whole training step (hfsdp train), grouped_mm ÷ eager tokens/s: "
                         f"{met(print_cli(result), STEP_TARGET)}")
+    if "plan" in parts:
+        print(f"\nplan: hfsdp bench of the cli part's model and config on 2 FSDP2 ranks, FULL_SHARD, {args.cli_steps} "
+              f"steps, at parallel.ep_size {args.plan_ep}: hfsdp plan's peak per rank against the measured (peak RSS "
+              "during the steps above the RSS before loading)", flush=True)
+        worst = print_plan(plan_part(args))
+        verdicts.append(f"plan within {worst:.1%} of the measured peak at ep {args.plan_ep} (target within 10 %: "
+                        f"{'met' if worst <= 0.10 else 'NOT met'})")
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     for line in verdicts:
         print(line)

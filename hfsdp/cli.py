@@ -344,11 +344,16 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
 @click.option("--sp", "sps", default=None, metavar="LIST",
               help="Comma-separated sequence-parallel sizes to plan (parallel.sp_size), e.g. 1,2,4; each row then "
                    "also says the longest row that fits [default: the config's].")
+@click.option("--ep", "eps", default=None, metavar="LIST",
+              help="Comma-separated expert-parallel sizes to plan (parallel.ep_size, a mixture of experts), e.g. "
+                   "1,2,8; each row then says a rank's experts per layer and its all-to-all bytes [default: the "
+                   "config's].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
 @click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
 def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
-         tps: str | None, sps: str | None, overrides: tuple[str, ...], as_json: bool, png: Path | None) -> None:
+         tps: str | None, sps: str | None, eps: str | None, overrides: tuple[str, ...], as_json: bool,
+         png: Path | None) -> None:
     """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
 
     The model is built on the meta device from its config (a built-in model, a local folder, or a hub id whose
@@ -373,20 +378,21 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     sizes = _positive_ints("--nproc", nprocs, "positive process counts per node, e.g. 1,2,8")
     tp_sizes = _positive_ints("--tp", tps, "positive tensor-parallel sizes, e.g. 1,8") if tps else None
     sp_sizes = _positive_ints("--sp", sps, "positive sequence-parallel sizes, e.g. 1,2,4") if sps else None
+    ep_sizes = _positive_ints("--ep", eps, "positive expert-parallel sizes, e.g. 1,2,8") if eps else None
     budget = parse_size(device_memory)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget,
                       cache_dir())
-    rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes)
+    rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes, ep_sizes)
     facts, shape = planner.facts(tuple(cfg.plugins)), planner.shape(tuple(cfg.plugins))
     if as_json:
         click.echo(json.dumps(to_json(rows, facts, budget, shape), indent=2))
     else:
         click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins)),
                           planner.frozen(tuple(cfg.plugins)), shape))
-        click.echo(text_table(rows))
+        click.echo(text_table(rows, facts.experts))
     if png is not None:
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")
         if not as_json:

@@ -261,11 +261,14 @@ OPTIONS = {
     # sharded, its router's load-balancing loss in the gradient (tests/test_moe.py: every architecture, against
     # transformers' loss, 2 ranks against one process)
     "moe": {"model": {"name_or_path": str(tiny_moe_folder("qwen3_moe"))}},
+    # expert parallelism (issue 71): the tiny Qwen3-MoE's experts split over 2 ranks (4 each), tokens sent to them
+    # and back, each rank on its own rows (tests/test_moe.py: 2 and 4 ranks against one process, other architectures)
+    "ep2": {"model": {"name_or_path": str(tiny_moe_folder("qwen3_moe"))}, "parallel": {"ep_size": 2}},
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
-FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "agent", "gguf", "dpo_tools",
-              "grpo_tools")
+FSDP2_ONLY = ("mixture", "muon", "adamw_8bit", "adafactor", "qlora_adamw_8bit", "tp2", "ep2", "agent", "gguf",
+              "dpo_tools", "grpo_tools")
 # Resume cases beyond the smoke runs: (world, fsdp overrides), FSDP2 only.
 EXTRA = {
     "no_shard": (2, {"sharding_strategy": "NO_SHARD"}),
@@ -286,6 +289,7 @@ REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1,
 # A tensor-parallel group of 2 ranks needs 2 ranks.
 REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
 REFUSED.update({(v, 1, "sp2"): "parallel.sp_size: 2 does not divide the world size 1" for v in (1, 2)})
+REFUSED[2, 1, "ep2"] = "parallel.ep_size: 2 does not divide the 1 ranks FSDP shards over"
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -443,11 +447,13 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         # round 0 by version 0, round 1 by version 0 too (staleness 1), the weights published at each round
         metrics = [m for m in read_metrics(run) if "loss" in m]
         assert [m["generation/staleness"] for m in metrics] == [0, 0, 0, 1] and metrics[0]["generation/sync_bytes"] > 0
-    if "moe" in options:  # the router watched on every step, its load-balancing loss added where it trains
+    if "moe" in options or "ep2" in options:  # the router watched on every step, its load-balancing loss added
         metrics = [m for m in read_metrics(run) if "loss" in m]
         assert all(1 <= m["router/imbalance"] <= 4 and m["router/aux_loss"] > 1 for m in metrics), metrics
-        assert report["experts"] == {"experts": 8, "top_k": 2, "layers": 2, "implementation": "grouped_mm",
-                                     "aux_coef": 0.001}, report
+        assert report["experts"] == {"experts": 8, "on_rank": 4 if "ep2" in options else 8, "top_k": 2, "layers": 2,
+                                     "implementation": "grouped_mm", "aux_coef": 0.001}, report
+    if "ep2" in options:  # each rank holds half of every layer's experts, FSDP2 shards the rest over both
+        assert report["ep_size"] == 2 and "experts over expert parallel 2 x efsdp 1" in report["strategy"], report
     if "grpo_vespo" in options:  # the share of the tokens at or above the step's median entropy
         assert all(0.4 <= m["entropy_kept"] <= 0.75 for m in read_metrics(run) if "loss" in m), read_metrics(run)
     if any("reward_model" in option for option in options):
@@ -822,6 +828,7 @@ FEATURES = {
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
     "sp2": {"rows", "attention", "loss"},       # each row's positions split, heads exchanged, the loss's counts
     "moe": {"layers", "params", "loss"},        # experts' 3-D weights, the router's loss added to the step's
+    "ep2": {"layers", "params", "model_state", "optim_state"},  # experts split: DTensors on a 2-D mesh, their states
 }
 PAIR_ONLY = {"fsdp1": {"fsdp": {"version": 1}}}  # features that are not an option of the smoke matrix
 # In pairs, compile runs dynamo's capture and AOTAutograd (backend aot_eager) around the other feature's code, where
@@ -864,6 +871,12 @@ REFUSED_PAIRS = {
     frozenset(("qlora", "workers")): "the generation processes hold a full-precision copy of the policy",
     frozenset(("tp2", "moe")): "qwen3_moe's tensor-parallel plan uses replicated_with_grad_allreduce, which hfsdp "
                                "does not apply yet",
+    frozenset(("ep2", "fsdp1")): "expert parallelism needs FSDP2",
+    frozenset(("ep2", "compile")): "compiled blocks with the token exchange inside",
+    frozenset(("ep2", "size_wrap")): "the size policy is not composed with expert parallelism",
+    frozenset(("ep2", "qlora")): "quantized experts are not split by expert parallelism",
+    frozenset(("ep2", "tp2")): "tensor x expert parallelism is not built yet",
+    frozenset(("ep2", "sp2")): "sequence x expert parallelism is not built yet",
 }
 
 
@@ -893,6 +906,10 @@ FULL_MATRIX_PAIRS |= {frozenset(("workers", other)) for other in ("agent", "mixt
 # with --full-matrix.
 FULL_MATRIX_PAIRS |= {frozenset(("moe", other)) for other in FEATURES if other not in ("moe", "checkpointing",
                                                                                        "fsdp1", "lora")}
+# Expert parallelism meets in CI what recomputes its layers (each exchange again in backward) and LoRA (frozen
+# split experts); its other pairs, its refusals aside, with --full-matrix.
+FULL_MATRIX_PAIRS |= {frozenset(("ep2", other)) for other in FEATURES if other not in ("ep2", "checkpointing", "lora")
+                      and frozenset(("ep2", other)) not in REFUSED_PAIRS}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 
@@ -1017,7 +1034,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools", "acting", "workers", "moe",
+                                      "grpo_tools", "acting", "workers", "moe", "ep2",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
@@ -1035,6 +1052,26 @@ CI_RESUME = [(v, w, o) for v, w, o in RESUME
              and o not in PACKED_OPTIONS
              and o not in CI_ELSEWHERE
              and (v, o) != (1, "schedule_free") and (o not in GRPO_LOSS_OPTIONS or o == "lora_grpo_cispo")]
+
+
+@pytest.mark.parametrize("saved, resumed_as", [("ep2", "moe"), ("moe", "ep2")])
+def test_a_checkpoint_resumes_at_another_expert_parallel_size(runs, tmp_path, saved, resumed_as):
+    """The experts' weights and optimizer states are saved as DTensors of the whole experts (DCP reshards them): the
+    step-2 checkpoint of the ep 2 run resumes at ep 1 and trains steps 3 and 4 as the ep 1 run did, and the other
+    way round (float32 sums of other orders apart)."""
+    import torch
+
+    run, _ = smoke_run(runs, 2, 2, saved)
+    other, _ = smoke_run(runs, 2, 2, resumed_as)
+    resumed = resume_from(tmp_path, run, 2, step=2, changes={"parallel": {"ep_size": 2 if resumed_as == "ep2" else 1}})
+    a, b = losses(resumed), losses(other)
+    assert sorted(a) == [3, 4]
+    for step in (3, 4):
+        assert a[step] == pytest.approx(b[step], rel=1e-5), (step, a, b)
+    got, want = exported(resumed)["model.safetensors"], exported(other)["model.safetensors"]
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_resume_is_exact(runs, resume_cell, tmp_path):

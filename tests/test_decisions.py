@@ -94,6 +94,61 @@ def test_degrees_the_world_does_not_make_are_refused_with_their_key(tmp_path, si
     assert [k for k, _ in err.value.problems] == [key] and says in err.value.problems[0][1], err.value.problems
 
 
+@pytest.mark.parametrize("size, local, ep, efsdp", [
+    (2, 2, 2, 1),  # each rank half the experts, whole
+    (4, 4, 2, 2),  # 2 groups of 2: each expert on 2 ranks, FSDP2 shards it over them
+    (8, 4, 4, 2),  # a group per node
+])
+def test_expert_parallelism_splits_the_shard_ranks(tmp_path, size, local, ep, efsdp):
+    """``parallel.ep_size`` splits FSDP2's shard ranks as ``efsdp x ep``, the expert-parallel ranks consecutive:
+    each rank still trains on its own rows (the data-parallel degrees are unchanged) and FSDP shards the rest over
+    every rank; the mesh names the split and flattens it back for FSDP."""
+    from hfsdp.parallel.mesh import SHARD
+
+    config = _config(tmp_path, parallel={"ep_size": ep})
+    dims = decide(config, _world(size, local), resume=None).world.dims
+    assert (dims.dp_shard, dims.ep, dims.efsdp, dims.dp_size, dims.shard_group) == (size, ep, efsdp, size, size)
+    assert dims.mesh_dims == ("dp_replicate", "efsdp", "ep", "sp", "tp") and dims.sharded_over == ("efsdp", "ep", "sp")
+    assert dims.splits_groups and dims.problems(config) == [] and dims.row_copies == 1
+    assert [dims.dp_rank(r) for r in range(size)] == list(range(size))
+    assert SHARD == "dp_shard_cp"
+
+
+@pytest.mark.parametrize("size, local, parallel, fsdp, key, says", [
+    (4, 4, {"ep_size": 3}, {}, "parallel.ep_size", "3 does not divide the 4 ranks FSDP shards over"),
+    (1, 1, {"ep_size": 2}, {}, "parallel.ep_size", "2 does not divide the 1 ranks FSDP shards over"),
+    (8, 2, {"ep_size": 4}, {}, "parallel.ep_size", "expert-parallel group must stay inside one node"),
+    (2, 2, {"ep_size": 2}, {"version": 1}, "fsdp.version", "expert parallelism needs FSDP2"),
+    (4, 4, {"ep_size": 2, "dp_replicate_size": 2}, {}, "parallel.dp_replicate_size", "(HSDP x EP) are not composed"),
+    (4, 4, {"ep_size": 2, "tp_size": 2}, {}, "parallel.tp_size", "tensor x expert parallelism is not built yet"),
+    (4, 4, {"ep_size": 2, "sp_size": 2}, {}, "parallel.sp_size", "sequence x expert parallelism is not built yet"),
+    (2, 2, {"ep_size": 2}, {"sharding_strategy": "NO_SHARD"}, "fsdp.sharding_strategy", "NO_SHARD is not composed"),
+    (2, 2, {"ep_size": 2}, {"cpu_ram_efficient_loading": True}, "fsdp.cpu_ram_efficient_loading",
+     "every rank reads the weights and keeps its own experts"),
+])
+def test_expert_parallel_degrees_the_config_or_world_cannot_take_are_refused(tmp_path, size, local, parallel, fsdp,
+                                                                             key, says):
+    config = _config(tmp_path, parallel=parallel, fsdp=fsdp)
+    with pytest.raises(ConfigError) as err:
+        enforce(config, Facts(PluginHost(config.plugins), _world(size, local)), ("config", "world"))
+    assert err.value.problems[0][0] == key and says in err.value.problems[0][1], err.value.problems
+
+
+def test_expert_parallelism_needs_experts_it_divides(tmp_path):
+    """The model's rules: a dense model has no experts to split, and ep must divide each layer's experts."""
+    from transformers import AutoConfig
+
+    from hfsdp.rules import parallel as parallel_rules
+
+    moe = AutoConfig.for_model("qwen3_moe", num_experts=6, num_experts_per_tok=2)
+    dense = AutoConfig.for_model("llama")
+    assert parallel_rules.model_problems(_config(tmp_path, parallel={"ep_size": 2}), moe) == []
+    [(key, says)] = parallel_rules.model_problems(_config(tmp_path, parallel={"ep_size": 4}), moe)
+    assert key == "parallel.ep_size" and "4 does not divide the model's 6 experts per layer" in says
+    [(key, says)] = parallel_rules.model_problems(_config(tmp_path, parallel={"ep_size": 2}), dense)
+    assert "llama is a dense model" in says
+
+
 @pytest.mark.parametrize("fsdp, parallel, key", [
     ({"sharding_strategy": "HYBRID_SHARD"}, {"dp_replicate_size": 2}, "parallel.dp_replicate_size"),
     ({"sharding_strategy": "NO_SHARD"}, {"dp_shard_size": 4}, "parallel.dp_shard_size"),

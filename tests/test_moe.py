@@ -121,7 +121,11 @@ def test_two_ranks_train_as_one_process_with_the_same_router_metrics(tmp_path):
 def pytest_generate_tests(metafunc):
     """CI trains DeepSeek-V3 (latent attention, a shared expert, a dense first layer, no load-balancing loss) and
     Mixtral (its hub names renamed) on 2 ranks; ``--full-matrix`` gpt-oss too (eager attention, expert biases), to
-    keep CI inside its budget. Every architecture's grouped experts are checked against the loop in CI."""
+    keep CI inside its budget. Expert parallelism on 2 ranks: Qwen3-MoE and Mixtral in CI, every architecture with
+    ``--full-matrix``. Every architecture's grouped experts are checked against the loop in CI."""
+    if "ep_type" in metafunc.fixturenames:  # (DeepSeek-V3 on 4 ranks in CI)
+        metafunc.parametrize("ep_type", sorted(TINY_MOE) if metafunc.config.getoption("full_matrix") else
+                             ["mixtral", "qwen3_moe"])
     if "trained_type" in metafunc.fixturenames:
         full = metafunc.config.getoption("full_matrix")
         metafunc.parametrize("trained_type", ["mixtral", "gpt_oss", "deepseek_v3"] if full else
@@ -195,6 +199,11 @@ def test_expert_keys_are_refused_where_the_architecture_cannot_take_them(tmp_pat
         adapters = moe_config(tmp_path / "lora", plugins=["lora"], lora=lora)
         proc = run_cli("train", str(adapters), check=False)
         assert proc.returncode == 2 and said in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    expert_lora = moe_config(tmp_path / "ep_lora", plugins=["lora"], lora=EXPERT_LORA["lora"],
+                             parallel={"ep_size": 2}, fsdp={"version": 2})
+    proc = run_cli("validate", str(expert_lora), check=False)  # (before anything loads: no world needed)
+    assert proc.returncode == 2 and "lora.target_parameters: adapters of the experts' weights are not split by " \
+                                    "expert parallelism yet" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     bad = yaml.safe_load(dense.read_text())
     bad["model"]["experts_implementation"] = "megablocks"
     dense.write_text(yaml.safe_dump(bad))
@@ -307,3 +316,53 @@ def test_the_router_loss_is_computed_in_training_forwards_only():
     assert loss is not None and loss.requires_grad and float(loss) == pytest.approx(0.001 / 2 * float(
         model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss), rel=1e-6)
     assert router.metrics_of(router.sums())["router/imbalance"] >= 1
+
+
+def _ep_pair(tmp_path: Path, model_type: str, ranks_sections: dict, **sections):
+    """Configs of one process accumulating as many micro-batches as ``ranks`` ranks' and of the ranks' run."""
+    ranks = ranks_sections.pop("ranks")
+    one = moe_config(tmp_path / "one", model_type, **sections,
+                     train={"max_steps": 4, "gradient_accumulation_steps": ranks, "learning_rate": 1e-2,
+                            "output_dir": str(tmp_path / "one" / "run")})
+    split = moe_config(tmp_path / "ep", model_type, **sections, **ranks_sections,
+                       train={"max_steps": 4, "learning_rate": 1e-2, "output_dir": str(tmp_path / "ep" / "run")})
+    return one, split
+
+
+@pytest.mark.slow
+def test_expert_parallel_ranks_train_as_one_process(tmp_path, ep_type):
+    """ep 2 on 2 gloo ranks (each rank holds 4 of the 8 experts of each layer and trains on its own rows, tokens sent
+    to their experts' rank and back) against one process accumulating the same 2 micro-batches, on each
+    architecture: the same losses, gradient norms and router metrics over 4 steps, and the export holds every expert
+    in the layout transformers saves."""
+    attention = {"model": {"attn_implementation": "eager"}} if ep_type == "gpt_oss" else {}  # (its sinks: no sdpa)
+    one, split = _ep_pair(tmp_path, ep_type, {"ranks": 2, "parallel": {"ep_size": 2}, "fsdp": {"version": 2}},
+                          **attention)
+    run_cli("train", str(one))
+    proc = run_torchrun(2, "train", str(split))
+    assert "4 on each rank (expert parallel over 2 ranks)" in proc.stdout
+    single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "ep" / "run")
+    assert single.keys() == ranks.keys() == {1, 2, 3, 4}
+    layers = [0, 1] if ep_type != "deepseek_v3" else [1]
+    for step in single:
+        for key in ("loss", "grad_norm", *(f"router/imbalance/layer_{i}" for i in layers),
+                    *(("router/aux_loss",) if ep_type != "deepseek_v3" else ())):
+            assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
+    assert_saved_as_transformers_saves(tmp_path / "ep" / "run" / "final", ep_type)
+
+
+@pytest.mark.slow
+def test_expert_parallel_groups_with_expert_shards_train_as_one_process(tmp_path):
+    """ep 2 x dp 2 on 4 gloo ranks (2 groups of 2 ranks, each expert held by 2 ranks that FSDP2 shards it over) on
+    DeepSeek-V3 (a dense first layer, a shared expert, grouped routing) against one process accumulating the same 4
+    micro-batches: the same losses and gradient norms over 4 steps."""
+    one, split = _ep_pair(tmp_path, "deepseek_v3", {"ranks": 4, "parallel": {"ep_size": 2}, "fsdp": {"version": 2}})
+    run_cli("train", str(one))
+    proc = run_torchrun(4, "train", str(split))
+    assert "over dp 4, experts over expert parallel 2 x efsdp 2" in proc.stdout
+    assert "experts: 8 per MoE layer, top 2, in 1 layers, 4 on each rank (expert parallel over 2 ranks)" in proc.stdout
+    single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "ep" / "run")
+    assert single.keys() == ranks.keys() == {1, 2, 3, 4}
+    for step in single:
+        for key in ("loss", "grad_norm", "router/imbalance/layer_1"):
+            assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)

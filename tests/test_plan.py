@@ -402,3 +402,25 @@ def test_the_workers_engines_generation_processes_are_counted_beside_the_ranks(t
     assert kv == pytest.approx(kv_elements_per_token(config) * (96 + 32) * 4 / 2 ** 20, abs=0.01)
     assert "generation processes" not in run_cli("plan", str(cfg), "--nproc", "1", "--set",
                                                   "grpo.generation.engine=inline").stdout
+
+
+def test_expert_parallel_rows_say_a_ranks_experts_and_the_tokens_they_exchange(tmp_path):
+    """``hfsdp plan --ep`` of Qwen3-30B-A3B (48 MoE layers of 128 experts, top 8, hidden 2048) on 8 ranks: at ep 8
+    a rank holds 16 experts of a layer, whole (the same parameter bytes as FSDP2's 1/8 of each of the 128), so
+    FSDP gathers 7/8 less of each layer's experts and moves none of them; the all-to-alls send each token's hidden
+    state to its 8 experts and back, forward and backward, 7/8 of it off the rank."""
+    config = hub_config(tmp_path, "Qwen/Qwen3-30B-A3B", version=2)
+    data = plan_json(str(config), "--nproc", "8", "--ep", "1,8", "--strategies", "FULL_SHARD")
+    plain, split = (next(r for r in data["rows"] if r["ep_size"] == ep) for ep in (1, 8))
+    assert (plain["experts_per_rank"], split["experts_per_rank"]) == (128, 16)
+    assert (split["params"], split["grads"], split["optimizer"]) == (plain["params"], plain["grads"],
+                                                                      plain["optimizer"])
+    experts_per_layer = 128 * 3 * 768 * 2048  # gate_up_proj and down_proj, in bf16 when gathered
+    assert plain["gathered"] - split["gathered"] == 2 * experts_per_layer * 2 * 7 // 8  # a layer and its prefetch
+    tokens = data["micro_batch"]["tokens"]
+    assert plain["ep_comm"] == 0 and split["ep_comm"] == 2 * 2 * (48 * 8 * 2048) * tokens * 2 * 7 // 8
+    assert split["fsdp_comm"] < plain["fsdp_comm"] and split["device_peak"] <= plain["device_peak"]
+    table = run_cli("plan", str(config), "--nproc", "8", "--ep", "1,8", "--strategies", "FULL_SHARD",
+                    env=base_env(HF_HUB_OFFLINE="1")).stdout
+    lines = [line for line in table.splitlines() if "FULL_SHARD" in line]
+    assert "experts/rank" in table and lines[1].startswith("8 ep8") and "  16  " in lines[1]

@@ -485,7 +485,8 @@ class GenerationEvalConfig(Section):
 
 class ParallelConfig(Section):
     """The parallel degrees, one key each; their product is the world size (``hfsdp.layout.degrees``). Ranks are laid
-    out as dp_replicate x dp_shard x sp x tp, the tensor-parallel ranks innermost. ``fsdp.sharding_strategy``
+    out as dp_replicate x dp_shard x sp x tp, the tensor-parallel ranks innermost (dp_shard split as efsdp x ep
+    when ep_size > 1, the expert-parallel ranks consecutive). ``fsdp.sharding_strategy``
     HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD are accepted spellings of the two data-parallel
     degrees."""
 
@@ -503,6 +504,12 @@ class ParallelConfig(Section):
                                               "each holds 1/sp_size of every row's tokens, and an all-to-all around "
                                               "attention trades that split for a split of the heads); consecutive "
                                               "ranks, inside a node. 1: off.")
+    ep_size: int = Field(1, gt=0, description="ranks that split each mixture-of-experts layer's experts (expert "
+                                              "parallel): each holds 1/ep_size of them, and an all-to-all sends "
+                                              "each token to its experts' ranks and back. Carved from the "
+                                              "data-parallel shard ranks (they still train on their own rows); "
+                                              "FSDP2 shards the experts over the dp_shard_size / ep_size ranks "
+                                              "that hold the same ones. 1: off.")
 
     @field_validator("dp_shard_size", mode="before")
     @classmethod

@@ -2,7 +2,7 @@
 job (:class:`World`, what the launcher started). Torch-free.
 
 Every degree is a key of the ``parallel:`` section (``dp_replicate_size``, ``dp_shard_size`` with -1 for the rest,
-``sp_size``, ``tp_size``); ``fsdp.sharding_strategy`` HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD
+``sp_size``, ``tp_size``, ``ep_size``); ``fsdp.sharding_strategy`` HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD
 are accepted spellings of the data-parallel degrees, and FULL_SHARD / SHARD_GRAD_OP say only whether FSDP frees the
 gathered parameters after the forward. :meth:`ParallelDims.of` derives the degrees and the wrapper they make from the
 config and the world once; :meth:`ParallelDims.problems` says what the launched world does not allow of them; the
@@ -10,6 +10,10 @@ one device-mesh builder (:func:`hfsdp.parallel.mesh.device_mesh`) makes every me
 
 Ranks are laid out as ``dp_replicate x dp_shard x sp x tp``, the tensor-parallel ranks innermost (consecutive
 ranks, inside a node): a data-parallel rank is ``rank // (sp * tp)``, a sequence-parallel rank ``rank // tp % sp``.
+Expert parallelism splits the data-parallel shard ranks (``dp_shard = efsdp x ep``, as torchtitan's and transformers'
+``efsdp``): the ``ep`` consecutive ranks of a group train on their own rows and hold 1/ep of every MoE layer's experts
+each; FSDP2 shards the experts over the ``efsdp`` ranks that hold the same ones, everything else over all of
+``dp_shard``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class ParallelDims:
     * ``sp``: the ranks of a sequence-parallel group, which train on the same rows, each on its share of every row's
       tokens (FSDP shards over them too: a parameter over ``dp_shard x sp`` ranks, as torchtitan's ``dp_shard_cp``);
     * ``tp``: the ranks of a tensor-parallel group, which split each layer's matrices and train on the same rows;
+    * ``ep``: the ranks of an expert-parallel group, a split of ``dp_shard`` (so they train on their own rows), which
+      hold 1/ep of each MoE layer's experts each;
     * ``wrapper``: what wraps the model (:meth:`of` says the rule);
     * ``world_size``, ``local_world_size``: the launched job, which :meth:`problems` holds the degrees against.
     """
@@ -47,6 +53,7 @@ class ParallelDims:
     dp_shard: int = 1
     sp: int = 1
     tp: int = 1
+    ep: int = 1
     wrapper: Wrapper = "none"
     world_size: int = 1
     local_world_size: int = 1
@@ -63,6 +70,7 @@ class ParallelDims:
         "sp": "sequence-parallel group must stay inside one node (it exchanges every layer's attention inputs and "
               "outputs)",
         "tp": "tensor-parallel group must stay inside one node (it all-reduces in every layer)",
+        "ep": "expert-parallel group must stay inside one node (it exchanges every MoE layer's tokens twice)",
     }
 
     @classmethod
@@ -71,9 +79,23 @@ class ParallelDims:
         return tuple(name for name in cls.MESH if name not in cls.DATA_PARALLEL)
 
     @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The device mesh's dimensions, outermost first: :attr:`MESH`, ``dp_shard`` split as ``efsdp x ep`` where
+        experts are split."""
+        if self.ep == 1:
+            return self.MESH
+        at = self.MESH.index("dp_shard")
+        return (*self.MESH[:at], "efsdp", "ep", *self.MESH[at + 1:])
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP shards each expert over: those of a replica holding the same experts."""
+        return self.dp_shard // self.ep
+
+    @property
     def sharded_over(self) -> tuple[str, ...]:
         """The dimensions FSDP shards each parameter over (flattened into one: the mesh's ``dp_shard_cp``)."""
-        return ("dp_shard", *self.TOKEN_SPLIT)
+        return (*(("efsdp", "ep") if self.ep > 1 else ("dp_shard",)), *self.TOKEN_SPLIT)
 
     def product(self, names: tuple[str, ...]) -> int:
         return math.prod(getattr(self, name) for name in names)
@@ -115,8 +137,8 @@ class ParallelDims:
             wrapper = "fsdp1" if fsdp.version == 1 else "fsdp2"
         else:
             wrapper = "none"
-        return cls(dp_replicate=replicate, dp_shard=shard, wrapper=wrapper, world_size=world_size,
-                   local_world_size=local_world_size, **sizes)
+        return cls(dp_replicate=replicate, dp_shard=shard, ep=parallel.ep_size, wrapper=wrapper,
+                   world_size=world_size, local_world_size=local_world_size, **sizes)
 
     @property
     def fsdp(self) -> bool:
@@ -153,7 +175,7 @@ class ParallelDims:
     def splits_groups(self) -> bool:
         """The degrees split the world in groups (tensor- or sequence-parallel ones, or HSDP's replicas): the run
         needs a device mesh (:mod:`hfsdp.parallel.mesh`); without, FSDP and DDP use the whole world's group."""
-        return self.row_copies > 1 or self.hybrid
+        return self.row_copies > 1 or self.hybrid or self.ep > 1
 
     @property
     def hybrid(self) -> bool:
@@ -213,8 +235,19 @@ class ParallelDims:
                                                "remove it (FSDP shards over every rank), or set "
                                                "parallel.dp_replicate_size to replicate across groups")]
         if fsdp.sharding_strategy == "HYBRID_SHARD" and self.fsdp:
-            return _hybrid_problems(fsdp.hybrid_shard_size, self.dp_replicate, self.dp_shard, self.world_size)
-        return []
+            if problems := _hybrid_problems(fsdp.hybrid_shard_size, self.dp_replicate, self.dp_shard, self.world_size):
+                return problems
+        return self._expert_problems(config) if self.ep > 1 else []
+
+    def _expert_problems(self, config: "HfsdpConfig") -> list[tuple[str, str]]:
+        """Expert parallelism splits FSDP2's shard ranks of each replica, in groups inside a node (what the config
+        and the model must allow: :mod:`hfsdp.rules.parallel`)."""
+        if self.dp_shard % self.ep or self.dp_shard == 1:
+            return [("parallel.ep_size", f"{self.ep} does not divide the {self.dp_shard} ranks FSDP shards over in each replica "
+                          f"(the world size {self.world_size}" + (f" / parallel.dp_replicate_size {self.dp_replicate}"
+                                                                 if self.dp_replicate > 1 else "")
+                     + "): the expert-parallel groups are a split of them; launch a multiple of it, or change it")]
+        return _group_problems("ep_size", self.ep, self.world_size, self.local_world_size, self.INSIDE["ep"])
 
 
 def _group_problems(key: str, size: int, world_size: int, local_world_size: int,

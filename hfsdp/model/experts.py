@@ -41,7 +41,7 @@ def configure(model_config: Any, cfg: ModelConfig) -> tuple[Any, dict[str, Any]]
                           else {})
 
 
-def _is_experts(module: torch.nn.Module) -> bool:
+def is_experts(module: torch.nn.Module) -> bool:
     """transformers' experts modules (``use_experts_implementation`` marks each instance)."""
     return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
 
@@ -50,7 +50,7 @@ def routed_parameters(model: torch.nn.Module) -> set[int]:
     """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts:
     :func:`active_numel`), their LoRA adapters included (peft's wrappers of an experts module)."""
     def routed(module) -> bool:
-        return _is_experts(module) or (hasattr(module, "get_base_layer") and _is_experts(module.get_base_layer()))
+        return is_experts(module) or (hasattr(module, "get_base_layer") and is_experts(module.get_base_layer()))
 
     return {id(p) for module in model.modules() if routed(module) for p in module.parameters()}
 
@@ -74,14 +74,16 @@ def _layer_index(name: str) -> int:
 
 
 def experts_report(model: torch.nn.Module) -> dict[str, Any] | None:
-    """What a run's mixture of experts runs, for the start-up report: experts per MoE layer, the experts each token
-    is routed to, the MoE layers, the experts implementation transformers dispatches to and the load-balancing
-    loss's weight (0: off); None for a dense model."""
-    found = [module for module in model.modules() if _is_experts(module)]
+    """What a run's mixture of experts runs, for the start-up report: experts per MoE layer (and on this rank,
+    fewer where expert parallelism splits them), the experts each token is routed to, the MoE layers, the experts
+    implementation transformers dispatches to and the load-balancing loss's weight (0: off); None for a dense
+    model."""
+    found = [module for module in model.modules() if is_experts(module)]
     if not found:
         return None
     config = found[0].config
-    return {"experts": found[0].num_experts, "top_k": getattr(config, "num_experts_per_tok", 1), "layers": len(found),
+    return {"experts": experts_of(config).count, "on_rank": found[0].num_experts,
+            "top_k": getattr(config, "num_experts_per_tok", 1), "layers": len(found),
             "implementation": config._experts_implementation,
             "aux_coef": getattr(config, "router_aux_loss_coef", None) or 0.0}
 
@@ -89,8 +91,10 @@ def experts_report(model: torch.nn.Module) -> dict[str, Any] | None:
 def format_experts_report(report: dict[str, Any]) -> str:
     aux = (f"router load-balancing loss x {report['aux_coef']:g} (metrics router/aux_loss, router/imbalance)"
            if report["aux_coef"] else "no router load-balancing loss (metric router/imbalance)")
-    return (f"  experts: {report['experts']} per MoE layer, top {report['top_k']}, in {report['layers']} layers "
-            f"({report['implementation']}) | {aux}")
+    split = (f", {report['on_rank']} on each rank (expert parallel over {report['experts'] // report['on_rank']} "
+             "ranks)" if report["on_rank"] != report["experts"] else "")
+    return (f"  experts: {report['experts']} per MoE layer, top {report['top_k']}, in {report['layers']} layers"
+            f"{split} ({report['implementation']}) | {aux}")
 
 
 class Router:
@@ -101,7 +105,7 @@ class Router:
     def __init__(self, model: torch.nn.Module, coefficient: float):
         self.coefficient = coefficient
         root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        found = [(_layer_index(name), module) for name, module in root.named_modules() if _is_experts(module)]
+        found = [(_layer_index(name), module) for name, module in root.named_modules() if is_experts(module)]
         self.layers = [index for index, _ in found]
         self.experts = found[0][1].num_experts if found else 0
         self._counts: torch.Tensor | None = None

@@ -175,7 +175,8 @@ def compile_blocks(model, config: HfsdpConfig) -> int:
 
 def prepare_model_and_optimizer(accelerator, setup: "RunSetup", model, build_optimizer):
     """``model`` and ``build_optimizer(model)`` prepared by Accelerate (wrapped, sharded), in the order the wrapper
-    needs; with ``parallel.tp_size`` its decoder layers split over the tensor-parallel ranks first; activation
+    needs; with ``parallel.tp_size`` its decoder layers split over the tensor-parallel ranks first, with
+    ``parallel.ep_size`` its experts over the expert-parallel ranks (each experts module its own FSDP2 unit); activation
     checkpointing through transformers when no FSDP wrapper applies it; with ``train.compile`` the transformer blocks
     compiled in place first (:func:`compile_blocks`), so that FSDP2 shards compiled blocks and activation
     checkpointing recomputes them."""
@@ -186,6 +187,15 @@ def prepare_model_and_optimizer(accelerator, setup: "RunSetup", model, build_opt
         from hfsdp.parallel.tensor import parallelize
 
         parallelize(model, accelerator.torch_device_mesh)
+    if setup.world.dims.ep > 1:  # the experts' own FSDP2 units, before Accelerate's shard the rest
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from hfsdp.parallel.expert_parallel import parallelize_experts
+
+        plugin = accelerator.state.fsdp_plugin
+        parallelize_experts(model, accelerator.torch_device_mesh, setup.world.dims, {
+            "reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()})
     if config.train.compile is not None:
         compile_blocks(model, config)
     if setup.wrapper == "fsdp1":

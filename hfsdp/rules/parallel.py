@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, TYPE_CHECKING
 
 from hfsdp.layout.degrees import SPELLING_STRATEGIES
+from hfsdp.rules.experts import experts_of
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
@@ -32,8 +33,8 @@ TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 
 def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     """What the ``parallel`` degrees cannot combine with, from the config alone (``hfsdp validate`` reports them):
-    the data-parallel degrees given twice, tensor and sequence parallelism's refusals."""
-    return degree_problems(config) + tp_config_problems(config) + sp_config_problems(config)
+    the data-parallel degrees given twice, tensor, sequence and expert parallelism's refusals."""
+    return degree_problems(config) + tp_config_problems(config) + sp_config_problems(config) + ep_config_problems(config)
 
 
 def degree_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
@@ -116,6 +117,64 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     return [(key, f"{said}: {why}; or set parallel.sp_size: 1") for key, (given, why) in refused.items() if given]
 
 
+def ep_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """What ``parallel.ep_size > 1`` cannot combine with, from the config alone: expert parallelism splits FSDP2's
+    shard ranks (:mod:`hfsdp.parallel.expert_parallel`), whose rows must be their own."""
+    ep = config.parallel.ep_size
+    if ep == 1:
+        return []
+    fsdp, said = config.fsdp, f"parallel.ep_size {ep}"
+    refused = {
+        "fsdp.version": (fsdp.version != 2, "expert parallelism needs FSDP2 (fsdp.version: 2): FSDP1 flattens each "
+                                            "unit's parameters into one tensor and cannot hold experts split over "
+                                            "ranks"),
+        "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
+                                   f"{fsdp.sharding_strategy} is not composed with expert parallelism yet: FSDP2 "
+                                   "shards over the data-parallel ranks with FULL_SHARD or SHARD_GRAD_OP"),
+        "parallel.dp_replicate_size": (config.parallel.dp_replicate_size > 1,
+                                       "replicas of an expert-parallel model (HSDP x EP) are not composed yet"),
+        "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x expert parallelism is not built yet (a "
+                                                          "tensor-parallel group shares its rows)"),
+        "parallel.sp_size": (config.parallel.sp_size > 1, "sequence x expert parallelism is not built yet"),
+        "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading,
+                                           "every rank reads the weights and keeps its own experts"),
+        "fsdp.cpu_offload": (fsdp.cpu_offload, "offloading split experts is not tried yet"),
+        "fsdp.wrap_policy": (fsdp.wrap_policy == "size", "the size policy is not composed with expert "
+                                                         "parallelism: use wrap_policy transformer"),
+        "model.quantization": (config.model.quantization is not None,
+                               "quantized experts are not split by expert parallelism"),
+        "train.compile": (config.train.compile is not None, "compiled blocks with the token exchange inside (a host "
+                                                            "sync per layer) are not tried yet"),
+    }
+    return [(key, f"{said}: {why}; or set parallel.ep_size: 1") for key, (given, why) in refused.items() if given]
+
+
+def ep_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
+    """The architecture must be a mixture of experts with an expert-parallel plan (transformers'
+    ``base_model_ep_plan``) and ``ep_size`` must divide each layer's experts."""
+    ep = config.parallel.ep_size
+    if ep == 1:
+        return []
+    arch = getattr(model_config, "model_type", "this model")
+    experts = experts_of(model_config)
+    if experts is None:
+        return [("parallel.ep_size", f"{arch} is a dense model (no mixture-of-experts layers to split): set "
+                                     "parallel.ep_size: 1")]
+    if not ep_plan(model_config):
+        return [("parallel.ep_size", f"{arch} declares no expert-parallel plan (base_model_ep_plan in transformers): "
+                                     "set parallel.ep_size: 1")]
+    if experts.count % ep:
+        return [("parallel.ep_size", f"{ep} does not divide the model's {experts.count} experts per layer: choose "
+                                     "an ep_size that does")]
+    return []
+
+
+def ep_plan(model_config: Any) -> dict[str, str]:
+    """The architecture's expert-parallel plan (transformers' ``base_model_ep_plan``: base-model paths, ``*`` for the
+    layer index, to a style); empty when it has none."""
+    return dict(getattr(text_config(model_config), "base_model_ep_plan", None) or {})
+
+
 def _undivided(key: str, size: int, model_config: Any, names: tuple[str, ...]) -> list[tuple[str, str]]:
     """The model's counts ``names`` (its text config's) that ``size`` (``parallel.<key>``) does not divide."""
     text = text_config(model_config)
@@ -141,7 +200,7 @@ def model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, 
     divides (each rank of a sequence-parallel group attends with its share of the heads, and of the KV heads)."""
     sp = config.parallel.sp_size
     problems = _undivided("sp_size", sp, model_config, HEAD_COUNTS) if sp > 1 else []
-    return problems + tp_model_problems(config, model_config)
+    return problems + tp_model_problems(config, model_config) + ep_model_problems(config, model_config)
 
 
 def tp_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:

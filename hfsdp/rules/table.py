@@ -100,8 +100,10 @@ RULES: tuple[Rule, ...] = (
     # ---- a trial on torch
     Rule("trial", ("train.optimizer_args",), lambda c, f: optimizers.trial_problems(c)),
     # ---- the architecture
-    Rule("model", ("parallel.tp_size", "parallel.sp_size"),  # (the model's config read only where a group splits it)
-         lambda c, f: parallel.model_problems(c, f.model_config) if c.parallel.tp_size * c.parallel.sp_size > 1 else []),
+    Rule("model", ("parallel.tp_size", "parallel.sp_size", "parallel.ep_size"),  # (the model's config read only
+         # where a group splits it)
+         lambda c, f: parallel.model_problems(c, f.model_config)
+         if c.parallel.tp_size * c.parallel.sp_size * c.parallel.ep_size > 1 else []),
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
 )

@@ -78,11 +78,13 @@ class Setup:
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
-                      tp: int | None = None, sp: int | None = None) -> Setup:
-    """A row's setup: ``tp`` and ``sp`` (default: the config's ``parallel.tp_size`` and ``sp_size``) the tensor-
-    and sequence-parallel group sizes, the data-parallel degrees the rest (a row varies the world)."""
+                      tp: int | None = None, sp: int | None = None, ep: int | None = None) -> Setup:
+    """A row's setup: ``tp``, ``sp`` and ``ep`` (default: the config's ``parallel.tp_size``, ``sp_size`` and
+    ``ep_size``) the tensor-, sequence- and expert-parallel group sizes, the data-parallel degrees the rest (a row
+    varies the world)."""
     parallel = config.parallel.model_copy(update={"tp_size": tp or config.parallel.tp_size,
-                                                  "sp_size": sp or config.parallel.sp_size, "dp_shard_size": -1})
+                                                  "sp_size": sp or config.parallel.sp_size,
+                                                  "ep_size": ep or config.parallel.ep_size, "dp_shard_size": -1})
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
                  optimizer=config.train.optimizer, optimizer_args=tuple(config.train.optimizer_args.items()),
@@ -128,6 +130,7 @@ class Estimate:
     fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
     tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
     sp_comm: int = 0  # bytes a rank sends in its sequence-parallel group's all-to-alls per optimizer step
+    ep_comm: int = 0  # bytes a rank sends in its expert-parallel group's all-to-alls per optimizer step
     frozen: int = 0  # frozen models an objective runs beside the trained one (a teacher): parameters and logits
     generation: int = 0  # an objective's sampling: gathered parameters, KV cache and transients (not parameters)
     problem: str | None = None
@@ -145,8 +148,10 @@ def compute_dtype(config: HfsdpConfig, precision: str) -> str:
 
 
 def _fsdp2_bytes(params: tuple[Param, ...], group: int, select: Callable[[Param], bool]) -> int:
-    """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks."""
-    return max(sum((p.numel if p.replicated else _chunk(p.rows, group, r) * (p.numel // max(p.rows, 1))) * p.itemsize
+    """The largest rank's bytes of the selected parameters, each split on dim 0 across ``group`` ranks (a rank's
+    experts under expert parallelism across the ``group / ep`` ranks that hold them)."""
+    return max(sum((p.numel if p.replicated else _chunk(p.rows, group // p.ep, r % (group // p.ep))
+                    * (p.numel // max(p.rows, 1))) * p.itemsize
                    for p in params if select(p)) for r in range(group))
 
 
@@ -317,7 +322,8 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
       step's start (:func:`generation_bytes`); the traced micro-batch already has the completions' length.
     """
     full_load = sum(p.numel * p.itemsize for p in facts.params)  # every loading rank reads the whole model
-    facts = facts.tp_local(setup.dims.tp)  # a tensor-parallel rank's slices; FSDP2 shards them over the dp ranks
+    # a tensor-parallel rank's slices, an expert-parallel rank's experts; FSDP2 shards them over the dp ranks
+    facts = facts.tp_local(setup.dims.tp).ep_local(setup.dims.ep)
     everything = lambda p: True  # noqa: E731
     trainable = lambda p: p.trainable  # noqa: E731
     params = sharded_bytes(facts, setup, everything, whole_flat=True) + facts.quant_state_bytes
@@ -394,16 +400,17 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     sampling = generation_bytes(facts, acts, setup, generation, compute, gathered) if generation else 0
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step, sampling) + held
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
-    fsdp_comm, tp_comm, sp_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
+    fsdp_comm, tp_comm, sp_comm, ep_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
                     host_load_per_node=loaders * full_load + setup.nproc_per_node * sum(m.whole_bytes for m in frozen),
-                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, sp_comm=sp_comm, frozen=held, generation=sampling)
+                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, sp_comm=sp_comm, ep_comm=ep_comm, frozen=held,
+                    generation=sampling)
 
 
 def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,
-                     reduce_size: int | None) -> tuple[int, int, int]:
+                     reduce_size: int | None) -> tuple[int, int, int, int]:
     """Bytes one rank moves per optimizer step (every micro-batch of it), on paper, as ring collectives move them:
     a rank receives ``(g - 1) / g`` of what an all-gather over ``g`` ranks gathers, sends as much in a
     reduce-scatter, and twice that in an all-reduce.
@@ -418,7 +425,12 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     * Sequence parallelism: each layer's queries, keys, values and attention output of the rank's tokens
       (``facts.exchanged_per_token``, in the compute dtype) go through an all-to-all in forward, their gradients in
       backward (activation checkpointing: the forward's again); a rank keeps ``1 / sp`` of each and sends the
-      rest."""
+      rest.
+    * Expert parallelism (``facts``: an expert-parallel rank's experts, which FSDP gathers over the ``g / ep`` ranks
+      that hold them): each MoE layer sends each token's hidden state to its ``top_k`` experts and the outputs back
+      (``facts.routed_per_token``, in the compute dtype), two all-to-alls in forward and two in backward
+      (activation checkpointing: the forward's again); with tokens spread evenly over the experts, ``(ep - 1) / ep``
+      of them leave the rank."""
     g = setup.dims.shard_group
     accumulation = setup.accumulation
     grads = [sum(p.numel * (reduce_size or p.itemsize) for p in facts.params if p.unit == u and p.trainable)
@@ -428,10 +440,14 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     elif setup.wrapper == "ddp":
         fsdp = 2 * sum(grads) * (setup.world - 1) // setup.world
     else:
-        units = [facts.unit_bytes(u, compute) for u in range(len(facts.units))]
         twice = setup.strategy != "SHARD_GRAD_OP"  # resharded after the forward: gathered again for the backward
-        gathered = units[0] + sum(units[1:]) * (2 if twice else 1)
-        fsdp = (gathered + sum(grads)) * (g - 1) // g
+
+        by_group: dict[int, int] = {}  # bytes gathered (in forward, and backward) and reduce-scattered, by group
+        for p in facts.params:
+            times = 1 if p.unit == 0 or not twice else 2
+            by_group[g // p.ep] = by_group.get(g // p.ep, 0) + p.numel * _gathered_itemsize(p, compute) * times + (
+                p.numel * (reduce_size or p.itemsize) if p.trainable else 0)
+        fsdp = sum(moved * (group - 1) // group for group, moved in by_group.items())
         replicas = setup.dims.dp_replicate
         if replicas > 1:
             fsdp += 2 * (sum(grads) // g) * (replicas - 1) // replicas
@@ -442,4 +458,7 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     passes = 2 + (1 if setup.fsdp.activation_checkpointing else 0)
     exchanged = facts.exchanged_per_token * acts.tokens * (compute or facts.params[0].itemsize)
     sp = passes * exchanged * (s - 1) // s if s > 1 else 0
-    return fsdp * accumulation, tp * accumulation, sp * accumulation
+    e = setup.dims.ep
+    routed = facts.routed_per_token * acts.tokens * (compute or facts.params[0].itemsize)
+    ep = 2 * passes * routed * (e - 1) // e if e > 1 else 0
+    return fsdp * accumulation, tp * accumulation, sp * accumulation, ep * accumulation

@@ -13,6 +13,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.model import experts, quantized
 from hfsdp.model.loading import build_meta_model, layer_classes
 from hfsdp.rules import parallel, quantization
+from hfsdp.rules.experts import experts_of
 from hfsdp.run import optimizers
 from hfsdp.setup.decide import one_process
 from hfsdp.units import DTYPE_BYTES
@@ -31,6 +32,8 @@ class Param:
     shape: tuple[int, ...] = ()  # the whole parameter's (Adafactor's row and column factors)
     hidden: bool = False  # a 2-D matrix of the hidden layers (Muon's; hfsdp.run.optimizers.hidden_matrices)
     tp_style: str | None = None  # parallel.tp_size: how the architecture's plan splits it (colwise, rowwise)
+    routed: bool = False  # a routed experts' weight (dim 0 the experts), which parallel.ep_size splits
+    ep: int = 1  # the expert-parallel ranks its experts are split over (FSDP2 shards the rank's over shard_group / ep)
 
     def tp_local(self, tp: int) -> "Param":
         """The largest tensor-parallel rank's slice (``torch.chunk``'s first): colwise splits dim 0 (a bias too),
@@ -43,6 +46,14 @@ class Param:
         shape = list(self.shape)
         shape[dim] = _chunk(shape[dim], tp, 0)
         return replace(self, numel=math.prod(shape), rows=shape[0], shape=tuple(shape))
+
+    def ep_local(self, ep: int) -> "Param":
+        """A rank's experts of a routed experts' weight split over ``ep`` expert-parallel ranks (``Shard(0)``: ep
+        divides the experts); other parameters as they are."""
+        if ep == 1 or not self.routed:
+            return self
+        rows = self.rows // ep
+        return replace(self, numel=self.numel // ep, rows=rows, shape=(rows, *self.shape[1:]), ep=ep)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,15 @@ class ModelFacts:
     # a mixture of experts: the parameters a token computes with (each MoE layer's top_k routed experts of its
     # count, everything else); None for a dense model
     active_params: int | None = None
+    experts: int = 0  # a mixture of experts: the routed experts of each MoE layer
+    # elements per token that expert parallelism's all-to-alls send in a forward: each MoE layer's hidden state
+    # once for each of its top_k experts, out and back
+    routed_per_token: int = 0
+
+    def ep_local(self, ep: int) -> "ModelFacts":
+        """What one rank of an expert-parallel group of ``ep`` keeps of each MoE layer's experts (FSDP2 shards them
+        over the ``shard_group / ep`` ranks holding the same ones)."""
+        return self if ep == 1 else replace(self, params=tuple(p.ep_local(ep) for p in self.params))
 
     def tp_local(self, tp: int) -> "ModelFacts":
         """What one rank of a tensor-parallel group of ``tp`` keeps before FSDP2 shards it (the largest slices)."""
@@ -178,12 +198,13 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
     params = []
     hidden = optimizers.hidden_matrices(model)
     styles = tp_styles(model, parallel.tp_plan(model_config))
+    routed = experts.routed_parameters(model)
     for name, p in model.named_parameters():  # tied parameters appear once
         unit = owner.get(id(p), 0)
         if id(p) not in packed:
             params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
                                 trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden,
-                                tp_style=styles.get(name)))
+                                tp_style=styles.get(name), routed=id(p) in routed and p.dim() >= 2))
             continue
         # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
         # stays on the module, whole on every rank
@@ -193,7 +214,9 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                             replicated=quant.quant_storage == "uint8", weights=p.numel()))
     params = tuple(params)
     counted = experts.active_numel(model, model_config)
-    active = sum(counted(p) for p in model.parameters()) if experts.routed_parameters(model) else None
+    active = sum(counted(p) for p in model.parameters()) if routed else None
+    moe = experts_of(model_config)
+    moe_layers = sum(1 for m in model.modules() if experts.is_experts(m))
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
                       layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
@@ -201,7 +224,10 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                       quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0,
                       kv_per_token=kv_elements_per_token(model_config),
                       exchanged_per_token=exchanged_elements_per_token(model_config),
-                      active_params=round(active) if active is not None else None)
+                      active_params=round(active) if active is not None else None,
+                      experts=moe.count if moe else 0,
+                      routed_per_token=moe_layers * moe.top_k * parallel.text_config(model_config).hidden_size
+                      if moe else 0)
 
 
 def _attention_shape(model_config) -> tuple[int, int, int, int]:

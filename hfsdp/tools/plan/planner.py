@@ -254,14 +254,17 @@ def change_sets(changes: list[Change]):
 
 
 def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int,
-         tps: list[int] | None = None, sps: list[int] | None = None) -> list[Estimate]:
+         tps: list[int] | None = None, sps: list[int] | None = None, eps: list[int] | None = None) -> list[Estimate]:
     """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x sequence-parallel size
     (``sps``, default: the config's; given, each row also says the longest row that fits, :meth:`Planner.
-    longest_row`) x strategy; rows that do not fit carry the cheapest change that would."""
+    longest_row`) x expert-parallel size (``eps``, default: the config's) x strategy; rows that do not fit carry the
+    cheapest change that would."""
     rows = []
-    for nproc, tp, sp, strategy in ((n, t, q, s) for n in nprocs for t in tps or [planner.config.parallel.tp_size]
-                                    for q in sps or [planner.config.parallel.sp_size] for s in strategies):
-        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp, sp)
+    parallel = planner.config.parallel
+    for nproc, tp, sp, ep, strategy in ((n, t, q, e, s) for n in nprocs for t in tps or [parallel.tp_size]
+                                        for q in sps or [parallel.sp_size] for e in eps or [parallel.ep_size]
+                                        for s in strategies):
+        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp, sp, ep)
         est = planner.estimate(setup)
         if sps is not None and est.problem is None:
             est.longest_row = planner.longest_row(setup)
