@@ -4,8 +4,9 @@ llama.cpp computes from each file against transformers' logits of the Hugging Fa
     python benchmarks/llama_cpp_architectures.py [--quant f16] [--out DIR]
 
 Tiny random models (tests/test_gguf.py's builder: the tiny model's shape and tokenizer, biases not zero) of Qwen2,
-Mistral, a Llama with attention biases, and a Llama with Llama 3.1's scaled rotary embedding (its rope_freqs factors;
-a file written without them beside it, to show they are read); one 79-token text. Prints, per file, the largest
+Mistral, a Llama with attention biases, a Llama with Llama 3.1's scaled rotary embedding (its rope_freqs factors;
+a file written without them beside it, to show they are read) and a Qwen3-MoE (8 experts of width 64, top 2: its
+expert width is one transformers' GGUF loader does not read); one 79-token text. Prints, per file, the largest
 logit difference over the largest logit and the share of positions with the same argmax; writes DIR/*.gguf.
 
 llama-cpp-python is not a dependency of hfsdp (see benchmarks/llama_cpp_generation.py for its build).
@@ -26,7 +27,10 @@ ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq
 CASES = {"qwen2": ("Qwen2", {"tie_word_embeddings": True}),
          "mistral": ("Mistral", {"tie_word_embeddings": False}),
          "llama-attention-bias": ("Llama", {"tie_word_embeddings": False, "attention_bias": True}),
-         "llama3-rope": ("Llama", {"tie_word_embeddings": True, "rope_parameters": ROPE})}
+         "llama3-rope": ("Llama", {"tie_word_embeddings": True, "rope_parameters": ROPE}),
+         # llama.cpp's qwen3moe: each layer's experts stacked per projection, the router, the experts' width
+         "qwen3moe": ("Qwen3Moe", {"tie_word_embeddings": True, "norm_topk_prob": True, "num_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 64})}
 TEXT = "Return this contact as JSON. Kofi Novak, 52, lives in Toulouse and works as a dentist. " * 3
 
 

@@ -313,7 +313,8 @@ def write_cli_config(args, out: Path, folder: Path) -> Path:
     path.write_text(yaml.safe_dump({
         "model": {"name_or_path": str(folder)},
         "data": {"format": "text", "path": str(text), "max_seq_len": args.seq_len},
-        "train": {"max_steps": args.cli_steps, "per_device_batch_size": args.batch, "learning_rate": 1e-3,
+        "train": {"output_dir": str(out / "run"), "max_steps": args.cli_steps, "per_device_batch_size": args.batch,
+                  "learning_rate": 1e-3,
                   "lr_scheduler": "constant", "log_every": 1, "eval_at_start": False, "export_final": False,
                   "report_to": "none", "loss_plot": False, "seed": 0},
         "plugins": ["packing"],
@@ -393,6 +394,9 @@ def plan_part(args) -> list[dict]:
             sys.stdout.write(done.stdout + done.stderr)
             raise SystemExit(f"hfsdp bench at ep {ep} failed ({done.returncode})")
         row = json.loads((bench_out / "bench.json").read_text())["rows"][0]
+        if row.get("plan_peak_mib") is None:
+            sys.stdout.write(done.stdout + done.stderr)
+            raise SystemExit(f"hfsdp bench at ep {ep} has no plan column: {row.get('plan_problem') or 'see above'}")
         rows.append({"ep": ep, **{k: row.get(k) for k in ("plan_peak_mib", "mem_peak_above_base_mib",
                                                           "plan_vs_measured", "tokens_per_s")}})
         print(f"  hfsdp bench, ep {ep}: plan {row.get('plan_peak_mib') or 0:.0f} MiB, measured "

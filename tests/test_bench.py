@@ -138,11 +138,13 @@ def test_bench_quiets_a_config_with_the_deprecated_tensorboard_key(tmp_path, tra
 def test_bench_table_is_narrow_unless_wide():
     from hfsdp.tools.bench import COLUMNS, NARROW, markdown_table, text_table
 
-    row = {key: 1.0 for key, _, _ in COLUMNS} | {"model": "m", "strategy": "FULL_SHARD"}
+    row = {key: 1.0 for key, _, _ in COLUMNS} | {"model": "m", "strategy": "FULL_SHARD", "active_parameters_m": None}
     narrow, wide = markdown_table([row]).splitlines()[0], markdown_table([row], wide=True).splitlines()[0]
     assert narrow.count("|") == len(NARROW) + 1 and wide.count("|") == len(COLUMNS) + 1
     assert "mem before load MiB" in wide and "mem before load MiB" not in narrow
     assert text_table([row]).splitlines()[0].split()[:2] == ["model", "ranks"]
+    moe = markdown_table([row | {"active_parameters_m": 0.5}]).splitlines()[0]  # a mixture of experts: both counts
+    assert moe.startswith("| model | params (M) | active params (M) | ranks |")
 
 
 def test_help_does_not_import_torch():
@@ -209,3 +211,25 @@ def test_lists_of_non_positive_integers_are_refused_before_anything_runs(tmp_pat
         return
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_a_mixture_of_experts_is_benched_with_its_total_and_active_parameters(tmp_path):
+    """The tiny Qwen3-MoE (8 experts a layer, 2 a token) on 2 FSDP2 ranks with expert parallelism: the table has its
+    parameters and those a token computes with (the plan's count), and the rows their measured bytes."""
+    from conftest import tiny_moe_folder
+    from test_plan import plan_json
+
+    out = tmp_path / "bench"
+    overrides = ["--set", f"model.name_or_path={tiny_moe_folder('qwen3_moe')}", "--set", "data.max_seq_len=64",
+                 "--set", "fsdp.version=2", "--set", "parallel.ep_size=2"]
+    proc = run_cli("bench", "--strategies", "FULL_SHARD", "--nproc", "2", "--steps", "2", "--out", str(out),
+                   *overrides, timeout=900)
+    header = proc.stdout.splitlines()[proc.stdout.splitlines().index(next(
+        line for line in proc.stdout.splitlines() if "active params (M)" in line))]
+    assert header.split()[:6] == ["model", "params", "(M)", "active", "params", "(M)"]
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    config = next((out / "runs").iterdir()) / "train" / "config.yaml"  # (the run's, bench_probe enabled)
+    plan = plan_json(str(config), "--nproc", "2", "--strategies", "FULL_SHARD")
+    assert row["active_parameters_m"] == pytest.approx(plan["active_parameters"] / 1e6)
+    assert row["parameters_m"] == pytest.approx(plan["parameters"] / 1e6) and row["active_parameters_m"] < row[
+        "parameters_m"]

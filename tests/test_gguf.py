@@ -190,6 +190,69 @@ def test_what_the_gguf_writer_cannot_write_is_named(tiny_model_dir, change, says
     assert len(found) == 1 and says in found[0], found
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"norm_topk_prob": False}, "does not normalise the top-k weights (norm_topk_prob false)"),
+    ({"mlp_only_layers": [0]}, "some of its layers are dense"),
+])
+def test_a_qwen3_moe_that_llama_cpp_computes_otherwise_is_named(tiny_model_dir, change, says):
+    config, tokenizer = _tiny(tiny_model_dir)
+    moe = {**config, "architectures": ["Qwen3MoeForCausalLM"], "norm_topk_prob": True, "num_experts": 8}
+    assert problems(moe, tokenizer) == []
+    found = problems({**moe, **change}, tokenizer)
+    assert len(found) == 1 and says in found[0], found
+
+
+def test_a_qwen3_moe_reads_back_with_each_layers_experts_stacked(tmp_path, tiny_model_dir):
+    """A tiny Qwen3-MoE (8 experts of Qwen3-30B-A3B's width 768, top 2, normalised; its heads of 16 of a 64 wide
+    model), one tensor per expert in its folder as transformers saves it, written as llama.cpp's qwen3moe: each
+    layer's experts of a projection in one tensor in expert order (q8_0: each within its 8-bit bound of the
+    expert's weights), the router in float32, the expert count, the experts a token uses and their width in the
+    metadata; transformers' GGUF loader reads the f16 file back into the folder's logits. (transformers does not
+    read expert_feed_forward_length: it takes Qwen3MoeConfig's default, 768, which this model has; llama.cpp
+    reads it.)"""
+    import shutil
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_moe_config
+
+    config = tiny_moe_config("qwen3_moe")
+    config.moe_intermediate_size, config.norm_topk_prob = 768, True
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    folder = tmp_path / "qwen3moe"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    saved = load_file(folder / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in saved  # one tensor per expert
+    for quant in ("f16", "q8_0"):
+        write_gguf(folder, folder / f"model-{quant}.gguf", quant, name="tiny-qwen3moe")
+    reader = gguf.GGUFReader(folder / "model-q8_0.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("qwen3moe.")}
+    assert {k: fields[f"qwen3moe.{k}"] for k in ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                                                "attention.key_length")} == {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 768, "attention.key_length": 16}
+    tensors = {t.name: t for t in reader.tensors}
+    for layer in (0, 1):
+        assert tensors[f"blk.{layer}.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        for short, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            t = tensors[f"blk.{layer}.ffn_{short}_exps.weight"]
+            want = torch.stack([saved[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] for e in range(8)])
+            got = gguf.quants.dequantize(t.data, t.tensor_type)
+            assert got.shape == tuple(want.shape) and t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            blocks = want.numpy().reshape(-1, 32)  # q8_0: 32 weights a block, in steps of its largest over 127
+            bound = np.abs(blocks).max(axis=1, keepdims=True) / 127
+            assert (np.abs(got.reshape(-1, 32) - blocks) <= bound).all(), (layer, proj)  # (a step: its scale in f16)
+    (folder / "hfsdp_export.json").write_text(json.dumps({"files": ["model-f16.gguf"]}))
+    assert_loads_as_exported(folder, "f16")
+
+
 def test_a_tokenizer_hfsdp_does_not_recognise_needs_its_llama_cpp_pre_tokenizer(tiny_model_dir):
     config, tokenizer = _tiny(tiny_model_dir)
     other = {**tokenizer, "model": {**tokenizer["model"], "merges": tokenizer["model"]["merges"][:-1]}}

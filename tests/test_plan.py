@@ -424,3 +424,15 @@ def test_expert_parallel_rows_say_a_ranks_experts_and_the_tokens_they_exchange(t
                     env=base_env(HF_HUB_OFFLINE="1")).stdout
     lines = [line for line in table.splitlines() if "FULL_SHARD" in line]
     assert "experts/rank" in table and lines[1].startswith("8 ep8") and "  16  " in lines[1]
+
+
+def test_a_float32_mixture_of_experts_is_planned(tmp_path):
+    """The tiny Qwen3-MoE in float32 with its grouped experts: torch's meta kernel of grouped_mm takes bfloat16
+    only, and the trace stopped there (RuntimeError: Expected inputs of BF16 type); it is traced as the CPU kernel
+    runs it, saving its inputs, so a layer's activations are more than a dense layer of its width would save."""
+    from conftest import tiny_moe_folder
+
+    config = tiny_config(tmp_path, model={"name_or_path": str(tiny_moe_folder("qwen3_moe"))})
+    data = plan_json(str(config), "--nproc", "2", "--strategies", "FULL_SHARD", "--ep", "1,2")
+    assert [(r["ep_size"], r["experts_per_rank"], r["problem"]) for r in data["rows"]] == [(1, 8, None), (2, 4, None)]
+    assert all(r["activations"] > 0 and r["fits"] for r in data["rows"])

@@ -16,24 +16,34 @@ What it writes, as llama.cpp reads it:
   head in q8_0, as llama.cpp's quantizer keeps them where its k-quants do not fit the rows.
 
 Llama (SmolLM2, Llama 2 and 3, with Llama 3.1's scaled rotary embedding as llama.cpp's ``rope_freqs`` factors),
-Mistral (llama.cpp's llama) and Qwen2 (its query, key and value biases; its rotary halves as they are); another
-architecture, another scaled rotary embedding or a SentencePiece tokenizer is refused with its name.
+Mistral (llama.cpp's llama), Qwen2 (its query, key and value biases; its rotary halves as they are) and Qwen3-MoE
+(llama.cpp's qwen3moe: each layer's experts stacked into one tensor per projection, ``ffn_gate_exps``,
+``ffn_up_exps``, ``ffn_down_exps``, the router ``ffn_gate_inp`` in float32, the expert count, the experts a token
+uses and their width); another architecture, another scaled rotary embedding or a SentencePiece tokenizer is refused
+with its name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hfsdp.rules.experts import EXPERT_COUNT_KEYS
 
 # The types hfsdp writes the matrices in (gguf_export.quant, hfsdp export --quant): their GGML names, lower-case.
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
 FOUR_BIT = ("q4_0", "q4_1")
 # Architectures written, by config.json's architectures[0], to llama.cpp's architecture name (as llama.cpp's
 # convert_hf_to_gguf.py names them: Mistral is its llama)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3MoeForCausalLM": "qwen3moe"}
+# A routed expert's projection in a Hugging Face folder (one tensor per expert, as the hub's checkpoints and
+# transformers' save_pretrained hold them); llama.cpp stacks a layer's experts of each projection into one tensor
+EXPERT_TENSOR = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 # llama.cpp's architectures whose rotary embedding takes each head's two halves interleaved, so the query and key rows
 # are reordered (convert_hf_to_gguf.py's permute); qwen2 rotates the halves as transformers does
 INTERLEAVED_ROTARY = ("llama",)
@@ -88,6 +98,8 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_token
         out.append(f"{source.architecture} is not written as GGUF yet (hfsdp writes {', '.join(ARCHITECTURES)}: "
                    "SmolLM2, Llama, Mistral, Qwen2); export the Hugging Face folder and convert it with llama.cpp's "
                    "convert_hf_to_gguf.py")
+    if ARCHITECTURES.get(source.architecture) == "qwen3moe":
+        out += _qwen3moe_problems(config)
     rope_type = _rope(config)["rope_type"]
     if rope_type not in ROPE_TYPES or (rope_type != "default" and ARCHITECTURES.get(source.architecture) != "llama"):
         out.append(f"its rotary embedding is scaled ({rope_type}), which hfsdp does not write as GGUF yet (it writes "
@@ -102,6 +114,19 @@ def problems(config: dict[str, Any], tokenizer: dict[str, Any] | None, pre_token
         out.append("its tokenizer is not one hfsdp recognises, so llama.cpp's pre-tokenizer for it is unknown: set "
                    "gguf_export.pre_tokenizer to llama.cpp's name for it (e.g. llama-bpe for Llama 3, qwen2 for "
                    "Qwen2.5; llama.cpp's convert_hf_to_gguf.py lists them)")
+    return out
+
+
+def _qwen3moe_problems(config: dict[str, Any]) -> list[str]:
+    """What llama.cpp's qwen3moe cannot compute of a Qwen3-MoE: it normalises the top-k routing weights and runs
+    every layer as a mixture of experts."""
+    out = []
+    if not config.get("norm_topk_prob", False):
+        out.append("its router does not normalise the top-k weights (norm_topk_prob false), which llama.cpp's "
+                   "qwen3moe always does; convert the exported folder with llama.cpp's convert_hf_to_gguf.py")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        out.append("some of its layers are dense (mlp_only_layers, decoder_sparse_step), which llama.cpp's qwen3moe "
+                   "does not have")
     return out
 
 
@@ -241,7 +266,7 @@ def tensor_type(name: str, ndim: int, quant: str):
     """The GGML type of a tensor named ``name`` (llama.cpp's name) with ``ndim`` dimensions under ``quant``."""
     import gguf
 
-    if ndim < 2:
+    if ndim < 2 or name.endswith("ffn_gate_inp.weight"):  # (a router in float32, as llama.cpp's converter keeps it)
         return gguf.GGMLQuantizationType.F32
     if quant in FOUR_BIT and name in ("token_embd.weight", "output.weight"):
         return gguf.GGMLQuantizationType.Q8_0
@@ -301,6 +326,13 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     writer.add_file_type(file_type(quant))
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // heads or arch == "qwen3moe":  # (Qwen3's: as llama.cpp's converter does)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(next(cfg[key] for key in EXPERT_COUNT_KEYS if cfg.get(key)))
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     tokens, types = _tokens(source)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(source.pre_tokenizer(pre_tokenizer))
@@ -319,15 +351,17 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
     if factors is not None:  # first, as llama.cpp's converter writes it
         writer.add_tensor_info("rope_freqs.weight", list(factors.shape), np.float32, factors.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType.F32)
-    plan = []  # (hf name, gguf name, GGML type), in the files' order
-    for hf_name, (_, _, shape, _) in tensors.entries.items():
+    plan = []  # (hf names, gguf name, GGML type), in the files' order; a layer's experts of a projection stacked
+    for hf_name, parts in _stacked(tensors).items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reads a tied head from token_embd
+        shape = tensors.shape(parts[0]) if len(parts) == 1 and parts[0] == hf_name else (
+            len(parts), *tensors.shape(parts[0]))
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"{hf_name}: no llama.cpp tensor name for it ({arch})")
         qtype = tensor_type(gguf_name, len(shape), quant)
-        plan.append((hf_name, gguf_name, qtype))
+        plan.append((parts, gguf_name, qtype))
         plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
         writer.add_tensor_info(gguf_name, list(shape) if plain else gguf.quant_shape_to_byte_shape(shape, qtype),
                                _numpy_dtype(qtype), _nbytes(shape, qtype), raw_dtype=qtype)
@@ -338,11 +372,30 @@ def write_gguf(folder: Path, path: Path, quant: str, name: str, pre_tokenizer: s
         writer.write_tensor_data(factors)
     rotary = ({f"self_attn.{proj}_proj.{kind}": n for proj, n in (("q", heads), ("k", kv_heads))
                for kind in ("weight", "bias")} if arch in INTERLEAVED_ROTARY else {})
-    for hf_name, _, qtype in plan:
-        heads_of = next((n for suffix, n in rotary.items() if hf_name.endswith(suffix)), None)
-        writer.write_tensor_data(_converted(tensors, hf_name, qtype, heads_of))
+    for parts, _, qtype in plan:
+        if len(parts) > 1 or EXPERT_TENSOR.match(parts[0]):  # a layer's experts, one after the other
+            writer.write_tensor_data(np.stack([_converted(tensors, part, qtype, None) for part in parts]))
+            continue
+        heads_of = next((n for suffix, n in rotary.items() if parts[0].endswith(suffix)), None)
+        writer.write_tensor_data(_converted(tensors, parts[0], qtype, heads_of))
     writer.close()
     return path
+
+
+def _stacked(tensors: "_Tensors") -> dict[str, list[str]]:
+    """The folder's tensors as the GGUF holds them, by the Hugging Face name llama.cpp's name map knows, each with
+    the tensors it is made of: itself, or a layer's experts of a projection in expert order
+    (``model.layers.0.mlp.experts.gate_proj.weight``: ``...experts.0.gate_proj.weight``, ``...experts.1...``)."""
+    out: dict[str, list[str]] = {}
+    for name in tensors.entries:
+        if m := EXPERT_TENSOR.match(name):
+            out.setdefault(f"{m['layer']}.{m['proj']}.weight", []).append(name)
+        else:
+            out[name] = [name]
+    for key, parts in out.items():
+        if len(parts) > 1 or parts[0] != key:
+            parts.sort(key=lambda n: int(EXPERT_TENSOR.match(n)["expert"]))
+    return out
 
 
 def _numpy_dtype(qtype):

@@ -47,6 +47,7 @@ COLUMNS = [
     # (key, header, format)
     ("model", "model", "{}"),
     ("parameters_m", "params (M)", "{:.1f}"),
+    ("active_parameters_m", "active params (M)", "{:.1f}"),  # a mixture of experts: those a token computes with
     ("world_size", "ranks", "{}"),
     ("strategy", "strategy", "{}"),
     ("fsdp_version", "FSDP", "{}"),
@@ -225,6 +226,7 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return {
         "model": r0["model"],
         "parameters_m": r0["parameters"] / 1e6,
+        "active_parameters_m": r0["active_parameters"] / 1e6 if r0.get("active_parameters") else None,
         "world_size": r0["world_size"],
         "strategy": r0["strategy"],
         "runs_as": r0["distributed_type"],
@@ -287,12 +289,19 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
         return str(value)
 
 
-def _columns(wide: bool, sweep: bool = False) -> list[tuple[str, str, str]]:
-    return COLUMNS if wide else [c for key in (SWEEP if sweep else NARROW) for c in COLUMNS if c[0] == key]
+def _columns(wide: bool, sweep: bool = False, experts: bool = False) -> list[tuple[str, str, str]]:
+    """The table's columns; ``experts`` (a mixture of experts was run): its total and active parameters after the
+    model's name."""
+    if wide:
+        return COLUMNS
+    keys = SWEEP if sweep else NARROW
+    if experts:
+        keys = [keys[0], "parameters_m", "active_parameters_m", *keys[1:]]
+    return [c for key in keys for c in COLUMNS if c[0] == key]
 
 
 def markdown_table(rows: list[dict[str, Any]], wide: bool = False, sweep: bool = False) -> str:
-    columns = _columns(wide, sweep)
+    columns = _columns(wide, sweep, any(r.get("active_parameters_m") for r in rows))
     headers = [h for _, h, _ in columns]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for row in rows:
@@ -301,7 +310,7 @@ def markdown_table(rows: list[dict[str, Any]], wide: bool = False, sweep: bool =
 
 
 def text_table(rows: list[dict[str, Any]], wide: bool = False, sweep: bool = False) -> str:
-    columns = _columns(wide, sweep)
+    columns = _columns(wide, sweep, any(r.get("active_parameters_m") for r in rows))
     cells = [[h for _, h, _ in columns]] + [[_cell(r, k, f) for k, _, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) for c in cells)

@@ -168,7 +168,12 @@ def hfsdp_before_model_load():
 
 @hookimpl
 def hfsdp_modify_model(model):
+    from hfsdp.model import experts
+
     _state["rss_after_load"] = _rss()
+    if experts.routed_parameters(model):  # a mixture of experts, whole before any wrapper: what a token computes with
+        counted = experts.active_numel(model, model.config)
+        _state["active_parameters"] = round(sum(counted(p) for p in model.parameters()))
     return None
 
 

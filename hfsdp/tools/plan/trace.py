@@ -49,6 +49,27 @@ def _meta_autocast(autocast):
     return MetaAutocast
 
 
+def _meta_grouped_mm(grouped_mm):
+    """``torch.nn.functional.grouped_mm`` that takes float32 on the meta device: torch 2.13's meta kernel asks for
+    bfloat16 (its CUDA kernel's), though its CPU kernel, which transformers' grouped experts run on CPU, takes
+    float32. The result has the real op's shape and dtype, and autograd saves what the real op saves: its two
+    inputs (the weight, a parameter, is not counted). The trace runs no backward."""
+    import torch
+
+    class MetaGroupedMM(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, mat_a, mat_b, offs):
+            ctx.save_for_backward(mat_a, mat_b)
+            return grouped_mm(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), offs=offs).to(mat_a.dtype)
+
+    def patched(mat_a, mat_b, *args, offs=None, **kwargs):
+        if mat_a.device.type != "meta" or mat_a.dtype == torch.bfloat16 or args or kwargs:
+            return grouped_mm(mat_a, mat_b, *args, offs=offs, **kwargs)
+        return MetaGroupedMM.apply(mat_a, mat_b, offs)
+
+    return patched
+
+
 @dataclass(frozen=True)
 class MicroBatchShape:
     """The micro-batch ``hfsdp plan`` traces: ``rows`` of ``width`` tokens, with logits at the last ``positions`` of
@@ -176,6 +197,8 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     if config.model.attn_implementation != "eager":
         patch.enter_context(mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa()))
     patch.enter_context(mock.patch.object(torch, "autocast", _meta_autocast(torch.autocast)))
+    if hasattr(F, "grouped_mm"):
+        patch.enter_context(mock.patch.object(F, "grouped_mm", _meta_grouped_mm(F.grouped_mm)))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     head = model.get_output_embeddings()
     lm_head = head is not None  # else a sequence-classification model (plugin reward_model): one score per token
