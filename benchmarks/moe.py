@@ -323,7 +323,8 @@ def write_cli_config(args, out: Path, folder: Path) -> Path:
     return path
 
 
-def cli_part(args) -> dict:
+def cli_setup(args) -> tuple[Path, Path, dict[str, str]]:
+    """The output folder, the CLI runs' config (the tiny model built once into the folder) and their environment."""
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     folder = out / (f"qwen3-moe-l{args.model_layers}-h{args.model_hidden}-i{args.model_intermediate}-"
@@ -331,6 +332,11 @@ def cli_part(args) -> dict:
     build_folder(args, folder)
     config = write_cli_config(args, out, folder)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    return out, config, env
+
+
+def cli_part(args) -> dict:
+    out, config, env = cli_setup(args)
     runs: dict[str, list[dict]] = {GROUPED: [], EAGER: []}
     for r in range(args.cli_rounds):
         for name in (GROUPED, EAGER) if r % 2 == 0 else (EAGER, GROUPED):
@@ -376,13 +382,7 @@ def plan_part(args) -> list[dict]:
     """``hfsdp bench`` of the CLI part's model and config on 2 FSDP2 ranks at each of ``--plan-ep``: each row's
     measured peak above the pre-load baseline and ``hfsdp plan``'s prediction for the same config (its sweep
     column, at ``--seq-len``)."""
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    folder = out / (f"qwen3-moe-l{args.model_layers}-h{args.model_hidden}-i{args.model_intermediate}-"
-                    f"e{args.model_experts}-k{args.model_top_k}")
-    build_folder(args, folder)
-    config = write_cli_config(args, out, folder)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    out, config, env = cli_setup(args)
     rows = []
     for ep in [int(e) for e in args.plan_ep.split(",")]:
         bench_out = out / f"bench-ep{ep}"
