@@ -200,11 +200,6 @@ def test_expert_keys_are_refused_where_the_architecture_cannot_take_them(tmp_pat
         adapters = moe_config(tmp_path / "lora", plugins=["lora"], lora=lora)
         proc = run_cli("train", str(adapters), check=False)
         assert proc.returncode == 2 and said in proc.stderr + proc.stdout, proc.stderr[-2000:]
-    expert_lora = moe_config(tmp_path / "ep_lora", plugins=["lora"], lora=EXPERT_LORA["lora"],
-                             parallel={"ep_size": 2}, fsdp={"version": 2})
-    proc = run_cli("validate", str(expert_lora), check=False)  # (before anything loads: no world needed)
-    assert proc.returncode == 2 and "lora.target_parameters: adapters of the experts' weights are not split by " \
-                                    "expert parallelism yet" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     bad = yaml.safe_load(dense.read_text())
     bad["model"]["experts_implementation"] = "megablocks"
     dense.write_text(yaml.safe_dump(bad))
@@ -232,11 +227,13 @@ def test_model_flops_count_the_experts_a_token_is_routed_to():
 
 
 @pytest.mark.slow
-def test_lora_on_the_experts_trains_on_two_ranks_resumes_and_exports_what_peft_loads(tmp_path):
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lora_on_the_experts_trains_on_two_ranks_resumes_and_exports_what_peft_loads(tmp_path, ep):
     """LoRA on the fused expert weights (peft's target_parameters) besides the attention Linears: 2 FSDP2 ranks
     train as one process accumulating the same micro-batches, a resume from step 2 ends bit for bit where the run
     ended, the exported adapter loads in peft on the base, and the merged export (hfsdp export --merge-lora) is the
-    model peft merges: the same logits."""
+    model peft merges: the same logits. With expert parallelism (ep 2: each rank its 4 experts and their factors)
+    too, whose checkpoint also resumes at ep 1."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -247,16 +244,24 @@ def test_lora_on_the_experts_trains_on_two_ranks_resumes_and_exports_what_peft_l
     one = moe_config(tmp_path / "one", plugins=EXPERT_LORA["plugins"], lora=EXPERT_LORA["lora"],
                      train={**train, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "one" / "run")})
     two = moe_config(tmp_path / "two", plugins=EXPERT_LORA["plugins"], lora=EXPERT_LORA["lora"],
-                     train={**train, "output_dir": str(tmp_path / "two" / "run")})
+                     train={**train, "output_dir": str(tmp_path / "two" / "run")},
+                     **({"parallel": {"ep_size": ep}, "fsdp": {"version": 2}} if ep > 1 else {}))
     run_cli("train", str(one))
     proc = run_torchrun(2, "train", str(two))
     assert "on k_proj, o_proj, q_proj, v_proj, mlp.experts.gate_up_proj, mlp.experts.down_proj:" in proc.stdout
+    assert ("4 on each rank (expert parallel over 2 ranks)" in proc.stdout) == (ep > 1)
     run = tmp_path / "two" / "run"
     single, ranks = steps(tmp_path / "one" / "run"), steps(run)
     for step in (1, 2, 3, 4):
         for key in ("loss", "grad_norm", "router/imbalance"):
             assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
     assert_resumed_exactly(resume_from(tmp_path / "resumed", run, 2, step=2), run)
+    if ep > 1:  # the factors are saved whole, in peft's layout: the checkpoint resumes without expert parallelism
+        other = resume_from(tmp_path / "at_ep1", run, 2, step=2, changes={"parallel": {"ep_size": 1}})
+        resumed_steps, run_steps = steps(other), steps(run)
+        for step in (3, 4):
+            for key in ("loss", "grad_norm"):
+                assert resumed_steps[step][key] == pytest.approx(run_steps[step][key], rel=1e-5), (step, key)
 
     adapter = load_file(run / "final" / "adapter_model.safetensors")
     experts_b = [k for k in adapter if ".mlp.experts." in k and "lora_B" in k]

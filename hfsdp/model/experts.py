@@ -46,13 +46,24 @@ def is_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
 
 
+def _routed(module: torch.nn.Module) -> bool:
+    """An experts module, or one of peft's wrappers of its weights."""
+    return is_experts(module) or (hasattr(module, "get_base_layer") and is_experts(module.get_base_layer()))
+
+
 def routed_parameters(model: torch.nn.Module) -> set[int]:
     """The ids of the routed experts' parameters (each token computes with ``top_k`` of a layer's experts:
     :func:`active_numel`), their LoRA adapters included (peft's wrappers of an experts module)."""
-    def routed(module) -> bool:
-        return is_experts(module) or (hasattr(module, "get_base_layer") and is_experts(module.get_base_layer()))
+    return {id(p) for module in model.modules() if _routed(module) for p in module.parameters()}
 
-    return {id(p) for module in model.modules() if routed(module) for p in module.parameters()}
+
+def routed_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The experts modules of ``model`` by name, each as its layer calls it: the outermost of peft's wrappers of its
+    weights where LoRA adapts them (their forward takes the layer's tokens and global expert ids; under expert
+    parallelism the modules inside see the rank's tokens and local ids)."""
+    found = [(name, module) for name, module in model.named_modules() if _routed(module)]
+    return [(name, module) for name, module in found
+            if not any(name.startswith(f"{outer}.") for outer, _ in found if outer != name)]
 
 
 def active_numel(model: torch.nn.Module, model_config: Any):
@@ -105,9 +116,11 @@ class Router:
     def __init__(self, model: torch.nn.Module, coefficient: float):
         self.coefficient = coefficient
         root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        found = [(_layer_index(name), module) for name, module in root.named_modules() if is_experts(module)]
+        found = [(_layer_index(name), module) for name, module in routed_modules(root)]
         self.layers = [index for index, _ in found]
-        self.experts = found[0][1].num_experts if found else 0
+        experts = found[0][1] if found else None
+        self.experts = (experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts).num_experts \
+            if experts is not None else 0
         self._counts: torch.Tensor | None = None
         self._training = False  # the causal LM's forward under way is a training one (autograd on)
         self._seen: set[int] = set()  # the MoE layers counted in it (a checkpointed layer's recompute is not)

@@ -65,7 +65,7 @@ def hfsdp_config_section():
 
 @hookimpl
 def hfsdp_rules():
-    return [Rule("config", ("lora", "fsdp.use_orig_params", "parallel.tp_size", "parallel.ep_size"), config_problems),
+    return [Rule("config", ("lora", "fsdp.use_orig_params", "parallel.tp_size"), config_problems),
             Rule("model", ("lora.target_modules", "lora.modules_to_save", "fsdp.version"), model_problems)]
 
 
@@ -82,12 +82,6 @@ def config_problems(config, facts) -> list[tuple[str, str]]:
         problems.append(("parallel.tp_size", "LoRA's adapters are not split by the tensor-parallel plan (peft wraps "
                                              "the Linears the plan splits): remove the lora plugin, or set "
                                              "parallel.tp_size: 1"))
-    if section.target_parameters and config.parallel.ep_size > 1:
-        problems.append(("lora.target_parameters", "adapters of the experts' weights are not split by expert "
-                                                   "parallelism yet (peft's adapter of a fused expert weight holds "
-                                                   "every expert's factors): remove lora.target_parameters (LoRA on "
-                                                   "the attention trains with parallel.ep_size), or set "
-                                                   "parallel.ep_size: 1"))
     return problems
 
 

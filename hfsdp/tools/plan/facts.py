@@ -33,7 +33,8 @@ class Param:
     hidden: bool = False  # a 2-D matrix of the hidden layers (Muon's; hfsdp.run.optimizers.hidden_matrices)
     tp_style: str | None = None  # parallel.tp_size: how the architecture's plan splits it (colwise, rowwise)
     routed: bool = False  # a routed experts' weight (dim 0 the experts), which parallel.ep_size splits
-    ep: int = 1  # the expert-parallel ranks its experts are split over (FSDP2 shards the rank's over shard_group / ep)
+    in_experts: bool = False  # in an experts module (its weights, peft's adapters of them): FSDP2 shards it apart
+    ep: int = 1  # parallel.ep_size where it is in_experts: FSDP2 shards it over shard_group / ep ranks
 
     def tp_local(self, tp: int) -> "Param":
         """The largest tensor-parallel rank's slice (``torch.chunk``'s first): colwise splits dim 0 (a bias too),
@@ -48,10 +49,12 @@ class Param:
         return replace(self, numel=math.prod(shape), rows=shape[0], shape=tuple(shape))
 
     def ep_local(self, ep: int) -> "Param":
-        """A rank's experts of a routed experts' weight split over ``ep`` expert-parallel ranks (``Shard(0)``: ep
-        divides the experts); other parameters as they are."""
-        if ep == 1 or not self.routed:
+        """What a rank of an expert-parallel group of ``ep`` keeps: its experts of a routed experts' weight
+        (``Shard(0)``: ep divides the experts), an adapter of them whole; other parameters as they are."""
+        if ep == 1 or not self.in_experts:
             return self
+        if not self.routed:
+            return replace(self, ep=ep)
         rows = self.rows // ep
         return replace(self, numel=self.numel // ep, rows=rows, shape=(rows, *self.shape[1:]), ep=ep)
 
@@ -198,13 +201,14 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
     params = []
     hidden = optimizers.hidden_matrices(model)
     styles = tp_styles(model, parallel.tp_plan(model_config))
-    routed = experts.routed_parameters(model)
+    in_experts = experts.routed_parameters(model)
+    routed = {id(p) for m in model.modules() if experts.is_experts(m) for p in m.parameters(recurse=False)}
     for name, p in model.named_parameters():  # tied parameters appear once
         unit = owner.get(id(p), 0)
         if id(p) not in packed:
             params.append(Param(numel=p.numel(), rows=p.shape[0] if p.dim() else 1, itemsize=p.element_size(),
                                 trainable=p.requires_grad, unit=unit, shape=tuple(p.shape), hidden=name in hidden,
-                                tp_style=styles.get(name), routed=id(p) in routed and p.dim() >= 2))
+                                tp_style=styles.get(name), routed=id(p) in routed, in_experts=id(p) in in_experts))
             continue
         # bitsandbytes packs two 4-bit weights a byte, stored as a [bytes / itemsize, 1] tensor; the quant state
         # stays on the module, whole on every rank
@@ -214,7 +218,7 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
                             replicated=quant.quant_storage == "uint8", weights=p.numel()))
     params = tuple(params)
     counted = experts.active_numel(model, model_config)
-    active = sum(counted(p) for p in model.parameters()) if routed else None
+    active = sum(counted(p) for p in model.parameters()) if in_experts else None
     moe = experts_of(model_config)
     moe_layers = sum(1 for m in model.modules() if experts.is_experts(m))
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
