@@ -127,6 +127,9 @@ def pytest_generate_tests(metafunc):
         # tests/test_combinations.py, resumed across the two)
         metafunc.parametrize("ep_type", sorted(TINY_MOE) if metafunc.config.getoption("full_matrix") else
                              ["mixtral"])
+    if "ep4_case" in metafunc.fixturenames:
+        metafunc.parametrize("ep4_case", ["deepseek_v3", "qwen3_moe_expert_lora"]
+                             if metafunc.config.getoption("full_matrix") else ["deepseek_v3"])
     if "trained_type" in metafunc.fixturenames:
         full = metafunc.config.getoption("full_matrix")
         metafunc.parametrize("trained_type", ["mixtral", "gpt_oss", "deepseek_v3"] if full else
@@ -358,17 +361,23 @@ def test_expert_parallel_ranks_train_as_one_process(tmp_path, ep_type):
 
 
 @pytest.mark.slow
-def test_expert_parallel_groups_with_expert_shards_train_as_one_process(tmp_path):
-    """ep 2 x dp 2 on 4 gloo ranks (2 groups of 2 ranks, each expert held by 2 ranks that FSDP2 shards it over) on
-    DeepSeek-V3 (a dense first layer, a shared expert, grouped routing) against one process accumulating the same 4
-    micro-batches: the same losses and gradient norms over 4 steps."""
-    one, split = _ep_pair(tmp_path, "deepseek_v3", {"ranks": 4, "parallel": {"ep_size": 2}, "fsdp": {"version": 2}})
+def test_expert_parallel_groups_with_expert_shards_train_as_one_process(tmp_path, ep4_case):
+    """ep 2 x dp 2 on 4 gloo ranks (2 groups of 2 ranks, each expert held by 2 ranks that FSDP2 shards it over)
+    against one process accumulating the same 4 micro-batches: the same losses and gradient norms over 4 steps. CI:
+    DeepSeek-V3 (a dense first layer, a shared expert, grouped routing); with ``--full-matrix`` also Qwen3-MoE with
+    LoRA on its experts (each rank's experts' factors of the whole ones, their gradients summed over the group)."""
+    model_type, sections = {"deepseek_v3": ("deepseek_v3", {}), "qwen3_moe_expert_lora": ("qwen3_moe", EXPERT_LORA)}[
+        ep4_case]
+    one, split = _ep_pair(tmp_path, model_type, {"ranks": 4, "parallel": {"ep_size": 2}, "fsdp": {"version": 2}},
+                          **sections)
     run_cli("train", str(one))
     proc = run_torchrun(4, "train", str(split))
     assert "over dp 4, experts over expert parallel 2 x efsdp 2" in proc.stdout
-    assert "experts: 8 per MoE layer, top 2, in 1 layers, 4 on each rank (expert parallel over 2 ranks)" in proc.stdout
+    layers = [1] if model_type == "deepseek_v3" else [0, 1]
+    assert (f"experts: 8 per MoE layer, top 2, in {len(layers)} layers, 4 on each rank (expert parallel over 2 "
+            "ranks)") in proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "ep" / "run")
     assert single.keys() == ranks.keys() == {1, 2, 3, 4}
     for step in single:
-        for key in ("loss", "grad_norm", "router/imbalance/layer_1"):
+        for key in ("loss", "grad_norm", *(f"router/imbalance/layer_{i}" for i in layers)):
             assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
