@@ -69,12 +69,15 @@ class MicroBatchLayout:
     (query, key) pair of a row in a token's linear cost (``pack_attention``, ``layout_cost``; 0 where it attends
     each packed sequence on its own), the inputs naming each row's sequences for it where ``pack_segments``
     (``hfsdp.model.packed_attention``). ``sequence_split``: with ``parallel.sp_size > 1`` (next-token training
-    only), this rank's share of every row's positions (:class:`hfsdp.parallel.sequence.SequenceSplit`)."""
+    only), this rank's share of every row's positions (:class:`hfsdp.parallel.sequence.SequenceSplit`). ``images``:
+    for a vision-language model, what makes a micro-batch's pixel inputs from its rows' images
+    (:class:`hfsdp.data.images.PixelInputs`)."""
 
     pack_len: int | None = None
     pack_attention: float = 0.0
     pack_segments: bool = False
     sequence_split: Any = None
+    images: Any = None
 
 
 class Objective:
@@ -133,6 +136,8 @@ class Objective:
         else:
             batch = packed_micro_batch(sequences, items, layout.pack_len or None, pad_id, made_on, select_logits,
                                        layout.pack_attention, layout.pack_segments)
+        if layout.images is not None:  # (never packed nor split: hfsdp.rules.vision)
+            batch.inputs.update({k: v.to(device, non_blocking=True) for k, v in layout.images(sequences).items()})
         return batch if split is None else split.apply(batch, device)
 
     def check_rows(self, splits: dict[str, Any]) -> None:

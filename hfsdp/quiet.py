@@ -28,6 +28,9 @@ def hide_library_warnings() -> None:
     # FSDP1 on one process says it shards nothing (the start-up report says what runs) and returns full state dicts.
     warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD` instead of")
     warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will")
+    # Qwen-VL models return rope_deltas as a view (an unsqueeze); FSDP2 warns on every forward that an in-place op on
+    # it would skip a hook, and hfsdp changes no output in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     # torch's notice about how Accelerate slices HYBRID_SHARD's mesh (every HYBRID_SHARD run, FSDP2).
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
     # Accelerate logs this for every plugin with a sharding_strategy, FSDP1's own (where it is not deprecated) too.

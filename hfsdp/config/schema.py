@@ -107,6 +107,12 @@ class ModelConfig(Section):
                           "the mixed-precision param dtype, else dtype), quant_storage (default: the same: sharded by "
                           "FSDP2; uint8: whole on every rank)}.")
 
+    freeze: list[Literal["vision", "projector", "language"]] = Field(
+        [], description="vision-language models: the parts whose weights stay as loaded (no gradient, no optimizer "
+                        "state): any of vision (the vision tower), projector (what maps its features into the "
+                        "language model), language (the decoder and its head). E.g. [vision, language]: train the "
+                        "projector only; [vision] with LoRA: adapters on the language model only.")
+
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:

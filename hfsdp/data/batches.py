@@ -200,9 +200,15 @@ def identity(dataset) -> dict[str, Any]:
         digest.update(name.encode())
         if pa.types.is_list(column_type) or pa.types.is_large_list(column_type):
             # every row's length, then every token: read IDENTITY_CHUNK rows at a time (memory stays bounded)
+            # (an images column: each image's bytes)
             for part in (pc.list_value_length, pc.list_flatten):
                 for batch in table.select_columns([name]).iter(batch_size=IDENTITY_CHUNK):
-                    digest.update(part(batch[name]).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+                    values = part(batch[name])
+                    if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
+                        for value in values.to_pylist():
+                            digest.update(value)
+                    else:
+                        digest.update(values.to_numpy(zero_copy_only=False).astype("int64").tobytes())
         else:
             digest.update(json.dumps(table[name].to_pylist(), default=str).encode())
     return {"train_rows": len(dataset), "train_fingerprint": digest.hexdigest()[:16]}
@@ -214,6 +220,11 @@ def is_packed(columns) -> bool:
     (the packing plugin keeps it; any plugin may): hfsdp then keeps attention inside each sample
     (:func:`model_inputs`) and proves the model does before step 1 (:func:`check_packed_attention`)."""
     return "position_ids" in columns
+
+
+# Per-token model inputs a row may carry besides its tokens (Gemma 3's processor marks its image tokens in
+# token_type_ids; Qwen3-VL's in mm_token_type_ids).
+PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 
 
 def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -234,6 +245,11 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Te
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
     if positions is not None:
         batch["position_ids"] = positions
+    for key in PER_TOKEN_INPUTS:  # a vision-language processor's (hfsdp.data.images.expand), padded with 0
+        if key in rows[0]:
+            batch[key] = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                batch[key][i, :len(r[key])] = torch.tensor(r[key])
     return batch
 
 

@@ -23,6 +23,7 @@ from hfsdp.config.schema import DataConfig, HfsdpConfig
 from hfsdp.data.broken_rows import first_problem
 from hfsdp.data.batches import NEXT_FIT_ROWS, Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
+from hfsdp.data.images import IMAGES_COLUMN
 from hfsdp.errors import PluginError, RowError, UserError
 
 if TYPE_CHECKING:
@@ -189,9 +190,10 @@ def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
     for i in range(len(batch["input_ids"])):
         row = {k: batch[k][i] for k in batch}
         too_long = any(len(row[k]) > cfg.max_seq_len for k in sequences)
-        if too_long and cfg.too_long == "truncate":
-            row = {k: v[: cfg.max_seq_len] if isinstance(v, list) else v for k, v in row.items()}
-        dropped_long = too_long and cfg.too_long == "drop"
+        # a row with images is never cut (the cut could fall inside an image's tokens): dropped instead
+        dropped_long = too_long and (cfg.too_long == "drop" or bool(row.get(IMAGES_COLUMN)))
+        if too_long and not dropped_long:
+            row = {k: v[: cfg.max_seq_len] if isinstance(v, list) and k != IMAGES_COLUMN else v for k, v in row.items()}
         # Labels are shifted by one inside the loss, so a row needs a labelled token after position 0.
         empty = not dropped_long and any(all(label == IGNORE_INDEX for label in row[k][1:]) for k in labels)
         for k in batch:
@@ -200,6 +202,19 @@ def _fit_length(batch: dict[str, list], cfg: DataConfig) -> dict[str, list]:
         out["_dropped_long"].append(dropped_long)
         out["_dropped_empty"].append(empty)
     return out
+
+
+def _has_images(raw) -> bool:
+    """Whether any row of a raw split has an entry in its images column."""
+    column = raw.with_format("arrow")[IMAGES_COLUMN] if len(raw) else None
+    if column is None:
+        return False
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return bool(pc.max(pc.list_value_length(column)).as_py() or 0)
+    return column.null_count < len(column)
 
 
 def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, num_proc: int | None,
@@ -224,6 +239,9 @@ def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, 
 
     tokenized = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
                         desc=desc)
+    if IMAGES_COLUMN in raw.column_names and IMAGES_COLUMN not in tokenized.column_names and _has_images(raw):
+        raise UserError(f"data.format '{cfg.format}' does not read the rows' {IMAGES_COLUMN} column: only data.format "
+                        "chat trains on images so far; remove the images, or use data.format: chat")
     import numpy as np
 
     table = tokenized.with_format("arrow")  # counted from the Arrow columns, never as Python lists of the corpus

@@ -22,6 +22,7 @@ from hfsdp.config.schema import BUILTIN_MODEL_NAMES, FSDPConfig, ModelConfig
 from hfsdp.disk.lock import one_at_a_time
 from hfsdp.errors import UserError
 from hfsdp.hooks.host import Lazy
+from hfsdp.model import vision
 from hfsdp.rules.models import model_name_problem
 
 if TYPE_CHECKING:
@@ -206,8 +207,12 @@ def model_facts(cfg: ModelConfig, cache_dir: Path) -> dict[str, Lazy]:
 
 
 def default_layer_classes(model_config: Any) -> list[str]:
-    """The transformer block classes FSDP wraps by default: the model class's ``_no_split_modules``."""
+    """The transformer block classes FSDP wraps by default: the model class's ``_no_split_modules``; for a
+    vision-language model, each part's blocks, its projector and its vision tower (:func:`vision.wrap_classes`)."""
     import transformers
+
+    if vision.is_vision_language(model_config):
+        return vision.wrap_classes(meta_model(model_config))
 
     for arch in model_config.architectures or []:
         cls = getattr(transformers, arch, None)
@@ -231,6 +236,8 @@ def fsdp_layer_classes(fsdp: FSDPConfig, model_config: Any) -> list[str]:
 
 
 def load_tokenizer(path: str, cfg: ModelConfig):
+    """The model's tokenizer (its pad token the end-of-text token where it has none); a vision-language model's
+    carries its processor (:func:`vision.load_processor`)."""
     from transformers import AutoTokenizer
 
     try:
@@ -239,6 +246,12 @@ def load_tokenizer(path: str, cfg: ModelConfig):
         raise UserError(f"model.name_or_path: cannot load the tokenizer of '{path}': {type(err).__name__}: {err}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    try:
+        model_config = load_model_config(path, cfg)
+    except UserError:  # a tokenizer's folder without a model's config
+        return tokenizer
+    if vision.is_vision_language(model_config):
+        vision.load_processor(path, tokenizer, cfg.revision, cfg.trust_remote_code)
     return tokenizer
 
 
@@ -269,11 +282,9 @@ def check_attention(model_config, kernel: str | None) -> None:
     does not implement (gpt-oss has no sdpa: its attention sinks), said as the model is first built (before any
     weight loads) instead of as transformers' error. An architecture transformers does not map (remote code) is
     left to its own check."""
-    from transformers import AutoModelForCausalLM
-
     flag = KERNEL_FLAGS.get(kernel)
     try:
-        model_class = AutoModelForCausalLM._model_mapping[type(model_config)] if flag else None
+        model_class = vision.auto_class(model_config)._model_mapping[type(model_config)] if flag else None
     except (KeyError, ValueError):
         return
     if model_class is None or getattr(model_class, flag, True):
@@ -286,11 +297,11 @@ def check_attention(model_config, kernel: str | None) -> None:
 
 def meta_model(model_config, trust_remote_code: bool = False, attn_implementation: str | None = None,
                cfg: ModelConfig | None = None):
-    """The causal LM of ``model_config`` on the meta device: names, shapes and dtypes, no memory and no weights;
-    ``cfg``: the model section's experts settings applied (:func:`hfsdp.model.experts.configure`). What the caller
-    then does to it (a plugin's adapters) stays on the meta device inside its own ``torch.device("meta")``."""
+    """The causal LM (or vision-language model) of ``model_config`` on the meta device: names, shapes and dtypes, no
+    memory and no weights; ``cfg``: the model section's experts settings applied
+    (:func:`hfsdp.model.experts.configure`). What the caller then does to it (a plugin's adapters) stays on the meta
+    device inside its own ``torch.device("meta")``."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from hfsdp.model import experts
 
@@ -300,21 +311,25 @@ def meta_model(model_config, trust_remote_code: bool = False, attn_implementatio
         model_config, more = experts.configure(model_config, cfg)
         kwargs.update(more)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code, **kwargs)
+        model = vision.auto_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code, **kwargs)
+    if cfg is not None and cfg.freeze:
+        vision.freeze(model, cfg.freeze)
+    return model
 
 
 def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
-    """The causal LM on CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
+    """The causal LM (or vision-language model: :mod:`hfsdp.model.vision`, its ``model.freeze`` parts frozen) on
+    CPU in ``cfg.dtype``; ``empty=True`` builds it without reading weights (for ranks > 0 under
     ``cpu_ram_efficient_loading``, which receive rank 0's weights when the model is sharded); ``quant``
     (:class:`hfsdp.rules.quantization.QuantSettings`): its decoder Linears quantized to 4 bits as they load."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from hfsdp.model import experts
 
     dtype = getattr(torch, cfg.dtype)
     model_config, more = experts.configure(load_model_config(path, cfg), cfg)
     check_attention(model_config, cfg.attn_implementation)
+    auto = vision.auto_class(model_config)
     if empty:
         from accelerate import init_empty_weights
 
@@ -323,7 +338,7 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
         # written, so it costs address space, not resident memory; Accelerate maps the optimizer's parameters to
         # the sharded ones by storage address, which meta tensors lack.
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
+            model = auto.from_config(
                 model_config, dtype=dtype, attn_implementation=cfg.attn_implementation,
                 trust_remote_code=cfg.trust_remote_code, **more,
             )
@@ -336,14 +351,19 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
                         allocated[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
                                                                   requires_grad=param.requires_grad)
                     module._parameters[name] = allocated[id(param)]
+        if cfg.freeze:
+            vision.freeze(model, cfg.freeze)
         return model
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             path, config=model_config, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
             attn_implementation=cfg.attn_implementation, **more, **quantized_loading(quant),
         )
     except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
         raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
+    if cfg.freeze:
+        vision.freeze(model, cfg.freeze)
+    return model
 
 
 def quantized_loading(quant) -> dict:
@@ -354,13 +374,18 @@ def quantized_loading(quant) -> dict:
     return {"quantization_config": quant.bnb_config(), "device_map": "cpu"}
 
 
-def accepts_logits_to_keep(model) -> bool:
-    """Whether the causal LM's forward can compute logits at chosen positions only (``logits_to_keep``, a tensor of
-    positions: transformers' models since 4.50); a LoRA model is asked about its base model."""
+def forward_arguments(model) -> list[str]:
+    """The names of the arguments the model's forward takes (a LoRA model's: its base model's)."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(type(base).forward).parameters
+    return list(inspect.signature(type(base).forward).parameters)
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward can compute logits at chosen positions only (``logits_to_keep``, a tensor of
+    positions: transformers' models since 4.50); a LoRA model is asked about its base model."""
+    return "logits_to_keep" in forward_arguments(model)
 
 
 def build_meta_model(model_config, setup: "RunSetup", host, dtype: str):

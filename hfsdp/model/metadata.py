@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from hfsdp.model import vision
+
 
 def _shapes(model) -> dict[str, tuple[int, ...]]:
     """Parameter and persistent-buffer shapes of a model (built on the meta device)."""
@@ -71,7 +73,9 @@ class ModelFiles:
             model_config.save_pretrained(out_dir)
             if generation_config is not None:
                 generation_config.save_pretrained(out_dir)
-            if tokenizer is not None:
+            if vision.processor_of(tokenizer) is not None:  # (it writes its tokenizer's files too)
+                vision.save_processor(vision.processor_of(tokenizer), out_dir)
+            elif tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 
         return cls.of_architecture(save, model_config)

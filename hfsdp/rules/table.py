@@ -24,7 +24,7 @@ from hfsdp.config.files import resolve_config_path, validated_config
 from hfsdp.disk.checkpoints import resumes_saved_by_fsdp
 from hfsdp.errors import ConfigError, InvalidSectionRead
 from hfsdp.hooks.host import Lazy
-from hfsdp.rules import (attention, checkpoints, experts, formats, models, optimizers, parallel, quantization,
+from hfsdp.rules import (attention, checkpoints, experts, formats, models, optimizers, parallel, quantization, vision,
                          wrapping)
 
 if TYPE_CHECKING:
@@ -106,6 +106,8 @@ RULES: tuple[Rule, ...] = (
          if c.parallel.tp_size * c.parallel.sp_size * c.parallel.ep_size > 1 else []),
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
+    Rule("model", ("model.freeze", "plugins", "parallel", "model.quantization"),
+         lambda c, f: vision.model_problems(c, f.model_config, f.plugins)),
 )
 
 

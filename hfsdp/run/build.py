@@ -18,12 +18,12 @@ import yaml
 
 from hfsdp.checkpoint import resume, store
 from hfsdp.config.schema import HfsdpConfig
-from hfsdp.data import batches, cache, prepare
+from hfsdp.data import batches, cache, images, prepare
 from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss
+from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss, vision
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.objective import (MicroBatchLayout, Objective, TokenCrossEntropy, micro_batch_packing,
                              micro_batch_padding, objective_of, rows_said)
@@ -90,7 +90,7 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
     model, optimizer, flops, objective, router = _setup_model(
         accelerator, setup, host, model_path, model_config, tokenizer,
         packed=batches.is_packed(data.train.column_names) or pack_len is not None, replaced=replaced)
-    objective.lay_out(_layout(accelerator, model, setup, flops, pack_len))
+    objective.lay_out(_layout(accelerator, model, setup, flops, pack_len, tokenizer))
     select_logits = _prepare_objective(accelerator, setup, objective, model, data, plan, max_steps, tokenizer,
                                        opts.cache_dir, model_path)
     startup = report_startup(setup, accelerator, model, output_dir)
@@ -210,7 +210,7 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
     probe = quantized.probe_before_sharding(model) if config.model.quantization else None
     flops = throughput.FlopsModel.of(model, model_config)
     router = experts.Router.of(model, config, model_config)
-    vocab_size = model.config.vocab_size
+    vocab_size = model.config.get_text_config().vocab_size
     chunked = (token_loss.ChunkedLoss(model, vocab_size)
                if config.train.chunked_loss and replaced is None and token_loss.output_head(model) else None)
     model, optimizer = prepare_model_and_optimizer(accelerator, setup, model,
@@ -225,18 +225,23 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
     return model, optimizer, flops, TokenCrossEntropy(loss_sum), router
 
 
-def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, pack_len: int | None) -> MicroBatchLayout:
+def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, pack_len: int | None,
+            tokenizer) -> MicroBatchLayout:
     """How the micro-batches are laid out (packed rows of at most ``pack_len`` tokens; a sequence-parallel rank's
-    share of each row's positions), the model's attention switched to read them."""
+    share of each row's positions; a vision-language model's pixel inputs, from the processor ``tokenizer``
+    carries), the model's attention switched to read them."""
     unwrapped = accelerator.unwrap_model(model)
-    layout = MicroBatchLayout()
+    processor = vision.processor_of(tokenizer)
+    layout = MicroBatchLayout(images=images.PixelInputs(processor, loading.forward_arguments(unwrapped))
+                              if processor is not None else None)
     if pack_len is not None:
         # sdpa attends each packed sequence on its own (hfsdp.model.packed_attention), flash attention's
         # variable-length kernels too (transformers finds the sequences from position_ids); another attention
         # computes a packed row's whole square, which the packer weighs against the padding it saves
         segments = packed_attention.use_sequence_sdpa(unwrapped)
         flash = str(unwrapped.config._attn_implementation).startswith("flash")
-        layout = MicroBatchLayout(pack_len, 0.0 if segments or flash else flops.attention_per_pair(), segments)
+        layout = replace(layout, pack_len=pack_len, pack_attention=0.0 if segments or flash else
+                         flops.attention_per_pair(), pack_segments=segments)
     if setup.world.dims.sp > 1:  # attention exchanges the split rows' positions for heads (hfsdp.parallel.sequence)
         mesh = accelerator.torch_device_mesh  # (FSDP1's run gives Accelerate no mesh: its sp groups are made here)
         mesh = mesh if mesh is not None else device_mesh(setup.world.dims, accelerator.device.type)

@@ -70,9 +70,10 @@ class FlopsModel:
         params = round(sum(counted(p) for p in unique.values())) + (embedding.numel() if tied else 0)
         trainable = round(sum(counted(p) for p in unique.values() if p.requires_grad))
         trainable += embedding.numel() if tied and embedding.requires_grad else 0
-        heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        return cls(params, trainable, model_config.num_hidden_layers, heads * head_dim)
+        text = model_config.get_text_config()  # (a vision-language model's decoder; its tower is counted per token)
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(params, trainable, text.num_hidden_layers, heads * head_dim)
 
     def attention_per_pair(self) -> float:
         """An attention (query, key) pair's FLOPs in a token's linear FLOPs (what packing weighs a wider row by)."""

@@ -37,8 +37,9 @@ from typing import Any
 
 from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.builtin.chat import tool_calls
+from hfsdp.data import images
 from hfsdp.errors import RowError, UserError
-from hfsdp.model import chat_template
+from hfsdp.model import chat_template, vision
 from hfsdp.rules.table import Rule
 
 ALWAYS_ON = True
@@ -114,10 +115,12 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return [_row_call(c, f"{where}'s tool call {k}") for k, c in enumerate(calls)]
 
 
-def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
+def conversation(messages: Any, data_config, parts: bool = False) -> list[dict[str, Any]]:
     """One row's messages as the template reads them (roles system, user, assistant, tool; ``content`` a text;
     ``tool_calls`` normalised, thinking as ``reasoning_content``; other keys as they are), or a RowError naming the
-    message at fault and the config key that fixes it."""
+    message at fault and the config key that fixes it. Content given as a list of parts: with ``parts``, kept as
+    text and image parts (:func:`visual_conversation` reads the images), else its text parts joined, and a
+    RowError for an image (only the chat format trains on images)."""
     if not isinstance(messages, list) or not messages:
         raise RowError(f"the messages are {type(messages).__name__ if messages is not None else 'missing'}"
                        f"{' (empty)' if messages == [] else ''}, not a list of messages: give every row a list of "
@@ -151,8 +154,16 @@ def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
             turn["content"], turn["tool_calls"] = "", _tool_calls(content, f"message {i}")
         elif content is None and "tool_calls" in message:
             turn["content"] = ""  # a turn of tool calls alone (OpenAI's content null): templates read its content
+        elif isinstance(content, list):
+            turn["content"] = _content_parts(content, i)
+            if not parts:
+                if any(part["type"] != "text" for part in turn["content"]):
+                    raise RowError(f"message {i} holds an image: only data.format chat (supervised fine-tuning) "
+                                   "trains on images so far; remove the image parts for this format")
+                turn["content"] = "".join(part["text"] for part in turn["content"])
         elif not isinstance(content, str):
-            raise RowError(f"message {i}'s {content_key} is a {type(content).__name__}, not a text")
+            raise RowError(f"message {i}'s {content_key} is a {type(content).__name__}, not a text (or a list of "
+                           "content parts)")
         else:
             turn["content"] = content
         if "tool_calls" in message:
@@ -172,6 +183,24 @@ def conversation(messages: Any, data_config) -> list[dict[str, Any]]:
                 turn[REASONING] = thinking[0]
         out.append(turn)
     return out
+
+
+def _content_parts(content: list, i: int) -> list[dict[str, Any]]:
+    """A message's content given as OpenAI / TRL content parts: text parts and image parts
+    (:mod:`hfsdp.data.images` reads their images), or a RowError naming the part at fault."""
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in images.IMAGE_PARTS:
+            parts.append(part)
+        else:
+            raise RowError(f"message {i}'s content part {k} is "
+                           + (f"of type {kind!r}" if kind else f"a {type(part).__name__} without a type")
+                           + ": content parts are {type: text, text: ...} and {type: image, image: ...} (or "
+                           "image_url); hfsdp trains on text and images, not audio or video")
+    return parts
 
 
 def tools_of(value: Any) -> list[dict[str, Any]] | None:
@@ -382,31 +411,52 @@ def _needs_template(tokenizer) -> None:
                         f"{type(tokenizer).__name__}: use the model's tokenizer.json")
 
 
-def tokenized_rows(batch, size: int, columns: tuple[str, ...], tokenize_row) -> dict[str, list]:
-    """The ``columns`` of a format's tokenized ``batch`` of ``size`` rows: ``tokenize_row(position, tools)`` of each
+def tokenized_rows(batch, size: int, columns: tuple[str, ...] | None, tokenize_row) -> dict[str, list]:
+    """The ``columns`` (None: those of the first row) of a format's tokenized ``batch`` of ``size`` rows:
+    ``tokenize_row(position, tools)`` of each
     row (``tools``: the row's :data:`TOOLS_FIELD` entry, None without that column), a RowError naming its row."""
-    out: dict[str, list] = {column: [] for column in columns}
+    out: dict[str, list] = {column: [] for column in columns or ()}
     for position in range(size):
         try:
             row = tokenize_row(position, batch[TOOLS_FIELD][position] if TOOLS_FIELD in batch else None)
         except RowError as err:
             err.position = position
             raise
-        for column in columns:
-            out[column].append(row[column])
+        for column in columns or row:
+            out.setdefault(column, []).append(row[column])
     return out
+
+
+def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tuple[list[dict], list[bytes]]:
+    """One row's messages (:func:`conversation`) and its images (:func:`hfsdp.data.images.with_images`); for a
+    text-only model, the messages with their text parts joined, or a RowError when the row has images."""
+    chat, found = images.with_images(conversation(row_messages, data_config, parts=True), row_images,
+                                     images.data_folder(data_config.path))
+    if vision.processor_of(tokenizer) is None:
+        if found:
+            raise RowError(f"has {len(found)} image(s), and the model is text-only: train a vision-language model "
+                           "(one whose config has a vision_config: Qwen2.5-VL, SmolVLM, Gemma 3, ...), or remove "
+                           "the images from the rows")
+        return images.text_only(chat), found
+    return images.as_parts(chat), found
 
 
 def tokenize_chat(batch, tokenizer, data_config):
     _needs_template(tokenizer)
     messages = batch[messages_field(data_config, list(batch))]
+    processor = vision.processor_of(tokenizer)
+    columns = ("input_ids", "labels") if processor is None else None
 
     def tokenize_row(position, tools):
-        chat = conversation(messages[position], data_config)
-        ids, labels = tokenize_conversation(chat, tokenizer, tools_of(tools), data_config.train_earlier_thinking)
-        return {"input_ids": ids, "labels": labels}
+        row_images = batch[images.IMAGES_COLUMN][position] if images.IMAGES_COLUMN in batch else None
+        chat, found = visual_conversation(messages[position], row_images, tokenizer, data_config)
+        tools = tools_of(tools)
+        ids, labels = tokenize_conversation(chat, tokenizer, tools, data_config.train_earlier_thinking)
+        if processor is None:
+            return {"input_ids": ids, "labels": labels}
+        return images.expand(processor, _render(tokenizer, chat, tools), found, ids, labels)
 
-    return tokenized_rows(batch, len(messages), ("input_ids", "labels"), tokenize_row)
+    return tokenized_rows(batch, len(messages), columns, tokenize_row)
 
 
 def generation_prompt(row, data_config, tokenizer) -> tuple:

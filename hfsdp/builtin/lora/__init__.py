@@ -34,6 +34,7 @@ from pydantic import Field
 from hfsdp import hookimpl
 from hfsdp.config.schema import Section
 from hfsdp.errors import ConfigError, UserError
+from hfsdp.model import vision
 from hfsdp.rules.table import Rule
 
 ADAPTER = "default"
@@ -110,13 +111,13 @@ def resolved_targets(model, config, section: LoraSection) -> list[str]:
     return section.target_modules or default_target_modules(model, config.fsdp)
 
 
-def peft_config(section: LoraSection, target_modules: list[str]):
+def peft_config(section: LoraSection, target_modules: list[str], exclude_modules: str | None = None):
     from peft import LoraConfig
 
     return LoraConfig(
         r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=list(target_modules),
         target_parameters=section.target_parameters, bias=section.bias, modules_to_save=section.modules_to_save,
-        task_type="CAUSAL_LM",
+        exclude_modules=exclude_modules, task_type="CAUSAL_LM",
     )
 
 
@@ -148,8 +149,10 @@ def adapted(model, config, section: LoraSection):
         experts = sorted({n.split(".", 3)[-1] for n in names if ".experts." in n and n.count(".") >= 3})
         raise ConfigError([("lora.target_parameters", f"{', '.join(unmatched)} names no parameter of this model"
                                                       + (f" (its experts': {', '.join(experts)})" if experts else ""))])
+    # a vision-language model's frozen tower and projector (model.freeze) get no adapters
+    excluded = vision.excluded_modules(model, config.model.freeze) if config.model.freeze else None
     try:
-        return get_peft_model(model, peft_config(section, targets), autocast_adapter_dtype=False)
+        return get_peft_model(model, peft_config(section, targets, excluded), autocast_adapter_dtype=False)
     except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
         said = str(err)
         if section.target_parameters and "lora_dropout" in said:

@@ -222,7 +222,7 @@ def model_facts(model_config, config: HfsdpConfig, host) -> ModelFacts:
     moe = experts_of(model_config)
     moe_layers = sum(1 for m in model.modules() if experts.is_experts(m))
     return ModelFacts(name=config.model.name_or_path, params=params, units=tuple(units),
-                      layer_classes=tuple(classes), vocab_size=model_config.vocab_size,
+                      layer_classes=tuple(classes), vocab_size=model_config.get_text_config().vocab_size,
                       num_layers=sum(type(m).__name__ in classes for m in model.modules()),
                       tied_embeddings=tied, tied_trainable_numel=tied_numel,
                       quant_state_bytes=sum(quant.state_bytes(n) for n in packed.values()) if quant else 0,

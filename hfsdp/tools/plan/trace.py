@@ -202,7 +202,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     head = model.get_output_embeddings()
     lm_head = head is not None  # else a sequence-classification model (plugin reward_model): one score per token
-    outputs = model_config.vocab_size if lm_head else getattr(model.config, "num_labels", 1)
+    outputs = model_config.get_text_config().vocab_size if lm_head else getattr(model.config, "num_labels", 1)
     # What the plain loss saves after the model's forward (train.chunked_loss keeps none of it).
     hooks.append(model.register_forward_hook(lambda module, args, output: current.__setitem__(0, "loss")))
     try:
@@ -231,7 +231,7 @@ def trace_activations(model_config, config: HfsdpConfig, host, precision: str, o
             per_layer[layer] += nbytes
     from hfsdp.model.token_loss import LOSS_CHUNK_ELEMENTS, tied_input_embedding
 
-    vocab, chunks = model_config.vocab_size, {}
+    vocab, chunks = model_config.get_text_config().vocab_size, {}
     if chunked and lm_head:  # the chunked loss's chunks of float32 logits, and the head's gradient it makes
         per_chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), batch * seq)
         count = -(-batch * seq // per_chunk)

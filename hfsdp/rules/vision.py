@@ -1,0 +1,48 @@
+"""What a vision-language model (a config with a ``vision_config``: :mod:`hfsdp.model.vision`) takes of the rest of
+hfsdp so far, and what ``model.freeze`` needs, from the config and the architecture's config alone (torch-free)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.hooks.host import PluginHost
+
+# The parts of a vision-language model ``model.freeze`` names (hfsdp.model.vision.part_of).
+PARTS = ("vision", "projector", "language")
+
+
+def is_vision_language(model_config: Any) -> bool:
+    """Whether the config is a vision-language model's (it has a vision tower's config)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def model_problems(config: "HfsdpConfig", model_config: Any, plugins: "PluginHost") -> list[tuple[str, str]]:
+    """``model.freeze`` on a text-only model, a vision-language model with everything frozen and nothing else to
+    train, and what vision-language training is not composed with yet (packing, tensor, sequence and expert
+    parallelism, a plugin's objective, 4-bit quantization)."""
+    freeze = list(config.model.freeze)
+    name = model_config.model_type
+    if not is_vision_language(model_config):
+        return [("model.freeze", f"{name} is a text-only model: model.freeze names parts of a vision-language model "
+                                 "(vision, projector, language); remove it")] if freeze else []
+    problems = []
+    if set(freeze) >= set(PARTS) and not plugins.trains_adapters(config):
+        problems.append(("model.freeze", "every part is frozen and no adapter is trained: nothing would learn; "
+                                         "leave a part out of model.freeze, or add LoRA (plugins: [lora])"))
+    said = f"{name} is a vision-language model, which hfsdp trains"
+    if "packing" in config.plugins:
+        problems.append(("plugins", f"{said} without packing so far (a packed row's images and their position ids "
+                                    "are not laid out yet): remove packing from plugins"))
+    for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert")):
+        if getattr(config.parallel, key) > 1:
+            problems.append((f"parallel.{key}", f"{said} without {what} parallelism so far: set parallel.{key}: 1 "
+                                                "(FSDP shards it over every rank)"))
+    if objectives := plugins.implementers("hfsdp_objective"):
+        problems.append(("plugins", f"{said} with supervised fine-tuning (data.format chat) so far, not with "
+                                    f"{', '.join(objectives)}: remove it from plugins"))
+    if config.model.quantization is not None:
+        problems.append(("model.quantization", f"{said} without 4-bit quantization so far: remove "
+                                               "model.quantization (LoRA on the full-precision model is built)"))
+    return problems

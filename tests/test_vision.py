@@ -1,0 +1,266 @@
+"""Vision-language models (issue 72): rows with images as people have them, labels as TRL 1.16 makes them, the
+parts frozen, FSDP on 2 gloo ranks as one process, resume and export. Tiny random models of the real architectures
+with the real SmolLM2 tokenizer (tests/vlm_models.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import CACHE_DIR, read_metrics, run_cli, run_torchrun
+from vlm_models import ARCHS, tiny_vlm_folder
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
+
+
+def image(seed: int, width: int = 56, height: int = 56):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def colour_rows(folder: Path, n: int = 24, shape: str = "parts") -> Path:
+    """A JSONL file of ``n`` one-image colour questions in ``folder`` (images beside it, paths relative to it), in
+    one of the row shapes: ``parts`` (content parts naming their image), ``placeholders`` (LLaMA-Factory's
+    ``<image>`` with an ``images`` column), ``column`` (TRL's ``images`` column beside plain texts)."""
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        name = rng.choice(sorted(COLOURS))
+        Image.new("RGB", (40 + 8 * (i % 3), 48), COLOURS[name]).save(folder / "img" / f"{i}.png")
+        answer, question = f"It is {name}.", "What colour is this?"
+        if shape == "parts":
+            rows.append({"messages": [
+                {"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"},
+                                             {"type": "text", "text": question}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+        elif shape == "placeholders":
+            rows.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                      {"role": "assistant", "content": answer}], "images": [f"img/{i}.png"]})
+        else:
+            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                         "images": [f"img/{i}.png"]})
+    path = folder / f"{shape}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def vlm_config(folder: Path, arch: str, rows: Path, **sections) -> Path:
+    config = {
+        "model": {"name_or_path": str(tiny_vlm_folder(arch, CACHE_DIR))},
+        "data": {"format": "chat", "path": str(rows), "max_seq_len": 128},
+        "train": {"output_dir": str(folder / "run"), "max_steps": 4, "per_device_batch_size": 2,
+                  "learning_rate": 1e-3, "log_every": 1, "seed": 7, "report_to": "none", "loss_plot": False},
+        "fsdp": {"version": 2, "sharding_strategy": "FULL_SHARD"},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def tokenized(arch: str, rows: list[dict], data_path: str | None = None, template: str | None = None) -> dict[str, list]:
+    """hfsdp's chat format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor), ``template`` as
+    data.chat_template."""
+    from hfsdp.builtin.chat import tokenize_chat
+    from hfsdp.config.schema import DataConfig, ModelConfig
+    from hfsdp.model import chat_template, loading
+
+    path = str(tiny_vlm_folder(arch, CACHE_DIR))
+    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
+    chat_template.use(tokenizer, template)
+    batch = {k: [r.get(k) for r in rows] for k in rows[0]}
+    return tokenize_chat(batch, tokenizer, DataConfig(format="chat", path=data_path or "rows.jsonl"))
+
+
+TRL_ROWS = [
+    {"images": [0], "messages": [{"role": "user", "content": "What is this?"},
+                                 {"role": "assistant", "content": "A cat."}]},
+    {"images": [1, 2], "messages": [{"role": "user", "content": "Compare them."},
+                                    {"role": "assistant", "content": "Same."},
+                                    {"role": "user", "content": "Sure?"},
+                                    {"role": "assistant", "content": "Yes."}]},
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_labels_and_pixels_equal_trl_vision_collation(arch):
+    """TRL 1.16's DataCollatorForVisionLanguageModeling with assistant_only_loss (its training template) on the same
+    rows and processor: the same tokens, the same labels (the assistant's tokens only: never an image, vision
+    marker or padding token), the same pixel inputs."""
+    from transformers import AutoProcessor
+    from trl.chat_template_utils import get_training_chat_template
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from hfsdp.data.batches import collate
+    from hfsdp.data.images import PixelInputs
+    from hfsdp.model import vision
+
+    vision.images_only_processors()
+    sizes = {0: (56, 56), 1: (56, 56), 2: (48, 64)}
+    rows = [{**r, "images": [image(k, *sizes[k]) for k in r["images"]]} for r in TRL_ROWS]
+    processor = AutoProcessor.from_pretrained(str(tiny_vlm_folder(arch, CACHE_DIR)))
+    collator = DataCollatorForVisionLanguageModeling(processor=processor, assistant_only_loss=True,
+                                                     chat_template=get_training_chat_template(processor))
+    theirs = collator(copy.deepcopy(rows))
+    # (Qwen3.5's template drops earlier turns' empty thinking once later turns follow: hfsdp refuses to mask it and
+    # names its training version, which TRL renders with too)
+    ours = tokenized(arch, rows, template="qwen3_5_nothink_training" if arch == "qwen3_5" else None)
+    batch = collate([{k: ours[k][i] for k in ours} for i in range(len(rows))], processor.tokenizer.pad_token_id)
+    assert torch.equal(batch["input_ids"], theirs["input_ids"])
+    assert torch.equal(batch["labels"], theirs["labels"])
+    assert (batch["labels"] != -100).sum() > 0
+    forward = set(theirs) - {"input_ids", "attention_mask", "labels"}
+    pixels = PixelInputs(processor, forward)([{"images": ours["images"][i]} for i in range(len(rows))])
+    assert set(pixels) == {k for k in forward if k not in ("token_type_ids", "mm_token_type_ids")}
+    for key, value in pixels.items():
+        assert torch.equal(value, theirs[key]), key
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])
+def test_every_row_shape_gives_the_same_tokens(tmp_path, arch):
+    """Content parts naming their image, LLaMA-Factory's <image> placeholders with an images column, and TRL's images
+    column beside plain texts: the same tokens, labels and image bytes (paths read from the data file's folder)."""
+    out = {}
+    for shape in ("parts", "placeholders", "column"):
+        path = colour_rows(tmp_path, 3, shape)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        out[shape] = tokenized(arch, rows, str(path))
+    assert out["parts"] == out["placeholders"] == out["column"]
+    assert out["parts"]["images"][0] == [(tmp_path / "img" / "0.png").read_bytes()]
+
+
+@pytest.mark.parametrize("row, said", [
+    ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
+      "images": ["img/missing.png"]}, "no file"),
+    ({"messages": [{"role": "user", "content": "<image><image>What?"}, {"role": "assistant", "content": "A."}],
+      "images": ["img/0.png"]}, "more <image> placeholders than the row has images (1 in its images column)"),
+    ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
+      "images": ["broken.png"]}, "cannot be read as an image"),
+    ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
+      "images": ["img/0.png", "img/1.png"]}, "2 images in its images column and 1 placeholders"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]},
+                   {"role": "assistant", "content": "A."}]}, "of type 'video'"),
+])
+def test_a_bad_image_row_is_named_by_hfsdp_validate(tmp_path, row, said):
+    """A missing file, a file that is no image, more placeholders than images, images without placeholders among
+    placeholders, a video part: hfsdp validate names the row (its line) and what to fix, before anything trains."""
+    good = colour_rows(tmp_path, 4, "placeholders")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    lines = good.read_text().splitlines()
+    lines[2] = json.dumps(row)
+    good.write_text("\n".join(lines) + "\n")
+    config = vlm_config(tmp_path, "qwen2_5_vl", good)
+    proc = run_cli("validate", str(config), check=False)
+    assert proc.returncode != 0
+    assert "line 3 of" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
+    data = colour_rows(tmp_path, 4, "placeholders")
+    config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"})
+    proc = run_cli("validate", str(config), check=False)
+    assert proc.returncode != 0
+    assert "the model is text-only: train a vision-language model" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("sections, key, said", [
+    ({"plugins": ["packing"]}, "plugins", "without packing so far"),
+    ({"plugins": ["dpo"], "data": {"format": "preference"}}, "plugins", "not with dpo"),
+    ({"model": {"freeze": ["vision", "projector", "language"]}}, "model.freeze", "nothing would learn"),
+])
+def test_what_vision_language_training_does_not_take_yet_is_refused(tmp_path, sections, key, said):
+    data = colour_rows(tmp_path, 4)
+    config = vlm_config(tmp_path, "qwen2_5_vl", data, **sections)
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode != 0
+    assert key in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_freeze_on_a_text_only_model_is_refused(tmp_path):
+    data = colour_rows(tmp_path, 4)
+    config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny", "freeze": ["vision"]})
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode != 0 and "is a text-only model: model.freeze names parts" in proc.stdout + proc.stderr
+
+
+def test_each_part_is_its_own_fsdp_unit_and_freezing_is_by_part():
+    """The wrap classes of Qwen2.5-VL and SmolVLM: each part's blocks, the projector and the tower, never a class
+    that holds two parts; freezing the tower leaves the projector and the language model trainable."""
+    from hfsdp.model import loading, vision
+    from hfsdp.model.loading import load_model_config
+    from hfsdp.config.schema import ModelConfig
+
+    for arch, expected in (("qwen2_5_vl", {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock", "Qwen2_5_VLPatchMerger",
+                                           "Qwen2_5_VisionTransformerPretrainedModel"}),
+                           ("smolvlm", {"LlamaDecoderLayer", "SmolVLMEncoderLayer", "SmolVLMConnector",
+                                        "SmolVLMVisionTransformer"})):
+        path = str(tiny_vlm_folder(arch, CACHE_DIR))
+        model_config = load_model_config(path, ModelConfig(name_or_path=path))
+        assert set(loading.default_layer_classes(model_config)) == expected
+        model = loading.meta_model(model_config, cfg=ModelConfig(name_or_path=path, freeze=["vision"]))
+        parts = {vision.part_of(n): p.requires_grad for n, p in model.named_parameters()}
+        assert parts == {"vision": False, "projector": True, "language": True}
+        trainable = {vision.part_of(n) for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {"projector", "language"}
+
+
+def steps(run: Path) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(run) if "loss" in m}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, sections", [
+    ("qwen2_5_vl", {"model": {"freeze": ["vision"]}}),
+    ("smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4}, "model": {"freeze": ["vision"]}}),
+])
+def test_two_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections):
+    """FSDP on 2 gloo ranks against one process accumulating the same 2 micro-batches, with the tower frozen (Qwen2.5-VL
+    full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1): the same losses and gradient
+    norms over 4 steps; a resume from step 2 ends bit for bit where the run did; the export reloads with the
+    model's class and processor, its tower byte-identical to the input."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hfsdp.model import vision
+    from test_combinations import assert_resumed_exactly, resume_from
+
+    data = colour_rows(tmp_path, 24)
+    one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": 2,
+                                                         "output_dir": str(tmp_path / "one" / "run")}, **sections)
+    two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
+                                                         "save_every": 2}, **sections)
+    run_cli("train", str(one))
+    run_torchrun(2, "train", str(two))
+    single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
+    assert single.keys() == ranks.keys() == {1, 2, 3, 4}
+    for step in single:
+        for key in ("loss", "grad_norm"):
+            assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
+    assert single[4]["loss"] < single[1]["loss"]
+    assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "two" / "run", 2, step=2),
+                           tmp_path / "two" / "run")
+    vision.images_only_processors()
+    if "lora" in sections.get("plugins", []):
+        return  # (the adapter's export: tests/test_lora.py; a merged VLM export is the full fine-tune's path)
+    final = tmp_path / "two" / "run" / "final"
+    model = AutoModelForImageTextToText.from_pretrained(str(final))
+    AutoProcessor.from_pretrained(str(final))
+    source = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_folder(arch, CACHE_DIR)))
+    trained = dict(model.named_parameters())
+    for name, param in source.named_parameters():
+        if vision.part_of(name) == "vision":
+            assert torch.equal(param, trained[name]), name
+    assert any(not torch.equal(p, trained[n]) for n, p in source.named_parameters() if vision.part_of(n) == "language")

@@ -1,0 +1,214 @@
+"""Tiny random vision-language models of real architectures, offline, on the real SmolLM2 tokenizer (issue 72).
+
+:func:`tiny_vlm_folder` builds, once into the test cache, a model of 2 text layers of width 64 and a 2-layer
+vision tower of width 32 (about 6M parameters) with its processor: the SmolLM2 tokenizer plus the family's special
+tokens, an image processor sized for small images (4 to 16 image tokens an image), and the family's chat template
+as hfsdp ships it (``hfsdp/model/chat_templates``, TRL's copies).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from hfsdp.model import chat_template, vision
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048)
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "smolvlm", "idefics3", "gemma3", "llava")
+
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IDEFICS_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                  + [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)])
+SPECIAL = {
+    "qwen2_5_vl": QWEN_TOKENS,
+    "qwen3_vl": QWEN_TOKENS,
+    "qwen3_5": QWEN_TOKENS,
+    "smolvlm": IDEFICS_TOKENS,
+    "idefics3": ["<|begin_of_text|>"] + IDEFICS_TOKENS,
+    "gemma3": ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+               "<image_soft_token>"],
+    "llava": ["<image>", "</s>"],
+}
+# Named special tokens set on the tokenizer (saved as extra_special_tokens, so they reload as attributes).
+EXTRA = {
+    "qwen2_5_vl": dict(image_token="<|image_pad|>", video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                       vision_end_token="<|vision_end|>"),
+    "smolvlm": dict(image_token="<image>", fake_image_token="<fake_token_around_image>",
+                    global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>"),
+    "gemma3": dict(boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"),
+    "llava": dict(image_token="<image>"),
+}
+EXTRA["qwen3_vl"] = EXTRA["qwen3_5"] = EXTRA["qwen2_5_vl"]
+EXTRA["idefics3"] = EXTRA["smolvlm"]
+# bos/eos the family's template and generation expect (pad stays SmolLM2's <|im_end|> unless set here).
+ROLES = {
+    "smolvlm": dict(eos_token="<end_of_utterance>"),
+    "idefics3": dict(bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>"),
+    "gemma3": dict(bos_token="<bos>", eos_token="<end_of_turn>"),
+    "llava": dict(eos_token="</s>"),
+}
+TEMPLATE = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_nothink", "smolvlm": "smolvlm",
+            "idefics3": "idefics3", "gemma3": "gemma3", "llava": "llava_next"}
+
+
+def _tokenizer(arch: str, tokenizer_folder: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder), extra_special_tokens=EXTRA.get(arch, {}))
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL[arch]}, replace_extra_special_tokens=False)
+    for key, value in ROLES.get(arch, {}).items():
+        setattr(tok, key, value)
+    tok.chat_template = None  # the processor carries the chat template
+    return tok
+
+
+def _ids(tok, arch: str) -> dict:
+    return {t: tok.convert_tokens_to_ids(t) for t in SPECIAL[arch]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-family model config + image processor + processor
+# ---------------------------------------------------------------------------------------------------------------
+
+def _qwen(arch: str, tok, ids: dict):
+    from transformers import AutoConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    text = dict(TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    if arch == "qwen2_5_vl":
+        patch = 14
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+        text.update(rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3]))
+    elif arch == "qwen3_vl":
+        patch = 16
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+        text.update(head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[2, 3, 3],
+                                                      mrope_interleaved=True))
+    else:  # qwen3_5: one Gated-DeltaNet (linear attention) layer and one full-attention layer
+        patch = 16
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+        text.update(head_dim=32, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                         mrope_section=[2, 1, 1], mrope_interleaved=True))
+    config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=False, **special)
+    factor = patch * 2
+    # Images resize to multiples of patch*merge between factor^2 and (4*factor)^2 pixels: 1..16 image tokens;
+    # a 56x56 image becomes 56x56 (4 tokens) for Qwen2.5-VL, 64x64 (4 tokens) for Qwen3-VL/Qwen3.5.
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": factor * factor, "longest_edge": (4 * factor) ** 2}, patch_size=patch,
+        merge_size=2, temporal_patch_size=2)
+    return config, image_processor, {}
+
+
+def _idefics(arch: str, tok, ids: dict):
+    from transformers import AutoConfig
+
+    if arch == "smolvlm":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as IP
+    else:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as IP
+    side, patch, scale = 32, 8, 2  # 32x32 images, 4x4 patches, pixel-shuffled by 2: 4 image tokens an image
+    text = dict(TEXT, model_type="llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+                head_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=side,
+                  patch_size=patch)
+    config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=ids["<image>"],
+                                  scale_factor=scale, tie_word_embeddings=False, pad_token_id=tok.pad_token_id)
+    image_processor = IP(do_image_splitting=False, size={"longest_edge": side}, max_image_size={"longest_edge": side})
+    seq = (side // patch) ** 2 // scale ** 2
+    return config, image_processor, dict(image_seq_len=seq)
+
+
+def _gemma3(arch: str, tok, ids: dict):
+    from transformers import AutoConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    side, patch, mm_tokens = 32, 8, 4  # 4x4 patches avg-pooled to 2x2: 4 image tokens an image
+    text = dict(TEXT, vocab_size=len(tok), head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=patch, vision_use_head=False)
+    config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens,
+                                  boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                                  image_token_index=ids["<image_soft_token>"])
+    image_processor = Gemma3ImageProcessorPil(size={"height": side, "width": side}, do_pan_and_scan=False)
+    return config, image_processor, dict(image_seq_length=mm_tokens)
+
+
+def _llava(arch: str, tok, ids: dict):
+    from transformers import AutoConfig
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    side, patch = 32, 8  # CLIP: 16 patches + CLS; the "default" feature strategy drops CLS: 16 image tokens
+    text = dict(TEXT, model_type="llama", vocab_size=len(tok), head_dim=16, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=patch, projection_dim=32)
+    config = AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_index=ids["<image>"],
+                                  image_seq_length=(side // patch) ** 2, vision_feature_select_strategy="default",
+                                  vision_feature_layer=-2, tie_word_embeddings=False, pad_token_id=tok.pad_token_id)
+    image_processor = LlavaImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    return config, image_processor, dict(patch_size=patch, num_additional_image_tokens=1,
+                                         vision_feature_select_strategy="default")
+
+
+BUILD = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen, "qwen3_5": _qwen, "smolvlm": _idefics, "idefics3": _idefics,
+         "gemma3": _gemma3, "llava": _llava}
+PROCESSOR = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor",
+             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "gemma3": "Gemma3Processor",
+             "llava": "LlavaProcessor"}
+
+
+def make_tiny_vlm(arch: str, folder: Path, tokenizer_folder: Path, seed: int = 0) -> None:
+    """Write a tiny random ``arch`` model and its processor into ``folder`` (created; existing files overwritten)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(arch, tokenizer_folder)
+    config, image_processor, processor_kwargs = BUILD[arch](arch, tok, _ids(tok, arch))
+    processor_cls = getattr(transformers, PROCESSOR[arch])
+    kwargs = dict(image_processor=image_processor, tokenizer=tok, chat_template=chat_template.resolve(TEMPLATE[arch]))
+    stand_in = vision.images_only_processors()
+    if "video_processor" in processor_cls.get_attributes() and stand_in is not None:
+        kwargs["video_processor"] = stand_in()
+    processor = processor_cls(**kwargs, **processor_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(folder, safe_serialization=True)
+    vision.save_processor(processor, folder)
+
+
+def tiny_vlm_folder(arch: str, cache_dir: Path) -> Path:
+    """The tiny ``arch`` model with its processor, randomly initialised from seed 0, built once into ``cache_dir``
+    (the same folder for every test process)."""
+    from hfsdp.model.loading import _smollm2_tokenizer
+
+    folder = cache_dir / f"tiny-vlm-{arch}-seed0"
+    if not (folder / "model.safetensors").is_file():
+        _smollm2_tokenizer(cache_dir)
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir))
+        make_tiny_vlm(arch, tmp, cache_dir / "smollm2-tokenizer")
+        try:
+            tmp.rename(folder)
+        except OSError:  # built meanwhile by another process
+            shutil.rmtree(tmp)
+    return folder
