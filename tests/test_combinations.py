@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (PRESET_DATA, RUN_ENV, RunRegistry, rank_errors, read_completions, read_metrics, run_cli, run_torchrun,
-                      tiny_config, tiny_moe_folder, tiny_teacher_folder)
+from conftest import (CACHE_DIR, PRESET_DATA, RUN_ENV, RunRegistry, rank_errors, read_completions, read_metrics,
+                      run_cli, run_torchrun, tiny_config, tiny_moe_folder, tiny_teacher_folder)
+from vlm_models import colour_data, tiny_vlm_folder
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,14 @@ def mixture_of(sections: dict) -> dict:
         {"path": data["path"], "weight": 3}, {"path": second, "format": data["format"], "weight": 1}]}})
 
 
+def vision_language(sections: dict) -> dict:
+    """``sections`` training the tiny Qwen2.5-VL, its vision tower frozen, on colour questions about images."""
+    train, eval_ = colour_data(CACHE_DIR)
+    return _merge(sections, {"model": {"name_or_path": str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR)),
+                                       "freeze": ["vision"]},
+                             "data": {"format": "chat", "path": str(train), "eval_path": str(eval_)}})
+
+
 def compose(*parts) -> dict:
     """Options (:data:`OPTIONS` values: sections, or a function of the sections so far, applied after the plain
     ones) over base sections."""
@@ -264,6 +273,9 @@ OPTIONS = {
     # expert parallelism (issue 71): the tiny Qwen3-MoE's experts split over 2 ranks (4 each), tokens sent to them
     # and back, each rank on its own rows (tests/test_moe.py: 2 and 4 ranks against one process, other architectures)
     "ep2": {"model": {"name_or_path": str(tiny_moe_folder("qwen3_moe"))}, "parallel": {"ep_size": 2}},
+    # a vision-language model (issue 72): the tiny Qwen2.5-VL on one-image colour questions, its tower frozen
+    # (tests/test_vision.py: labels against TRL, 2 ranks against one process, SmolVLM under FSDP1 with LoRA)
+    "vlm": vision_language,
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
@@ -290,6 +302,8 @@ REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1,
 REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
 REFUSED.update({(v, 1, "sp2"): "parallel.sp_size: 2 does not divide the world size 1" for v in (1, 2)})
 REFUSED[2, 1, "ep2"] = "parallel.ep_size: 2 does not divide the 1 ranks FSDP shards over"
+# torch's FSDP1 on one shard drops a frozen part from the state dict it saves (the vlm option freezes the tower).
+REFUSED[1, 1, "vlm"] = "model.freeze under FSDP1 with a single shard"
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -342,7 +356,7 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", "acting", "workers", "moe", *PACKED_OPTIONS)
+                          "distill_online", "acting", "workers", "moe", "vlm", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
@@ -1034,7 +1048,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools", "acting", "workers", "moe", "ep2",
+                                      "grpo_tools", "acting", "workers", "moe", "ep2", "vlm",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)

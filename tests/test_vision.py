@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -15,44 +14,12 @@ import torch
 import yaml
 
 from conftest import CACHE_DIR, read_metrics, run_cli, run_torchrun
-from vlm_models import ARCHS, tiny_vlm_folder
-
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
-
+from vlm_models import ARCHS, colour_rows, tiny_vlm_folder
 
 def image(seed: int, width: int = 56, height: int = 56):
     from PIL import Image
 
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
-
-
-def colour_rows(folder: Path, n: int = 24, shape: str = "parts") -> Path:
-    """A JSONL file of ``n`` one-image colour questions in ``folder`` (images beside it, paths relative to it), in
-    one of the row shapes: ``parts`` (content parts naming their image), ``placeholders`` (LLaMA-Factory's
-    ``<image>`` with an ``images`` column), ``column`` (TRL's ``images`` column beside plain texts)."""
-    from PIL import Image
-
-    (folder / "img").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        name = rng.choice(sorted(COLOURS))
-        Image.new("RGB", (40 + 8 * (i % 3), 48), COLOURS[name]).save(folder / "img" / f"{i}.png")
-        answer, question = f"It is {name}.", "What colour is this?"
-        if shape == "parts":
-            rows.append({"messages": [
-                {"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"},
-                                             {"type": "text", "text": question}]},
-                {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
-        elif shape == "placeholders":
-            rows.append({"messages": [{"role": "user", "content": f"<image>{question}"},
-                                      {"role": "assistant", "content": answer}], "images": [f"img/{i}.png"]})
-        else:
-            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-                         "images": [f"img/{i}.png"]})
-    path = folder / f"{shape}.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def vlm_config(folder: Path, arch: str, rows: Path, **sections) -> Path:
@@ -139,18 +106,18 @@ def test_every_row_shape_gives_the_same_tokens(tmp_path, arch):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         out[shape] = tokenized(arch, rows, str(path))
     assert out["parts"] == out["placeholders"] == out["column"]
-    assert out["parts"]["images"][0] == [(tmp_path / "img" / "0.png").read_bytes()]
+    assert out["parts"]["images"][0] == [(tmp_path / "img" / "0-0.png").read_bytes()]
 
 
 @pytest.mark.parametrize("row, said", [
     ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
       "images": ["img/missing.png"]}, "no file"),
     ({"messages": [{"role": "user", "content": "<image><image>What?"}, {"role": "assistant", "content": "A."}],
-      "images": ["img/0.png"]}, "more <image> placeholders than the row has images (1 in its images column)"),
+      "images": ["img/0-0.png"]}, "more <image> placeholders than the row has images (1 in its images column)"),
     ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
       "images": ["broken.png"]}, "cannot be read as an image"),
     ({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}],
-      "images": ["img/0.png", "img/1.png"]}, "2 images in its images column and 1 placeholders"),
+      "images": ["img/0-0.png", "img/0-1.png"]}, "2 images in its images column and 1 placeholders"),
     ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]},
                    {"role": "assistant", "content": "A."}]}, "of type 'video'"),
 ])

@@ -212,3 +212,53 @@ def tiny_vlm_folder(arch: str, cache_dir: Path) -> Path:
         except OSError:  # built meanwhile by another process
             shutil.rmtree(tmp)
     return folder
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
+
+
+def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | None = None, seed: int = 0) -> Path:
+    """A JSONL file of ``n`` one-image colour questions in ``folder`` (images beside it, paths relative to it), in
+    one of the row shapes: ``parts`` (content parts naming their image), ``placeholders`` (LLaMA-Factory's
+    ``<image>`` with an ``images`` column), ``column`` (TRL's ``images`` column beside plain texts)."""
+    import json
+    import random
+
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        colour = rng.choice(sorted(COLOURS))
+        image = f"img/{seed}-{i}.png"
+        Image.new("RGB", (40 + 8 * (i % 3), 48), COLOURS[colour]).save(folder / image)
+        answer, question = f"It is {colour}.", "What colour is this?"
+        if shape == "parts":
+            rows.append({"messages": [
+                {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+        elif shape == "placeholders":
+            rows.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                      {"role": "assistant", "content": answer}], "images": [image]})
+        else:
+            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                         "images": [image]})
+    path = folder / f"{name or shape}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def colour_data(cache_dir: Path) -> tuple[Path, Path]:
+    """A train file (64 rows) and an eval file (8 rows) of colour questions with their images, built once into
+    ``cache_dir`` (the same files for every test process)."""
+    folder = cache_dir / "vlm-colour-rows"
+    if not (folder / "eval.jsonl").is_file():
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir))
+        colour_rows(tmp, 64, name="train")
+        colour_rows(tmp, 8, name="eval", seed=1)
+        try:
+            tmp.rename(folder)
+        except OSError:  # built meanwhile by another process
+            shutil.rmtree(tmp)
+    return folder / "train.jsonl", folder / "eval.jsonl"

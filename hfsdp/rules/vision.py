@@ -18,7 +18,7 @@ def is_vision_language(model_config: Any) -> bool:
     return getattr(model_config, "vision_config", None) is not None
 
 
-def model_problems(config: "HfsdpConfig", model_config: Any, plugins: "PluginHost") -> list[tuple[str, str]]:
+def model_problems(config: "HfsdpConfig", model_config: Any, plugins: "PluginHost", dims) -> list[tuple[str, str]]:
     """``model.freeze`` on a text-only model, a vision-language model with everything frozen and nothing else to
     train, and what vision-language training is not composed with yet (packing, tensor, sequence and expert
     parallelism, a plugin's objective, 4-bit quantization)."""
@@ -31,6 +31,12 @@ def model_problems(config: "HfsdpConfig", model_config: Any, plugins: "PluginHos
     if set(freeze) >= set(PARTS) and not plugins.trains_adapters(config):
         problems.append(("model.freeze", "every part is frozen and no adapter is trained: nothing would learn; "
                                          "leave a part out of model.freeze, or add LoRA (plugins: [lora])"))
+    if freeze and dims is not None and dims.wrapper == "fsdp1" and dims.shard_group * dims.tp == 1:
+        # torch's FSDP1 on a single shard leaves a frozen part's parameters out of the state dict it saves
+        # ("FSDP assumes ... patch_embed.proj.weight is in the state_dict") at the first checkpoint.
+        problems.append(("fsdp.version", "model.freeze under FSDP1 with a single shard (one process or NO_SHARD) hits "
+                                         "a torch FSDP1 bug with frozen parameters at the first checkpoint: use "
+                                         "fsdp.version: 2 (the default), or more than one rank"))
     said = f"{name} is a vision-language model, which hfsdp trains"
     if "packing" in config.plugins:
         problems.append(("plugins", f"{said} without packing so far (a packed row's images and their position ids "
