@@ -231,3 +231,22 @@ def test_two_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sectio
         if vision.part_of(name) == "vision":
             assert torch.equal(param, trained[name]), name
     assert any(not torch.equal(p, trained[n]) for n, p in source.named_parameters() if vision.part_of(n) == "language")
+
+
+def test_the_preprocessing_cache_is_keyed_by_the_image_processor():
+    """The image processor decides how many tokens each image expands to (the cached rows): a change of its sizes
+    (Qwen's max_pixels, say) is another cache entry, never the rows of the old one."""
+    from hfsdp.config.schema import DataConfig, ModelConfig
+    from hfsdp.data.cache import cache_key
+    from hfsdp.data.images import processor_of
+    from hfsdp.model import loading
+
+    path = str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR))
+    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
+    data = DataConfig(format="chat", path="rows.jsonl")
+    before = cache_key(["rows"], tokenizer, data, "chat")
+    assert cache_key(["rows"], tokenizer, data, "chat") == before
+    image_processor = processor_of(tokenizer).image_processor
+    image_processor.size = {"shortest_edge": image_processor.size["shortest_edge"],
+                            "longest_edge": image_processor.size["longest_edge"] * 4}
+    assert cache_key(["rows"], tokenizer, data, "chat") != before

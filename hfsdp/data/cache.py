@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hfsdp.data.images import processor_of
 from hfsdp.disk.lock import one_at_a_time
 from hfsdp.disk.space import OutOfSpace, disk_full, folder_bytes, size_text
 from hfsdp.config.schema import DataConfig
@@ -25,9 +26,12 @@ def cache_key(raw_fingerprints: list[str], tokenizer, cfg: DataConfig, format_ow
     """Key of the preprocessing cache: raw data fingerprint + tokenizer + the data config + format plugin."""
     vocab = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else str(tokenizer.get_vocab())
     template = getattr(tokenizer, "chat_template", None) or ""
+    # a vision-language model's image processor decides how many tokens each image expands to
+    processor = processor_of(tokenizer)
+    images = processor.image_processor.to_json_string() if processor is not None else ""
     payload = json.dumps(
         [raw_fingerprints, hashlib.sha256(vocab.encode()).hexdigest(), template, cfg.model_dump(mode="json"),
-         format_owner, extra],
+         format_owner, extra] + ([images] if images else []),
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:20]

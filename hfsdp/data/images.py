@@ -33,6 +33,16 @@ PLACEHOLDER = "<image>"  # LLaMA-Factory's placeholder of an image in a message'
 IMAGE_PARTS = ("image", "image_url")
 
 
+# Where a vision-language model's tokenizer carries its processor (hfsdp.model.vision.load_processor): the data
+# formats get the tokenizer, and read images with the processor it carries.
+PROCESSOR_ATTR = "hfsdp_processor"
+
+
+def processor_of(tokenizer):
+    """The processor a vision-language model's tokenizer carries, else None."""
+    return getattr(tokenizer, PROCESSOR_ATTR, None)
+
+
 def data_folder(path: str | None) -> Path | None:
     """The folder relative image paths of a local data file (or folder of files) are read from, else None."""
     if not path:

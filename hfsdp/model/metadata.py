@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from hfsdp.data.images import processor_of
 from hfsdp.model import vision
 
 
@@ -73,8 +74,8 @@ class ModelFiles:
             model_config.save_pretrained(out_dir)
             if generation_config is not None:
                 generation_config.save_pretrained(out_dir)
-            if vision.processor_of(tokenizer) is not None:  # (it writes its tokenizer's files too)
-                vision.save_processor(vision.processor_of(tokenizer), out_dir)
+            if processor_of(tokenizer) is not None:  # (it writes its tokenizer's files too)
+                vision.save_processor(processor_of(tokenizer), out_dir)
             elif tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 

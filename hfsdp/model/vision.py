@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hfsdp.data.images import PROCESSOR_ATTR
 from hfsdp.rules.vision import PARTS, is_vision_language
 
 # The parts other than the language model, in the order they are matched (the projector lies inside Qwen's vision
@@ -99,11 +100,6 @@ def excluded_modules(model, parts) -> str | None:
     frozen ``parts`` other than the language model, so that LoRA puts no adapter on them; None when none is."""
     roots = [root for part, names in part_roots(model).items() if part in parts for root in names]
     return f"({'|'.join(re.escape(root) for root in roots)})(\\..*)?" if roots else None
-
-
-# Where a vision-language model's tokenizer carries its processor (:func:`processor_of`): the data formats get the
-# tokenizer, and read images with the processor it carries.
-PROCESSOR_ATTR = "hfsdp_processor"
 
 
 def images_only_processors():
@@ -193,8 +189,3 @@ def load_processor(path: str, tokenizer, revision: str | None = None, trust_remo
         tokenizer.chat_template = processor.chat_template
     setattr(tokenizer, PROCESSOR_ATTR, processor)
     return processor
-
-
-def processor_of(tokenizer):
-    """The processor a vision-language model's tokenizer carries (:func:`load_processor`), else None."""
-    return getattr(tokenizer, PROCESSOR_ATTR, None)

@@ -23,7 +23,7 @@ from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss, vision
+from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.objective import (MicroBatchLayout, Objective, TokenCrossEntropy, micro_batch_packing,
                              micro_batch_padding, objective_of, rows_said)
@@ -231,7 +231,7 @@ def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, p
     share of each row's positions; a vision-language model's pixel inputs, from the processor ``tokenizer``
     carries), the model's attention switched to read them."""
     unwrapped = accelerator.unwrap_model(model)
-    processor = vision.processor_of(tokenizer)
+    processor = images.processor_of(tokenizer)
     layout = MicroBatchLayout(images=images.PixelInputs(processor, loading.forward_arguments(unwrapped))
                               if processor is not None else None)
     if pack_len is not None:

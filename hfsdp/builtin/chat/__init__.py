@@ -39,7 +39,7 @@ from hfsdp import IGNORE_INDEX, hookimpl
 from hfsdp.builtin.chat import tool_calls
 from hfsdp.data import images
 from hfsdp.errors import RowError, UserError
-from hfsdp.model import chat_template, vision
+from hfsdp.model import chat_template
 from hfsdp.rules.table import Rule
 
 ALWAYS_ON = True
@@ -432,7 +432,7 @@ def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tup
     text-only model, the messages with their text parts joined, or a RowError when the row has images."""
     chat, found = images.with_images(conversation(row_messages, data_config, parts=True), row_images,
                                      images.data_folder(data_config.path))
-    if vision.processor_of(tokenizer) is None:
+    if images.processor_of(tokenizer) is None:
         if found:
             raise RowError(f"has {len(found)} image(s), and the model is text-only: train a vision-language model "
                            "(one whose config has a vision_config: Qwen2.5-VL, SmolVLM, Gemma 3, ...), or remove "
@@ -444,7 +444,7 @@ def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tup
 def tokenize_chat(batch, tokenizer, data_config):
     _needs_template(tokenizer)
     messages = batch[messages_field(data_config, list(batch))]
-    processor = vision.processor_of(tokenizer)
+    processor = images.processor_of(tokenizer)
     columns = ("input_ids", "labels") if processor is None else None
 
     def tokenize_row(position, tools):
