@@ -250,3 +250,15 @@ def test_the_preprocessing_cache_is_keyed_by_the_image_processor():
     image_processor.size = {"shortest_edge": image_processor.size["shortest_edge"],
                             "longest_edge": image_processor.size["longest_edge"] * 4}
     assert cache_key(["rows"], tokenizer, data, "chat") != before
+
+
+def test_model_freeze_enters_the_run_fingerprint_only_when_set():
+    """model.freeze joined the schema after checkpoints began recording the fingerprint: unset, a checkpoint written
+    before it keeps its fingerprint (tests/test_decisions.py); set, the run differs from one that trained every part."""
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.setup.record import run_fingerprint
+
+    base = {"model": {"name_or_path": "smollm2-tiny"}, "data": {"path": "x.jsonl"},
+            "train": {"output_dir": "run", "max_steps": 4}}
+    frozen = {**base, "model": {**base["model"], "freeze": ["vision"]}}
+    assert run_fingerprint(HfsdpConfig.model_validate(frozen)) != run_fingerprint(HfsdpConfig.model_validate(base))

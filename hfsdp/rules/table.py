@@ -107,7 +107,7 @@ RULES: tuple[Rule, ...] = (
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
     Rule("model", ("model.freeze", "plugins", "parallel", "model.quantization", "fsdp.version"),
-         lambda c, f: vision.model_problems(c, f.model_config, f.plugins, f.world.dims if f.world else None)),
+         vision.model_problems),  # (the model's config read only where the config asks of it)
 )
 
 

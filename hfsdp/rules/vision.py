@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
-    from hfsdp.hooks.host import PluginHost
 
 # The parts of a vision-language model ``model.freeze`` names (hfsdp.model.vision.part_of).
 PARTS = ("vision", "projector", "language")
@@ -18,37 +17,41 @@ def is_vision_language(model_config: Any) -> bool:
     return getattr(model_config, "vision_config", None) is not None
 
 
-def model_problems(config: "HfsdpConfig", model_config: Any, plugins: "PluginHost", dims) -> list[tuple[str, str]]:
+def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
     """``model.freeze`` on a text-only model, a vision-language model with everything frozen and nothing else to
     train, and what vision-language training is not composed with yet (packing, tensor, sequence and expert
-    parallelism, a plugin's objective, 4-bit quantization)."""
+    parallelism, a plugin's objective, 4-bit quantization). ``facts``: the model phase's
+    (:class:`hfsdp.rules.table.Facts`); the model's config is read only where the config sets one of those."""
     freeze = list(config.model.freeze)
+    parallel = [(f"parallel.{key}", f"without {what} parallelism so far: set parallel.{key}: 1 (FSDP shards it "
+                                    "over every rank)")
+                for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert"))
+                if getattr(config.parallel, key) > 1]
+    objectives = facts.plugins.implementers("hfsdp_objective")
+    limits = parallel + [
+        *([("plugins", "without packing so far (a packed row's images and their position ids are not laid out yet): remove "
+                       "packing from plugins")] if "packing" in config.plugins else []),
+        *([("plugins", f"with supervised fine-tuning (data.format chat) so far, not with {', '.join(objectives)}: remove "
+                       "it from plugins")] if objectives else []),
+        *([("model.quantization", "without 4-bit quantization so far: remove model.quantization (LoRA on the full-precision "
+                                  "model is built)")] if config.model.quantization is not None else []),
+    ]
+    if not freeze and not limits:
+        return []
+    model_config = facts.model_config
     name = model_config.model_type
     if not is_vision_language(model_config):
         return [("model.freeze", f"{name} is a text-only model: model.freeze names parts of a vision-language model "
                                  "(vision, projector, language); remove it")] if freeze else []
     problems = []
-    if set(freeze) >= set(PARTS) and not plugins.trains_adapters(config):
+    if set(freeze) >= set(PARTS) and not facts.plugins.trains_adapters(config):
         problems.append(("model.freeze", "every part is frozen and no adapter is trained: nothing would learn; "
                                          "leave a part out of model.freeze, or add LoRA (plugins: [lora])"))
+    dims = facts.world.dims if facts.world is not None else None
     if freeze and dims is not None and dims.wrapper == "fsdp1" and dims.shard_group * dims.tp == 1:
         # torch's FSDP1 on a single shard leaves a frozen part's parameters out of the state dict it saves
         # ("FSDP assumes ... patch_embed.proj.weight is in the state_dict") at the first checkpoint.
         problems.append(("fsdp.version", "model.freeze under FSDP1 with a single shard (one process or NO_SHARD) hits "
                                          "a torch FSDP1 bug with frozen parameters at the first checkpoint: use "
                                          "fsdp.version: 2 (the default), or more than one rank"))
-    said = f"{name} is a vision-language model, which hfsdp trains"
-    if "packing" in config.plugins:
-        problems.append(("plugins", f"{said} without packing so far (a packed row's images and their position ids "
-                                    "are not laid out yet): remove packing from plugins"))
-    for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert")):
-        if getattr(config.parallel, key) > 1:
-            problems.append((f"parallel.{key}", f"{said} without {what} parallelism so far: set parallel.{key}: 1 "
-                                                "(FSDP shards it over every rank)"))
-    if objectives := plugins.implementers("hfsdp_objective"):
-        problems.append(("plugins", f"{said} with supervised fine-tuning (data.format chat) so far, not with "
-                                    f"{', '.join(objectives)}: remove it from plugins"))
-    if config.model.quantization is not None:
-        problems.append(("model.quantization", f"{said} without 4-bit quantization so far: remove "
-                                               "model.quantization (LoRA on the full-precision model is built)"))
-    return problems
+    return problems + [(key, f"{name} is a vision-language model, which hfsdp trains {how}") for key, how in limits]
