@@ -351,16 +351,15 @@ def load_model(path: str, cfg: ModelConfig, *, empty: bool = False, quant=None):
                         allocated[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
                                                                   requires_grad=param.requires_grad)
                     module._parameters[name] = allocated[id(param)]
-        if cfg.freeze:
-            vision.freeze(model, cfg.freeze)
-        return model
-    try:
-        model = auto.from_pretrained(
-            path, config=model_config, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=cfg.attn_implementation, **more, **quantized_loading(quant),
-        )
-    except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
-        raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: {err}") from None
+    else:
+        try:
+            model = auto.from_pretrained(
+                path, config=model_config, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                attn_implementation=cfg.attn_implementation, **more, **quantized_loading(quant),
+            )
+        except Exception as err:  # missing or damaged weight files (OSError, SafetensorError...), unknown architecture
+            raise UserError(f"model.name_or_path: cannot load the weights of '{path}': {type(err).__name__}: "
+                            f"{err}") from None
     if cfg.freeze:
         vision.freeze(model, cfg.freeze)
     return model

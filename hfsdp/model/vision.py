@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from hfsdp.data.images import PROCESSOR_ATTR
-from hfsdp.rules.vision import PARTS, is_vision_language
+from hfsdp.rules.vision import is_vision_language
 
 # The parts other than the language model, in the order they are matched (the projector lies inside Qwen's vision
 # tower).
@@ -48,16 +48,11 @@ def part_of(name: str) -> str:
     return next((part for part, pattern in _PART_PATTERNS.items() if pattern.search(name)), "language")
 
 
-def freeze(model, parts) -> dict[str, int]:
-    """Freeze the parameters of ``parts`` (no gradient, so no optimizer state); returns each part's parameter count
-    (all of the model's parameters, frozen or not)."""
-    counts = dict.fromkeys(PARTS, 0)
+def freeze(model, parts) -> None:
+    """Freeze the parameters of ``parts`` (no gradient, so no optimizer state)."""
     for name, param in model.named_parameters():
-        part = part_of(name)
-        counts[part] += param.numel()
-        if part in parts:
+        if part_of(name) in parts:
             param.requires_grad_(False)
-    return counts
 
 
 def part_roots(model) -> dict[str, list[str]]:
@@ -76,23 +71,13 @@ def wrap_classes(model) -> list[str]:
     layers, vision blocks, Qwen3-VL's deepstack mergers), the projector's class and the vision tower's."""
     import torch
 
-    classes: list[str] = []
-
-    def add(cls_name: str) -> None:
-        if cls_name not in classes:
-            classes.append(cls_name)
-
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1 \
-                and not type(module[0]).__module__.startswith("torch.") and any(p.numel() for p in module.parameters()):
-            add(type(module[0]).__name__)
-    roots = part_roots(model)
+    blocks = [type(module[0]).__name__ for module in model.modules()
+              if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+              and not type(module[0]).__module__.startswith("torch.") and any(p.numel() for p in module.parameters())]
     modules = dict(model.named_modules())
-    for part in ("projector", "vision"):
-        for root in roots[part]:
-            if not isinstance(modules[root], torch.nn.ModuleList):
-                add(type(modules[root]).__name__)
-    return classes
+    roots = [type(modules[root]).__name__ for part, names in part_roots(model).items() for root in names
+             if not isinstance(modules[root], torch.nn.ModuleList)]
+    return list(dict.fromkeys(blocks + roots))
 
 
 def excluded_modules(model, parts) -> str | None:

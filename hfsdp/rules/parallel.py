@@ -99,8 +99,8 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     sp = config.parallel.sp_size
     if sp == 1:
         return []
-    fsdp, said = config.fsdp, f"parallel.sp_size {sp}"
-    refused = {
+    fsdp = config.fsdp
+    return _refused_beside(config, "sp_size", {
         "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
                                    f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP "
                                    "shards over every rank with FULL_SHARD or SHARD_GRAD_OP"),
@@ -113,8 +113,13 @@ def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                       "use sdpa (torch's fused kernels, flash ones on GPUs)"),
         "train.compile": (config.train.compile is not None, "compiled blocks with the all-to-all inside are not "
                                                             "tried yet"),
-    }
-    return [(key, f"{said}: {why}; or set parallel.sp_size: 1") for key, (given, why) in refused.items() if given]
+    })
+
+
+def _refused_beside(config: "HfsdpConfig", degree: str, refused: dict[str, tuple[bool, str]]) -> list[tuple[str, str]]:
+    """The problems of ``parallel.<degree>`` beside the keys of ``refused`` given (key -> (given, why))."""
+    said = f"parallel.{degree} {getattr(config.parallel, degree)}"
+    return [(key, f"{said}: {why}; or set parallel.{degree}: 1") for key, (given, why) in refused.items() if given]
 
 
 def ep_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
@@ -123,8 +128,8 @@ def ep_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     ep = config.parallel.ep_size
     if ep == 1:
         return []
-    fsdp, said = config.fsdp, f"parallel.ep_size {ep}"
-    refused = {
+    fsdp = config.fsdp
+    return _refused_beside(config, "ep_size", {
         "fsdp.version": (fsdp.version != 2, "expert parallelism needs FSDP2 (fsdp.version: 2): FSDP1 flattens each "
                                             "unit's parameters into one tensor and cannot hold experts split over "
                                             "ranks"),
@@ -145,8 +150,7 @@ def ep_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
                                "quantized experts are not split by expert parallelism"),
         "train.compile": (config.train.compile is not None, "compiled blocks with the token exchange inside (a host "
                                                             "sync per layer) are not tried yet"),
-    }
-    return [(key, f"{said}: {why}; or set parallel.ep_size: 1") for key, (given, why) in refused.items() if given]
+    })
 
 
 def ep_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
