@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -210,7 +211,8 @@ def test_two_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sectio
     two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
                                                          "save_every": 2}, **sections)
     run_cli("train", str(one))
-    run_torchrun(2, "train", str(two))
+    proc = run_torchrun(2, "train", str(two))
+    assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
     assert single.keys() == ranks.keys() == {1, 2, 3, 4}
     for step in single:
@@ -262,3 +264,38 @@ def test_model_freeze_enters_the_run_fingerprint_only_when_set():
             "train": {"output_dir": "run", "max_steps": 4}}
     frozen = {**base, "model": {**base["model"], "freeze": ["vision"]}}
     assert run_fingerprint(HfsdpConfig.model_validate(frozen)) != run_fingerprint(HfsdpConfig.model_validate(base))
+
+
+@pytest.mark.slow
+def test_gemma3_with_checkpointing_and_bf16_on_two_ranks_exports_its_tied_head_once(tmp_path):
+    """Gemma 3 (its output head tied to the embedding, saved under transformers' language_model. names) on 2 FSDP2
+    ranks with activation checkpointing (each part's units recomputed) and bf16 compute: it trains, and the export
+    writes the tied head once and reloads with it tied, its tower as it was loaded."""
+    from transformers import AutoModelForImageTextToText
+
+    from hfsdp.model import vision
+
+    data = colour_rows(tmp_path, 16)
+    config = vlm_config(tmp_path, "gemma3", data, model={"freeze": ["vision"]}, train={"max_steps": 3},
+                        fsdp={"activation_checkpointing": True, "mixed_precision": "bf16"})
+    run_torchrun(2, "train", str(config))
+    metrics = steps(tmp_path / "run")
+    assert sorted(metrics) == [1, 2, 3] and all(m["loss"] == m["loss"] for m in metrics.values())
+    model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "run" / "final"))
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    source = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_folder("gemma3", CACHE_DIR)))
+    trained = dict(model.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in source.named_parameters() if vision.part_of(n) == "vision")
+
+
+def test_bf16_compute_is_refused_where_transformers_casts_image_features_to_the_stored_dtype(tmp_path):
+    """SmolVLM (and Idefics2/3) cast the image features to the dtype the weights are stored in: under FSDP's mixed
+    precision that is not the text's, and transformers' merge fails at the first step. Refused before any weight
+    loads, with the configuration that runs."""
+    data = colour_rows(tmp_path, 4)
+    config = vlm_config(tmp_path, "smolvlm", data, fsdp={"mixed_precision": "bf16"})
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode != 0 and "Loading weights" not in proc.stderr
+    assert ("fsdp.mixed_precision: bfloat16 with weights stored in float32: transformers' smolvlm casts the image "
+            "features") in proc.stdout + proc.stderr
+    assert "(model.dtype: bfloat16, fsdp.mixed_precision: no)" in proc.stdout + proc.stderr

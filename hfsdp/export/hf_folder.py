@@ -206,6 +206,7 @@ def write_model_folder(state_dict: Mapping[str, torch.Tensor], files: ModelFiles
         tensors = ((saved, tensor) for name, weight in tensors if name not in skip
                    for saved, tensor in layout(name, weight).items())
         expected = layout.shapes()
+        skip = {saved for name in skip for saved in layout.names(name)}
     write_hf_weights(tensors, out_dir, expected=expected, skip=skip, max_shard_bytes=max_shard_bytes)
     files.save(out_dir)
     return out_dir

@@ -43,6 +43,12 @@ class SavedLayout:
 
         return revert_weight_conversion(self._model, {name: tensor})
 
+    def names(self, name: str) -> list[str]:
+        """The names ``save_pretrained`` writes the model's tensor ``name`` under (a vision-language model's output
+        head: ``language_model.lm_head.weight`` for Gemma 3)."""
+        state = self._model.state_dict()
+        return list(self(name, state[name])) if name in state else [name]
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The saved tensors' shapes."""
         from transformers.core_model_loading import revert_weight_conversion

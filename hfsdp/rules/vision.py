@@ -5,11 +5,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hfsdp.rules.wrapping import precision_parts
+
 if TYPE_CHECKING:
     from hfsdp.config.schema import HfsdpConfig
 
 # The parts of a vision-language model ``model.freeze`` names (hfsdp.model.vision.part_of).
 PARTS = ("vision", "projector", "language")
+
+
+# Architectures whose image features are cast to the dtype of the weights as stored (``.to(self.dtype)``), which
+# FSDP's mixed precision leaves at model.dtype while the text's embeddings come out in the compute dtype.
+CAST_TO_STORED_DTYPE = ("idefics2", "idefics3", "smolvlm")
 
 
 def is_vision_language(model_config: Any) -> bool:
@@ -36,7 +43,9 @@ def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
         *([("model.quantization", "without 4-bit quantization so far: remove model.quantization (LoRA on the full-precision "
                                   "model is built)")] if config.model.quantization is not None else []),
     ]
-    if not freeze and not limits:
+    parts = precision_parts(config.fsdp)
+    mixed = parts is not None and parts.param != config.model.dtype
+    if not freeze and not limits and not mixed:
         return []
     model_config = facts.model_config
     name = model_config.model_type
@@ -54,4 +63,11 @@ def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
         problems.append(("fsdp.version", "model.freeze under FSDP1 with a single shard (one process or NO_SHARD) hits "
                                          "a torch FSDP1 bug with frozen parameters at the first checkpoint: use "
                                          "fsdp.version: 2 (the default), or more than one rank"))
+    if mixed and name in CAST_TO_STORED_DTYPE:
+        problems.append(("fsdp.mixed_precision", f"{parts.param} with weights stored in {config.model.dtype}: "
+                                                 f"transformers' {name} casts the image features to the dtype its "
+                                                 "weights are stored in, while FSDP computes the text in "
+                                                 f"{parts.param}, and the two cannot be merged; load the weights in "
+                                                 f"it instead (model.dtype: {parts.param}, fsdp.mixed_precision: "
+                                                 "no)"))
     return problems + [(key, f"{name} is a vision-language model, which hfsdp trains {how}") for key, how in limits]

@@ -205,6 +205,11 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
     model = loading.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
+    if config.model.freeze:
+        params = list(model.parameters())
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        accelerator.print(f"model.freeze {', '.join(config.model.freeze)}: {frozen:,} of "
+                          f"{sum(p.numel() for p in params):,} parameters frozen")
     model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=tokenizer, world=world,
                        setup=setup)
     probe = quantized.probe_before_sharding(model) if config.model.quantization else None
