@@ -182,7 +182,7 @@ def test_message_keys_and_roles_map_other_shapes(tokenizer):
                                      "observation, function_call: map it with data.roles: {bot: ROLE}"),
     ({"speaker": "human", "text": "hi"}, "keys ['speaker', 'text'], not role/content or from/value: set "
                                          "data.message_keys"),
-    ({"role": "user", "content": 3}, "message 0's content is a int, not a text"),
+    ({"role": "user", "content": {"text": "hi"}}, "message 0's content is a dict, not a text"),
 ])
 def test_a_row_of_the_wrong_shape_is_named_with_its_fix(tokenizer, message, found):
     rows = [{"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}] * 3
@@ -223,3 +223,18 @@ def test_sharegpt_rows_train(tmp_path):
     assert "done: 2 steps" in proc.stdout
     # train.loss_plot: false (tests/conftest.py's default): no picture, and no line that claims one
     assert not (tmp_path / "run" / "loss.png").exists() and "loss.png" not in proc.stdout
+
+
+def test_an_answer_that_reads_as_json_is_trained_as_its_text_when_messages_mix_parts_and_texts(tokenizer, tmp_path):
+    """datasets 5 stores a messages column whose contents mix content parts and texts as JSON, and reads a text that
+    is valid JSON ("3", "true") back as its value: the chat format trains on it as the text it was."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "How many?"}]},
+                          {"role": "assistant", "content": answer}]} for answer in ("3", "true", "2.5")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw, _ = data.load_raw(DataConfig(path=str(path), format="chat"), seed=0)
+    assert raw[0]["messages"][1]["content"] == 3  # (what datasets reads back)
+    tokenized, _ = data.tokenize(raw, tokenize_chat, tokenizer, DataConfig(path=str(path), format="chat"), None)
+    end_of_turn = "<|im_end|>\n"
+    assert [[tokenizer.decode(s) for s in _labelled_spans(row)] for row in tokenized] == [
+        ["3" + end_of_turn], ["true" + end_of_turn], ["2.5" + end_of_turn]]

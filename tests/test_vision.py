@@ -299,3 +299,52 @@ def test_bf16_compute_is_refused_where_transformers_casts_image_features_to_the_
     assert ("fsdp.mixed_precision: bfloat16 with weights stored in float32: transformers' smolvlm casts the image "
             "features") in proc.stdout + proc.stderr
     assert "(model.dtype: bfloat16, fsdp.mixed_precision: no)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm", "gemma3", "llava"])
+def test_generation_eval_answers_as_transformers_generates_from_the_processors_own_inputs(arch):
+    """Generation eval on image rows: each prompt, batched with another whose image differs in size (left padding),
+    gets the greedy answer that transformers generates from the processor's own apply_chat_template of that row
+    alone; the images a split returns are the ones before the answered turn."""
+    from transformers import AutoModelForImageTextToText
+
+    from hfsdp.builtin.chat import generation_prompt
+    from hfsdp.config.schema import DataConfig, ModelConfig
+    from hfsdp.model import chat_template, loading
+    from hfsdp.run.generation import GenerationItem, generate_eval
+
+    path = str(tiny_vlm_folder(arch, CACHE_DIR))
+    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
+    chat_template.use(tokenizer, None)
+    processor = getattr(tokenizer, "hfsdp_processor")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    pictures = [image(3, 56, 56), image(4, 48, 64), image(5, 64, 64)]
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": pictures[0]},
+                                                   {"type": "text", "text": "What is this?"}]},
+                      {"role": "assistant", "content": "A cat."}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": pictures[1]},
+                                                   {"type": "text", "text": "And this?"}]},
+                      {"role": "assistant", "content": "A dog."},
+                      {"role": "user", "content": [{"type": "image", "image": pictures[2]},
+                                                   {"type": "text", "text": "Now?"}]},
+                      {"role": "assistant", "content": "A bird."}]},
+    ]
+    data_config = DataConfig(format="chat", path="rows.jsonl")
+    items = [GenerationItem(*generation_prompt(copy.deepcopy(row), data_config, tokenizer)) for row in rows]
+    assert [len(item.images) for item in items] == [1, 2]
+    assert [item.reference for item in items] == ["A cat.", "A bird."]
+    assert [item.shown for item in items] == ["[image] What is this?", "[image] Now?"]
+    ours = generate_eval(model, model, tokenizer, items, max_new_tokens=6)
+    theirs = []
+    for row in rows:
+        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], list)
+                     else [{"type": "text", "text": m["content"]}]} for m in row["messages"][:-1]]
+        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                               return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        theirs.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    assert [generated for _, _, generated in ours.examples] == theirs
+    assert all(theirs)
+

@@ -182,10 +182,15 @@ def as_parts(messages: list[dict]) -> list[dict]:
 
 
 def text_only(messages: list[dict]) -> list[dict]:
-    """Messages whose content parts are all text, with each content joined into one text (a text-only model's
-    template reads texts)."""
-    return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m
-            for m in messages]
+    """Messages with each content's text parts joined into one text and its image parts left out (a text-only
+    model's template reads texts)."""
+    return [{**m, "content": "".join(p["text"] for p in m["content"] if p["type"] == "text")}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
+def count(messages: list[dict]) -> int:
+    """How many image parts the messages hold."""
+    return sum(p["type"] == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"])
 
 
 def expand(processor, text: str, images: list[bytes], ids: list[int], labels: list[int]) -> dict[str, list]:
@@ -197,9 +202,7 @@ def expand(processor, text: str, images: list[bytes], ids: list[int], labels: li
     Qwen's ``mm_token_type_ids``) and the images' bytes."""
     import difflib
 
-    pil = [decode(data, f"image {k}") for k, data in enumerate(images)]
-    out = processor(text=[text], images=pil or None, add_special_tokens=False)
-    expanded = list(out["input_ids"][0])
+    expanded, extras = processed(processor, text, images)
     new_labels = [IGNORE_INDEX] * len(expanded)
     placed = 0
     matcher = difflib.SequenceMatcher(a=ids, b=expanded, autojunk=False)
@@ -209,12 +212,19 @@ def expand(processor, text: str, images: list[bytes], ids: list[int], labels: li
     if placed != sum(label != IGNORE_INDEX for label in labels):
         raise RowError(f"{type(processor).__name__} tokenizes this row's trained text differently once its images "
                        "are expanded: its labels cannot be placed")
-    row = {"input_ids": expanded, "labels": new_labels, IMAGES_COLUMN: images}
-    for key, value in out.items():
-        if key not in ("input_ids", "attention_mask") and isinstance(value, list) and len(value) == 1 \
-                and isinstance(value[0], list) and len(value[0]) == len(expanded):
-            row[key] = list(value[0])
-    return row
+    return {"input_ids": expanded, "labels": new_labels, IMAGES_COLUMN: images, **extras}
+
+
+def processed(processor, text: str, images: list[bytes]) -> tuple[list[int], dict[str, list]]:
+    """A rendered text's tokens with each image placeholder expanded by the processor for ``images`` (their bytes),
+    and the processor's other per-token inputs (Gemma 3's ``token_type_ids``, Qwen's ``mm_token_type_ids``)."""
+    pil = [decode(data, f"image {k}") for k, data in enumerate(images)]
+    out = processor(text=[text], images=pil or None, add_special_tokens=False)
+    expanded = list(out["input_ids"][0])
+    extras = {key: list(value[0]) for key, value in out.items()
+              if key not in ("input_ids", "attention_mask") and isinstance(value, list) and len(value) == 1
+              and isinstance(value[0], list) and len(value[0]) == len(expanded)}
+    return expanded, extras
 
 
 class PixelInputs:

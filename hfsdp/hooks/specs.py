@@ -115,7 +115,9 @@ def hfsdp_generation_prompts():
     return a fourth value, the row's own ``score(generated) -> bool`` (or None), which then decides instead of that
     comparison; ``str(reference)`` is still what is printed as expected, and the score's ``compared`` attribute,
     if it has one, a few words the summary prints to say what is compared (chat scores a tool-calling turn by its
-    first tool call: :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`). Raise
+    first tool call: :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`). A fifth value, for a vision-language
+    model, is the prompt's images (their encoded bytes, in the order of the prompt's image placeholders): the
+    processor expands the placeholders and the model generates seeing them. Raise
     :class:`hfsdp.errors.RowError` when a row has no answer to compare with; hfsdp adds the row's number. A format
     without a split cannot be evaluated by generation (a config error names the formats that can). Called in every
     process while the config is validated and before any weight loads.

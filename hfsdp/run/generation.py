@@ -29,12 +29,14 @@ class GenerationResult:
 
 class GenerationItem(NamedTuple):
     """One eval row split for generation (hook ``hfsdp_generation_prompts``): the text the model continues, the
-    prompt shown, the reference and, where the split gave one, the row's own ``score(generated) -> bool``."""
+    prompt shown, the reference and, where the split gave them, the row's own ``score(generated) -> bool`` and the
+    prompt's images (encoded bytes, for a vision-language model)."""
 
     text: str
     shown: str
     reference: str
     score: Callable[[str], bool] | None = None
+    images: tuple[bytes, ...] = ()
 
     def hit(self, generated: str) -> bool:
         """Whether ``generated`` is right: the row's score, else whitespace-normalised equality with the reference."""
@@ -57,12 +59,15 @@ def prompts_and_references(raw_eval, data_config, tokenizer, limit: int, split) 
             parts = tuple(split(row, data_config, tokenizer))
         except RowError as err:
             raise UserError(f"generation_eval: eval row {index} {err}") from None
-        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] is not None and not callable(parts[3])):
+        if len(parts) not in (3, 4, 5) or (len(parts) >= 4 and parts[3] is not None and not callable(parts[3])) or (
+                len(parts) == 5 and not all(isinstance(image, bytes) for image in parts[4])):
             raise UserError(f"generation_eval: the split of eval row {index} returned {len(parts)} values; a split "
-                            "returns (prompt, shown, reference) or (prompt, shown, reference, score), score a "
-                            "callable score(generated) -> bool or None")
-        text, shown, reference, *score = parts
-        rows.append(GenerationItem(text, shown, str(reference), score[0] if score else None))
+                            "returns (prompt, shown, reference), (prompt, shown, reference, score) or (prompt, "
+                            "shown, reference, score, images), score a callable score(generated) -> bool or None, "
+                            "images a list of encoded images (bytes)")
+        text, shown, reference, *rest = parts
+        rows.append(GenerationItem(text, shown, str(reference), rest[0] if rest else None,
+                                   tuple(rest[1]) if len(rest) > 1 else ()))
     return rows
 
 
@@ -134,8 +139,12 @@ def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch
     try:
         with generating(model, gather):
             for start in range(0, len(items), batch_size):
-                texts = [item.text for item in items[start:start + batch_size]]
-                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                batch = items[start:start + batch_size]
+                if any(item.images for item in batch):
+                    enc = _with_images(batch, tokenizer, unwrapped).to(device)
+                else:
+                    enc = tokenizer([item.text for item in batch], return_tensors="pt", padding=True,
+                                    add_special_tokens=False).to(device)
                 generated = unwrapped.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     temperature=None, top_p=None, top_k=None,
@@ -149,3 +158,30 @@ def generate_eval(model, unwrapped, tokenizer, items, max_new_tokens: int, batch
     examples = [(item.shown, item.reference, out.strip() if item.score is None else _normalise(out))
                 for out, item in zip(outputs, items)]
     return GenerationResult(accuracy=hits / max(1, len(items)), examples=examples, compared=compared(items))
+
+
+def _with_images(batch: list[GenerationItem], tokenizer, model):
+    """A batch of prompts with images as a vision-language model generates from them: each prompt's image
+    placeholders expanded by the processor (as training expands them), padded on the left, with the images' pixel
+    inputs (:class:`hfsdp.data.images.PixelInputs`, the keys the model's forward takes)."""
+    from transformers import BatchEncoding
+
+    from hfsdp.data import images
+    from hfsdp.data.batches import PER_TOKEN_INPUTS
+    from hfsdp.model.loading import forward_arguments
+
+    processor = images.processor_of(tokenizer)
+    rows = [images.processed(processor, item.text, list(item.images)) for item in batch]
+    width = max(len(ids) for ids, _ in rows)
+    out: dict[str, list] = {"input_ids": [], "attention_mask": []}
+    for ids, extras in rows:
+        pad = width - len(ids)
+        out["input_ids"].append([tokenizer.pad_token_id] * pad + ids)
+        out["attention_mask"].append([0] * pad + [1] * len(ids))
+        for key in PER_TOKEN_INPUTS:
+            if key in extras:
+                out.setdefault(key, []).append([0] * pad + extras[key])
+    tensors = {key: torch.tensor(value) for key, value in out.items()}
+    pixels = images.PixelInputs(processor, forward_arguments(model))(
+        [{images.IMAGES_COLUMN: list(item.images)} for item in batch])
+    return BatchEncoding({**tensors, **pixels})

@@ -161,6 +161,10 @@ def conversation(messages: Any, data_config, parts: bool = False) -> list[dict[s
                     raise RowError(f"message {i} holds an image: only data.format chat (supervised fine-tuning) "
                                    "trains on images so far; remove the image parts for this format")
                 turn["content"] = "".join(part["text"] for part in turn["content"])
+        elif isinstance(content, (int, float, bool)):
+            # datasets 5 stores a column whose messages mix content parts and texts as JSON, and reads back a text
+            # that is valid JSON ("3", "true") as its value: written back as that JSON text
+            turn["content"] = json.dumps(content)
         elif not isinstance(content, str):
             raise RowError(f"message {i}'s {content_key} is a {type(content).__name__}, not a text (or a list of "
                            "content parts)")
@@ -463,20 +467,24 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
     """Generation eval of a conversation: the conversation before its first assistant turn that calls tools, else
     before its last assistant turn (chat template, the row's tools, generation prompt), the turn before it shown, and
     the reference: that turn's tool calls, with the score that compares the first call generated with them (name and
-    arguments as JSON values, :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`), else the answer's text."""
-    messages = conversation(row[messages_field(data_config, list(row))], data_config)
+    arguments as JSON values, :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`), else the answer's text. For a
+    vision-language model, also the images of the conversation before that turn."""
+    chat, found = visual_conversation(row[messages_field(data_config, list(row))], row.get(images.IMAGES_COLUMN),
+                                      tokenizer, data_config)
+    messages = images.text_only(chat)
     tools = tools_of(row[TOOLS_FIELD]) if TOOLS_FIELD in row else None
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise RowError("has no assistant turn to compare with; give every eval conversation an assistant answer, or "
                        "remove the generation_eval section")
     turn = next((i for i in answers if messages[i].get("tool_calls")), answers[-1])
-    text = _render(tokenizer, messages[:turn], tools, add_generation_prompt=True)
-    shown = messages[turn - 1]["content"] if turn else ""
+    text = _render(tokenizer, chat[:turn], tools, add_generation_prompt=True)
+    shown = "[image] " * images.count(chat[turn - 1:turn]) + messages[turn - 1]["content"] if turn else ""
+    seen = found[:images.count(chat[:turn])]
     if not messages[turn].get("tool_calls"):
-        return text, shown, messages[turn]["content"]
+        return text, shown, messages[turn]["content"], None, seen
     match = tool_calls.ToolCallMatch(messages[turn]["tool_calls"])
-    return text, shown, str(match), match
+    return text, shown, str(match), match, seen
 
 
 @hookimpl
