@@ -190,28 +190,38 @@ def steps(run: Path) -> dict[int, dict]:
     return {m["step"]: m for m in read_metrics(run) if "loss" in m}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch, sections", [
+RANKS_CASES = [
     ("qwen2_5_vl", {"model": {"freeze": ["vision"]}}),
     ("smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4}, "model": {"freeze": ["vision"]}}),
-])
-def test_two_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections):
-    """FSDP on 2 gloo ranks against one process accumulating the same 2 micro-batches, with the tower frozen (Qwen2.5-VL
-    full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1): the same losses and gradient
-    norms over 4 steps; a resume from step 2 ends bit for bit where the run did; the export reloads with the
-    model's class and processor, its tower byte-identical to the input."""
+]
+
+
+def pytest_generate_tests(metafunc):
+    """CI trains on 2 ranks; ``pytest --full-matrix`` on 4 ranks too (4 processes on CI's 2 cores)."""
+    if "world" in metafunc.fixturenames:
+        worlds = (2, 4) if metafunc.config.getoption("full_matrix") else (2,)
+        cases = [(arch, sections, world) for world in worlds for arch, sections in RANKS_CASES]
+        metafunc.parametrize("arch, sections, world", cases, ids=[f"{a}-x{w}" for a, _, w in cases])
+
+
+@pytest.mark.slow
+def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, world):
+    """FSDP on 2 (and 4) gloo ranks against one process accumulating the same micro-batches, with the tower frozen
+    (Qwen2.5-VL full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1): the same losses
+    and gradient norms over 4 steps; a resume from step 2 ends bit for bit where the run did; the export reloads
+    with the model's class and processor, its tower byte-identical to the input."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from hfsdp.model import vision
     from test_combinations import assert_resumed_exactly, resume_from
 
-    data = colour_rows(tmp_path, 24)
-    one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": 2,
+    data = colour_rows(tmp_path, 12 * world)
+    one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": world,
                                                          "output_dir": str(tmp_path / "one" / "run")}, **sections)
     two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
                                                          "save_every": 2}, **sections)
     run_cli("train", str(one))
-    proc = run_torchrun(2, "train", str(two))
+    proc = run_torchrun(world, "train", str(two))
     assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
     assert single.keys() == ranks.keys() == {1, 2, 3, 4}
@@ -219,7 +229,7 @@ def test_two_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sectio
         for key in ("loss", "grad_norm"):
             assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
     assert single[4]["loss"] < single[1]["loss"]
-    assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "two" / "run", 2, step=2),
+    assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "two" / "run", world, step=2),
                            tmp_path / "two" / "run")
     vision.images_only_processors()
     if "lora" in sections.get("plugins", []):
