@@ -358,3 +358,57 @@ def test_generation_eval_answers_as_transformers_generates_from_the_processors_o
     assert [generated for _, _, generated in ours.examples] == theirs
     assert all(theirs)
 
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("freeze", [[], ["vision"]])
+def test_lora_adapts_every_vision_language_architecture_by_default(arch, freeze):
+    """LoRA's default targets (every Linear of the wrapped blocks) on each tiny architecture, whole or with its
+    tower frozen: peft builds the adapters (Qwen2.5-VL's projector is a Sequential whose Linears are named 0 and 2,
+    which peft took for every module named so, decoder layers included) and no frozen part gets one."""
+    from hfsdp.builtin.lora import _meta_adapted
+    from hfsdp.config.files import validate_raw
+    from hfsdp.model import loading, vision
+
+    path = str(tiny_vlm_folder(arch, CACHE_DIR))
+    config, _, problems = validate_raw({"model": {"name_or_path": path, "freeze": freeze}, "plugins": ["lora"],
+                                        "data": {"path": "rows.jsonl", "format": "chat"},
+                                        "train": {"output_dir": "run", "max_steps": 1}}, "test")
+    assert not problems
+    model = _meta_adapted(loading.load_model_config(path, config.model), config, config.section("lora"))
+    adapted_parts = {vision.part_of(name) for name, p in model.named_parameters() if "lora_" in name}
+    assert "language" in adapted_parts and not adapted_parts & set(freeze)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_text_fine_tune_of_a_vision_language_model_resumes_exactly(tmp_path, version):
+    """Text rows on a vision-language model (a text fine-tune of Qwen3.5, which loads its VLM class), rendered by a
+    text template (chatml_tools: it adds contents as texts, so the rows are given to it as texts): the projector
+    never gets a gradient, so the optimizer holds no state for it; a resume from step 2 leaves it so and ends bit for
+    bit where the run did (the load had looked for its state: "Missing key in checkpoint state_dict"); the export's
+    processor carries the template the run trained with."""
+    from conftest import PRESET_DATA
+    from test_combinations import assert_resumed_exactly, resume_from
+
+    rows = tmp_path / "text.jsonl"
+    rows.write_text("".join((PRESET_DATA / "contacts_train.jsonl").read_text().splitlines(keepends=True)[:24]))
+    config = vlm_config(tmp_path / "run", "qwen2_5_vl", rows, model={"freeze": ["vision"]},
+                        data={"chat_template": "chatml_tools"}, fsdp={"version": version}, train={"save_every": 2})
+    run_torchrun(2, "train", str(config))
+    assert "<tool_call>" in (tmp_path / "run" / "run" / "final" / "chat_template.jinja").read_text()
+    record = json.loads((tmp_path / "run" / "run" / "checkpoints" / "step-2" / "hfsdp_checkpoint.json").read_text())
+    assert any(group.get("without_state") for group in record["optimizer"])
+    assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "run" / "run", 2, step=2),
+                           tmp_path / "run" / "run")
+
+
+def test_image_rows_with_a_template_that_renders_texts_only_are_refused():
+    """A data.chat_template that adds contents as texts (chatml_tools) would train the row without its image: the
+    row is refused, naming the template and the fix."""
+    from hfsdp.errors import RowError
+
+    rows = [{**TRL_ROWS[0], "images": [image(0)]}]
+    with pytest.raises(RowError, match=r"has 1 image\(s\), and .*chatml_tools.* renders texts only.*leave "
+                                       r"data.chat_template unset"):
+        tokenized("qwen2_5_vl", rows, template="chatml_tools")

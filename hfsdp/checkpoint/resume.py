@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 from hfsdp.checkpoint import store
 from hfsdp.checkpoint.safe_load import verify_checkpoint
@@ -39,7 +39,7 @@ def restore(accelerator, optimizer, point: Resume | None, config: HfsdpConfig, c
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(getattr(optimizer, "optimizer", optimizer))
-    with loading(record):
+    with stateless_left_out(getattr(optimizer, "optimizer", optimizer), record.optimizer), loading(record):
         accelerator.load_state(str(path))
     check_optimizer_state(record, optimizer_digest(accelerator, optimizer, config, world), path)
     say(f"resumed from {path} at step {state.step}")
@@ -76,10 +76,36 @@ def optimizer_digest(accelerator, optimizer, config: HfsdpConfig, world) -> list
         steps = [float(st["step"]) for st in states if "step" in st]
         lows = per_rank(accelerator, min(steps) if steps else math.inf)
         highs = per_rank(accelerator, max(steps) if steps else -math.inf)
+        # trainable parameters no rank has a state for: none has had a gradient yet (a vision-language model's
+        # projector on rows without images); a resume leaves them so (see restore)
+        unused = {i for i, p in enumerate(group["params"]) if p.requires_grad and not torch_optimizer.state.get(p)}
+        unused = sorted(set.intersection(*gather_objects(accelerator, unused)))
         digest.append({"lr": float(group["lr"]),
                        "step": [min(lows), max(highs)] if any(math.isfinite(v) for v in lows) else None,
-                       "abs_sums": dict(zip(names, sums))})
+                       "abs_sums": dict(zip(names, sums)), **({STATELESS: unused} if unused else {})})
     return digest
+
+
+# The digest's key for the positions (in their group) of the parameters that had no optimizer state when it was saved.
+STATELESS = "without_state"
+
+
+@contextlib.contextmanager
+def stateless_left_out(optimizer, saved: list[dict[str, Any]] | None) -> Iterator[None]:
+    """Around a load: the parameters a checkpoint saved no optimizer state for (its digest's :data:`STATELESS`)
+    without the state the load target made for them and, while it loads, out of what it restores (torch looks for
+    the state of every parameter that requires a gradient: "Missing key in checkpoint state_dict"). The run that
+    saved it had none for them: their first gradient makes it, as it would have there."""
+    params = [group["params"][i] for group, before in zip(optimizer.param_groups, saved or ())
+              for i in before.get(STATELESS, ())]
+    for p in params:
+        optimizer.state.pop(p, None)
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _holders(value, param, world_size: int, replicas: int) -> int:

@@ -81,7 +81,7 @@ class ModelFiles:
             if generation_config is not None:
                 generation_config.save_pretrained(out_dir)
             if processor_of(tokenizer) is not None:  # (it writes its tokenizer's files too)
-                vision.save_processor(processor_of(tokenizer), out_dir)
+                vision.save_processor(processor_of(tokenizer), out_dir, tokenizer.chat_template)
             elif tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 

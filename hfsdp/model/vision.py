@@ -136,13 +136,19 @@ def images_only_processors():
     return NoVideoProcessor
 
 
-def save_processor(processor, folder) -> None:
+def save_processor(processor, folder, chat_template: str | None = None) -> None:
     """``processor.save_pretrained(folder)``, without a stand-in video processor in its processor_config.json (so
-    that transformers with torchvision loads the family's own)."""
+    that transformers with torchvision loads the family's own); with ``chat_template`` (the one the run trained with,
+    ``data.chat_template``) as its chat template where given."""
     import json
     from pathlib import Path
 
-    processor.save_pretrained(folder)
+    own = processor.chat_template
+    processor.chat_template = chat_template or own
+    try:
+        processor.save_pretrained(folder)
+    finally:
+        processor.chat_template = own
     path = Path(folder) / "processor_config.json"
     if path.is_file():
         data = json.loads(path.read_text())

@@ -432,8 +432,10 @@ def tokenized_rows(batch, size: int, columns: tuple[str, ...] | None, tokenize_r
 
 
 def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tuple[list[dict], list[bytes]]:
-    """One row's messages (:func:`conversation`) and its images (:func:`hfsdp.data.images.with_images`); for a
-    text-only model, the messages with their text parts joined, or a RowError when the row has images."""
+    """One row's messages (:func:`conversation`) and its images (:func:`hfsdp.data.images.with_images`): as content
+    parts for a vision-language model's template; for a text-only model, or a template that reads texts only (a
+    vision-language model trained on text rows with ``data.chat_template: chatml_tools``), the messages with their
+    text parts joined, or a RowError when the row has images."""
     chat, found = images.with_images(conversation(row_messages, data_config, parts=True), row_images,
                                      images.data_folder(data_config.path))
     if images.processor_of(tokenizer) is None:
@@ -442,7 +444,31 @@ def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tup
                            "(one whose config has a vision_config: Qwen2.5-VL, SmolVLM, Gemma 3, ...), or remove "
                            "the images from the rows")
         return images.text_only(chat), found
+    if not _reads_parts(tokenizer):
+        if found:
+            raise RowError(f"has {len(found)} image(s), and {_named(tokenizer.chat_template)} renders texts only, "
+                           "never an image: leave data.chat_template unset (the model's processor renders images), "
+                           "or name a template that renders image parts")
+        return images.text_only(chat), found
     return images.as_parts(chat), found
+
+
+_READS_PARTS: dict[str, bool] = {}
+
+
+def _reads_parts(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a message's content given as a list of parts (a
+    vision-language processor's template does; a text template, chatml_tools say, adds the content as a text)."""
+    template = tokenizer.chat_template
+    if template not in _READS_PARTS:
+        probe = "hfsdp: a text part"
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                                 tokenize=False)
+            _READS_PARTS[template] = probe in text and "'type'" not in text
+        except Exception:  # (the template's failure on a list where it adds a text)
+            _READS_PARTS[template] = False
+    return _READS_PARTS[template]
 
 
 def tokenize_chat(batch, tokenizer, data_config):

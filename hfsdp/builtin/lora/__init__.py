@@ -88,7 +88,9 @@ def config_problems(config, facts) -> list[tuple[str, str]]:
 
 def default_target_modules(model, fsdp) -> list[str]:
     """Names of the nn.Linear modules inside the decoder blocks, the layer classes FSDP wraps (never the output
-    head)."""
+    head): each module's own name, or with its parent's where it is a position in a ``Sequential`` (Qwen2.5-VL's
+    projector ``merger.mlp.0``: ``mlp.0``, since peft would take ``0`` for every module named so, decoder layers
+    included)."""
     import torch
 
     from hfsdp.model.loading import layer_classes
@@ -97,7 +99,7 @@ def default_target_modules(model, fsdp) -> list[str]:
     blocks = [m for m in model.modules() if type(m).__name__ in classes] or [model]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {
-        name.rsplit(".", 1)[-1]
+        ".".join(name.split(".")[-2:]) if name.rsplit(".", 1)[-1].isdigit() else name.rsplit(".", 1)[-1]
         for block in blocks for name, module in block.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not head and name
     }
