@@ -24,8 +24,17 @@ ask one detail (age, city or job) of a person of the contacts database (``databa
 in contacts_train then contacts_eval, what ``hfsdp.builtin.agent.contacts.CONTACTS`` reads) and carry the detail
 asked (``field``) and its value (``answer``), which no prompt holds: only a lookup finds it. The eval rows ask about
 the tool eval rows' people, whom no training row of either file names.
+
+The shapes files (shapes_<split>.jsonl, for a vision-language model: the ``vlm`` preset) ask one question of a 64x64
+picture (a PNG data URI in an OpenAI/TRL image part): the colour of its shapes, their kind, or how many there are.
+Each picture holds one to four shapes of one kind and one colour, each filling its own quarter of the picture (four of
+the ``smolvlm-135m`` model's 16 image tokens), the quarters filled in reading order (top left first); the answer is
+one word. Chance is about 28 %. (Shapes a quarter that size, one image token each, stayed at chance for 300 steps;
+quarters filled at random places were counted right 44 % of the time after 360 steps, colours and kinds 100 % and 79 %.)
 """
 
+import base64
+import io
 import json
 import random
 from pathlib import Path
@@ -236,12 +245,61 @@ def agent_splits() -> dict[str, list[dict]]:
     return {"train": train, "eval": evaluation}
 
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+SHAPE_QUESTIONS = {
+    "colour": ["What colour are the shapes?", "Which colour is used?", "Name the colour of the shapes."],
+    "shape": ["What kind of shape is shown?", "Which shape do you see?", "Name the shape in the picture."],
+    "count": ["How many shapes are there?", "Count the shapes.", "How many shapes do you see?"],
+}
+CELL = 32  # 2x2 cells of a 64x64 picture
+
+
+def picture(colour: str, shape: str, cells: list[int]) -> str:
+    """A 64x64 PNG, as a data URI: ``shape`` in ``colour`` in each of ``cells`` (0..3, row by row), grey ground."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (2 * CELL, 2 * CELL), (235, 235, 235))
+    draw = ImageDraw.Draw(image)
+    for cell in cells:
+        x, y = (cell % 2) * CELL + 3, (cell // 2) * CELL + 3
+        box = (x, y, x + CELL - 7, y + CELL - 7)
+        if shape == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif shape == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(x + (CELL - 7) / 2, y), (x, y + CELL - 7), (x + CELL - 7, y + CELL - 7)],
+                         fill=COLOURS[colour])
+    buffer = io.BytesIO()
+    image.convert("P", palette=Image.Palette.ADAPTIVE, colors=8).save(buffer, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def shapes_row(rng: random.Random) -> dict:
+    colour, shape, count = rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.randint(1, 4)
+    asked = rng.choice(list(SHAPE_QUESTIONS))
+    answer = {"colour": colour, "shape": shape, "count": str(count)}[asked]
+    image = picture(colour, shape, list(range(count)))
+    return {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": image},
+                                     {"type": "text", "text": rng.choice(SHAPE_QUESTIONS[asked])}]},
+        {"role": "assistant", "content": answer},
+    ]}
+
+
+def shapes_splits() -> dict[str, list[dict]]:
+    rng = random.Random(72)
+    return {split: [shapes_row(rng) for _ in range(count)] for split, count in (("train", 1600), ("eval", 96))}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, split_rows in (("contacts", splits()), ("contacts_pref", preference_splits()),
                              ("contacts_prompts", prompt_splits()), ("contacts_unpaired", unpaired_splits()),
                              ("contacts_tools", tool_splits()), ("contacts_tools_pref", tool_preference_splits()),
-                             ("contacts_tools_prompts", tool_prompt_splits()), ("contacts_agent", agent_splits())):
+                             ("contacts_tools_prompts", tool_prompt_splits()), ("contacts_agent", agent_splits()),
+                             ("shapes", shapes_splits())):
         for split, rows in split_rows.items():
             with open(OUT / f"{name}_{split}.jsonl", "w") as f:
                 for row in rows:

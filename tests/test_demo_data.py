@@ -92,3 +92,35 @@ def test_bundled_agent_rows_are_the_generators_and_its_database_is_the_agent_too
     for split, expected in module.agent_splits().items():
         bundled = [json.loads(line) for line in (PRESET_DATA / f"contacts_agent_{split}.jsonl").read_text().splitlines()]
         assert bundled == expected, f"contacts_agent_{split}.jsonl is stale: run python scripts/make_demo_data.py"
+
+
+def test_bundled_pictures_are_the_generators_and_show_their_answers():
+    """The vlm preset's rows: the generator's, and each picture shows its answer: as many filled quarters as the
+    count, the shapes' colour, and their kind by how much of its box a shape fills (a square all of it, a circle
+    about pi/4, a triangle about half)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    module = generator()
+    for split, expected in module.shapes_splits().items():
+        bundled = [json.loads(line) for line in (PRESET_DATA / f"shapes_{split}.jsonl").read_text().splitlines()]
+        assert bundled == expected, f"shapes_{split}.jsonl is stale: run python scripts/make_demo_data.py"
+    fills = {"square": (0.95, 1.01), "circle": (0.72, 0.85), "triangle": (0.4, 0.6)}
+    for row in bundled:
+        uri = row["messages"][0]["content"][0]["image"]
+        image = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
+        cell = module.CELL
+        quarters = [image.crop((x, y, x + cell, y + cell)) for y in (0, cell) for x in (0, cell)]
+        shown = [q for q in quarters if any(pixel != (235, 235, 235) for pixel in q.getdata())]
+        answer = row["messages"][1]["content"]
+        if answer.isdigit():
+            assert len(shown) == int(answer)
+        elif answer in module.COLOURS:
+            assert all(module.COLOURS[answer] in q.getdata() for q in shown)
+        else:
+            box = (cell - 6) ** 2  # (PIL draws both ends of a box)
+            filled = sum(pixel != (235, 235, 235) for pixel in shown[0].getdata()) / box
+            low, high = fills[answer]
+            assert low <= filled <= high, (answer, filled)

@@ -412,3 +412,36 @@ def test_image_rows_with_a_template_that_renders_texts_only_are_refused():
     with pytest.raises(RowError, match=r"has 1 image\(s\), and .*chatml_tools.* renders texts only.*leave "
                                        r"data.chat_template unset"):
         tokenized("qwen2_5_vl", rows, template="chatml_tools")
+
+
+def test_smolvlm_135m_is_the_real_smollm2_135m_instruct_seeing_through_a_new_tower():
+    """The vlm preset's built-in model: SmolLM2-135M-Instruct's decoder weights unchanged inside SmolVLM (its
+    embedding grown by SmolVLM's tokens, its head the embedding untied), a tower and projector of the documented
+    shape, 16 image tokens for a 64x64 picture of the preset's data."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from hfsdp.config.files import PRESET_DIR
+    from hfsdp.config.schema import ModelConfig
+    from hfsdp.data.images import decode, image_bytes
+    from hfsdp.model import loading
+
+    folder = Path(loading.resolve_model_path("smolvlm-135m", CACHE_DIR))
+    text = load_file(str(Path(loading.resolve_model_path("smollm2-135m-instruct", CACHE_DIR)) / "model.safetensors"))
+    ours = load_file(str(folder / "model.safetensors"))
+    decoder = {k.removeprefix("model.text_model."): v for k, v in ours.items() if k.startswith("model.text_model.")}
+    assert decoder.keys() == {k.removeprefix("model.") for k in text}
+    for name, value in decoder.items():
+        old = text["model." + name]
+        assert torch.equal(value[:old.shape[0]], old), name
+    assert torch.equal(ours["lm_head.weight"][:49152], text["model.embed_tokens.weight"])
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.model_type, config.vision_config.hidden_size, config.vision_config.num_hidden_layers) == (
+        "smolvlm", 192, 4)
+    assert sum(v.numel() for k, v in ours.items() if k.startswith("model.vision_model.")) < 2_500_000
+    tokenizer = loading.load_tokenizer(str(folder), ModelConfig(name_or_path=str(folder)))
+    processor = tokenizer.hfsdp_processor
+    row = json.loads((PRESET_DIR / "data" / "shapes_eval.jsonl").read_text().splitlines()[0])
+    picture = decode(image_bytes(row["messages"][0]["content"][0]["image"], None, "the image"))
+    out = processor(text=["<image>What?"], images=[[picture]])
+    assert out["input_ids"][0].count(config.image_token_id) == 16

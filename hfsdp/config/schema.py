@@ -80,11 +80,12 @@ class QuantizationConfig(Section):
 
 
 # The models hfsdp builds itself, without the hub (hfsdp.model.loading builds them): their names
-BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "smollm2-tiny", "smollm2-bench")
+BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "smollm2-tiny", "smollm2-bench", "smolvlm-135m")
 
 
 class ModelConfig(Section):
-    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, smollm2-tiny.")
+    name_or_path: str = Field(description="HF model folder, hub id, or a built-in model: smollm2-135m-instruct, "
+                                          "smollm2-tiny, smollm2-bench, smolvlm-135m (see hfsdp.model.loading).")
     dtype: DType = Field("float32", description="dtype the weights are loaded in (master weights).")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
     trust_remote_code: bool = Field(False, description="allow model code from the hub (transformers option).")

@@ -7,6 +7,10 @@ Built-in names (``model.name_or_path``):
 * ``smollm2-tiny``: the SmolLM2 architecture shrunk to 2 layers and hidden size 64, randomly initialised with a
   fixed seed, with the real SmolLM2 tokenizer: for tests and multi-rank rehearsals.
 * ``smollm2-bench``: the same, 12 layers of hidden size 512 (~75M parameters): the ``hfsdp bench`` default.
+* ``smolvlm-135m``: a vision-language model of the SmolVLM recipe: the real SmolLM2-135M-Instruct as its language
+  model, joined through SmolVLM's pixel-shuffle projector to a small vision tower (4 layers of width 192, 64x64
+  images in 8x8 patches: 16 image tokens an image), tower and projector randomly initialised with a fixed seed; the
+  SmolVLM processor (without image splitting) and chat template. The ``vlm`` preset trains it.
 """
 
 from __future__ import annotations
@@ -110,10 +114,61 @@ def _build_tiny(tmp: Path, cache_dir: Path, shape: dict = TINY_SHAPE) -> None:
     _smollm2_tokenizer(cache_dir).save_pretrained(tmp)
 
 
+# smolvlm-135m: SmolVLM's special tokens (its processor names them), the image side, the patch side and the pixel
+# shuffle that make 16 image tokens an image, and the vision tower's shape.
+SMOLVLM_TOKENS = dict(image_token="<image>", fake_image_token="<fake_token_around_image>",
+                      global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>")
+SMOLVLM_IMAGE, SMOLVLM_PATCH, SMOLVLM_SHUFFLE = 64, 8, 2
+SMOLVLM_TOWER = dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4)
+
+
+def _build_smolvlm(tmp: Path, cache_dir: Path) -> None:
+    import torch
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                              GenerationConfig, SmolVLMProcessor)
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from hfsdp.model import chat_template
+
+    text_folder = _build_once(cache_dir / "smollm2-135m-instruct", lambda t: _build_smollm2(t, cache_dir))
+    tok = AutoTokenizer.from_pretrained(str(text_folder), extra_special_tokens=SMOLVLM_TOKENS)
+    tok.add_special_tokens({"additional_special_tokens": list(SMOLVLM_TOKENS.values())},
+                           replace_extra_special_tokens=False)
+    tok.eos_token = SMOLVLM_TOKENS["end_of_utterance_token"]
+    tok.chat_template = None  # the processor carries the chat template
+    text = AutoModelForCausalLM.from_pretrained(str(text_folder), dtype=torch.float32)
+    torch.manual_seed(0)  # (the new tokens' embeddings are drawn around the old ones', then the tower's weights)
+    text.resize_token_embeddings(len(tok), mean_resizing=True)
+    text_config = text.config.to_dict()
+    text_config.update(vocab_size=len(tok), tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    config = AutoConfig.for_model(
+        "smolvlm", text_config=text_config, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+        image_token_id=tok.convert_tokens_to_ids(SMOLVLM_TOKENS["image_token"]), scale_factor=SMOLVLM_SHUFFLE,
+        vision_config=dict(SMOLVLM_TOWER, image_size=SMOLVLM_IMAGE, patch_size=SMOLVLM_PATCH))
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    decoder = model.model.text_model
+    missing = decoder.load_state_dict(text.model.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    with torch.no_grad():
+        model.lm_head.weight.copy_(text.get_output_embeddings().weight)  # untied: a copy of the tied embedding
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp, safe_serialization=True)
+    image_processor = SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": SMOLVLM_IMAGE},
+                                               max_image_size={"longest_edge": SMOLVLM_IMAGE})
+    stand_in = vision.images_only_processors()
+    processor = SmolVLMProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=chat_template.resolve("smolvlm"),
+        image_seq_len=(SMOLVLM_IMAGE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SHUFFLE ** 2,
+        **({"video_processor": stand_in()} if stand_in is not None else {}))
+    vision.save_processor(processor, tmp)
+
+
 BUILTIN_MODELS: dict[str, Callable[[Path, Path], None]] = dict(zip(BUILTIN_MODEL_NAMES, (
     _build_smollm2,
     _build_tiny,
     lambda tmp, cache_dir: _build_tiny(tmp, cache_dir, BENCH_SHAPE),
+    _build_smolvlm,
 ), strict=True))
 
 
