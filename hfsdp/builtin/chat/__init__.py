@@ -494,7 +494,7 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
     before its last assistant turn (chat template, the row's tools, generation prompt), the turn before it shown, and
     the reference: that turn's tool calls, with the score that compares the first call generated with them (name and
     arguments as JSON values, :class:`hfsdp.builtin.chat.tool_calls.ToolCallMatch`), else the answer's text. For a
-    vision-language model, also the images of the conversation before that turn."""
+    vision-language model, where the conversation before that turn has images, also those (a fifth value)."""
     chat, found = visual_conversation(row[messages_field(data_config, list(row))], row.get(images.IMAGES_COLUMN),
                                       tokenizer, data_config)
     messages = images.text_only(chat)
@@ -506,11 +506,12 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
     turn = next((i for i in answers if messages[i].get("tool_calls")), answers[-1])
     text = _render(tokenizer, chat[:turn], tools, add_generation_prompt=True)
     shown = "[image] " * images.count(chat[turn - 1:turn]) + messages[turn - 1]["content"] if turn else ""
-    seen = found[:images.count(chat[:turn])]
+    seen = tuple(found[:images.count(chat[:turn])])
+    with_images = (seen,) if seen else ()  # (a row without images: the 3 or 4 values it always split into)
     if not messages[turn].get("tool_calls"):
-        return text, shown, messages[turn]["content"], None, seen
+        return (text, shown, messages[turn]["content"], *((None, *with_images) if seen else ()))
     match = tool_calls.ToolCallMatch(messages[turn]["tool_calls"])
-    return text, shown, str(match), match, seen
+    return (text, shown, str(match), match, *with_images)
 
 
 @hookimpl
