@@ -94,7 +94,7 @@ TRAIN = {"max_steps": 3, "save_every": 1, "keep_last": None, "lr_scheduler": "co
 
 
 @pytest.fixture(scope="module")
-def slow_mixture(tmp_path_factory):
+def slow_mixture(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("mixture")
     (root / "mods").mkdir()
     (root / "mods" / "slow_format.py").write_text(textwrap.dedent(SLOW_PLUGIN))
@@ -104,11 +104,13 @@ def slow_mixture(tmp_path_factory):
         (root / "shards" / f"part-{k}.jsonl").write_text("".join(rows[k * 100:(k + 1) * 100]))
     (root / "slow.jsonl").write_text("".join(rows[600:700]))
     env = base_env(PYTHONPATH=str(root / "mods"), HFSDP_CACHE_DIR=str(root / "cache"))  # a cold cache
-    shutil.copytree(base_env()["HFSDP_CACHE_DIR"] + "/smollm2-tiny", root / "cache" / "smollm2-tiny")
+    shutil.copytree(tiny_model_dir, root / "cache" / "smollm2-tiny")  # (built first where no test has yet)
     sections = {"plugins": ["slow_format"], "train": TRAIN,
-                "data": {"path": None, "datasets": [{"path": str(root / "shards" / "*.jsonl"), "weight": 3},
-                                                    {"path": str(root / "slow.jsonl"), "format": "slow_chat",
-                                                     "weight": 1}]}}
+                # num_proc 1: the claim is the collective timeout, not the pool; a datasets pool forked on a rank
+                # with gloo's threads running hung CI 3 times in 14 (a defunct worker, its task never returned).
+                "data": {"path": None, "num_proc": 1,
+                         "datasets": [{"path": str(root / "shards" / "*.jsonl"), "weight": 3},
+                                      {"path": str(root / "slow.jsonl"), "format": "slow_chat", "weight": 1}]}}
     (root / "x2").mkdir()
     first = run_torchrun(2, "train", str(tiny_config(root / "x2", **sections)), env=env)
     resumed_dir = root / "x1"
