@@ -15,6 +15,11 @@ hookimpl = pluggy.HookimplMarker("hfsdp")
 IGNORE_INDEX = -100
 """The label of a token that carries no loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
 
-__all__ = ["IGNORE_INDEX", "__version__", "hookimpl"]
+REJECTED_PREFIX = "rejected_"
+"""The prefix of the rejected sequence's columns of a ``preference`` row (``rejected_input_ids``,
+``rejected_labels``, a vision-language processor's ``rejected_mm_token_type_ids``); the chosen one's are unprefixed,
+and the images (the prompt's) one ``images`` column for both."""
+
+__all__ = ["IGNORE_INDEX", "REJECTED_PREFIX", "__version__", "hookimpl"]
 
 compat.install()  # the former module paths of the documented plugin API (hfsdp.compat)

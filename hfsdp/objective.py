@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
-from hfsdp import IGNORE_INDEX
-from hfsdp.data.batches import BatchPlan, MicroBatch, micro_batch, micro_batches
+from hfsdp import IGNORE_INDEX, REJECTED_PREFIX
+from hfsdp.data.batches import PER_TOKEN_INPUTS, BatchPlan, MicroBatch, micro_batch, micro_batches
+from hfsdp.data.images import IMAGES_COLUMN
 from hfsdp.data.layout import packed_micro_batch
 from hfsdp.errors import ConfigError
 from hfsdp.model.token_loss import token_loss_sum
 
-# The rejected completion's columns of a ``preference`` row (the chosen one is ``input_ids``/``labels``).
-REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
 
 
 @dataclass(frozen=True)
@@ -320,6 +319,15 @@ def micro_batch_packing(host, config, objective: Objective) -> int | None:
     return int(pack_len)
 
 
+def _sequence(row: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The chosen (``prefix`` empty) or the rejected sequence of a ``preference`` row: its tokens, labels and a
+    vision-language processor's per-token inputs, with the row's images (the prompt's, which both share)."""
+    sequence = {k: row[prefix + k] for k in ("input_ids", "labels", *PER_TOKEN_INPUTS) if prefix + k in row}
+    if IMAGES_COLUMN in row:
+        sequence[IMAGES_COLUMN] = row[IMAGES_COLUMN]
+    return sequence
+
+
 @dataclass
 class PairBatch(MicroBatch):
     """A micro-batch of preference pairs: rows ``0..pairs-1`` are the chosen sequences, ``pairs..2*pairs-1`` the
@@ -347,8 +355,7 @@ class PreferenceObjective(Objective):
         self._sums: dict[str, torch.Tensor] = {}
 
     def micro_batch(self, rows, pad_id, device, select_logits) -> PairBatch:
-        chosen = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
-        rejected = [{"input_ids": r[REJECTED_IDS], "labels": r[REJECTED_LABELS]} for r in rows]
+        chosen, rejected = ([_sequence(r, prefix) for r in rows] for prefix in ("", REJECTED_PREFIX))
         batch = self.collate(chosen + rejected, [[i, len(rows) + i] for i in range(len(rows))], pad_id, device,
                              select_logits)
         numbers = [k for k, v in rows[0].items() if isinstance(v, float)]

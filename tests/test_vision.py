@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from conftest import CACHE_DIR, read_metrics, run_cli, run_torchrun
-from vlm_models import ARCHS, colour_rows, tiny_vlm_folder
+from vlm_models import ARCHS, colour_pairs, colour_rows, tiny_vlm_folder
 
 def image(seed: int, width: int = 56, height: int = 56):
     from PIL import Image
@@ -97,6 +97,67 @@ def test_labels_and_pixels_equal_trl_vision_collation(arch):
         assert torch.equal(value, theirs[key]), key
 
 
+TRL_PAIRS = [
+    {"images": [0], "prompt": [{"role": "user", "content": "What is this?"}],
+     "chosen": [{"role": "assistant", "content": "A cat."}], "rejected": [{"role": "assistant", "content": "A dog."}]},
+    {"images": [1, 2], "prompt": [{"role": "user", "content": "Compare them."}],
+     "chosen": [{"role": "assistant", "content": "They are the same."}],
+     "rejected": [{"role": "assistant", "content": "No."}]},
+]
+
+
+def tokenized_pairs(arch: str, rows: list[dict], data_path: str = "rows.jsonl") -> dict[str, list]:
+    """hfsdp's preference format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor)."""
+    from hfsdp.builtin.preference import tokenize_preference
+    from hfsdp.config.schema import DataConfig, ModelConfig
+    from hfsdp.model import loading
+
+    path = str(tiny_vlm_folder(arch, CACHE_DIR))
+    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
+    batch = {k: [r.get(k) for r in rows] for k in rows[0]}
+    return tokenize_preference(batch, tokenizer, DataConfig(format="preference", path=data_path))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preference_pairs_equal_trl_vision_preference_collation(arch):
+    """TRL 1.16's DataCollatorForVisionPreference (DPOTrainer's for a processor) on the same rows and processor:
+    each chosen and rejected sequence has the same tokens, the same completion tokens (the only ones hfsdp labels:
+    never an image or prompt token), the same per-token inputs, and the pair's micro-batch the same pixel inputs
+    (the prompt's images for both sequences)."""
+    from transformers import AutoProcessor
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from hfsdp.data.images import PixelInputs
+    from hfsdp.model import vision
+    from hfsdp.objective import MicroBatchLayout, PreferenceObjective
+
+    vision.images_only_processors()
+    sizes = {0: (56, 56), 1: (56, 56), 2: (48, 64)}
+    rows = [{**r, "images": [image(k, *sizes[k]) for k in r["images"]]} for r in TRL_PAIRS]
+    processor = AutoProcessor.from_pretrained(str(tiny_vlm_folder(arch, CACHE_DIR)))
+    theirs = DataCollatorForVisionPreference(processor=processor)(copy.deepcopy(rows))
+    ours = tokenized_pairs(arch, rows)
+    pairs = [{k: ours[k][i] for k in ours} for i in range(len(rows))]
+    sequences = [(p["input_ids"], p["labels"], p) for p in pairs] + \
+        [(p["rejected_input_ids"], p["rejected_labels"], {k[len("rejected_"):]: v for k, v in p.items()
+                                                          if k.startswith("rejected_")}) for p in pairs]
+    per_token = {"token_type_ids", "mm_token_type_ids"} & set(theirs)
+    for i, (ids, labels, columns) in enumerate(sequences):
+        real = theirs["attention_mask"][i].bool()
+        assert theirs["input_ids"][i][real].tolist() == ids, i
+        assert theirs["completion_mask"][i][real].tolist() == [int(label != -100) for label in labels], i
+        for key in per_token:
+            assert theirs[key][i][real].tolist() == columns[key], (i, key)
+    assert sum(label != -100 for label in pairs[0]["labels"]) > 0
+    forward = set(theirs) - {"input_ids", "attention_mask", "completion_mask", *per_token}
+    objective = PreferenceObjective()
+    objective.lay_out(MicroBatchLayout(images=PixelInputs(processor, forward)))
+    batch = objective.micro_batch(pairs, processor.tokenizer.pad_token_id, torch.device("cpu"), False)
+    assert set(forward) <= set(batch.inputs)
+    for key in forward:
+        assert torch.equal(batch.inputs[key], theirs[key]), key
+
+
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])
 def test_every_row_shape_gives_the_same_tokens(tmp_path, arch):
     """Content parts naming their image, LLaMA-Factory's <image> placeholders with an images column, and TRL's images
@@ -137,6 +198,29 @@ def test_a_bad_image_row_is_named_by_hfsdp_validate(tmp_path, row, said):
     assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("row, said", [
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "img/pair-0-0.png"}]}],
+      "chosen": [{"role": "assistant", "content": "Red."}],
+      "rejected": [{"role": "user", "content": [{"type": "image", "image": "img/pair-0-1.png"}]}]},
+     "a completion shows 1 image(s): images go in the prompt"),
+    ({"prompt": "What colour is this?", "chosen": "Red.", "rejected": "Blue.", "images": ["img/pair-0-0.png"]},
+     "has images and a text prompt: give the prompt as a list of messages"),
+    ({"prompt": [{"role": "user", "content": "<image>What?"}], "chosen": [{"role": "assistant", "content": "Red."}],
+      "rejected": [{"role": "assistant", "content": "Blue."}], "images": ["img/missing.png"]}, "no file"),
+])
+def test_a_bad_preference_row_with_images_is_named_by_hfsdp_validate(tmp_path, row, said):
+    """A completion that shows an image, images beside a text prompt, a missing image: hfsdp validate names the
+    pair (its line) and what to fix."""
+    good = colour_pairs(tmp_path, 4)
+    lines = good.read_text().splitlines()
+    lines[1] = json.dumps(row)
+    good.write_text("\n".join(lines) + "\n")
+    config = vlm_config(tmp_path, "qwen2_5_vl", good, plugins=["dpo"], data={"format": "preference"})
+    proc = run_cli("validate", str(config), check=False)
+    assert proc.returncode != 0
+    assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
     data = colour_rows(tmp_path, 4, "placeholders")
     config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"})
@@ -147,7 +231,7 @@ def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
 
 @pytest.mark.parametrize("sections, key, said", [
     ({"plugins": ["packing"]}, "plugins", "without packing so far"),
-    ({"plugins": ["dpo"], "data": {"format": "preference"}}, "plugins", "not with dpo"),
+    ({"plugins": ["orpo"], "data": {"format": "preference"}}, "plugins", "not with orpo"),
     ({"model": {"freeze": ["vision", "projector", "language"]}}, "model.freeze", "nothing would learn"),
 ])
 def test_what_vision_language_training_does_not_take_yet_is_refused(tmp_path, sections, key, said):
@@ -190,45 +274,56 @@ def steps(run: Path) -> dict[int, dict]:
     return {m["step"]: m for m in read_metrics(run) if "loss" in m}
 
 
+DPO = {"plugins": ["dpo"], "data": {"format": "preference"}}
+# (name, arch, sections, in CI: on 2 ranks; every case on 2 and 4 ranks with --full-matrix)
 RANKS_CASES = [
-    ("qwen2_5_vl", {"model": {"freeze": ["vision"]}}),
-    ("smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4}, "model": {"freeze": ["vision"]}}),
+    ("qwen2_5_vl", "qwen2_5_vl", {"model": {"freeze": ["vision"]}}, True),
+    ("smolvlm-lora", "smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4},
+                                 "model": {"freeze": ["vision"]}}, True),
+    ("qwen2_5_vl-dpo", "qwen2_5_vl", {**DPO, "model": {"freeze": ["vision"]}}, True),
+    ("smolvlm-lora-dpo", "smolvlm", {**DPO, "fsdp": {"version": 1}, "plugins": ["lora", "dpo"], "lora": {"r": 4},
+                                     "dpo": {"reference": "adapter"}}, False),
 ]
 
 
 def pytest_generate_tests(metafunc):
-    """CI trains on 2 ranks; ``pytest --full-matrix`` on 4 ranks too (4 processes on CI's 2 cores)."""
+    """CI trains its cases on 2 ranks; ``pytest --full-matrix`` every case on 2 and 4 ranks (4 processes on CI's 2
+    cores)."""
     if "world" in metafunc.fixturenames:
-        worlds = (2, 4) if metafunc.config.getoption("full_matrix") else (2,)
-        cases = [(arch, sections, world) for world in worlds for arch, sections in RANKS_CASES]
-        metafunc.parametrize("arch, sections, world", cases, ids=[f"{a}-x{w}" for a, _, w in cases])
+        full = metafunc.config.getoption("full_matrix")
+        cases = [(name, arch, sections, world) for world in ((2, 4) if full else (2,))
+                 for name, arch, sections, in_ci in RANKS_CASES if full or in_ci]
+        metafunc.parametrize("arch, sections, world", [c[1:] for c in cases], ids=[f"{c[0]}-x{c[3]}" for c in cases])
 
 
 @pytest.mark.slow
 def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, world):
     """FSDP on 2 (and 4) gloo ranks against one process accumulating the same micro-batches, with the tower frozen
-    (Qwen2.5-VL full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1): the same losses
-    and gradient norms over 4 steps; a resume from step 2 ends bit for bit where the run did; the export reloads
-    with the model's class and processor, its tower byte-identical to the input."""
+    (Qwen2.5-VL full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1), supervised and DPO
+    (the pairs' images through both sequences and the reference): the same losses and gradient norms over 4 steps; a
+    resume from step 2 ends bit for bit where the run did; the export reloads with the model's class and processor,
+    its tower byte-identical to the input."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from hfsdp.model import vision
     from test_combinations import assert_resumed_exactly, resume_from
 
-    data = colour_rows(tmp_path, 12 * world)
+    data = (colour_pairs if "dpo" in sections.get("plugins", []) else colour_rows)(tmp_path, 12 * world)
     one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": world,
                                                          "output_dir": str(tmp_path / "one" / "run")}, **sections)
     two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
                                                          "save_every": 2}, **sections)
     run_cli("train", str(one))
     proc = run_torchrun(world, "train", str(two))
-    assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
+    if "freeze" in sections.get("model", {}):
+        assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
     assert single.keys() == ranks.keys() == {1, 2, 3, 4}
     for step in single:
         for key in ("loss", "grad_norm"):
             assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
-    assert single[4]["loss"] < single[1]["loss"]
+    if "dpo" not in sections.get("plugins", []):  # (DPO's 4 steps on a random model: ln 2 at step 1, then noise)
+        assert single[4]["loss"] < single[1]["loss"]
     assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "two" / "run", world, step=2),
                            tmp_path / "two" / "run")
     vision.images_only_processors()

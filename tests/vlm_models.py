@@ -249,14 +249,46 @@ def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | Non
     return path
 
 
-def colour_data(cache_dir: Path) -> tuple[Path, Path]:
-    """A train file (64 rows) and an eval file (8 rows) of colour questions with their images, built once into
-    ``cache_dir`` (the same files for every test process)."""
-    folder = cache_dir / "vlm-colour-rows"
+def colour_pairs(folder: Path, n: int = 24, shape: str = "parts", seed: int = 0) -> Path:
+    """A JSONL file of ``n`` preference rows in ``folder``: a colour question about one image (beside the file), the
+    right colour chosen and another rejected; the prompt's image as a content part (``parts``) or in TRL's
+    ``images`` column beside a plain text (``column``)."""
+    import json
+    import random
+
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        colour, wrong = rng.sample(sorted(COLOURS), 2)
+        image = f"img/pair-{seed}-{i}.png"
+        Image.new("RGB", (40 + 8 * (i % 3), 48), COLOURS[colour]).save(folder / image)
+        question = "What colour is this?"
+        content = [{"type": "image", "image": image}, {"type": "text", "text": question}] if shape == "parts" \
+            else question
+        rows.append({"prompt": [{"role": "user", "content": content}],
+                     "chosen": [{"role": "assistant", "content": f"It is {colour}."}],
+                     "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
+                     **({"images": [image]} if shape == "column" else {})})
+    path = folder / f"pairs-{shape}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def colour_data(cache_dir: Path, pairs: bool = False) -> tuple[Path, Path]:
+    """A train file (64 rows) and an eval file (8 rows) of colour questions with their images (``pairs``: preference
+    rows, :func:`colour_pairs`), built once into ``cache_dir`` (the same files for every test process)."""
+    folder = cache_dir / ("vlm-colour-pairs" if pairs else "vlm-colour-rows")
     if not (folder / "eval.jsonl").is_file():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir))
-        colour_rows(tmp, 64, name="train")
-        colour_rows(tmp, 8, name="eval", seed=1)
+        if pairs:
+            for name, n, seed in (("train", 64, 0), ("eval", 8, 1)):
+                colour_pairs(tmp, n, seed=seed).rename(tmp / f"{name}.jsonl")
+        else:
+            colour_rows(tmp, 64, name="train")
+            colour_rows(tmp, 8, name="eval", seed=1)
         try:
             tmp.rename(folder)
         except OSError:  # built meanwhile by another process

@@ -31,6 +31,9 @@ from hfsdp.errors import RowError
 IMAGES_COLUMN = "images"  # the rows' images (raw: as given; tokenized: their encoded bytes)
 PLACEHOLDER = "<image>"  # LLaMA-Factory's placeholder of an image in a message's text
 IMAGE_PARTS = ("image", "image_url")
+# The data formats whose rows may show images, in the messages that refuse them elsewhere.
+FORMATS_WITH_IMAGES = ("only data.format chat (supervised fine-tuning) and preference (dpo, simpo) train on "
+                       "images")
 
 
 # Where a vision-language model's tokenizer carries its processor (hfsdp.model.vision.load_processor): the data

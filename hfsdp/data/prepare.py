@@ -23,7 +23,7 @@ from hfsdp.config.schema import DataConfig, HfsdpConfig
 from hfsdp.data.broken_rows import first_problem
 from hfsdp.data.batches import NEXT_FIT_ROWS, Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
-from hfsdp.data.images import IMAGES_COLUMN
+from hfsdp.data.images import FORMATS_WITH_IMAGES, IMAGES_COLUMN
 from hfsdp.errors import PluginError, RowError, UserError
 
 if TYPE_CHECKING:
@@ -240,8 +240,8 @@ def tokenize(raw, tokenize_fn: Callable[..., dict], tokenizer, cfg: DataConfig, 
     tokenized = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
                         desc=desc)
     if IMAGES_COLUMN in raw.column_names and IMAGES_COLUMN not in tokenized.column_names and _has_images(raw):
-        raise UserError(f"data.format '{cfg.format}' does not read the rows' {IMAGES_COLUMN} column: only data.format "
-                        "chat trains on images so far; remove the images, or use data.format: chat")
+        raise UserError(f"data.format '{cfg.format}' does not read the rows' {IMAGES_COLUMN} column: "
+                        f"{FORMATS_WITH_IMAGES} so far; remove the images, or use one of those formats")
     import numpy as np
 
     table = tokenized.with_format("arrow")  # counted from the Arrow columns, never as Python lists of the corpus

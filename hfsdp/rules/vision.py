@@ -14,6 +14,12 @@ if TYPE_CHECKING:
 PARTS = ("vision", "projector", "language")
 
 
+# The objectives a vision-language model trains with besides supervised fine-tuning: the preference objectives that
+# read the pairs' completion log-probs of hfsdp.objective.PreferenceObjective's micro-batches (their pixel inputs
+# included); not ORPO, whose NLL term covers the prompt, image tokens and all.
+IMAGE_OBJECTIVES = ("dpo", "simpo")
+
+
 # Architectures whose image features are cast to the dtype of the weights as stored (``.to(self.dtype)``), which
 # FSDP's mixed precision leaves at model.dtype while the text's embeddings come out in the compute dtype.
 CAST_TO_STORED_DTYPE = ("idefics2", "idefics3", "smolvlm")
@@ -27,19 +33,19 @@ def is_vision_language(model_config: Any) -> bool:
 def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
     """``model.freeze`` on a text-only model, a vision-language model with everything frozen and nothing else to
     train, and what vision-language training is not composed with yet (packing, tensor, sequence and expert
-    parallelism, a plugin's objective, 4-bit quantization). ``facts``: the model phase's
+    parallelism, an objective other than :data:`IMAGE_OBJECTIVES`, 4-bit quantization). ``facts``: the model phase's
     (:class:`hfsdp.rules.table.Facts`); the model's config is read only where the config sets one of those."""
     freeze = list(config.model.freeze)
     parallel = [(f"parallel.{key}", f"without {what} parallelism so far: set parallel.{key}: 1 (FSDP shards it "
                                     "over every rank)")
                 for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert"))
                 if getattr(config.parallel, key) > 1]
-    objectives = facts.plugins.implementers("hfsdp_objective")
+    objectives = [name for name in facts.plugins.implementers("hfsdp_objective") if name not in IMAGE_OBJECTIVES]
     limits = parallel + [
         *([("plugins", "without packing so far (a packed row's images and their position ids are not laid out yet): remove "
                        "packing from plugins")] if "packing" in config.plugins else []),
-        *([("plugins", f"with supervised fine-tuning (data.format chat) so far, not with {', '.join(objectives)}: remove "
-                       "it from plugins")] if objectives else []),
+        *([("plugins", f"with supervised fine-tuning (data.format chat) or {', '.join(IMAGE_OBJECTIVES)} so far, not "
+                       f"with {', '.join(objectives)}: remove it from plugins")] if objectives else []),
         *([("model.quantization", "without 4-bit quantization so far: remove model.quantization (LoRA on the full-precision "
                                   "model is built)")] if config.model.quantization is not None else []),
     ]

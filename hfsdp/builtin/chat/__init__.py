@@ -158,8 +158,8 @@ def conversation(messages: Any, data_config, parts: bool = False) -> list[dict[s
             turn["content"] = _content_parts(content, i)
             if not parts:
                 if any(part["type"] != "text" for part in turn["content"]):
-                    raise RowError(f"message {i} holds an image: only data.format chat (supervised fine-tuning) "
-                                   "trains on images so far; remove the image parts for this format")
+                    raise RowError(f"message {i} holds an image: {images.FORMATS_WITH_IMAGES} so far; remove the "
+                                   "image parts for this format")
                 turn["content"] = "".join(part["text"] for part in turn["content"])
         elif isinstance(content, (int, float, bool)):
             # datasets 5 stores a column whose messages mix content parts and texts as JSON, and reads back a text
@@ -234,7 +234,9 @@ def tools_of(value: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _render(tokenizer, messages, tools, add_generation_prompt=False, template=None) -> str:
+def render(tokenizer, messages, tools, add_generation_prompt=False, template=None) -> str:
+    """Messages (from :func:`conversation`) as the chat template (``template``, else the tokenizer's) renders them
+    with ``tools``, or a RowError naming the template where it fails on them."""
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
@@ -284,7 +286,7 @@ def _rerendered(tokenizer, messages, tools, text) -> int | None:
     """The first message whose rendering changes once later messages follow (its conversation through it is not a
     prefix of the whole text), or None."""
     return next((i for i in range(len(messages) - 1)
-                 if not text.startswith(_render(tokenizer, messages[: i + 1], tools))), None)
+                 if not text.startswith(render(tokenizer, messages[: i + 1], tools))), None)
 
 
 def _check_parts(text: str, messages: list[dict], tools, template: str) -> None:
@@ -299,7 +301,7 @@ def chat_ids(messages: list[dict], tokenizer, tools=None, add_generation_prompt:
     """The token ids of messages (from :func:`conversation`) rendered with the chat template, as
     ``apply_chat_template(tokenize=True)`` gives them, or a RowError when the text leaves out a part of them: what
     the preference, unpaired and prompt formats tokenize."""
-    text = _render(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    text = render(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
     _check_parts(text, messages, tools, tokenizer.chat_template)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -335,8 +337,8 @@ def _prefix_spans(tokenizer, messages, tools, text) -> list[tuple[int, int]]:
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], tools)
+        before = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1], tools)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             changed = _rerendered(tokenizer, messages, tools, text)
             why = (f"message {changed} renders differently once later messages follow (the template re-renders "
@@ -364,7 +366,7 @@ def _overlapping(offsets, spans) -> list[int]:
 def _thinking_span(tokenizer, messages, tools, i, text, template) -> tuple[int, int] | None:
     """The characters of message ``i``'s thinking in ``text``: where the text differs from the text rendered without
     that thinking; None when the template does not render it."""
-    other = _render(tokenizer, [{k: v for k, v in m.items() if k != REASONING} if j == i else m
+    other = render(tokenizer, [{k: v for k, v in m.items() if k != REASONING} if j == i else m
                                 for j, m in enumerate(messages)], tools, template=template)
     if other == text:
         return None
@@ -378,11 +380,11 @@ def _thinking_span(tokenizer, messages, tools, i, text, template) -> tuple[int, 
 def tokenize_conversation(messages, tokenizer, tools=None, train_earlier_thinking: bool = True):
     """Token ids and labels of one conversation; labels are -100 outside what the assistant generates."""
     template = tokenizer.chat_template
-    text = _render(tokenizer, messages, tools)
+    text = render(tokenizer, messages, tools)
     mask_template = template if chat_template.has_generation_markers(template) else None
     if mask_template is None and (name := chat_template.known(template)) and chat_template.training_version(name):
         mask_template = chat_template.resolve(chat_template.training_version(name))
-        if _render(tokenizer, messages, tools, template=mask_template) != text:
+        if render(tokenizer, messages, tools, template=mask_template) != text:
             changed = _rerendered(tokenizer, messages, tools, text)
             why = (f"message {changed} renders differently once later messages follow (the template re-renders "
                    "earlier turns: e.g. drops their thinking)" if changed is not None else
@@ -484,7 +486,7 @@ def tokenize_chat(batch, tokenizer, data_config):
         ids, labels = tokenize_conversation(chat, tokenizer, tools, data_config.train_earlier_thinking)
         if processor is None:
             return {"input_ids": ids, "labels": labels}
-        return images.expand(processor, _render(tokenizer, chat, tools), found, ids, labels)
+        return images.expand(processor, render(tokenizer, chat, tools), found, ids, labels)
 
     return tokenized_rows(batch, len(messages), columns, tokenize_row)
 
@@ -504,7 +506,7 @@ def generation_prompt(row, data_config, tokenizer) -> tuple:
         raise RowError("has no assistant turn to compare with; give every eval conversation an assistant answer, or "
                        "remove the generation_eval section")
     turn = next((i for i in answers if messages[i].get("tool_calls")), answers[-1])
-    text = _render(tokenizer, chat[:turn], tools, add_generation_prompt=True)
+    text = render(tokenizer, chat[:turn], tools, add_generation_prompt=True)
     shown = "[image] " * images.count(chat[turn - 1:turn]) + messages[turn - 1]["content"] if turn else ""
     seen = tuple(found[:images.count(chat[:turn])])
     with_images = (seen,) if seen else ()  # (a row without images: the 3 or 4 values it always split into)

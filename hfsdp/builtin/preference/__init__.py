@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hfsdp import IGNORE_INDEX, hookimpl
-from hfsdp.builtin.chat import chat_ids, conversation, tokenized_rows, tools_of
+from hfsdp import IGNORE_INDEX, REJECTED_PREFIX, hookimpl
+from hfsdp.builtin.chat import chat_ids, conversation, render, tokenized_rows, tools_of, visual_conversation
+from hfsdp.data import images
 from hfsdp.errors import RowError, UserError
 
 ALWAYS_ON = True
@@ -63,23 +64,40 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tokenize_completions(prompt: Any, completions: list[Any], tokenizer, data_config, tools: Any,
-                         what: str) -> list[tuple[list[int], list[int]]]:
-    """Each completion after ``prompt`` as token ids and labels, as TRL's ``DPOTrainer`` and ``KTOTrainer`` tokenize
-    them (the preference and the unpaired formats): the prompt alone (messages: with the generation prompt) and each
-    prompt + completion are tokenized, the completions start where the tokenized prompt and a tokenized prompt +
-    completion first differ (the earliest of them), and only their tokens carry labels. Texts end with the
-    tokenizer's EOS text (added where it is missing); lists of messages are rendered with the chat template and the
-    row's ``tools``. A RowError when the prompt alone fills ``data.max_seq_len``; ``what`` names the rows in the
-    UserError of a tokenizer without a chat template."""
+def tokenize_completions(prompt: Any, completions: list[Any], tokenizer, data_config, tools: Any, what: str,
+                         row_images: Any = None, visual: bool = False) -> list[dict[str, list]]:
+    """Each completion after ``prompt`` as a sequence (``input_ids``, ``labels``), as TRL's ``DPOTrainer`` and
+    ``KTOTrainer`` tokenize them (the preference and the unpaired formats): the prompt alone (messages: with the
+    generation prompt) and each prompt + completion are tokenized, the completions start where the tokenized prompt
+    and a tokenized prompt + completion first differ (the earliest of them), and only their tokens carry labels.
+    Texts end with the tokenizer's EOS text (added where it is missing); lists of messages are rendered with the chat
+    template and the row's ``tools``. A RowError when the prompt alone fills ``data.max_seq_len``; ``what`` names
+    the rows in the UserError of a tokenizer without a chat template.
+
+    ``visual`` (the preference format): the prompt's messages may show images (read as the chat format reads them,
+    with the row's ``row_images`` column: :func:`hfsdp.builtin.chat.visual_conversation`), which every completion
+    shares; on a vision-language model each sequence then has its image placeholders expanded by the processor,
+    none of their tokens labelled, and carries the images and the processor's per-token inputs
+    (:func:`hfsdp.data.images.expand`), as TRL's ``DataCollatorForVisionPreference`` makes them."""
+    found: list[bytes] = []
     if isinstance(completions[0], list):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"conversational {what} data needs a tokenizer with a chat template; this one has none")
-        prompt, *completions = (conversation(m, data_config) if m else [] for m in (prompt, *completions))
+        if visual:
+            if not prompt and not is_empty(row_images):
+                raise RowError("has images and no prompt to show them in: give the images in the prompt's messages")
+            prompt, found = visual_conversation(prompt, row_images, tokenizer, data_config) if prompt else ([], [])
+            completions = [_completion(c, tokenizer, data_config) for c in completions]
+        else:
+            prompt, *completions = (conversation(m, data_config) if m else [] for m in (prompt, *completions))
         tools = tools_of(tools)
         prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True) if prompt else []
         ids = [chat_ids(prompt + c, tokenizer, tools) for c in completions]
     else:
+        if not is_empty(row_images):
+            raise RowError(f"has images and a text prompt: give the prompt as a list of messages (the images in a "
+                           f"user message, or in the {images.IMAGES_COLUMN} column beside it), which the model's "
+                           "processor renders with its image tokens")
         eos = tokenizer.eos_token or ""
         completions = [c if c.endswith(eos) else c + eos for c in completions]
         prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
@@ -88,10 +106,26 @@ def tokenize_completions(prompt: Any, completions: list[Any], tokenizer, data_co
     if start >= data_config.max_seq_len:
         raise RowError(f"the prompt has {start} tokens and fills data.max_seq_len ({data_config.max_seq_len}): no "
                        "completion token would be trained; raise data.max_seq_len or shorten the prompt")
-    return [(i, [IGNORE_INDEX] * start + i[start:]) for i in ids]
+    sequences = [{"input_ids": i, "labels": [IGNORE_INDEX] * start + i[start:]} for i in ids]
+    processor = images.processor_of(tokenizer)
+    if not visual or processor is None or not isinstance(completions[0], list):
+        return sequences
+    return [images.expand(processor, render(tokenizer, prompt + c, tools), found, s["input_ids"], s["labels"])
+            for s, c in zip(sequences, completions)]
 
 
-def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config, tools: Any = None) -> dict[str, Any]:
+def _completion(messages: Any, tokenizer, data_config) -> list[dict]:
+    """A completion's messages, or a RowError where they show an image (a completion's images would be trained as
+    its text)."""
+    chat, found = visual_conversation(messages, None, tokenizer, data_config)
+    if found:
+        raise RowError(f"a completion shows {len(found)} image(s): images go in the prompt, which the chosen and "
+                       "the rejected completion share")
+    return chat
+
+
+def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_config, tools: Any = None,
+                  row_images: Any = None) -> dict[str, Any]:
     """One row's token ids and labels (see the module docstring), or a RowError saying what is wrong with it."""
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if is_empty(value):
@@ -105,10 +139,10 @@ def tokenize_pair(prompt: Any, chosen: Any, rejected: Any, tokenizer, data_confi
                        "lists of messages")
     if prompt is None:
         prompt, chosen, rejected = split_prompt(chosen, rejected)
-    (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = tokenize_completions(
-        prompt, [chosen, rejected], tokenizer, data_config, tools, FORMAT)
-    return {"input_ids": chosen_ids, "labels": chosen_labels,
-            "rejected_input_ids": rejected_ids, "rejected_labels": rejected_labels}
+    chosen_row, rejected_row = tokenize_completions(prompt, [chosen, rejected], tokenizer, data_config, tools, FORMAT,
+                                                    row_images, visual=True)
+    # the images are the prompt's, one column for both; the rejected sequence's other columns under its prefix
+    return {**chosen_row, **{REJECTED_PREFIX + k: v for k, v in rejected_row.items() if k != images.IMAGES_COLUMN}}
 
 
 MARGIN = "margin"
@@ -130,17 +164,21 @@ def tokenize_preference(batch, tokenizer, data_config):
     prompts = batch.get("prompt") or [None] * len(batch["chosen"])
     margins = batch.get(MARGIN)
 
+    row_images = batch.get(images.IMAGES_COLUMN) or [None] * len(batch["chosen"])
+
     def tokenize_row(position, tools):
         row = tokenize_pair(prompts[position], batch["chosen"][position], batch["rejected"][position], tokenizer,
-                            data_config, tools)
+                            data_config, tools, row_images[position])
         if margins is not None:
             row[MARGIN] = margin_of(margins[position])
         return row
 
-    columns = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
+    columns = ("input_ids", "labels", f"{REJECTED_PREFIX}input_ids", f"{REJECTED_PREFIX}labels")
     if margins is not None:
         columns += (MARGIN,)
-    return tokenized_rows(batch, len(batch["chosen"]), columns, tokenize_row)
+    # (a vision-language model's rows: those of the first row, with the images and the processor's inputs)
+    return tokenized_rows(batch, len(batch["chosen"]), None if images.processor_of(tokenizer) else columns,
+                          tokenize_row)
 
 
 def rows_problems(config, plugin: str, format_name: str, columns: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -45,8 +45,8 @@ def tokenize_row(prompt: Any, completion: Any, label: Any, tokenizer, data_confi
     if isinstance(prompt, list) != isinstance(completion, list):
         raise RowError("prompt and completion mix a text and a message list: give both as texts, or both as lists "
                        "of messages")
-    [(ids, labels)] = tokenize_completions(prompt, [completion], tokenizer, data_config, tools, FORMAT)
-    return {"input_ids": ids, "labels": labels, "label": label}
+    [sequence] = tokenize_completions(prompt, [completion], tokenizer, data_config, tools, FORMAT)
+    return {**sequence, "label": label}
 
 
 def tokenize_unpaired(batch, tokenizer, data_config):
