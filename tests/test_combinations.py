@@ -153,13 +153,14 @@ def mixture_of(sections: dict) -> dict:
 
 def vision_language(sections: dict) -> dict:
     """``sections`` training the tiny Qwen2.5-VL, its vision tower frozen, on colour questions about images (a
-    preference objective's: colour pairs, the image in the prompt); a mixture's sources are those image rows; rows
-    another option chose for a format or template of its own (an objective's, tool conversations) are kept, the
-    model trained on them."""
+    preference objective's: colour pairs, the image in the prompt; an online objective's: the questions as
+    prompts); a mixture's sources are those image rows; rows another option chose for a template of its own (tool
+    conversations) are kept, the model trained on them."""
     data = sections.get("data", {})
-    train, eval_ = colour_data(CACHE_DIR, pairs=data.get("format") == "preference")
+    own_format = data.get("format") in ("preference", "prompt")
+    train, eval_ = colour_data(CACHE_DIR, data["format"] if own_format else "chat")
     model = {"model": {"name_or_path": str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR)), "freeze": ["vision"]}}
-    if data.get("format") == "preference" and not data.get("chat_template") and not data.get("datasets"):
+    if own_format and not data.get("chat_template") and not data.get("datasets"):
         return _merge(sections, model, {"data": {"path": str(train), "eval_path": str(eval_)}})
     if data.get("datasets"):
         return _merge(sections, model, {"data": {"datasets": [{"path": str(train), "weight": 3},
@@ -289,6 +290,9 @@ OPTIONS = {
     # DPO on a vision-language model: pairs of answers to a question about an image, the image through both
     # sequences and the reference (tests/test_vision.py: pairs against TRL's collator, 2 ranks, SmolVLM with LoRA)
     "vlm_dpo": lambda sections: vision_language(_merge(sections, DPO)),
+    # GRPO on a vision-language model: prompts with images, completions sampled with their pixel inputs
+    # (tests/test_vision.py: the sampler's log-probs against the training forward's on seven architectures, 2 ranks)
+    "vlm_grpo": lambda sections: vision_language(_merge(sections, GRPO)),
 }
 # Options run under FSDP2 only: the data alone (the rows each step trains on, the same under any wrapper), and
 # the optimizers FSDP1 cannot run (their refusal before any weight loads: test_bad_inputs).
@@ -316,7 +320,8 @@ REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
 REFUSED.update({(v, 1, "sp2"): "parallel.sp_size: 2 does not divide the world size 1" for v in (1, 2)})
 REFUSED[2, 1, "ep2"] = "parallel.ep_size: 2 does not divide the 1 ranks FSDP shards over"
 # torch's FSDP1 on one shard drops a frozen part from the state dict it saves (the vlm option freezes the tower).
-REFUSED.update({(1, 1, name): "model.freeze under FSDP1 with a single shard" for name in ("vlm", "vlm_dpo")})
+REFUSED.update({(1, 1, name): "model.freeze under FSDP1 with a single shard"
+                for name in ("vlm", "vlm_dpo", "vlm_grpo")})
 # FSDP1 and FSDP2 of the same option: other float32 summation orders (flat parameters) within this; bf16 computes
 # in bf16, where FSDP1 also casts the buffers.
 LOSS_REL = {"bf16": 2e-3}
@@ -369,11 +374,12 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", "acting", "workers", "moe", "vlm", "vlm_dpo", *PACKED_OPTIONS)
+                          "distill_online", "acting", "workers", "moe", "vlm", "vlm_dpo", "vlm_grpo",
+                          *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
-              "rloo", "lora_rloo", "distill_online", "acting", "vlm_dpo", *PACKED_OPTIONS)
+              "rloo", "lora_rloo", "distill_online", "acting", "vlm_dpo", "vlm_grpo", *PACKED_OPTIONS)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -907,8 +913,9 @@ REFUSED_PAIRS = {
     frozenset(("ep2", "qlora")): "quantized experts are not split by expert parallelism",
     frozenset(("ep2", "tp2")): "tensor x expert parallelism is not built yet",
     frozenset(("ep2", "sp2")): "sequence x expert parallelism is not built yet",
-    **{frozenset(("vlm", name)): "trains with supervised fine-tuning (data.format chat) or dpo, simpo so far"
-       for name in ("acting", "workers", "grpo", "rloo", "distill_online")},
+    frozenset(("vlm", "distill_online")): "not with distill_online",
+    frozenset(("vlm", "acting")): "with single-turn completions so far",
+    frozenset(("vlm", "workers")): "sampling inline so far",
     frozenset(("vlm", "packing")): "trains without packing so far",
     frozenset(("vlm", "qlora")): "without 4-bit quantization so far",
     frozenset(("vlm", "tp2")): "trains without tensor parallelism so far",
@@ -1076,7 +1083,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
                                       "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
-                                      "grpo_tools", "acting", "workers", "moe", "ep2", "vlm", "vlm_dpo",
+                                      "grpo_tools", "acting", "workers", "moe", "ep2", "vlm", "vlm_dpo", "vlm_grpo",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
           # FSDP1's load left a stale gathered root (hfsdp.parallel.accelerator.fsdp1_drop_stale_gathers)
@@ -1089,7 +1096,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
              and o not in ("plain_loss", "orpo", "reward_model", "kto", "agent", "dpo_tools", "grpo_tools",
-                           "vlm_dpo")  # (the last: tests/test_vision.py resumes DPO on images on 2 ranks)
+                           "vlm_dpo", "vlm_grpo")  # (tests/test_vision.py resumes them on 2 ranks)
              # packed micro-batches are a pure function of the step's rows: CI resumes packing+dpo and packing+grpo
              # (the pairs, the same runs as packing_dpo and packing_grpo), the other objectives with --full-matrix
              and o not in PACKED_OPTIONS

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import CACHE_DIR, read_metrics, run_cli, run_torchrun
-from vlm_models import ARCHS, colour_pairs, colour_rows, tiny_vlm_folder
+from conftest import CACHE_DIR, RUN_ENV, read_metrics, run_cli, run_torchrun
+from vlm_models import ARCHS, colour_pairs, colour_prompts, colour_rows, tiny_vlm_folder
 
 def image(seed: int, width: int = 56, height: int = 56):
     from PIL import Image
@@ -158,6 +158,63 @@ def test_preference_pairs_equal_trl_vision_preference_collation(arch):
         assert torch.equal(batch.inputs[key], theirs[key]), key
 
 
+def tokenized_prompts(arch: str, rows: list[dict]) -> dict[str, list]:
+    """hfsdp's prompt format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor)."""
+    from hfsdp.builtin.prompt import tokenize_prompt
+    from hfsdp.config.schema import DataConfig, ModelConfig
+    from hfsdp.model import loading
+
+    path = str(tiny_vlm_folder(arch, CACHE_DIR))
+    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
+    batch = {k: [r.get(k) for r in rows] for k in rows[0]}
+    return tokenize_prompt(batch, tokenizer, DataConfig(format="prompt", path="rows.jsonl"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampled_completions_of_image_prompts_are_scored_by_the_training_forward_as_sampled(arch):
+    """GRPO's sampler on prompts with images (left-padded to a width wider than every prompt, two images of
+    different sizes, a group of two completions each): each drawn token's log-prob under the sampler equals the one
+    the training forward of the prompt and completion gives it (its pixel inputs, per-token inputs and, for Qwen's
+    3-D rope, the positions the model lays out itself): the completions GRPO trains on are scored where they were
+    sampled. A completion depends on its own prompt and generator only: sampled alone, it is the same."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hfsdp.builtin.grpo.schema import GrpoSection
+    from hfsdp.builtin.online.rounds import prompt_completion_batch, token_logps
+    from hfsdp.builtin.online.sampling import sample
+    from hfsdp.data.images import PixelInputs
+    from hfsdp.model import vision
+    from hfsdp.model.loading import forward_arguments
+
+    vision.images_only_processors()
+    folder = str(tiny_vlm_folder(arch, CACHE_DIR))
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    rows = [{"prompt": [{"role": "user", "content": "What is this?"}], "images": [image(0, 56, 56)]},
+            {"prompt": [{"role": "user", "content": "And this one, here?"}], "images": [image(1, 48, 64)]}]
+    tokenized = tokenized_prompts(arch, rows)
+    visual = [{k: tokenized[k][i] for k in tokenized} for i in range(2) for _ in range(2)]
+    prompts = [row["input_ids"] for row in visual]
+    section = GrpoSection(rewards=[{"name": "m:f"}], max_new_tokens=5, temperature=0.9, top_k=20)
+    pad, eos = processor.tokenizer.pad_token_id, [processor.tokenizer.eos_token_id]
+    pixels = PixelInputs(processor, forward_arguments(model))
+    width = max(map(len, prompts)) + 3
+    completions, drawn = sample(model, model, prompts, [11, 12, 13, 14], pad, width, section, eos, gather=False,
+                                synced=False, logps=True, visual=visual, pixels=pixels)
+    assert all(completions) and len({tuple(c) for c in completions}) > 1
+    batch = prompt_completion_batch(prompts, completions, pad, "cpu", False, visual=visual,
+                                    mrope=vision.uses_mrope(model.config))
+    batch.inputs.update(pixels(visual))
+    with torch.no_grad():
+        trained, _ = token_logps(model, batch, section.temperature)
+    mask = batch.sequence_targets != -100
+    for i, row in enumerate(drawn):
+        assert trained[i][mask[i]].tolist() == pytest.approx(row, abs=2e-5), i
+    alone = sample(model, model, prompts[3:], [14], pad, width, section, eos, gather=False, synced=False,
+                   visual=visual[3:], pixels=pixels)
+    assert alone == completions[3:]
+
+
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])
 def test_every_row_shape_gives_the_same_tokens(tmp_path, arch):
     """Content parts naming their image, LLaMA-Factory's <image> placeholders with an images column, and TRL's images
@@ -221,6 +278,24 @@ def test_a_bad_preference_row_with_images_is_named_by_hfsdp_validate(tmp_path, r
     assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("row, said", [
+    ({"prompt": "What colour is this?", "answer": "red", "images": ["img/0-0.png"]},
+     "has images and a text prompt: give the prompt as a list of messages"),
+    ({"prompt": [{"role": "user", "content": "<image>What?"}], "answer": "red", "images": ["img/missing.png"]},
+     "no file"),
+])
+def test_a_bad_prompt_row_with_images_is_named_by_hfsdp_validate(tmp_path, row, said):
+    good = colour_prompts(tmp_path, 4)
+    lines = good.read_text().splitlines()
+    lines[1] = json.dumps(row)
+    good.write_text("\n".join(lines) + "\n")
+    config = vlm_config(tmp_path, "qwen2_5_vl", good, plugins=["grpo"], data={"format": "prompt"},
+                        grpo={"num_generations": 2, "rewards": [{"name": "grpo_test_rewards:image_letters"}]})
+    proc = run_cli("validate", str(config), check=False, env=RUN_ENV)
+    assert proc.returncode != 0
+    assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
     data = colour_rows(tmp_path, 4, "placeholders")
     config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"})
@@ -275,6 +350,10 @@ def steps(run: Path) -> dict[int, dict]:
 
 
 DPO = {"plugins": ["dpo"], "data": {"format": "preference"}}
+# GRPO on prompts with images: 2 completions a prompt, a round kept for 2 steps, a reward that reads the images
+GRPO = {"plugins": ["grpo"], "data": {"format": "prompt"},
+        "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 2,
+                 "rewards": [{"name": "grpo_test_rewards:image_letters"}]}}
 # (name, arch, sections, in CI: on 2 ranks; every case on 2 and 4 ranks with --full-matrix)
 RANKS_CASES = [
     ("qwen2_5_vl", "qwen2_5_vl", {"model": {"freeze": ["vision"]}}, True),
@@ -283,6 +362,9 @@ RANKS_CASES = [
     ("qwen2_5_vl-dpo", "qwen2_5_vl", {**DPO, "model": {"freeze": ["vision"]}}, True),
     ("smolvlm-lora-dpo", "smolvlm", {**DPO, "fsdp": {"version": 1}, "plugins": ["lora", "dpo"], "lora": {"r": 4},
                                      "dpo": {"reference": "adapter"}}, False),
+    ("qwen2_5_vl-grpo", "qwen2_5_vl", {**GRPO, "model": {"freeze": ["vision"]}}, True),
+    ("smolvlm-lora-grpo", "smolvlm", {**GRPO, "fsdp": {"version": 1}, "plugins": ["lora", "grpo"], "lora": {"r": 4},
+                                      "grpo": {**GRPO["grpo"], "beta": 0.04}}, False),
 ]
 
 
@@ -308,13 +390,15 @@ def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, 
     from hfsdp.model import vision
     from test_combinations import assert_resumed_exactly, resume_from
 
-    data = (colour_pairs if "dpo" in sections.get("plugins", []) else colour_rows)(tmp_path, 12 * world)
+    plugins = sections.get("plugins", [])
+    data = (colour_pairs if "dpo" in plugins else colour_prompts if "grpo" in plugins else colour_rows)(
+        tmp_path, 12 * world)
     one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": world,
                                                          "output_dir": str(tmp_path / "one" / "run")}, **sections)
     two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
                                                          "save_every": 2}, **sections)
-    run_cli("train", str(one))
-    proc = run_torchrun(world, "train", str(two))
+    run_cli("train", str(one), env=RUN_ENV)
+    proc = run_torchrun(world, "train", str(two), env=RUN_ENV)
     if "freeze" in sections.get("model", {}):
         assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")
@@ -322,8 +406,12 @@ def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, 
     for step in single:
         for key in ("loss", "grad_norm"):
             assert ranks[step][key] == pytest.approx(single[step][key], rel=1e-5), (step, key)
-    if "dpo" not in sections.get("plugins", []):  # (DPO's 4 steps on a random model: ln 2 at step 1, then noise)
+    if not {"dpo", "grpo"} & set(plugins):  # (DPO's 4 steps on a random model: ln 2 at step 1, then noise)
         assert single[4]["loss"] < single[1]["loss"]
+    if "grpo" in plugins:  # the rounds' rewards (of the images' brightness) and completions were the same
+        for step in single:
+            assert ranks[step]["reward"] == pytest.approx(single[step]["reward"], rel=1e-6), step
+        assert any(m["grad_norm"] > 0 for m in single.values())
     assert_resumed_exactly(resume_from(tmp_path / "resumed", tmp_path / "two" / "run", world, step=2),
                            tmp_path / "two" / "run")
     vision.images_only_processors()

@@ -277,18 +277,31 @@ def colour_pairs(folder: Path, n: int = 24, shape: str = "parts", seed: int = 0)
     return path
 
 
-def colour_data(cache_dir: Path, pairs: bool = False) -> tuple[Path, Path]:
-    """A train file (64 rows) and an eval file (8 rows) of colour questions with their images (``pairs``: preference
-    rows, :func:`colour_pairs`), built once into ``cache_dir`` (the same files for every test process)."""
-    folder = cache_dir / ("vlm-colour-pairs" if pairs else "vlm-colour-rows")
+def colour_prompts(folder: Path, n: int = 24, seed: int = 0) -> Path:
+    """A JSONL file of ``n`` prompt rows in ``folder``: a colour question about one image (beside the file, a content
+    part naming it), its ``answer`` in a column of its own."""
+    import json
+
+    rows = [json.loads(line) for line in colour_rows(folder, n, seed=seed).read_text().splitlines()]
+    prompts = [{"prompt": r["messages"][:1], "answer": r["messages"][1]["content"][0]["text"]} for r in rows]
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    return path
+
+
+def colour_data(cache_dir: Path, data_format: str = "chat") -> tuple[Path, Path]:
+    """A train file (64 rows) and an eval file (8 rows) of colour questions with their images, as rows of
+    ``data_format``: ``chat`` (:func:`colour_rows`), ``preference`` (:func:`colour_pairs`) or ``prompt``
+    (:func:`colour_prompts`), built once into ``cache_dir`` (the same files for every test process)."""
+    folder = cache_dir / f"vlm-colour-{data_format}"
     if not (folder / "eval.jsonl").is_file():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir))
-        if pairs:
-            for name, n, seed in (("train", 64, 0), ("eval", 8, 1)):
-                colour_pairs(tmp, n, seed=seed).rename(tmp / f"{name}.jsonl")
-        else:
-            colour_rows(tmp, 64, name="train")
-            colour_rows(tmp, 8, name="eval", seed=1)
+        for name, n, seed in (("train", 64, 0), ("eval", 8, 1)):
+            if data_format == "chat":
+                colour_rows(tmp, n, name=name, seed=seed)
+            else:
+                made = (colour_pairs if data_format == "preference" else colour_prompts)(tmp, n, seed=seed)
+                made.rename(tmp / f"{name}.jsonl")
         try:
             tmp.rename(folder)
         except OSError:  # built meanwhile by another process

@@ -32,8 +32,8 @@ IMAGES_COLUMN = "images"  # the rows' images (raw: as given; tokenized: their en
 PLACEHOLDER = "<image>"  # LLaMA-Factory's placeholder of an image in a message's text
 IMAGE_PARTS = ("image", "image_url")
 # The data formats whose rows may show images, in the messages that refuse them elsewhere.
-FORMATS_WITH_IMAGES = ("only data.format chat (supervised fine-tuning) and preference (dpo, simpo) train on "
-                       "images")
+FORMATS_WITH_IMAGES = ("only data.format chat (supervised fine-tuning), preference (dpo, simpo) and prompt (grpo, "
+                       "rloo) train on images")
 
 
 # Where a vision-language model's tokenizer carries its processor (hfsdp.model.vision.load_processor): the data
@@ -228,6 +228,26 @@ def processed(processor, text: str, images: list[bytes]) -> tuple[list[int], dic
               if key not in ("input_ids", "attention_mask") and isinstance(value, list) and len(value) == 1
               and isinstance(value[0], list) and len(value[0]) == len(expanded)}
     return expanded, extras
+
+
+def left_padded(rows: list[tuple[list[int], dict[str, list]]], pad_id: int, width: int | None = None) -> dict[str, Any]:
+    """Prompts (their token ids, and a dict holding the processor's per-token inputs of each, as :func:`processed`
+    gives them or a tokenized row holds them) padded on the left to ``width`` (default the longest) for
+    generation: ``input_ids``, ``attention_mask`` and those inputs (padded with 0), as tensors."""
+    import torch
+
+    from hfsdp.data.batches import PER_TOKEN_INPUTS
+
+    width = width or max(len(ids) for ids, _ in rows)
+    out: dict[str, list] = {"input_ids": [], "attention_mask": []}
+    for ids, extras in rows:
+        pad = width - len(ids)
+        out["input_ids"].append([pad_id] * pad + ids)
+        out["attention_mask"].append([0] * pad + [1] * len(ids))
+        for key in PER_TOKEN_INPUTS:
+            if key in extras:
+                out.setdefault(key, []).append([0] * pad + list(extras[key]))
+    return {key: torch.tensor(value) for key, value in out.items()}
 
 
 class PixelInputs:

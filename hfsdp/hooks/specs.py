@@ -259,11 +259,13 @@ def hfsdp_reward_functions():
     ``function(prompts=..., completions=..., completion_ids=..., **columns)``, one list entry per completion:
     ``prompts`` the rows' ``prompt`` values (a text, or a list of messages), ``completions`` the generated texts (for
     conversational prompts ``[{"role": "assistant", "content": text}]``), ``completion_ids`` their token ids, and
-    every other column of the rows under its own name. Return a list of floats of the same length (None: no reward
-    from this function for that completion). Declare ``**kwargs`` to accept the columns you do not read. Called on
-    every rank for the completions that rank trains on, while the completions of a step are scored; a function
-    that raises, returns another length or a non-number stops every rank with an error naming the plugin, the
-    function and the row. Asked for once per run, while the config is validated and when the objective is built.
+    every other column of the rows under its own name (a vision-language model's prompts with images: ``images``,
+    each completion's prompt's images as PIL images, as TRL passes an image column). Return a list of floats of the
+    same length (None: no reward from this function for that completion). Declare ``**kwargs`` to accept the
+    columns you do not read. Called on every rank for the completions that rank trains on, while the completions of
+    a step are scored; a function that raises, returns another length or a non-number stops every rank with an
+    error naming the plugin, the function and the row. Asked for once per run, while the config is validated and
+    when the objective is built.
     """
 
 

@@ -180,3 +180,11 @@ def load_processor(path: str, tokenizer, revision: str | None = None, trust_remo
         tokenizer.chat_template = processor.chat_template
     setattr(tokenizer, PROCESSOR_ATTR, processor)
     return processor
+
+
+def uses_mrope(model_config) -> bool:
+    """Whether the model lays out its positions in 3-D (Qwen's multimodal rope: its image tokens' positions are their
+    place in the image's grid), from the image's per-token inputs rather than from given ``position_ids``."""
+    text = getattr(model_config, "text_config", model_config)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return "mrope_section" in rope

@@ -16,8 +16,11 @@ PARTS = ("vision", "projector", "language")
 
 # The objectives a vision-language model trains with besides supervised fine-tuning: the preference objectives that
 # read the pairs' completion log-probs of hfsdp.objective.PreferenceObjective's micro-batches (their pixel inputs
-# included); not ORPO, whose NLL term covers the prompt, image tokens and all.
-IMAGE_OBJECTIVES = ("dpo", "simpo")
+# included; not ORPO, whose NLL term covers the prompt, image tokens and all), and the online objectives that sample
+# from prompts with images (hfsdp.builtin.online.sampling.sample_with_images; not on-policy distillation, whose
+# teacher would need the images too).
+IMAGE_OBJECTIVES = ("dpo", "simpo", "grpo", "rloo")
+ONLINE_IMAGE_OBJECTIVES = ("grpo", "rloo")
 
 
 # Architectures whose image features are cast to the dtype of the weights as stored (``.to(self.dtype)``), which
@@ -40,7 +43,9 @@ def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
                                     "over every rank)")
                 for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert"))
                 if getattr(config.parallel, key) > 1]
-    objectives = [name for name in facts.plugins.implementers("hfsdp_objective") if name not in IMAGE_OBJECTIVES]
+    enabled = facts.plugins.implementers("hfsdp_objective")
+    objectives = [name for name in enabled if name not in IMAGE_OBJECTIVES]
+    online = [(name, config.section(name)) for name in enabled if name in ONLINE_IMAGE_OBJECTIVES]
     limits = parallel + [
         *([("plugins", "without packing so far (a packed row's images and their position ids are not laid out yet): remove "
                        "packing from plugins")] if "packing" in config.plugins else []),
@@ -48,6 +53,11 @@ def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
                        f"with {', '.join(objectives)}: remove it from plugins")] if objectives else []),
         *([("model.quantization", "without 4-bit quantization so far: remove model.quantization (LoRA on the full-precision "
                                   "model is built)")] if config.model.quantization is not None else []),
+        *[(f"{name}.generation.engine", "sampling inline so far (the workers engine's processes do not read images "
+                                        "yet): set generation.engine: inline")
+          for name, section in online if section.generation.engine != "inline"],
+        *[(f"{name}.tools", "with single-turn completions so far (rollouts that act do not show the model images "
+                            "yet): remove the tools and environments") for name, section in online if section.acts],
     ]
     parts = precision_parts(config.fsdp)
     mixed = parts is not None and parts.param != config.model.dtype

@@ -167,21 +167,11 @@ def _with_images(batch: list[GenerationItem], tokenizer, model):
     from transformers import BatchEncoding
 
     from hfsdp.data import images
-    from hfsdp.data.batches import PER_TOKEN_INPUTS
     from hfsdp.model.loading import forward_arguments
 
     processor = images.processor_of(tokenizer)
-    rows = [images.processed(processor, item.text, list(item.images)) for item in batch]
-    width = max(len(ids) for ids, _ in rows)
-    out: dict[str, list] = {"input_ids": [], "attention_mask": []}
-    for ids, extras in rows:
-        pad = width - len(ids)
-        out["input_ids"].append([tokenizer.pad_token_id] * pad + ids)
-        out["attention_mask"].append([0] * pad + [1] * len(ids))
-        for key in PER_TOKEN_INPUTS:
-            if key in extras:
-                out.setdefault(key, []).append([0] * pad + extras[key])
-    tensors = {key: torch.tensor(value) for key, value in out.items()}
+    tensors = images.left_padded([images.processed(processor, item.text, list(item.images)) for item in batch],
+                                 tokenizer.pad_token_id)
     pixels = images.PixelInputs(processor, forward_arguments(model))(
         [{images.IMAGES_COLUMN: list(item.images)} for item in batch])
     return BatchEncoding({**tensors, **pixels})

@@ -12,6 +12,13 @@ def letters(completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
 
 
+def image_letters(completions, images, **kwargs):
+    """``letters`` times 1 plus the mean brightness of the prompt's first image (in [0, 1]): the images reach the
+    reward as TRL gives them, a list of PIL images per completion."""
+    brightness = [sum(row[0].convert("L").getdata()) / (255 * row[0].width * row[0].height) for row in images]
+    return [value * (1 + light) for value, light in zip(letters(completions), brightness)]
+
+
 def letters_where_signal(completions, signal, **kwargs):
     """``letters`` for the rows whose ``signal`` column is true, 0.5 for every completion of the others (a group
     without signal: its advantages are 0)."""

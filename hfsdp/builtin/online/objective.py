@@ -31,6 +31,7 @@ from hfsdp.builtin.online.rounds import (GroupBatch, RoundBuffer, labelled_of, l
 from hfsdp.builtin.online.sampling import eos_ids, sample
 from hfsdp.builtin.online.scoring import Scorer, reward_stats
 from hfsdp.data.batches import MicroBatch, reshard
+from hfsdp.model.vision import uses_mrope
 from hfsdp.objective import Objective, Sampling, adapters_disabled, means_of, means_over_ranks
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class OnlineObjective(Objective):
 
     def prepare(self, model, accelerator, splits, cache_dir, model_path):
         self.unwrapped, self.accelerator = accelerator.unwrap_model(model), accelerator
+        self._mrope = uses_mrope(self.unwrapped.config)
         if self.section.acts:
             from hfsdp.builtin.agent.rollouts import Agent
 
@@ -173,21 +175,28 @@ class OnlineObjective(Objective):
         world, entries = plan.world_size, self.buffer.entries
         micro = []
         for m in range(plan.accumulation):
-            batch = self._batch(entries[m * world + rank], pad_id, device, select_logits)
+            batch = self._batch(entries[m * world + rank], pad_id, device, select_logits, dataset)
             batch.skip = self.without_signal([entries[m * world + r] for r in range(world)])
             micro.append(batch)
         self._skipped = sum(batch.skip for batch in micro)
         return micro
 
-    def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool) -> GroupBatch:
+    def _batch(self, entry: dict[str, Any], pad_id: int, device, select_logits: bool, dataset=None) -> GroupBatch:
         """The entry's micro-batch; the tool results in a completion that acts are unlabelled (TRL's ``tool_mask``);
         with ``mask_truncated_completions``, a completion that ends in neither EOS nor the pad token (TRL's test: cut
-        at ``max_new_tokens``) is unlabelled, so neither its loss nor its units count."""
+        at ``max_new_tokens``) is unlabelled, so neither its loss nor its units count. A vision-language model's
+        rows carry their prompts' per-token inputs and pixel inputs (from the ``dataset`` rows of the entry)."""
         labelled = None
         if self.section.mask_truncated_completions:
             labelled = labelled_of(entry["completion_ids"], {*eos_ids(self.unwrapped, self.tokenizer), pad_id})
         prompts, completions, masks = entry["prompt_ids"], entry["completion_ids"], entry.get("tool_masks")
-        if self.layout.pack_len is None:
+        if self.layout.images is not None:  # (never packed: hfsdp.rules.vision)
+            group = len(completions) // len(entry["rows"])
+            visual = [dataset[i] for i in entry["rows"] for _ in range(group)]
+            batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks,
+                                            visual, self._mrope)
+            batch.inputs.update({k: v.to(device) for k, v in self.layout.images(visual).items()})
+        elif self.layout.pack_len is None:
             batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks)
         else:  # each prompt + completion whole, laid end to end
             sequences = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + targets_of(c, masks and masks[i],
@@ -232,7 +241,7 @@ class OnlineObjective(Objective):
         probe = ({key: values[:1] for key, values in entries[0].items()} if s.check_reward_determinism else None)
         rewards_of = (self.scorer.gathered(dataset, {k: entries[k] for k in share.mine}, group, probe=probe)
                       if self.rewards else {k: [[]] * len(e["completion_ids"]) for k, e in enumerate(entries)})
-        self._keep_logps(model, entries, share.mine, pad_id, device, select_logits)
+        self._keep_logps(model, dataset, entries, share.mine, pad_id, device, select_logits)
         rewards = torch.tensor([r for k in range(len(entries)) for r in rewards_of[k]], dtype=torch.float32)
         weights = torch.tensor([w for *_, w in self.rewards], dtype=torch.float32)
         advantages = self.advantages(rewards, weights, group, entries)
@@ -301,7 +310,7 @@ class OnlineObjective(Objective):
                  for k in prompts}
         return slots, max(len(p) for part in prompts.values() for p in part)
 
-    def _keep_logps(self, model, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
+    def _keep_logps(self, model, dataset, entries: list[dict[str, Any]], mine: list[int], pad_id: int, device,
                     select_logits: bool) -> None:
         """The per-token log-probs when sampled (:meth:`keeps_old_logps`) and of the reference
         (:meth:`keeps_ref_logps`) of this rank's entries (``mine``), gathered into every rank's ``entries``
@@ -315,7 +324,7 @@ class OnlineObjective(Objective):
         model.eval()
         with torch.no_grad():
             for k in mine:
-                batch = self._batch(entries[k], pad_id, device, select_logits)
+                batch = self._batch(entries[k], pad_id, device, select_logits, dataset)
                 mask = batch.sequence_targets != IGNORE_INDEX
                 kept[k] = {}
                 if self.keeps_old_logps():
@@ -336,7 +345,8 @@ class OnlineObjective(Objective):
         or the rollouts of a section that acts (:meth:`hfsdp.builtin.agent.rollouts.Agent.roll_out`: their prompts,
         turns, tool masks and messages). Collective."""
         if self.agent is None:
-            return {"completion_ids": self._sample(model, prompts, seeds.first_turn(), pad_id, width)}
+            visual = [dataset[r] for r in rows] if self.layout.images is not None else None
+            return {"completion_ids": self._sample(model, prompts, seeds.first_turn(), pad_id, width, visual=visual)}
         from hfsdp.parallel.world import gather_objects
 
         context = getattr(self.unwrapped.config, "max_position_embeddings", None) or sys.maxsize
@@ -345,12 +355,13 @@ class OnlineObjective(Objective):
             lambda value: gather_objects(self.accelerator, value), self.section.max_new_tokens, context)
 
     def _sample(self, model, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int,
-                max_new_tokens: int | None = None) -> list[list[int]]:
+                max_new_tokens: int | None = None, visual: list[dict] | None = None) -> list[list[int]]:
         """:func:`~hfsdp.builtin.online.sampling.sample` as the section says, at most ``max_new_tokens`` (default the
-        section's) (collective with several ranks)."""
+        section's); ``visual``: a vision-language model's prompt rows (collective with several ranks)."""
         return sample(model, self.unwrapped, prompts, seeds, pad_id, width, self.section,
                       eos_ids(self.unwrapped, self.tokenizer), self.config.fsdp.gather_for_generation,
-                      synced=self.accelerator.num_processes > 1, max_new_tokens=max_new_tokens)
+                      synced=self.accelerator.num_processes > 1, max_new_tokens=max_new_tokens, visual=visual,
+                      pixels=self.layout.images)
 
     # ---- the eval
 

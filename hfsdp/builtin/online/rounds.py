@@ -17,7 +17,7 @@ import torch
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.builtin.prompt import ROW_COLUMN
-from hfsdp.data.batches import MicroBatch
+from hfsdp.data.batches import PER_TOKEN_INPUTS, MicroBatch
 from hfsdp.objective import target_logps
 
 
@@ -87,13 +87,17 @@ def targets_of(completion: list[int], mask: list[int] | None = None, labelled: b
 
 def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
                             select_logits: bool, labelled: list[bool] | None = None,
-                            masks: list[list[int]] | None = None) -> MicroBatch:
+                            masks: list[list[int]] | None = None, visual: list[dict] | None = None,
+                            mrope: bool = False) -> MicroBatch:
     """Rows of a prompt and its completion as TRL lays them out: the prompts left-padded and the completions
     right-padded, so every completion starts at the same position and the model computes logits at the longest
     completion's positions only (``select_logits``; a model without ``logits_to_keep``: at every position, the
     targets there unlabelled). ``position_ids`` count from each row's first real token (what ``generate`` gave the
     prompt), the attention mask hides the padding. ``labelled``: which rows' completions are targets (default
-    all; the others are in the rows, unlabelled); ``masks``: each completion's tool mask (:func:`targets_of`)."""
+    all; the others are in the rows, unlabelled); ``masks``: each completion's tool mask (:func:`targets_of`).
+    ``visual``: a vision-language model's prompt rows, whose per-token inputs the rows carry (0 on the completions
+    and the padding); with ``mrope`` (Qwen's 3-D rope) no ``position_ids``: the model lays out its image positions
+    from them, as ``generate`` did."""
     width, longest = max(map(len, prompts)), max(map(len, completions))
     rows = len(prompts)
     input_ids = torch.full((rows, width + longest), pad_id, dtype=torch.long)
@@ -106,7 +110,13 @@ def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int
         targets[i, width - 1:width - 1 + len(c)] = torch.tensor(
             targets_of(c, masks and masks[i], labelled and labelled[i]), dtype=torch.long)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
-    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": False}
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "use_cache": False,
+              **({} if mrope else {"position_ids": positions})}
+    for key in PER_TOKEN_INPUTS:  # a vision-language processor's, on the prompt's tokens
+        if visual and key in visual[0]:
+            inputs[key] = torch.zeros_like(input_ids)
+            for i, row in enumerate(visual):
+                inputs[key][i, width - len(row[key]):width] = torch.tensor(row[key])
     if select_logits:
         keep = torch.arange(width - 1, width - 1 + longest)
         inputs["logits_to_keep"], targets = keep, targets[:, keep]

@@ -51,7 +51,8 @@ def eos_ids(unwrapped, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id: int, width: int,
            section: OnlineSection, eos: list[int], gather: bool, synced: bool, max_new_tokens: int | None = None,
-           logps: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+           logps: bool = False, visual: list[dict] | None = None,
+           pixels=None) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """Completions (token ids up to and including the first EOS) of the prompts, one seeded generator each, of at
     most ``max_new_tokens`` (default ``section.max_new_tokens``) tokens drawn as the section's ``temperature``,
     ``top_k`` and ``top_p`` say (``model``: the wrapped model, ``unwrapped`` its module; ``gather``:
@@ -67,9 +68,16 @@ def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id:
     and with it the last bits of a logit). With several ranks (``synced``) every rank takes as many decode steps as the
     rank that stops last, its finished rows stepping on padding, as FSDP needs every rank in each forward; a rank
     without prompts (an eval of fewer prompts than ranks) samples one padding row in step with them and returns
-    none."""
+    none. A vision-language model's prompts (``visual``: each prompt's dataset row, with its images and the
+    processor's per-token inputs; ``pixels``: what makes their pixel inputs) are sampled by
+    :func:`sample_with_images`."""
     from hfsdp.run.generation import generating
 
+    if visual is not None:
+        with generating(model, gather):
+            completions, drawn = sample_with_images(unwrapped, prompts, visual, pixels, seeds, pad_id, width, section,
+                                                    eos, synced, max_new_tokens)
+        return (completions, drawn) if logps else completions
     wanted = len(prompts)
     if not wanted:
         prompts, seeds = [[pad_id]], [0]
@@ -150,3 +158,56 @@ def draw(logits: torch.Tensor, generators: list[torch.Generator], open_: torch.T
     for i in open_.nonzero().flatten().tolist():
         token[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     return token, target_logps(logits / section.temperature, token.to(logits.device))
+
+
+def sample_with_images(unwrapped, prompts: list[list[int]], visual: list[dict], pixels, seeds: list[int], pad_id: int,
+                       width: int, section: OnlineSection, eos: list[int], synced: bool,
+                       max_new_tokens: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Completions of a vision-language model's prompts, and each token's log-prob under the sampler (as
+    :func:`sample` gives them), each token drawn as :func:`draw` draws it by the
+    completion's own generator, through transformers' ``generate`` (which lays out each family's image positions:
+    Qwen's 3-D rope, Gemma 3's image attention): the prompts left-padded to ``width`` with their per-token inputs,
+    their images' pixel inputs, and a logits processor that draws each open row's token and leaves ``generate``
+    only that one to pick (greedy, no other processor: the model's own generation config is not read). Each prompt
+    is prefilled with its completion (no KV cache shared between a group's completions). A rank without prompts
+    samples one padding row in step with the others (``synced``: transformers' ``synced_gpus``)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from hfsdp.data.images import IMAGES_COLUMN, left_padded
+
+    wanted = len(prompts)
+    if not wanted:
+        prompts, visual, seeds = [[pad_id]], [{}], [0]
+    device = next(unwrapped.parameters()).device
+    inputs = left_padded([(list(p), v) for p, v in zip(prompts, visual)], pad_id, width)
+    inputs.update(pixels([{IMAGES_COLUMN: v.get(IMAGES_COLUMN) or []} for v in visual]))
+    most = section.max_new_tokens if max_new_tokens is None else max(max_new_tokens, 1)
+    config = GenerationConfig(do_sample=False, max_new_tokens=most, eos_token_id=eos, pad_token_id=pad_id,
+                              temperature=None, top_p=None, top_k=None)
+    drawer = _Drawer([torch.Generator().manual_seed(seed) for seed in seeds], section, eos, pad_id)
+    out = unwrapped.generate(**{k: v.to(device) for k, v in inputs.items()}, generation_config=config,
+                             logits_processor=LogitsProcessorList([drawer]), synced_gpus=synced)
+    tokens = out[:, inputs["input_ids"].shape[1]:].cpu()
+    mask = completion_mask(tokens, eos)
+    drawn = torch.stack(drawer.logps, 1)
+    return ([row[m].tolist() for row, m in zip(tokens, mask)][:wanted],
+            [row[m].tolist() for row, m in zip(drawn, mask)][:wanted])
+
+
+class _Drawer:
+    """A logits processor for ``generate`` that draws each open row's next token by its own generator
+    (:func:`draw`) and returns scores where only that token is finite: ``generate``'s greedy pick is the draw."""
+
+    def __init__(self, generators: list[torch.Generator], section: OnlineSection, eos: list[int], pad_id: int):
+        self.generators, self.section, self.eos, self.pad_id = generators, section, eos, pad_id
+        self.open = torch.ones(len(generators), dtype=torch.bool)
+        self.logps: list[torch.Tensor] = []  # each step's drawn tokens' log-probs
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        token, logp = draw(scores, self.generators, self.open, self.section)
+        self.logps.append(logp.float().cpu())
+        token[~self.open] = self.pad_id  # a finished row steps on padding (generate pads it too)
+        self.open &= ~torch.isin(token, torch.tensor(self.eos))
+        picked = torch.full_like(scores, -math.inf)
+        picked[torch.arange(len(token)), token.to(scores.device)] = 0.0
+        return picked

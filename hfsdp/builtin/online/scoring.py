@@ -16,6 +16,7 @@ import torch
 from hfsdp.builtin.chat import TOOLS_FIELD, parse_completion, tools_of
 from hfsdp.builtin.online.rewards import RewardCaller
 from hfsdp.builtin.prompt import ROW_COLUMN
+from hfsdp.data import images
 from hfsdp.errors import UserError
 
 
@@ -95,6 +96,9 @@ class Scorer:
         else:
             completions = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
         columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
+        if images.IMAGES_COLUMN in dataset.column_names:  # a vision-language model's prompts: the images, as TRL's
+            columns[images.IMAGES_COLUMN] = [[images.decode(data) for data in dataset[i][images.IMAGES_COLUMN]]
+                                             for i in entry["rows"] for _ in range(group)]
         return {"prompts": prompts, "completions": completions, "completion_ids": entry["completion_ids"], **columns,
                 **extra}
 
