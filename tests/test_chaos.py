@@ -36,7 +36,8 @@ CHAOS = {
     # sampling beside the trainer (max_staleness 1): kills with a round in flight in the generation process
     "workers+lora+async_save": (("workers", "lora", "async_save"), 70_01),
 }
-CI = ("grpo+async_save", "tp2+schedule_free")
+# (tp2+schedule_free, 108 s of CI's 2 cores on 2026-12-07, runs with --full-matrix: CI kept to its budget)
+CI = ("grpo+async_save",)
 KILLS = 5
 STEPS = 8
 EXTRA_OPTIONS = {"sgd": {"train": {"optimizer": "sgd", "optimizer_args": {"momentum": 0.9}}}}

@@ -383,6 +383,8 @@ FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "re
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
+# DPO and GRPO on a vision-language model: on 2 ranks against one process, resumed, in tests/test_vision.py
+CI_ELSEWHERE += ("vlm_dpo", "vlm_grpo")
 # GRPO's loss options: CI runs three cells (CISPO with the KL and LoRA and the entropy quantile's collective on 2
 # FSDP2 ranks, truncated completions under FSDP1, which compares it with FSDP2), the rest with --full-matrix
 GRPO_LOSS_CI = {(2, 2, "lora_grpo_cispo"), (2, 2, "grpo_vespo"), (1, 2, "grpo_masked")}

@@ -296,6 +296,26 @@ def test_a_bad_prompt_row_with_images_is_named_by_hfsdp_validate(tmp_path, row, 
     assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def test_rows_with_and_without_images_on_two_ranks_are_refused_before_training(tmp_path):
+    """A split that mixes rows with images and text-only rows: on 2 ranks a micro-batch without images would skip the
+    vision tower the other rank's FSDP units gather (gloo aborted on the collectives' sizes: "Is there a distributed
+    collective mismatch"); it is refused before any step, naming the counts and the ways out. One process trains
+    on the same rows."""
+    data = colour_rows(tmp_path, 8)
+    lines = data.read_text().splitlines()
+    lines[1] = json.dumps({"messages": [{"role": "user", "content": "Say a colour."},
+                                        {"role": "assistant", "content": "Blue."}]})
+    data.write_text("\n".join(lines) + "\n")
+    config = vlm_config(tmp_path, "qwen2_5_vl", data, train={"max_steps": 2, "per_device_batch_size": 1})
+    proc = run_torchrun(2, "train", str(config), check=False)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "the train split mixes 7 rows with images and 1 without; on 2 ranks" in said, said[-3000:]
+    assert "collective mismatch" not in said and not (tmp_path / "run" / "metrics.jsonl").exists()
+    run_cli("train", str(config), "--overwrite")
+    assert steps(tmp_path / "run").keys() == {1, 2}
+
+
 def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
     data = colour_rows(tmp_path, 4, "placeholders")
     config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"})

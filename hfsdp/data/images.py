@@ -230,6 +230,28 @@ def processed(processor, text: str, images: list[bytes]) -> tuple[list[int], dic
     return expanded, extras
 
 
+def mixed_on_ranks(splits: dict[str, Any], ranks: int) -> str | None:
+    """What is wrong with training ``splits`` (tokenized; None where absent) on ``ranks`` FSDP ranks when a split mixes
+    rows with images and rows without, else None: a micro-batch without images skips the vision tower, whose FSDP
+    units the ranks with images gather and reduce, so the ranks' collectives would not match (gloo aborts on it)."""
+    if ranks == 1:
+        return None
+    import pyarrow.compute as pc
+
+    for name, split in splits.items():
+        if split is None or IMAGES_COLUMN not in split.column_names or not len(split):
+            continue
+        counts = pc.fill_null(pc.list_value_length(split.with_format("arrow")[IMAGES_COLUMN]), 0)
+        with_images = int(pc.sum(pc.greater(counts, 0)).as_py() or 0)
+        if 0 < with_images < len(split):
+            return (f"data: the {name} split mixes {with_images} rows with images and {len(split) - with_images} "
+                    f"without; on {ranks} ranks a micro-batch without images skips the vision tower that FSDP gathers "
+                    "on the ranks whose micro-batch has some, and their collectives would not match. Give every row "
+                    "an image, leave the text-only rows out, or train on one process (running the tower on a "
+                    "placeholder image for them is not built yet)")
+    return None
+
+
 def left_padded(rows: list[tuple[list[int], dict[str, list]]], pad_id: int, width: int | None = None) -> dict[str, Any]:
     """Prompts (their token ids, and a dict holding the processor's per-token inputs of each, as :func:`processed`
     gives them or a tokenized row holds them) padded on the left to ``width`` (default the longest) for

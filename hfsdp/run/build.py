@@ -21,6 +21,7 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches, cache, images, prepare
 from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
+from hfsdp.errors import UserError
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
 from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss
@@ -167,6 +168,8 @@ def _setup_data(accelerator, config: HfsdpConfig, host: PluginHost, model_path: 
     train_set, eval_set, raw_eval, report = prepare.prepare_datasets(config, host, tokenizer, cache_dir, who)
     accelerator.wait_for_everyone()
     accelerator.print(prepare.format_data_report(report))
+    if mixed := images.mixed_on_ranks({"train": train_set, "eval": eval_set}, accelerator.num_processes):
+        raise UserError(mixed)
     gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
     if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
         source = config.data.sources()[0]
