@@ -39,10 +39,13 @@ def vlm_config(folder: Path, arch: str, rows: Path, **sections) -> Path:
     return path
 
 
-def tokenized(arch: str, rows: list[dict], data_path: str | None = None, template: str | None = None) -> dict[str, list]:
-    """hfsdp's chat format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor), ``template`` as
-    data.chat_template."""
+def tokenized(arch: str, rows: list[dict], data_path: str | None = None, template: str | None = None,
+              data_format: str = "chat") -> dict[str, list]:
+    """hfsdp's ``data_format`` (chat, preference or prompt) on ``rows`` with the tiny ``arch`` model's tokenizer (and
+    processor), ``template`` as data.chat_template."""
     from hfsdp.builtin.chat import tokenize_chat
+    from hfsdp.builtin.preference import tokenize_preference
+    from hfsdp.builtin.prompt import tokenize_prompt
     from hfsdp.config.schema import DataConfig, ModelConfig
     from hfsdp.model import chat_template, loading
 
@@ -50,7 +53,8 @@ def tokenized(arch: str, rows: list[dict], data_path: str | None = None, templat
     tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
     chat_template.use(tokenizer, template)
     batch = {k: [r.get(k) for r in rows] for k in rows[0]}
-    return tokenize_chat(batch, tokenizer, DataConfig(format="chat", path=data_path or "rows.jsonl"))
+    tokenize = {"chat": tokenize_chat, "preference": tokenize_preference, "prompt": tokenize_prompt}[data_format]
+    return tokenize(batch, tokenizer, DataConfig(format=data_format, path=data_path or "rows.jsonl"))
 
 
 TRL_ROWS = [
@@ -106,18 +110,6 @@ TRL_PAIRS = [
 ]
 
 
-def tokenized_pairs(arch: str, rows: list[dict], data_path: str = "rows.jsonl") -> dict[str, list]:
-    """hfsdp's preference format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor)."""
-    from hfsdp.builtin.preference import tokenize_preference
-    from hfsdp.config.schema import DataConfig, ModelConfig
-    from hfsdp.model import loading
-
-    path = str(tiny_vlm_folder(arch, CACHE_DIR))
-    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
-    batch = {k: [r.get(k) for r in rows] for k in rows[0]}
-    return tokenize_preference(batch, tokenizer, DataConfig(format="preference", path=data_path))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preference_pairs_equal_trl_vision_preference_collation(arch):
     """TRL 1.16's DataCollatorForVisionPreference (DPOTrainer's for a processor) on the same rows and processor:
@@ -136,7 +128,7 @@ def test_preference_pairs_equal_trl_vision_preference_collation(arch):
     rows = [{**r, "images": [image(k, *sizes[k]) for k in r["images"]]} for r in TRL_PAIRS]
     processor = AutoProcessor.from_pretrained(str(tiny_vlm_folder(arch, CACHE_DIR)))
     theirs = DataCollatorForVisionPreference(processor=processor)(copy.deepcopy(rows))
-    ours = tokenized_pairs(arch, rows)
+    ours = tokenized(arch, rows, data_format="preference")
     pairs = [{k: ours[k][i] for k in ours} for i in range(len(rows))]
     sequences = [(p["input_ids"], p["labels"], p) for p in pairs] + \
         [(p["rejected_input_ids"], p["rejected_labels"], {k[len("rejected_"):]: v for k, v in p.items()
@@ -156,18 +148,6 @@ def test_preference_pairs_equal_trl_vision_preference_collation(arch):
     assert set(forward) <= set(batch.inputs)
     for key in forward:
         assert torch.equal(batch.inputs[key], theirs[key]), key
-
-
-def tokenized_prompts(arch: str, rows: list[dict]) -> dict[str, list]:
-    """hfsdp's prompt format on ``rows`` with the tiny ``arch`` model's tokenizer (and processor)."""
-    from hfsdp.builtin.prompt import tokenize_prompt
-    from hfsdp.config.schema import DataConfig, ModelConfig
-    from hfsdp.model import loading
-
-    path = str(tiny_vlm_folder(arch, CACHE_DIR))
-    tokenizer = loading.load_tokenizer(path, ModelConfig(name_or_path=path))
-    batch = {k: [r.get(k) for r in rows] for k in rows[0]}
-    return tokenize_prompt(batch, tokenizer, DataConfig(format="prompt", path="rows.jsonl"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -192,8 +172,8 @@ def test_sampled_completions_of_image_prompts_are_scored_by_the_training_forward
     model = AutoModelForImageTextToText.from_pretrained(folder).eval()
     rows = [{"prompt": [{"role": "user", "content": "What is this?"}], "images": [image(0, 56, 56)]},
             {"prompt": [{"role": "user", "content": "And this one, here?"}], "images": [image(1, 48, 64)]}]
-    tokenized = tokenized_prompts(arch, rows)
-    visual = [{k: tokenized[k][i] for k in tokenized} for i in range(2) for _ in range(2)]
+    prompt_rows = tokenized(arch, rows, data_format="prompt")
+    visual = [{k: prompt_rows[k][i] for k in prompt_rows} for i in range(2) for _ in range(2)]
     prompts = [row["input_ids"] for row in visual]
     section = GrpoSection(rewards=[{"name": "m:f"}], max_new_tokens=5, temperature=0.9, top_k=20)
     pad, eos = processor.tokenizer.pad_token_id, [processor.tokenizer.eos_token_id]

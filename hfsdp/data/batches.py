@@ -253,6 +253,23 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Te
     return batch
 
 
+def left_padded(rows: list[tuple[list[int], dict[str, list]]], pad_id: int, width: int | None = None) -> dict[str, Any]:
+    """Prompts (their token ids, and a dict of a vision-language processor's per-token inputs of each, as
+    :func:`hfsdp.data.images.processed` gives them or a tokenized row holds them; empty for a text) padded on the
+    left to ``width`` (default the longest) for generation: ``input_ids``, ``attention_mask`` and those inputs
+    (padded with 0), as tensors."""
+    width = width or max(len(ids) for ids, _ in rows)
+    out: dict[str, list] = {"input_ids": [], "attention_mask": []}
+    for ids, extras in rows:
+        pad = width - len(ids)
+        out["input_ids"].append([pad_id] * pad + ids)
+        out["attention_mask"].append([0] * pad + [1] * len(ids))
+        for key in PER_TOKEN_INPUTS:
+            if key in extras:
+                out.setdefault(key, []).append([0] * pad + list(extras[key]))
+    return {key: torch.tensor(value) for key, value in out.items()}
+
+
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the model gets from a collated batch: everything but the labels, and no attention mask where it masks
     nothing (rows of one length): the model then takes its causal path (SDPA's ``is_causal`` kernel) without

@@ -114,11 +114,25 @@ def _part_image(part: dict, what: str) -> Any:
     return next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
 
 
+def _given(column: Any) -> list:
+    """A row's images column as a list of its entries (none for a missing value)."""
+    return list(column) if isinstance(column, (list, tuple)) else [] if column is None else [column]
+
+
+def no_images_beside_text(column: Any) -> None:
+    """A RowError where a row whose prompt is a text has images (the preference and prompt formats): only messages
+    show them."""
+    if column != "" and _given(column):
+        raise RowError(f"has images and a text prompt: give the prompt as a list of messages (the images in a user "
+                       f"message, or in the {IMAGES_COLUMN} column beside it), which the model's processor renders "
+                       "with its image tokens")
+
+
 def with_images(messages: list[dict], column: Any, base: Path | None) -> tuple[list[dict], list[bytes]]:
     """The messages of one row (from :func:`hfsdp.builtin.chat.conversation`) with each image as a bare
     ``{"type": "image"}`` part (as the processors' chat templates render them), and the row's images in their
     order: see the module docstring for the shapes read. A RowError when they do not match."""
-    given = list(column) if isinstance(column, (list, tuple)) else [] if column is None else [column]
+    given = _given(column)
     images: list[bytes] = []
     taken = 0
     placeholders = False
@@ -250,26 +264,6 @@ def mixed_on_ranks(splits: dict[str, Any], ranks: int) -> str | None:
                     "an image, leave the text-only rows out, or train on one process (running the tower on a "
                     "placeholder image for them is not built yet)")
     return None
-
-
-def left_padded(rows: list[tuple[list[int], dict[str, list]]], pad_id: int, width: int | None = None) -> dict[str, Any]:
-    """Prompts (their token ids, and a dict holding the processor's per-token inputs of each, as :func:`processed`
-    gives them or a tokenized row holds them) padded on the left to ``width`` (default the longest) for
-    generation: ``input_ids``, ``attention_mask`` and those inputs (padded with 0), as tensors."""
-    import torch
-
-    from hfsdp.data.batches import PER_TOKEN_INPUTS
-
-    width = width or max(len(ids) for ids, _ in rows)
-    out: dict[str, list] = {"input_ids": [], "attention_mask": []}
-    for ids, extras in rows:
-        pad = width - len(ids)
-        out["input_ids"].append([pad_id] * pad + ids)
-        out["attention_mask"].append([0] * pad + [1] * len(ids))
-        for key in PER_TOKEN_INPUTS:
-            if key in extras:
-                out.setdefault(key, []).append([0] * pad + list(extras[key]))
-    return {key: torch.tensor(value) for key, value in out.items()}
 
 
 class PixelInputs:

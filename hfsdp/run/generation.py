@@ -167,10 +167,11 @@ def _with_images(batch: list[GenerationItem], tokenizer, model):
     from transformers import BatchEncoding
 
     from hfsdp.data import images
+    from hfsdp.data.batches import left_padded
     from hfsdp.model.loading import forward_arguments
 
     processor = images.processor_of(tokenizer)
-    tensors = images.left_padded([images.processed(processor, item.text, list(item.images)) for item in batch],
+    tensors = left_padded([images.processed(processor, item.text, list(item.images)) for item in batch],
                                  tokenizer.pad_token_id)
     pixels = images.PixelInputs(processor, forward_arguments(model))(
         [{images.IMAGES_COLUMN: list(item.images)} for item in batch])

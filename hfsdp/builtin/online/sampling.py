@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hfsdp.data.batches import left_padded
+
 if TYPE_CHECKING:
     from hfsdp.builtin.online.schema import OnlineSection
 
@@ -83,8 +85,8 @@ def sample(model, unwrapped, prompts: list[list[int]], seeds: list[int], pad_id:
         prompts, seeds = [[pad_id]], [0]
     distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}
     device = next(unwrapped.parameters()).device
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], device=device)
+    padded = left_padded([(list(p), {}) for p in distinct], pad_id, width)
+    input_ids, attention = padded["input_ids"].to(device), padded["attention_mask"].to(device)
     most = section.max_new_tokens if max_new_tokens is None else max(max_new_tokens, 1)
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     with generating(model, gather):
@@ -173,7 +175,7 @@ def sample_with_images(unwrapped, prompts: list[list[int]], visual: list[dict], 
     samples one padding row in step with the others (``synced``: transformers' ``synced_gpus``)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from hfsdp.data.images import IMAGES_COLUMN, left_padded
+    from hfsdp.data.images import IMAGES_COLUMN
 
     wanted = len(prompts)
     if not wanted:

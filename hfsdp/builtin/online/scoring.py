@@ -97,8 +97,8 @@ class Scorer:
             completions = self.tokenizer.batch_decode(entry["completion_ids"], skip_special_tokens=True)
         columns = {c: [r.get(c) for r in raw] for c in raw[0] if c != "prompt"}
         if images.IMAGES_COLUMN in dataset.column_names:  # a vision-language model's prompts: the images, as TRL's
-            columns[images.IMAGES_COLUMN] = [[images.decode(data) for data in dataset[i][images.IMAGES_COLUMN]]
-                                             for i in entry["rows"] for _ in range(group)]
+            decoded = [[images.decode(data) for data in dataset[i][images.IMAGES_COLUMN]] for i in entry["rows"]]
+            columns[images.IMAGES_COLUMN] = [row for row in decoded for _ in range(group)]
         return {"prompts": prompts, "completions": completions, "completion_ids": entry["completion_ids"], **columns,
                 **extra}
 

@@ -94,10 +94,7 @@ def tokenize_completions(prompt: Any, completions: list[Any], tokenizer, data_co
         prompt_ids = chat_ids(prompt, tokenizer, tools, add_generation_prompt=True) if prompt else []
         ids = [chat_ids(prompt + c, tokenizer, tools) for c in completions]
     else:
-        if not is_empty(row_images):
-            raise RowError(f"has images and a text prompt: give the prompt as a list of messages (the images in a "
-                           f"user message, or in the {images.IMAGES_COLUMN} column beside it), which the model's "
-                           "processor renders with its image tokens")
+        images.no_images_beside_text(row_images)
         eos = tokenizer.eos_token or ""
         completions = [c if c.endswith(eos) else c + eos for c in completions]
         prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []

@@ -27,7 +27,6 @@ from typing import Any
 
 from hfsdp import hookimpl
 from hfsdp.builtin.chat import chat_ids, render, tokenized_rows, tools_of, visual_conversation
-from hfsdp.builtin.preference import is_empty
 from hfsdp.data import images
 from hfsdp.errors import RowError, UserError
 
@@ -52,10 +51,7 @@ def prompt_row(prompt: Any, tokenizer, data_config, tools: Any = None, row_image
         raise RowError(f"the prompt is {'missing' if prompt is None else 'empty'}: every row needs a non-empty "
                        "prompt (a text, or a list of messages)")
     if isinstance(prompt, str):
-        if not is_empty(row_images):
-            raise RowError(f"has images and a text prompt: give the prompt as a list of messages (the images in a "
-                           f"user message, or in the {images.IMAGES_COLUMN} column beside it), which the model's "
-                           "processor renders with its image tokens")
+        images.no_images_beside_text(row_images)
         return {"input_ids": list(tokenizer(prompt)["input_ids"])}
     if not isinstance(prompt, list):
         raise RowError(f"the prompt is a {type(prompt).__name__}: give a text, or a list of {{role, content}} messages")
@@ -72,9 +68,12 @@ def prompt_row(prompt: Any, tokenizer, data_config, tools: Any = None, row_image
 
 
 def _raw(value: Any) -> Any:
-    """A raw row's value as JSON gives it to the reward functions: an image's bytes or a PIL image (what a Parquet
-    or Arrow image column holds) as the text ``[image]`` (the rewards get the decoded images as ``images``)."""
-    return "[image]"
+    """A raw row's value that JSON has no form for, as it gives it to the reward functions: an image's bytes or a
+    PIL image (what a Parquet or Arrow image column holds) as the text ``[image]`` (the rewards get the decoded
+    images as ``images``); anything else stays a TypeError."""
+    if isinstance(value, (bytes, bytearray)) or (hasattr(value, "save") and hasattr(value, "mode")):
+        return "[image]"
+    raise TypeError(f"a {type(value).__name__} in the row cannot be given to the reward functions as JSON")
 
 
 def tokenize_prompt(batch, tokenizer, data_config):
