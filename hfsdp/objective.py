@@ -136,7 +136,9 @@ class Objective:
             batch = packed_micro_batch(sequences, items, layout.pack_len or None, pad_id, made_on, select_logits,
                                        layout.pack_attention, layout.pack_segments)
         if layout.images is not None:  # (never packed nor split: hfsdp.rules.vision)
-            batch.inputs.update({k: v.to(device, non_blocking=True) for k, v in layout.images(sequences).items()})
+            from accelerate.utils import send_to_device
+
+            batch.inputs.update(send_to_device(layout.images(sequences), device, non_blocking=True))
         return batch if split is None else split.apply(batch, device)
 
     def check_rows(self, splits: dict[str, Any]) -> None:

@@ -195,6 +195,55 @@ def test_sampled_completions_of_image_prompts_are_scored_by_the_training_forward
     assert alone == completions[3:]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_micro_batch_without_images_runs_the_tower_on_the_placeholder_leaving_the_loss_as_it_was(arch):
+    """Where the run's rows have images, a micro-batch of text-only rows carries the placeholder image's pixel
+    inputs: the forward runs the tower and projector on it and gives the logits it gives without (0 times the
+    features), and the backward reaches the same parameters of the tower and projector as a micro-batch with a real
+    image does, each with a zero gradient (without the placeholder: none), so that FSDP's ranks gather and reduce
+    the same units whatever their micro-batches hold."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hfsdp.data.images import TOWER_PLACEHOLDER, PixelInputs
+    from hfsdp.model import vision
+    from hfsdp.model.loading import forward_arguments
+    from hfsdp.objective import MicroBatchLayout, Objective
+
+    vision.images_only_processors()
+    folder = str(tiny_vlm_folder(arch, CACHE_DIR))
+    processor = AutoProcessor.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    vision.TowerTouch(model)
+    columns = tokenized(arch, [{"images": [], "messages": [{"role": "user", "content": "Name a colour."},
+                                                           {"role": "assistant", "content": "Blue."}]},
+                               {"images": [image(0, 56, 56)], "messages": [
+                                   {"role": "user", "content": "<image>What is this?"},
+                                   {"role": "assistant", "content": "A square."}]}])
+    text_row, image_row = ({k: v[i] for k, v in columns.items()} for i in range(2))
+    objective = Objective()
+    pad = processor.tokenizer.pad_token_id
+
+    def backward(rows, touch_tower):
+        objective.lay_out(MicroBatchLayout(images=PixelInputs(processor, forward_arguments(model), touch_tower)))
+        batch = objective.micro_batch(rows, pad, "cpu", False)
+        assert (TOWER_PLACEHOLDER in batch.inputs) == (touch_tower and not any(r["images"] for r in rows))
+        model.zero_grad(set_to_none=True)
+        logits = model(**batch.inputs).logits
+        logits.float().square().mean().backward()
+        reached = {n: p.grad for n, p in model.named_parameters() if vision.part_of(n) != "language"
+                   and p.grad is not None}
+        return logits.detach(), reached
+
+    plain, untouched = backward([text_row], False)
+    touched, zeros = backward([text_row], True)
+    _, seen = backward([image_row], True)
+    assert torch.equal(touched, plain)
+    assert not untouched and zeros.keys() == seen.keys() and seen
+    assert all(not grad.any() for grad in zeros.values())
+    assert any(grad.any() for grad in seen.values())
+
+
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])
 def test_every_row_shape_gives_the_same_tokens(tmp_path, arch):
     """Content parts naming their image, LLaMA-Factory's <image> placeholders with an images column, and TRL's images
@@ -276,26 +325,6 @@ def test_a_bad_prompt_row_with_images_is_named_by_hfsdp_validate(tmp_path, row, 
     assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-def test_rows_with_and_without_images_on_two_ranks_are_refused_before_training(tmp_path):
-    """A split that mixes rows with images and text-only rows: on 2 ranks a micro-batch without images would skip the
-    vision tower the other rank's FSDP units gather (gloo aborted on the collectives' sizes: "Is there a distributed
-    collective mismatch"); it is refused before any step, naming the counts and the ways out. One process trains
-    on the same rows."""
-    data = colour_rows(tmp_path, 8)
-    lines = data.read_text().splitlines()
-    lines[1] = json.dumps({"messages": [{"role": "user", "content": "Say a colour."},
-                                        {"role": "assistant", "content": "Blue."}]})
-    data.write_text("\n".join(lines) + "\n")
-    config = vlm_config(tmp_path, "qwen2_5_vl", data, train={"max_steps": 2, "per_device_batch_size": 1})
-    proc = run_torchrun(2, "train", str(config), check=False)
-    assert proc.returncode != 0
-    said = proc.stdout + proc.stderr
-    assert "the train split mixes 7 rows with images and 1 without; on 2 ranks" in said, said[-3000:]
-    assert "collective mismatch" not in said and not (tmp_path / "run" / "metrics.jsonl").exists()
-    run_cli("train", str(config), "--overwrite")
-    assert steps(tmp_path / "run").keys() == {1, 2}
-
-
 def test_image_rows_on_a_text_only_model_are_refused(tmp_path):
     data = colour_rows(tmp_path, 4, "placeholders")
     config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"})
@@ -354,15 +383,18 @@ DPO = {"plugins": ["dpo"], "data": {"format": "preference"}}
 GRPO = {"plugins": ["grpo"], "data": {"format": "prompt"},
         "grpo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 2,
                  "rewards": [{"name": "grpo_test_rewards:image_letters"}]}}
-# (name, arch, sections, in CI: on 2 ranks; every case on 2 and 4 ranks with --full-matrix)
+# (name, arch, sections, in CI: on 2 ranks; every case on 2 and 4 ranks with --full-matrix); a "mixed" case's
+# rows are every other one text-only (a micro-batch without images runs the tower on the placeholder)
 RANKS_CASES = [
-    ("qwen2_5_vl", "qwen2_5_vl", {"model": {"freeze": ["vision"]}}, True),
+    ("qwen2_5_vl", "qwen2_5_vl", {"model": {"freeze": ["vision"]}}, False),
+    ("qwen2_5_vl-mixed", "qwen2_5_vl", {}, True),
     ("smolvlm-lora", "smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4},
                                  "model": {"freeze": ["vision"]}}, True),
-    ("qwen2_5_vl-dpo", "qwen2_5_vl", {**DPO, "model": {"freeze": ["vision"]}}, True),
+    ("qwen2_5_vl-dpo-mixed", "qwen2_5_vl", {**DPO, "model": {"freeze": ["vision"]}}, True),
     ("smolvlm-lora-dpo", "smolvlm", {**DPO, "fsdp": {"version": 1}, "plugins": ["lora", "dpo"], "lora": {"r": 4},
                                      "dpo": {"reference": "adapter"}}, False),
-    ("qwen2_5_vl-grpo", "qwen2_5_vl", {**GRPO, "model": {"freeze": ["vision"]}}, True),
+    ("qwen2_5_vl-grpo-mixed", "qwen2_5_vl", {**GRPO, "model": {"freeze": ["vision"]},
+                                              "fsdp": {"gather_for_generation": False}}, True),
     ("smolvlm-lora-grpo", "smolvlm", {**GRPO, "fsdp": {"version": 1}, "plugins": ["lora", "grpo"], "lora": {"r": 4},
                                       "grpo": {**GRPO["grpo"], "beta": 0.04}}, False),
 ]
@@ -373,18 +405,22 @@ def pytest_generate_tests(metafunc):
     cores)."""
     if "world" in metafunc.fixturenames:
         full = metafunc.config.getoption("full_matrix")
-        cases = [(name, arch, sections, world) for world in ((2, 4) if full else (2,))
+        cases = [(name, arch, sections, name.endswith("-mixed"), world) for world in ((2, 4) if full else (2,))
                  for name, arch, sections, in_ci in RANKS_CASES if full or in_ci]
-        metafunc.parametrize("arch, sections, world", [c[1:] for c in cases], ids=[f"{c[0]}-x{c[3]}" for c in cases])
+        metafunc.parametrize("arch, sections, mixed, world", [c[1:] for c in cases],
+                             ids=[f"{c[0]}-x{c[4]}" for c in cases])
 
 
 @pytest.mark.slow
-def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, world):
-    """FSDP on 2 (and 4) gloo ranks against one process accumulating the same micro-batches, with the tower frozen
-    (Qwen2.5-VL full fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1), supervised and DPO
-    (the pairs' images through both sequences and the reference): the same losses and gradient norms over 4 steps; a
-    resume from step 2 ends bit for bit where the run did; the export reloads with the model's class and processor,
-    its tower byte-identical to the input."""
+def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, mixed, world):
+    """FSDP on 2 (and 4) gloo ranks against one process accumulating the same micro-batches (Qwen2.5-VL full
+    fine-tune under FSDP2; SmolVLM with LoRA on the language model under FSDP1), supervised, DPO (the pairs' images
+    through both sequences and the reference) and GRPO: the same losses and gradient norms over 4 steps; a resume
+    from step 2 ends bit for bit where the run did; the export reloads with the model's class and processor, a
+    frozen tower byte-identical to the input. Rows with and without images in one split (``mixed``): a rank whose
+    micro-batch (or sampled prompts, with FSDP2 gathering unit by unit) has no image runs the tower on the
+    placeholder while another rank's runs it on images (without it gloo aborted on a collective mismatch); a
+    trained tower learns from the image rows only."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from hfsdp.model import vision
@@ -392,7 +428,7 @@ def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, 
 
     plugins = sections.get("plugins", [])
     data = (colour_pairs if "dpo" in plugins else colour_prompts if "grpo" in plugins else colour_rows)(
-        tmp_path, 12 * world)
+        tmp_path, 12 * world, text_every=2 if mixed else 0)
     one = vlm_config(tmp_path / "one", arch, data, train={"gradient_accumulation_steps": world,
                                                          "output_dir": str(tmp_path / "one" / "run")}, **sections)
     two = vlm_config(tmp_path / "two", arch, data, train={"output_dir": str(tmp_path / "two" / "run"),
@@ -422,9 +458,9 @@ def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, 
     AutoProcessor.from_pretrained(str(final))
     source = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_folder(arch, CACHE_DIR)))
     trained = dict(model.named_parameters())
-    for name, param in source.named_parameters():
-        if vision.part_of(name) == "vision":
-            assert torch.equal(param, trained[name]), name
+    tower = [name for name, _ in source.named_parameters() if vision.part_of(name) == "vision"]
+    frozen = "vision" in sections.get("model", {}).get("freeze", [])
+    assert all(torch.equal(source.get_parameter(n), trained[n]) for n in tower) == frozen
     assert any(not torch.equal(p, trained[n]) for n, p in source.named_parameters() if vision.part_of(n) == "language")
 
 

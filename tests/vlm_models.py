@@ -217,10 +217,12 @@ def tiny_vlm_folder(arch: str, cache_dir: Path) -> Path:
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 40)}
 
 
-def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | None = None, seed: int = 0) -> Path:
+def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | None = None, seed: int = 0,
+                text_every: int = 0) -> Path:
     """A JSONL file of ``n`` one-image colour questions in ``folder`` (images beside it, paths relative to it), in
     one of the row shapes: ``parts`` (content parts naming their image), ``placeholders`` (LLaMA-Factory's
-    ``<image>`` with an ``images`` column), ``column`` (TRL's ``images`` column beside plain texts)."""
+    ``<image>`` with an ``images`` column), ``column`` (TRL's ``images`` column beside plain texts); with
+    ``text_every`` k, every k-th row a text-only question instead (content parts, no image)."""
     import json
     import random
 
@@ -234,7 +236,10 @@ def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | Non
         image = f"img/{seed}-{i}.png"
         Image.new("RGB", (40 + 8 * (i % 3), 48), COLOURS[colour]).save(folder / image)
         answer, question = f"It is {colour}.", "What colour is this?"
-        if shape == "parts":
+        if text_every and i % text_every == text_every - 1:
+            rows.append({"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+                                      {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+        elif shape == "parts":
             rows.append({"messages": [
                 {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]},
                 {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
@@ -249,10 +254,11 @@ def colour_rows(folder: Path, n: int = 24, shape: str = "parts", name: str | Non
     return path
 
 
-def colour_pairs(folder: Path, n: int = 24, shape: str = "parts", seed: int = 0) -> Path:
+def colour_pairs(folder: Path, n: int = 24, shape: str = "parts", seed: int = 0, text_every: int = 0) -> Path:
     """A JSONL file of ``n`` preference rows in ``folder``: a colour question about one image (beside the file), the
     right colour chosen and another rejected; the prompt's image as a content part (``parts``) or in TRL's
-    ``images`` column beside a plain text (``column``)."""
+    ``images`` column beside a plain text (``column``); with ``text_every`` k, every k-th prompt a text-only
+    question instead."""
     import json
     import random
 
@@ -268,21 +274,23 @@ def colour_pairs(folder: Path, n: int = 24, shape: str = "parts", seed: int = 0)
         question = "What colour is this?"
         content = [{"type": "image", "image": image}, {"type": "text", "text": question}] if shape == "parts" \
             else question
-        rows.append({"prompt": [{"role": "user", "content": content}],
+        text = text_every and i % text_every == text_every - 1
+        rows.append({"prompt": [{"role": "user", "content": "Name a colour." if text else content}],
                      "chosen": [{"role": "assistant", "content": f"It is {colour}."}],
                      "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
-                     **({"images": [image]} if shape == "column" else {})})
+                     **({"images": [image]} if shape == "column" and not text else {})})
     path = folder / f"pairs-{shape}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def colour_prompts(folder: Path, n: int = 24, seed: int = 0) -> Path:
+def colour_prompts(folder: Path, n: int = 24, seed: int = 0, text_every: int = 0) -> Path:
     """A JSONL file of ``n`` prompt rows in ``folder``: a colour question about one image (beside the file, a content
-    part naming it), its ``answer`` in a column of its own."""
+    part naming it), its ``answer`` in a column of its own; with ``text_every`` k, every k-th a text-only
+    question instead."""
     import json
 
-    rows = [json.loads(line) for line in colour_rows(folder, n, seed=seed).read_text().splitlines()]
+    rows = [json.loads(line) for line in colour_rows(folder, n, seed=seed, text_every=text_every).read_text().splitlines()]
     prompts = [{"prompt": r["messages"][:1], "answer": r["messages"][1]["content"][0]["text"]} for r in rows]
     path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in prompts))

@@ -39,6 +39,11 @@ FORMATS_WITH_IMAGES = ("only data.format chat (supervised fine-tuning), preferen
 # Where a vision-language model's tokenizer carries its processor (hfsdp.model.vision.load_processor): the data
 # formats get the tokenizer, and read images with the processor it carries.
 PROCESSOR_ATTR = "hfsdp_processor"
+# The model input that carries a micro-batch without images the pixel inputs of a placeholder image
+# (:class:`PixelInputs`), and its side in pixels (28: one merged patch of Qwen's towers; each family resizes it to
+# the least it takes).
+TOWER_PLACEHOLDER = "hfsdp_tower_placeholder"
+PLACEHOLDER_SIDE = 28
 
 
 def processor_of(tokenizer):
@@ -244,40 +249,52 @@ def processed(processor, text: str, images: list[bytes]) -> tuple[list[int], dic
     return expanded, extras
 
 
-def mixed_on_ranks(splits: dict[str, Any], ranks: int) -> str | None:
-    """What is wrong with training ``splits`` (tokenized; None where absent) on ``ranks`` FSDP ranks when a split mixes
-    rows with images and rows without, else None: a micro-batch without images skips the vision tower, whose FSDP
-    units the ranks with images gather and reduce, so the ranks' collectives would not match (gloo aborts on it)."""
-    if ranks == 1:
-        return None
+def has_images(splits: list[Any]) -> bool:
+    """Whether any row of the tokenized ``splits`` (None where absent) has an image."""
     import pyarrow.compute as pc
 
-    for name, split in splits.items():
-        if split is None or IMAGES_COLUMN not in split.column_names or not len(split):
-            continue
-        counts = pc.fill_null(pc.list_value_length(split.with_format("arrow")[IMAGES_COLUMN]), 0)
-        with_images = int(pc.sum(pc.greater(counts, 0)).as_py() or 0)
-        if 0 < with_images < len(split):
-            return (f"data: the {name} split mixes {with_images} rows with images and {len(split) - with_images} "
-                    f"without; on {ranks} ranks a micro-batch without images skips the vision tower that FSDP gathers "
-                    "on the ranks whose micro-batch has some, and their collectives would not match. Give every row "
-                    "an image, leave the text-only rows out, or train on one process (running the tower on a "
-                    "placeholder image for them is not built yet)")
-    return None
+    for split in splits:
+        if split is not None and len(split) and IMAGES_COLUMN in split.column_names:
+            counts = pc.list_value_length(split.with_format("arrow")[IMAGES_COLUMN])
+            if pc.any(pc.greater(pc.fill_null(counts, 0), 0)).as_py():
+                return True
+    return False
 
 
 class PixelInputs:
     """A micro-batch's pixel inputs: its rows' images (their bytes) through the model's image processor, nested per
     row as transformers' processors batch them (Qwen's patches of every image in one tensor with each image's grid,
-    Idefics3's images per row padded to the row with most), the keys the model's forward takes."""
+    Idefics3's images per row padded to the row with most), the keys the model's forward takes.
 
-    def __init__(self, processor, forward_keys):
+    With ``touch_tower`` (the run's rows have images), a micro-batch without images gets instead, under
+    :data:`TOWER_PLACEHOLDER`, the pixel inputs of a small black placeholder image, on which
+    :class:`hfsdp.model.vision.TowerTouch` runs the vision tower and adds 0 times its features to the embeddings:
+    every forward then runs the tower and every backward reaches its parameters, as FSDP needs every rank's
+    forward and backward to gather and reduce the same units (a micro-batch of text-only rows, or a rank's padding
+    row, beside another rank's images)."""
+
+    def __init__(self, processor, forward_keys, touch_tower: bool = False):
         self.image_processor = processor.image_processor
         self.forward_keys = set(forward_keys)
+        self.touch_tower = touch_tower
+        self._placeholder: dict[str, Any] | None = None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         nested = [[decode(data) for data in row.get(IMAGES_COLUMN) or ()] for row in rows]
         if not any(nested):
-            return {}
-        out = self.image_processor(images=[images for images in nested if images], return_tensors="pt")
+            return {TOWER_PLACEHOLDER: self.placeholder()} if self.touch_tower else {}
+        return self._processed([images for images in nested if images])
+
+    def placeholder(self) -> dict[str, Any]:
+        """The pixel inputs of the placeholder image (one image, not split into tiles), made once."""
+        if self._placeholder is None:
+            from PIL import Image
+
+            side = PLACEHOLDER_SIDE
+            options = {"do_image_splitting": False} if hasattr(self.image_processor, "do_image_splitting") else {}
+            self._placeholder = self._processed([[Image.new("RGB", (side, side))]], **options)
+        return self._placeholder
+
+    def _processed(self, nested: list[list], **options) -> dict[str, Any]:
+        out = self.image_processor(images=nested, return_tensors="pt", **options)
         return {k: v for k, v in out.items() if k in self.forward_keys}

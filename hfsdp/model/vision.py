@@ -18,10 +18,11 @@ embeddings, final norm and head).
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
-from hfsdp.data.images import PROCESSOR_ATTR
+from hfsdp.data.images import PROCESSOR_ATTR, TOWER_PLACEHOLDER
 from hfsdp.rules.vision import is_vision_language
 
 # The parts other than the language model, in the order they are matched (the projector lies inside Qwen's vision
@@ -85,6 +86,69 @@ def excluded_modules(model, parts) -> str | None:
     frozen ``parts`` other than the language model, so that LoRA puts no adapter on them; None when none is."""
     roots = [root for part, names in part_roots(model).items() if part in parts for root in names]
     return f"({'|'.join(re.escape(root) for root in roots)})(\\..*)?" if roots else None
+
+
+class TowerTouch:
+    """Runs a vision-language model's vision tower (and projector) on a placeholder image in a forward whose inputs
+    have no images, adding 0 times the features to the input embeddings: the loss is what it was, and the tower's
+    FSDP units are gathered in the forward and reduced in the backward (zero gradients) as on a rank whose
+    micro-batch has images, so that the ranks' collectives match. The placeholder's pixel inputs come with the
+    forward's inputs (:data:`~hfsdp.data.images.TOWER_PLACEHOLDER`, taken out before the model sees them): the
+    tower runs when the input embeddings are computed, where a forward with images runs it; or before a ``generate``
+    call (:meth:`before_generate`)."""
+
+    def __init__(self, model):
+        self.model = model  # (a peft model's attributes are its base model's)
+        self.takes = set(inspect.signature(model.get_image_features).parameters)
+        self.armed: dict | None = None
+        model._hfsdp_tower_touch = self  # (touch_of)
+        model.register_forward_pre_hook(self._take, with_kwargs=True)
+        model.get_input_embeddings().register_forward_hook(self._embedded)
+
+    def before_generate(self, pixels: dict) -> None:
+        """Run the tower on ``pixels`` (the placeholder's pixel inputs, on the model's device) where a ``generate``
+        call about to start runs it on images: now, where the model's forward takes features encoded beforehand
+        (transformers' ``mm_encoder_outputs``: ``generate`` encodes the images before the prefill), else in the
+        prefill."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # (peft's)
+        if "mm_encoder_outputs" in inspect.signature(base.forward).parameters:
+            self._features(pixels)
+        else:
+            self.armed = pixels
+
+    def _take(self, module, args, kwargs):
+        pixels = kwargs.pop(TOWER_PLACEHOLDER, None)
+        if pixels is not None:
+            self.armed = pixels
+        return args, kwargs
+
+    def _embedded(self, module, args, embeddings):
+        if self.armed is None:
+            return None
+        pixels, self.armed = self.armed, None
+        features = self._features(pixels)
+        # what transformers' forwards read of the features: the projected ones (pooler_output) and Qwen3-VL's
+        # deepstack features, not the tower's other outputs (LLaVA's last layer, which its features skip)
+        used = [features.pooler_output, getattr(features, "deepstack_features", None)]
+        touched = sum(t.sum() for t in _tensors(used) if t.is_floating_point())
+        return embeddings + (touched * 0).to(embeddings.dtype)
+
+    def _features(self, pixels: dict):
+        return self.model.get_image_features(**{k: v for k, v in pixels.items() if k in self.takes})
+
+
+def touch_of(model) -> TowerTouch | None:
+    """The :class:`TowerTouch` of ``model``, where the run made one."""
+    return getattr(model, "_hfsdp_tower_touch", None)
+
+
+def _tensors(value) -> list:
+    """The tensors in nested tuples and lists."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (list, tuple)) else []
 
 
 def images_only_processors():

@@ -21,10 +21,9 @@ from hfsdp.config.schema import HfsdpConfig
 from hfsdp.data import batches, cache, images, prepare
 from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
-from hfsdp.errors import UserError
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss
+from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss, vision
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.objective import (MicroBatchLayout, Objective, TokenCrossEntropy, micro_batch_packing,
                              micro_batch_padding, objective_of, rows_said)
@@ -91,7 +90,8 @@ def build(setup: RunSetup, host: PluginHost, opts: Options, held: contextlib.Exi
     model, optimizer, flops, objective, router = _setup_model(
         accelerator, setup, host, model_path, model_config, tokenizer,
         packed=batches.is_packed(data.train.column_names) or pack_len is not None, replaced=replaced)
-    objective.lay_out(_layout(accelerator, model, setup, flops, pack_len, tokenizer))
+    objective.lay_out(_layout(accelerator, model, setup, flops, pack_len, tokenizer,
+                              images.has_images([data.train, data.eval])))
     select_logits = _prepare_objective(accelerator, setup, objective, model, data, plan, max_steps, tokenizer,
                                        opts.cache_dir, model_path)
     startup = report_startup(setup, accelerator, model, output_dir)
@@ -168,8 +168,6 @@ def _setup_data(accelerator, config: HfsdpConfig, host: PluginHost, model_path: 
     train_set, eval_set, raw_eval, report = prepare.prepare_datasets(config, host, tokenizer, cache_dir, who)
     accelerator.wait_for_everyone()
     accelerator.print(prepare.format_data_report(report))
-    if mixed := images.mixed_on_ranks({"train": train_set, "eval": eval_set}, accelerator.num_processes):
-        raise UserError(mixed)
     gen_items = []  # checked here, before any weight loads: a row without an answer is a data error
     if config.generation_eval and raw_eval is not None and config.generation_eval.num_samples:
         source = config.data.sources()[0]
@@ -234,14 +232,19 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
 
 
 def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, pack_len: int | None,
-            tokenizer) -> MicroBatchLayout:
+            tokenizer, with_images: bool) -> MicroBatchLayout:
     """How the micro-batches are laid out (packed rows of at most ``pack_len`` tokens; a sequence-parallel rank's
     share of each row's positions; a vision-language model's pixel inputs, from the processor ``tokenizer``
-    carries), the model's attention switched to read them."""
+    carries: where the rows have images (``with_images``), a micro-batch without any runs the tower on a
+    placeholder), the model's attention switched to read them."""
     unwrapped = accelerator.unwrap_model(model)
     processor = images.processor_of(tokenizer)
-    layout = MicroBatchLayout(images=images.PixelInputs(processor, loading.forward_arguments(unwrapped))
-                              if processor is not None else None)
+    layout = MicroBatchLayout()
+    if processor is not None:
+        if with_images:
+            vision.TowerTouch(unwrapped)
+        layout = MicroBatchLayout(images=images.PixelInputs(processor, loading.forward_arguments(unwrapped),
+                                                            touch_tower=with_images))
     if pack_len is not None:
         # sdpa attends each packed sequence on its own (hfsdp.model.packed_attention), flash attention's
         # variable-length kernels too (transformers finds the sequences from position_ids); another attention

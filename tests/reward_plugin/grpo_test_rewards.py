@@ -13,9 +13,10 @@ def letters(completions, **kwargs):
 
 
 def image_letters(completions, images, **kwargs):
-    """``letters`` times 1 plus the mean brightness of the prompt's first image (in [0, 1]): the images reach the
-    reward as TRL gives them, a list of PIL images per completion."""
-    brightness = [sum(row[0].convert("L").getdata()) / (255 * row[0].width * row[0].height) for row in images]
+    """``letters`` times 1 plus the mean brightness of the prompt's first image (in [0, 1]; 0 without one): the
+    images reach the reward as TRL gives them, a list of PIL images per completion."""
+    brightness = [sum(row[0].convert("L").getdata()) / (255 * row[0].width * row[0].height) if row else 0.0
+                  for row in images]
     return [value * (1 + light) for value, light in zip(letters(completions), brightness)]
 
 

@@ -195,7 +195,9 @@ class OnlineObjective(Objective):
             visual = [dataset[i] for i in entry["rows"] for _ in range(group)]
             batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks,
                                             visual, self._mrope)
-            batch.inputs.update({k: v.to(device) for k, v in self.layout.images(visual).items()})
+            from accelerate.utils import send_to_device
+
+            batch.inputs.update(send_to_device(self.layout.images(visual), device))
         elif self.layout.pack_len is None:
             batch = prompt_completion_batch(prompts, completions, pad_id, device, select_logits, labelled, masks)
         else:  # each prompt + completion whole, laid end to end

@@ -175,7 +175,10 @@ def sample_with_images(unwrapped, prompts: list[list[int]], visual: list[dict], 
     samples one padding row in step with the others (``synced``: transformers' ``synced_gpus``)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from hfsdp.data.images import IMAGES_COLUMN
+    from accelerate.utils import send_to_device
+
+    from hfsdp.data.images import IMAGES_COLUMN, TOWER_PLACEHOLDER
+    from hfsdp.model.vision import touch_of
 
     wanted = len(prompts)
     if not wanted:
@@ -183,6 +186,11 @@ def sample_with_images(unwrapped, prompts: list[list[int]], visual: list[dict], 
     device = next(unwrapped.parameters()).device
     inputs = left_padded([(list(p), v) for p, v in zip(prompts, visual)], pad_id, width)
     inputs.update(pixels([{IMAGES_COLUMN: v.get(IMAGES_COLUMN) or []} for v in visual]))
+    # prompts without images (a rank's padding row): the placeholder runs the tower where the other ranks' images
+    # do, once (generate would hand an input on to every decode step)
+    placeholder = inputs.pop(TOWER_PLACEHOLDER, None)
+    if placeholder is not None:
+        touch_of(unwrapped).before_generate(send_to_device(placeholder, device))
     most = section.max_new_tokens if max_new_tokens is None else max(max_new_tokens, 1)
     config = GenerationConfig(do_sample=False, max_new_tokens=most, eos_token_id=eos, pad_token_id=pad_id,
                               temperature=None, top_p=None, top_k=None)
