@@ -154,12 +154,14 @@ def mixture_of(sections: dict) -> dict:
 def vision_language(sections: dict) -> dict:
     """``sections`` training the tiny Qwen2.5-VL, its vision tower frozen, on colour questions about images (a
     preference objective's: colour pairs, the image in the prompt; an online objective's: the questions as
-    prompts); a mixture's sources are those image rows; rows another option chose for a template of its own (tool
-    conversations) are kept, the model trained on them."""
+    prompts), the widest images (56x48) scaled down by ``data.image_max_pixels``; a mixture's sources are those
+    image rows; rows another option chose for a template of its own (tool conversations) are kept, the model
+    trained on them."""
     data = sections.get("data", {})
     own_format = data.get("format") in ("preference", "prompt")
     train, eval_ = colour_data(CACHE_DIR, data["format"] if own_format else "chat")
-    model = {"model": {"name_or_path": str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR)), "freeze": ["vision"]}}
+    model = {"model": {"name_or_path": str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR)), "freeze": ["vision"]},
+             "data": {"image_max_pixels": 48 * 48}}
     if own_format and not data.get("chat_template") and not data.get("datasets"):
         return _merge(sections, model, {"data": {"path": str(train), "eval_path": str(eval_)}})
     if data.get("datasets"):

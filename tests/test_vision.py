@@ -40,9 +40,9 @@ def vlm_config(folder: Path, arch: str, rows: Path, **sections) -> Path:
 
 
 def tokenized(arch: str, rows: list[dict], data_path: str | None = None, template: str | None = None,
-              data_format: str = "chat") -> dict[str, list]:
+              data_format: str = "chat", **data) -> dict[str, list]:
     """hfsdp's ``data_format`` (chat, preference or prompt) on ``rows`` with the tiny ``arch`` model's tokenizer (and
-    processor), ``template`` as data.chat_template."""
+    processor), ``template`` as data.chat_template, ``data`` the data section's other keys."""
     from hfsdp.builtin.chat import tokenize_chat
     from hfsdp.builtin.preference import tokenize_preference
     from hfsdp.builtin.prompt import tokenize_prompt
@@ -54,7 +54,7 @@ def tokenized(arch: str, rows: list[dict], data_path: str | None = None, templat
     chat_template.use(tokenizer, template)
     batch = {k: [r.get(k) for r in rows] for k in rows[0]}
     tokenize = {"chat": tokenize_chat, "preference": tokenize_preference, "prompt": tokenize_prompt}[data_format]
-    return tokenize(batch, tokenizer, DataConfig(format=data_format, path=data_path or "rows.jsonl"))
+    return tokenize(batch, tokenizer, DataConfig(format=data_format, path=data_path or "rows.jsonl", **data))
 
 
 TRL_ROWS = [
@@ -323,6 +323,45 @@ def test_a_bad_prompt_row_with_images_is_named_by_hfsdp_validate(tmp_path, row, 
     proc = run_cli("validate", str(config), check=False, env=RUN_ENV)
     assert proc.returncode != 0
     assert "line 2 of" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_image_max_pixels_scales_a_large_image_down_before_the_processor_expands_it(tmp_path):
+    """``data.image_max_pixels`` (LLaMA-Factory's): a 112x112 image, which the tiny Qwen2.5-VL's processor expands
+    to 16 image tokens, is scaled down to 56x56 (3136 pixels) and expands to 4; the row's tokens and the
+    micro-batch's pixel inputs are those of the image scaled down by hand; an image within the limit is kept as it
+    is. On a text-only model the setting is refused before any weight loads."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from hfsdp.data.images import PixelInputs
+
+    def rows(first):
+        return [{"images": [first], "messages": [{"role": "user", "content": "<image>What is this?"},
+                                                 {"role": "assistant", "content": "A square."}]},
+                {"images": [image(1, 40, 48)], "messages": [{"role": "user", "content": "<image>And this?"},
+                                                            {"role": "assistant", "content": "A dot."}]}]
+
+    large = image(0, 112, 112)
+    whole = tokenized("qwen2_5_vl", rows(large))
+    fitted = tokenized("qwen2_5_vl", rows(large), image_max_pixels=3136)
+    by_hand = tokenized("qwen2_5_vl", rows(large.resize((56, 56), Image.Resampling.BICUBIC)))
+    processor = AutoProcessor.from_pretrained(str(tiny_vlm_folder("qwen2_5_vl", CACHE_DIR)))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [ids.count(pad) for ids in whole["input_ids"]] == [16, 2]  # (40x48: 2 merged patches)
+    assert [ids.count(pad) for ids in fitted["input_ids"]] == [4, 2]
+    assert fitted["input_ids"] == by_hand["input_ids"] and fitted["labels"] == by_hand["labels"]
+    assert fitted["images"][1] == whole["images"][1]
+    pixels = PixelInputs(processor, ["pixel_values", "image_grid_thw"])
+    made, expected = ([{"images": column[i]} for i in range(2)] for column in (fitted["images"], by_hand["images"]))
+    assert all(torch.equal(a, b) for a, b in zip(pixels(made).values(), pixels(expected).values()))
+
+    data = colour_rows(tmp_path, 4)
+    config = vlm_config(tmp_path, "qwen2_5_vl", data, model={"name_or_path": "smollm2-tiny"},
+                        data={"format": "text", "path": str(data), "image_max_pixels": 3136})
+    proc = run_cli("train", str(config), check=False)
+    assert proc.returncode != 0
+    assert "data.image_max_pixels: llama is a text-only model, which reads no image" in proc.stdout + proc.stderr, \
+        proc.stdout + proc.stderr
 
 
 def test_image_rows_on_a_text_only_model_are_refused(tmp_path):

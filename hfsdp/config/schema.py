@@ -184,6 +184,11 @@ class DataConfig(Section):
     max_eval_samples: int | None = Field(None, gt=0, description="cap on eval rows.")
     num_proc: int | None = Field(None, gt=0, description="processes for reading and tokenizing (default: the cores "
                                                           "this process may use).")
+    image_max_pixels: int | None = Field(
+        None, gt=0, description="vision-language models: an image of more pixels (width x height) is scaled down to "
+                                "this many, its aspect ratio kept, before the processor reads it, so that it expands "
+                                "to fewer image tokens (LLaMA-Factory's image_max_pixels; default: only the image "
+                                "processor's own limit).")
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":

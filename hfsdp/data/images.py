@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +134,30 @@ def no_images_beside_text(column: Any) -> None:
                        "with its image tokens")
 
 
-def with_images(messages: list[dict], column: Any, base: Path | None) -> tuple[list[dict], list[bytes]]:
+def fitted(data: bytes, max_pixels: int | None, what: str) -> bytes:
+    """An image's bytes, scaled down to at most ``max_pixels`` pixels (``data.image_max_pixels``), its aspect ratio
+    kept, as a PNG; unchanged when it has no more (or no limit is set)."""
+    if max_pixels is None:
+        return data
+    image = decode(data, what)
+    area = image.width * image.height
+    if area <= max_pixels:
+        return data
+    from PIL import Image
+
+    factor = math.sqrt(max_pixels / area)
+    size = (max(1, int(image.width * factor)), max(1, int(image.height * factor)))
+    out = io.BytesIO()
+    image.resize(size, Image.Resampling.BICUBIC).save(out, format="PNG")
+    return out.getvalue()
+
+
+def with_images(messages: list[dict], column: Any, base: Path | None,
+                max_pixels: int | None = None) -> tuple[list[dict], list[bytes]]:
     """The messages of one row (from :func:`hfsdp.builtin.chat.conversation`) with each image as a bare
     ``{"type": "image"}`` part (as the processors' chat templates render them), and the row's images in their
-    order: see the module docstring for the shapes read. A RowError when they do not match."""
+    order, each scaled down to at most ``max_pixels`` pixels (:func:`fitted`): see the module docstring for the
+    shapes read. A RowError when they do not match."""
     given = _given(column)
     images: list[bytes] = []
     taken = 0
@@ -193,7 +214,7 @@ def with_images(messages: list[dict], column: Any, base: Path | None) -> tuple[l
         text = out[first]["content"]
         out[first] = {**out[first], "content": [{"type": "image"} for _ in given]
                       + ([{"type": "text", "text": text}] if isinstance(text, str) else list(text))}
-    return out, images
+    return out, [fitted(data, max_pixels, f"image {k}") for k, data in enumerate(images)]
 
 
 def as_parts(messages: list[dict]) -> list[dict]:

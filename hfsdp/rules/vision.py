@@ -34,10 +34,11 @@ def is_vision_language(model_config: Any) -> bool:
 
 
 def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
-    """``model.freeze`` on a text-only model, a vision-language model with everything frozen and nothing else to
-    train, and what vision-language training is not composed with yet (packing, tensor, sequence and expert
-    parallelism, an objective other than :data:`IMAGE_OBJECTIVES`, 4-bit quantization). ``facts``: the model phase's
-    (:class:`hfsdp.rules.table.Facts`); the model's config is read only where the config sets one of those."""
+    """``model.freeze`` or ``data.image_max_pixels`` on a text-only model, a vision-language model with everything
+    frozen and nothing else to train, and what vision-language training is not composed with yet (packing, tensor,
+    sequence and expert parallelism, an objective other than :data:`IMAGE_OBJECTIVES`, 4-bit quantization).
+    ``facts``: the model phase's (:class:`hfsdp.rules.table.Facts`); the model's config is read only where the
+    config sets one of those."""
     freeze = list(config.model.freeze)
     parallel = [(f"parallel.{key}", f"without {what} parallelism so far: set parallel.{key}: 1 (FSDP shards it "
                                     "over every rank)")
@@ -61,13 +62,16 @@ def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
     ]
     parts = precision_parts(config.fsdp)
     mixed = parts is not None and parts.param != config.model.dtype
-    if not freeze and not limits and not mixed:
+    sized = config.data.image_max_pixels is not None
+    if not freeze and not limits and not mixed and not sized:
         return []
     model_config = facts.model_config
     name = model_config.model_type
     if not is_vision_language(model_config):
-        return [("model.freeze", f"{name} is a text-only model: model.freeze names parts of a vision-language model "
-                                 "(vision, projector, language); remove it")] if freeze else []
+        return ([("model.freeze", f"{name} is a text-only model: model.freeze names parts of a vision-language model "
+                                  "(vision, projector, language); remove it")] if freeze else []) + \
+            ([("data.image_max_pixels", f"{name} is a text-only model, which reads no image: remove "
+                                        "data.image_max_pixels")] if sized else [])
     problems = []
     if set(freeze) >= set(PARTS) and not facts.plugins.trains_adapters(config):
         problems.append(("model.freeze", "every part is frozen and no adapter is trained: nothing would learn; "

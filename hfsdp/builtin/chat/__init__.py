@@ -439,7 +439,7 @@ def visual_conversation(row_messages, row_images, tokenizer, data_config) -> tup
     vision-language model trained on text rows with ``data.chat_template: chatml_tools``), the messages with their
     text parts joined, or a RowError when the row has images."""
     chat, found = images.with_images(conversation(row_messages, data_config, parts=True), row_images,
-                                     images.data_folder(data_config.path))
+                                     images.data_folder(data_config.path), data_config.image_max_pixels)
     if images.processor_of(tokenizer) is None:
         if found:
             raise RowError(f"has {len(found)} image(s), and the model is text-only: train a vision-language model "
