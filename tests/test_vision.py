@@ -429,6 +429,7 @@ RANKS_CASES = [
     ("qwen2_5_vl-mixed", "qwen2_5_vl", {}, True),
     ("smolvlm-lora", "smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4},
                                  "model": {"freeze": ["vision"]}}, True),
+    ("smolvlm-lora-mixed", "smolvlm", {"fsdp": {"version": 1}, "plugins": ["lora"], "lora": {"r": 4}}, False),
     ("qwen2_5_vl-dpo-mixed", "qwen2_5_vl", {**DPO, "model": {"freeze": ["vision"]}}, True),
     ("smolvlm-lora-dpo", "smolvlm", {**DPO, "fsdp": {"version": 1}, "plugins": ["lora", "dpo"], "lora": {"r": 4},
                                      "dpo": {"reference": "adapter"}}, False),
