@@ -387,7 +387,8 @@ def sharegpt_rows() -> list[dict[str, Any]]:
 def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true", dest="full_matrix",
                      help="test_combinations.py: every smoke and resume cell and every pair of features, not only "
-                          "CI's tier of them; test_chaos.py: every feature; test_agents_trl.py: both modes")
+                          "CI's tier of them; test_chaos.py: every feature; test_agents_trl.py: both modes; "
+                          "test_agents.py, test_vision.py, test_moe.py: 4 ranks and the other wrappers")
 
 
 # Modules whose runs are shared through the disk (RunRegistry), not a module-scoped fixture: under

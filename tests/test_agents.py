@@ -155,15 +155,35 @@ def train(config: Path, world: int, *args: str, env: dict | None = None, check: 
     return run_torchrun(world, "train", str(config), *args, env=env, check=check)
 
 
+# The module's runs: (world, fsdp section) by name; x4 and x2_fsdp1 are compared with --full-matrix only.
+RUNS = {"x1": (1, {}), "x2": (2, {}), "x4": (4, {}), "x2_fsdp1": (2, {"version": 1})}
+
+
+class Runs(dict):
+    """The run folders of :data:`RUNS`, each trained the first time a test asks for it."""
+
+    def __init__(self, caller: Path, root: Path):
+        super().__init__()
+        self.caller, self.root = caller, root
+
+    def __missing__(self, name: str) -> Path:
+        world, fsdp = RUNS[name]
+        proc = train(agent_config(self.root / name, self.caller, world, **fsdp), world)
+        (self.root / name / "console.txt").write_text(proc.stdout + proc.stderr)
+        self[name] = self.root / name / "run"
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def runs(caller, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("agents")
-    out = {}
-    for name, world, fsdp in (("x1", 1, {}), ("x2", 2, {}), ("x4", 4, {}), ("x2_fsdp1", 2, {"version": 1})):
-        proc = train(agent_config(root / name, caller, world, **fsdp), world)
-        (root / name / "console.txt").write_text(proc.stdout + proc.stderr)
-        out[name] = root / name / "run"
-    return out
+def runs(caller, tmp_path_factory) -> Runs:
+    return Runs(caller, tmp_path_factory.mktemp("agents"))
+
+
+def pytest_generate_tests(metafunc):
+    """CI compares 2 ranks with one process; ``pytest --full-matrix`` also 4 ranks and FSDP1."""
+    if "ranks_run" in metafunc.fixturenames:
+        names = [n for n in RUNS if n != "x1"] if metafunc.config.getoption("full_matrix") else ["x2"]
+        metafunc.parametrize("ranks_run", names)
 
 
 def steps(run: Path) -> dict[int, dict]:
@@ -208,9 +228,8 @@ def test_rollouts_call_the_tool_read_its_result_and_only_the_sampled_tokens_trai
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["x2", "x4", "x2_fsdp1"])
-def test_rollouts_that_act_are_token_identical_and_train_the_same_steps_on_any_number_of_ranks(runs, name):
-    one, other = runs["x1"], runs[name]
+def test_rollouts_that_act_are_token_identical_and_train_the_same_steps_on_any_number_of_ranks(runs, ranks_run):
+    one, other = runs["x1"], runs[ranks_run]
     assert read_completions(other) == read_completions(one)
     a, b = steps(one), steps(other)
     for step in range(1, STEPS + 1):

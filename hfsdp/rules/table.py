@@ -106,7 +106,8 @@ RULES: tuple[Rule, ...] = (
          if c.parallel.tp_size * c.parallel.sp_size * c.parallel.ep_size > 1 else []),
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
-    Rule("model", ("model.freeze", "plugins", "parallel", "model.quantization", "fsdp.version"),
+    Rule("model", ("model.freeze", "plugins", "parallel", "model.quantization", "fsdp.version",
+                   "data.image_max_pixels"),
          vision.model_problems),  # (the model's config read only where the config asks of it)
 )
 
