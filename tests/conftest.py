@@ -391,6 +391,17 @@ def pytest_addoption(parser):
                           "test_agents.py, test_vision.py, test_moe.py: 4 ranks and the other wrappers")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``full_matrix`` (a further cell of a claim another cell checks in CI: 1 process beside 2 ranks,
+    another dtype) are deselected unless ``--full-matrix``."""
+    if config.getoption("full_matrix"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full_matrix") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 # Modules whose runs are shared through the disk (RunRegistry), not a module-scoped fixture: under
 # pytest-xdist their tests are spread over the workers one by one.
 SHARED_RUNS = ("tests/test_combinations.py", "tests/test_tensor_parallel.py", "tests/test_multirank.py")

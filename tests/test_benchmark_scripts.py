@@ -81,7 +81,8 @@ def test_a_benchmark_stopped_by_sigterm_stops_its_training_with_a_checkpoint(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl,floor,hfsdp-lora,trl-lora"), (2, "hfsdp,bare,floor")],
+@pytest.mark.parametrize("nproc,tools", [(1, "hfsdp,bare,trl,floor,hfsdp-lora,trl-lora"),
+                                         pytest.param(2, "hfsdp,bare,floor", marks=pytest.mark.full_matrix)],
                          ids=["x1", "x2"])
 def test_peer_benchmark_runs_every_tool_on_the_same_rows(tmp_path, tiny_model_dir, nproc, tools):
     out = tmp_path / "peers"

@@ -371,12 +371,12 @@ FSDP1_ONE_PROCESS_CI = ("base", "lora")
 # compute on one rank what they compute on 2 ranks' shards (precision, micro-batches, a strategy that one rank
 # cannot tell from FULL_SHARD, blocks compiled or checkpointed before the same fully_shard, units of another policy,
 # the loss, the rows, a preference objective's reference pass, LoRA with another option, an optimizer's step on one
-# shard: the whole).
+# shard: the whole; a GGUF export of one process's checkpoint: tests/test_gguf.py's runs).
 FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "checkpointing", "size_wrap",
                           "lora_checkpointing", "packing", "lora_packing", "lora_full_state_dict", "plain_loss", "dpo",
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
-                          "distill_online", "acting", "workers", "moe", "vlm", "vlm_dpo", "vlm_grpo",
+                          "distill_online", "acting", "workers", "moe", "vlm", "vlm_dpo", "vlm_grpo", "gguf",
                           *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
@@ -387,6 +387,9 @@ FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "re
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
 # DPO and GRPO on a vision-language model: on 2 ranks against one process, resumed, in tests/test_vision.py
 CI_ELSEWHERE += ("vlm_dpo", "vlm_grpo")
+# Compiled blocks (Inductor) on 2 FSDP2 ranks against the eager steps, without recompiling: tests/test_compile.py
+# (the smoke cell's 57 s and its resume's 23 s of Inductor compiling, in the CI run of stop 83, run with --full-matrix)
+CI_ELSEWHERE += ("compile",)
 # GRPO's loss options: CI runs three cells (CISPO with the KL and LoRA and the entropy quantile's collective on 2
 # FSDP2 ranks, truncated completions under FSDP1, which compares it with FSDP2), the rest with --full-matrix
 GRPO_LOSS_CI = {(2, 2, "lora_grpo_cispo"), (2, 2, "grpo_vespo"), (1, 2, "grpo_masked")}
@@ -941,8 +944,8 @@ def _pairs() -> list[tuple[str, str]]:
 
 ALL_PAIRS = _pairs()
 # compile's pairs cost 1 to 2.3 minutes each of dynamo's tracing on CI's 2 cores (the CI rehearsals of
-# 2026-12-03): they run with --full-matrix; compile itself runs in the smoke and resume cells on 2 ranks, and with
-# activation checkpointing and packing in tests/test_compile.py.
+# 2026-12-03): they run with --full-matrix; compile itself runs on 2 ranks, and with activation checkpointing and
+# packing, in tests/test_compile.py (and in the smoke and resume cells with --full-matrix).
 FULL_MATRIX_PAIRS = {frozenset(("compile", other)) for other in ("checkpointing", "qlora", "size_wrap", "packing",
                                                                   "grpo")}
 # The workers engine meets the rows' options and the parameters' in CI through packing (the trainer's old log-probs

@@ -97,7 +97,7 @@ def assert_loads_as_exported(out: Path, quant: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", [pytest.param(q, marks=pytest.mark.full_matrix) if q == "bf16" else q for q in QUANTS])
 def test_hfsdp_export_format_gguf_reads_back_into_the_trained_models_logits(runs, tmp_path, quant):
     from test_combinations import smoke_run
 

@@ -36,7 +36,7 @@ def lm_evals_own(tiny_model_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.full_matrix), 2])
 def test_hfsdp_eval_gives_what_lm_eval_gives_on_the_exported_folder(tmp_path, tiny_model_dir, lm_evals_own, nproc):
     """The bundled multiple-choice task's accuracy, normalized accuracy and their standard errors, exactly lm-eval's
     on the same folder, on one process and on 2 gloo ranks (the model sharded, each rank half the requests); the

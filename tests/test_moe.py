@@ -230,7 +230,7 @@ def test_model_flops_count_the_experts_a_token_is_routed_to():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.full_matrix), 2])
 def test_lora_on_the_experts_trains_on_two_ranks_resumes_and_exports_what_peft_loads(tmp_path, ep):
     """LoRA on the fused expert weights (peft's target_parameters) besides the attention Linears: 2 FSDP2 ranks
     train as one process accumulating the same micro-batches, a resume from step 2 ends bit for bit where the run

@@ -325,7 +325,7 @@ def test_schedule_free_exports_and_checkpoints_its_averaged_weights_and_trains_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("version", [2, pytest.param(1, marks=pytest.mark.full_matrix)])
 def test_schedule_free_trains_the_same_weights_however_often_it_saves_or_evaluates_and_resumes_onto_them(
         run_registry, version, tmp_path):
     """Saves and evals switch schedule-free to its averaged weights and back; they must leave the training weights

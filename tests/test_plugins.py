@@ -271,7 +271,7 @@ def _example_run(env: dict, nproc: int, tmp_path: Path, data_path: Path, plugins
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.full_matrix), 2])
 def test_first_published_example_plugins_still_train(installed_v1, tmp_path, nproc):
     """Stability: the examples as written against hfsdp 0.1.0's hooks, unchanged, on one and two ranks."""
     run = _example_run(installed_v1["env"], nproc, tmp_path, _qa_csv(tmp_path / "qa.csv", 200), ["csv_qa", "eval_log", "hello"])

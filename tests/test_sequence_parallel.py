@@ -107,7 +107,8 @@ def assert_computes_what_one_process_computes(run: Path, one: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.full_matrix) if v in ("lora", "micro_batch_packing")
+                                     else v for v in VARIANTS])
 def test_sp2_on_two_ranks_computes_what_one_process_computes(runs, variant):
     run, proc = sp2(runs, variant)
     one, _ = one_process(runs, variant)
