@@ -144,9 +144,8 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
 
     Also runs a sample of the local data files' rows through the format's tokenization (with the model's
     tokenizer, no weights), so that a row the format cannot read is reported with its number and the fix here,
-    not at train time, tries train.optimizer_args' values on a small layer, and checks the config against the
-    model's architecture (its config, no weights; what train checks before any weight loads, but for the launched
-    world's); a summary line goes to stderr. --no-rows skips these."""
+    not at train time, and tries train.optimizer_args' values on a small layer; a summary line goes to stderr.
+    --no-rows skips both."""
     import yaml
 
     from hfsdp.config.files import resolve_config_path, validated_config
@@ -164,8 +163,6 @@ def validate(config: str, overrides: tuple[str, ...], no_rows: bool) -> None:
             click.echo(f"data: rows not checked: the tokenizer of {cfg.model.name_or_path} is not available "
                        "offline", err=True)
         else:
-            enforce(cfg, Facts(host, **loading.model_facts(cfg.model, cache_dir())), ("model",),
-                    source=str(resolve_config_path(config)), found=found, overrides=overrides)
             chat_template.use(tokenizer, cfg.data.chat_template)
             click.echo(prepare.check_rows(cfg, host, tokenizer), err=True)
     click.echo(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False), nl=False)

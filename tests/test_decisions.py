@@ -333,3 +333,5 @@ def test_a_key_added_since_the_fingerprint_changes_it_only_when_set():
     assert run_fingerprint(HfsdpConfig.model_validate(base)) == "b1f4d05f1baa4cc0"
     weighted = {**base, "model": {**base["model"], "router_aux_loss_coef": 0.01}}
     assert run_fingerprint(HfsdpConfig.model_validate(weighted)) != "b1f4d05f1baa4cc0"
+    sized = {**base, "data": {**base["data"], "image_max_pixels": 3136}}  # (issue 72)
+    assert run_fingerprint(HfsdpConfig.model_validate(sized)) != "b1f4d05f1baa4cc0"

@@ -220,7 +220,7 @@ def keep_global_batch(record: Record, config: HfsdpConfig, dims: "ParallelDims",
 # Keys that change the run, added to the schema after checkpoints began recording run_fingerprint, each with its
 # default: left out of the fingerprint at that default, so that a checkpoint written before them keeps its
 # fingerprint (a run that sets one otherwise still differs from it).
-ADDED_SINCE_FINGERPRINT = {"model.router_aux_loss_coef": None, "model.freeze": []}
+ADDED_SINCE_FINGERPRINT = {"model.router_aux_loss_coef": None, "model.freeze": [], "data.image_max_pixels": None}
 
 
 def run_fingerprint(config: HfsdpConfig) -> str:
