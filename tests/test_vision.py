@@ -489,6 +489,8 @@ def test_ranks_train_as_one_process_resume_and_export(tmp_path, arch, sections, 
                                                          "save_every": 2}, **sections)
     run_cli("train", str(one), env=RUN_ENV)
     proc = run_torchrun(world, "train", str(two), env=RUN_ENV)
+    shown = 6 * world if mixed else 12 * world  # the data report counts the rows with images
+    assert re.search(rf"data: train {12 * world} rows \([^)]*, {shown} with images\)", proc.stdout), proc.stdout
     if "freeze" in sections.get("model", {}):
         assert re.search(r"model\.freeze vision: [\d,]+ of [\d,]+ parameters frozen", proc.stdout), proc.stdout
     single, ranks = steps(tmp_path / "one" / "run"), steps(tmp_path / "two" / "run")

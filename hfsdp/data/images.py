@@ -270,16 +270,19 @@ def processed(processor, text: str, images: list[bytes]) -> tuple[list[int], dic
     return expanded, extras
 
 
-def has_images(splits: list[Any]) -> bool:
-    """Whether any row of the tokenized ``splits`` (None where absent) has an image."""
+def rows_with_images(split) -> int:
+    """How many rows of a tokenized split have an image."""
     import pyarrow.compute as pc
 
-    for split in splits:
-        if split is not None and len(split) and IMAGES_COLUMN in split.column_names:
-            counts = pc.list_value_length(split.with_format("arrow")[IMAGES_COLUMN])
-            if pc.any(pc.greater(pc.fill_null(counts, 0), 0)).as_py():
-                return True
-    return False
+    if not len(split) or IMAGES_COLUMN not in split.column_names:
+        return 0
+    counts = pc.fill_null(pc.list_value_length(split.with_format("arrow")[IMAGES_COLUMN]), 0)
+    return int(pc.sum(pc.greater(counts, 0)).as_py() or 0)
+
+
+def has_images(splits: list[Any]) -> bool:
+    """Whether any row of the tokenized ``splits`` (None where absent) has an image."""
+    return any(split is not None and rows_with_images(split) for split in splits)
 
 
 class PixelInputs:

@@ -23,7 +23,7 @@ from hfsdp.config.schema import DataConfig, HfsdpConfig
 from hfsdp.data.broken_rows import first_problem
 from hfsdp.data.batches import NEXT_FIT_ROWS, Mixture, padding_report, row_lengths
 from hfsdp.data.cache import Preprocessing, cache_key, load_or_build, quiet_datasets
-from hfsdp.data.images import FORMATS_WITH_IMAGES, IMAGES_COLUMN
+from hfsdp.data.images import FORMATS_WITH_IMAGES, IMAGES_COLUMN, rows_with_images
 from hfsdp.errors import PluginError, RowError, UserError
 
 if TYPE_CHECKING:
@@ -379,7 +379,9 @@ def prepare_datasets(config: HfsdpConfig, host: PluginHost, tokenizer, cache_dir
     seconds = time.perf_counter() - t0
     train = result["train"]
     totals = _add(*(TokenizeStats(**s) for s in meta["train"]))
-    report = {"train": f"{len(train)} rows ({totals.summary()})", "cache_hit": hit, "preprocess_s": seconds,
+    shown = rows_with_images(train)  # (a vision-language model's rows: how many show images)
+    report = {"train": f"{len(train)} rows ({totals.summary()}{f', {shown} with images' if shown else ''})",
+              "cache_hit": hit, "preprocess_s": seconds,
               "padding": padding_report(train, config.train.per_device_batch_size, config.train.seed,
                                         config.train.group_by_length, meta.get("next_fit_rows")),
               "sources": source_rows(train, sources, top, meta)}
