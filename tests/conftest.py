@@ -388,7 +388,8 @@ def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true", dest="full_matrix",
                      help="test_combinations.py: every smoke and resume cell and every pair of features, not only "
                           "CI's tier of them; test_chaos.py: every feature; test_agents_trl.py: both modes; "
-                          "test_agents.py, test_vision.py, test_moe.py: 4 ranks and the other wrappers")
+                          "test_agents.py, test_vision.py, test_moe.py: 4 ranks and the other wrappers; and every "
+                          "test marked full_matrix")
 
 
 def pytest_collection_modifyitems(config, items):

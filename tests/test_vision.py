@@ -214,7 +214,7 @@ def test_a_micro_batch_without_images_runs_the_tower_on_the_placeholder_leaving_
     processor = AutoProcessor.from_pretrained(folder)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(folder)
-    vision.TowerTouch(model)
+    vision.TowerTouch(model, forward_arguments(model))
     columns = tokenized(arch, [{"images": [], "messages": [{"role": "user", "content": "Name a colour."},
                                                            {"role": "assistant", "content": "Blue."}]},
                                {"images": [image(0, 56, 56)], "messages": [

@@ -92,14 +92,17 @@ class TowerTouch:
     """Runs a vision-language model's vision tower (and projector) on a placeholder image in a forward whose inputs
     have no images, adding 0 times the features to the input embeddings: the loss is what it was, and the tower's
     FSDP units are gathered in the forward and reduced in the backward (zero gradients) as on a rank whose
-    micro-batch has images, so that the ranks' collectives match. The placeholder's pixel inputs come with the
+    micro-batch has images, so that the ranks' collectives match (``forward_keys``: the arguments the model's
+    forward takes, :func:`hfsdp.model.loading.forward_arguments`). The placeholder's pixel inputs come with the
     forward's inputs (:data:`~hfsdp.data.images.TOWER_PLACEHOLDER`, taken out before the model sees them): the
     tower runs when the input embeddings are computed, where a forward with images runs it; or before a ``generate``
     call (:meth:`before_generate`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, forward_keys):
         self.model = model  # (a peft model's attributes are its base model's)
         self.takes = set(inspect.signature(model.get_image_features).parameters)
+        # generate encodes the images before the prefill where the forward takes them encoded (mm_encoder_outputs)
+        self.pre_encodes = "mm_encoder_outputs" in forward_keys
         self.armed: dict | None = None
         model._hfsdp_tower_touch = self  # (touch_of)
         model.register_forward_pre_hook(self._take, with_kwargs=True)
@@ -110,8 +113,7 @@ class TowerTouch:
         call about to start runs it on images: now, where the model's forward takes features encoded beforehand
         (transformers' ``mm_encoder_outputs``: ``generate`` encodes the images before the prefill), else in the
         prefill."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # (peft's)
-        if "mm_encoder_outputs" in inspect.signature(base.forward).parameters:
+        if self.pre_encodes:
             self._features(pixels)
         else:
             self.armed = pixels

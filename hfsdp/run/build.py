@@ -239,12 +239,13 @@ def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, p
     placeholder), the model's attention switched to read them."""
     unwrapped = accelerator.unwrap_model(model)
     processor = images.processor_of(tokenizer)
-    layout = MicroBatchLayout()
+    pixels = None
     if processor is not None:
+        keys = loading.forward_arguments(unwrapped)
         if with_images:
-            vision.TowerTouch(unwrapped)
-        layout = MicroBatchLayout(images=images.PixelInputs(processor, loading.forward_arguments(unwrapped),
-                                                            touch_tower=with_images))
+            vision.TowerTouch(unwrapped, keys)
+        pixels = images.PixelInputs(processor, keys, touch_tower=with_images)
+    layout = MicroBatchLayout(images=pixels)
     if pack_len is not None:
         # sdpa attends each packed sequence on its own (hfsdp.model.packed_attention), flash attention's
         # variable-length kernels too (transformers finds the sequences from position_ids); another attention

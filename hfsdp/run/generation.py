@@ -172,7 +172,7 @@ def _with_images(batch: list[GenerationItem], tokenizer, model):
 
     processor = images.processor_of(tokenizer)
     tensors = left_padded([images.processed(processor, item.text, list(item.images)) for item in batch],
-                                 tokenizer.pad_token_id)
+                          tokenizer.pad_token_id)
     pixels = images.PixelInputs(processor, forward_arguments(model))(
         [{images.IMAGES_COLUMN: list(item.images)} for item in batch])
     return BatchEncoding({**tensors, **pixels})
