@@ -348,12 +348,15 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
               help="Comma-separated expert-parallel sizes to plan (parallel.ep_size, a mixture of experts), e.g. "
                    "1,2,8; each row then says a rank's experts per layer and its all-to-all bytes [default: the "
                    "config's].")
+@click.option("--image-tokens", default=None, type=click.IntRange(0), metavar="N",
+              help="A vision-language model's image tokens a row (the vision tower runs on the images they come "
+                   "from); 0 for rows without images [default: data.max_seq_len, as many as a row holds].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
 @click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
 def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
-         tps: str | None, sps: str | None, eps: str | None, overrides: tuple[str, ...], as_json: bool,
-         png: Path | None) -> None:
+         tps: str | None, sps: str | None, eps: str | None, image_tokens: int | None, overrides: tuple[str, ...],
+         as_json: bool, png: Path | None) -> None:
     """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
 
     The model is built on the meta device from its config (a built-in model, a local folder, or a hub id whose
@@ -383,15 +386,25 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    planner = Planner(architecture_config(cfg.model.name_or_path, cfg.model, cache_dir()), cfg, budget,
-                      cache_dir())
+    model_config = architecture_config(cfg.model.name_or_path, cfg.model, cache_dir())
+    if image_tokens is not None:
+        from hfsdp.rules.vision import is_vision_language
+
+        if not is_vision_language(model_config):
+            raise UserError(f"--image-tokens: {cfg.model.name_or_path} is a text-only model, which reads no image; "
+                            "leave --image-tokens out")
+        if image_tokens > cfg.data.max_seq_len:
+            raise UserError(f"--image-tokens {image_tokens}: more than a row holds (data.max_seq_len: "
+                            f"{cfg.data.max_seq_len}); give at most {cfg.data.max_seq_len}")
+    planner = Planner(model_config, cfg, budget, cache_dir(), image_tokens)
     rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes, ep_sizes)
     facts, shape = planner.facts(tuple(cfg.plugins)), planner.shape(tuple(cfg.plugins))
+    images = planner.activations(rows[0].setup).images
     if as_json:
-        click.echo(json.dumps(to_json(rows, facts, budget, shape), indent=2))
+        click.echo(json.dumps(to_json(rows, facts, budget, shape, images, planner.image_tokens_per_row()), indent=2))
     else:
         click.echo(header(facts, cfg, budget, rows, planner.objective(tuple(cfg.plugins)),
-                          planner.frozen(tuple(cfg.plugins)), shape))
+                          planner.frozen(tuple(cfg.plugins)), shape, images, planner.image_tokens_per_row()))
         click.echo(text_table(rows, facts.experts))
     if png is not None:
         plot(rows, budget, png, f"{facts.name}: predicted peak memory per rank")

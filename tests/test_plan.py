@@ -15,11 +15,11 @@ from conftest import PRESET_DATA, base_env, run_cli, tiny_config
 LLAMA_8B_PARAMS = 2 * 128256 * 4096 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096) + 4096
 
 
-def hub_config(tmp_path: Path, name: str, **fsdp) -> Path:
+def hub_config(tmp_path: Path, name: str, max_seq_len: int = 2048, **fsdp) -> Path:
     path = tmp_path / "hub.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"name_or_path": name},
-        "data": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl"), "max_seq_len": 2048},
+        "data": {"format": "chat", "path": str(PRESET_DATA / "contacts_train.jsonl"), "max_seq_len": max_seq_len},
         "train": {"output_dir": str(tmp_path / "run"), "max_steps": 10},
         "fsdp": {"mixed_precision": "bf16", **fsdp},
     }))
@@ -242,6 +242,34 @@ def test_one_process_is_planned_as_train_runs_it(tmp_path):
     fsdp = row(plan_json(str(cfg), "--nproc", "1", "--strategies", "FULL_SHARD", "--set",
                          "fsdp.single_process=fsdp"), "FULL_SHARD", 1)
     assert fsdp["runs_as"] == "FSDP" and fsdp["gathered"] > 0
+
+
+def test_a_vision_language_model_is_planned_with_the_images_its_vision_tower_runs_on(tmp_path):
+    """Qwen2.5-VL-7B-Instruct from its shipped config (8.29B parameters, as its model page says): a row's image
+    tokens (by default all of its data.max_seq_len) come from images its vision tower runs on, and what the tower
+    keeps for the backward is in the activations (tests/test_vision.py checks the bytes against a real tower's, and
+    that a frozen tower keeps none); --image-tokens sets fewer, 0 none. --image-tokens is refused for a text-only
+    model and beyond a row's length."""
+    (tmp_path / "vl").mkdir()
+    cfg = str(hub_config(tmp_path / "vl", "Qwen/Qwen2.5-VL-7B-Instruct", max_seq_len=512))
+    args = ("--nproc", "8", "--strategies", "FULL_SHARD")
+    whole, none = plan_json(cfg, *args), plan_json(cfg, *args, "--image-tokens", "0")
+    assert whole["parameters"] == 8_292_166_656
+    images = whole["micro_batch"]
+    # one image of 512 image tokens: 2048 patches of 14 x 14 pixels through 32 blocks of width 1280, in bf16
+    assert (images["image_tokens_per_row"], images["images"], images["image_tokens_per_image"]) == (512, 1, 512)
+    tower = images["vision_tower_saved_bytes"]
+    assert 32 * 2048 * 1280 * 2 * 10 < tower < 32 * 2048 * 1280 * 2 * 60
+    assert (none["micro_batch"]["images"], none["micro_batch"]["vision_tower_saved_bytes"]) == (0, 0)
+    assert row(whole, "FULL_SHARD", 8)["activations"] == row(none, "FULL_SHARD", 8)["activations"] + tower
+    proc = run_cli("plan", cfg, *args, "--image-tokens", "256", env=base_env(HF_HUB_OFFLINE="1"))
+    assert ("images: the vision tower runs on 1 image a micro-batch of 256 image tokens each, for 256 image tokens "
+            "a row (--image-tokens); what it keeps for the backward is in column activ.") in proc.stdout
+    for config, more, said in [
+            (str(hub_config(tmp_path, "Qwen/Qwen2.5-0.5B")), "1", "Qwen/Qwen2.5-0.5B is a text-only model"),
+            (cfg, "513", "--image-tokens 513: more than a row holds (data.max_seq_len: 512)")]:
+        proc = run_cli("plan", config, *args, "--image-tokens", more, check=False, env=base_env(HF_HUB_OFFLINE="1"))
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_hub_id_without_a_shipped_config_is_refused_without_download(tmp_path):

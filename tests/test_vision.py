@@ -5,6 +5,7 @@ with the real SmolLM2 tokenizer (tests/vlm_models.py)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import re
 from pathlib import Path
@@ -242,6 +243,64 @@ def test_a_micro_batch_without_images_runs_the_tower_on_the_placeholder_leaving_
     assert not untouched and zeros.keys() == seen.keys() and seen
     assert all(not grad.any() for grad in zeros.values())
     assert any(grad.any() for grad in seen.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_plan_counts_what_the_vision_tower_saves_for_a_real_image_to_the_byte(arch):
+    """hfsdp plan traces the vision tower and projector on fake tensors (the meta device cannot read an image's
+    layout): for a micro-batch of 2 rows whose real images make N image tokens each, the plan's tower saves, for N
+    image tokens a row, the bytes the real tower saves for the backward on the processor's pixel inputs of those
+    images (eager attention both, which keeps the scores), on images that make the micro-batch's image tokens;
+    nothing with the tower and projector frozen."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.data.images import PixelInputs
+    from hfsdp.hooks.host import PluginHost
+    from hfsdp.model import vision
+    from hfsdp.model.loading import architecture_config, forward_arguments
+    from hfsdp.objective import MicroBatchLayout, Objective
+    from hfsdp.tools.plan.trace import trace_activations
+
+    vision.images_only_processors()
+    folder = str(tiny_vlm_folder(arch, CACHE_DIR))
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").train()
+    columns = tokenized(arch, [{"images": [image(seed, 112, 56)], "messages": [
+        {"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A square."}]}
+        for seed in range(2)])
+    objective = Objective()
+    objective.lay_out(MicroBatchLayout(images=PixelInputs(processor, forward_arguments(model))))
+    batch = objective.micro_batch([{k: v[i] for k, v in columns.items()} for i in range(2)],
+                                  processor.tokenizer.pad_token_id, "cpu", False)
+    image_token = getattr(model.config, "image_token_id", None) or model.config.image_token_index
+    tokens = int((batch.inputs["input_ids"][0] == image_token).sum())  # a row's
+    params, saved = {id(p) for p in model.parameters()}, {}
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in params and id(t) not in params:
+            saved[id(base)] = (base, base.numel() * base.element_size())
+        return t
+
+    takes = set(inspect.signature(model.get_image_features).parameters)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        features = model.get_image_features(**{k: v for k, v in batch.inputs.items() if k in takes})
+    assert features.pooler_output is not None
+    real = sum(n for _, n in saved.values())
+
+    def planned(freeze):
+        config = HfsdpConfig.model_validate({
+            "model": {"name_or_path": folder, "attn_implementation": "eager", "freeze": freeze},
+            "data": {"format": "chat", "path": "rows.jsonl", "max_seq_len": 64},
+            "train": {"output_dir": "run", "max_steps": 1, "per_device_batch_size": 2}})
+        return trace_activations(architecture_config(folder, config.model, None), config, PluginHost([]), "no",
+                                 image_tokens=tokens).images
+
+    images = planned([])
+    assert images.saved == real and real > 0
+    assert images.count * images.tokens == 2 * tokens
+    assert planned(["vision", "projector"]).saved == 0
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "smolvlm"])

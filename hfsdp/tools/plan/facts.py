@@ -105,6 +105,17 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class Images:
+    """What ``hfsdp plan`` traced of a vision-language model's vision tower for one micro-batch: ``count`` images
+    of ``tokens`` image tokens each (the language model's tokens they become), the tower's saved tensors for all of
+    them ``saved`` bytes (what is kept for the backward: 0 where nothing before the tower's output is trained)."""
+
+    count: int
+    tokens: int
+    saved: int
+
+
+@dataclass(frozen=True)
 class Activations:
     """Bytes autograd keeps for backward, for one micro-batch, in the compute dtype."""
 
@@ -119,6 +130,7 @@ class Activations:
     last_chunk_bytes: int = 0  # the last chunk's float32 logits (the micro-batch's remainder)
     head_grad_bytes: int = 0  # the head's gradient it computes (of the head's trainable parameters; LoRA: 0)
     one_tied_gradient: bool = False  # train.chunked_loss: the tied input embedding adds its gradient into the head's
+    images: Images | None = None  # a vision-language model's images in the micro-batch (counted in the fields above)
 
     def saved(self, checkpointing: bool) -> int:
         # The chunked loss keeps nothing logits-sized: each chunk's gradients are made in the forward.

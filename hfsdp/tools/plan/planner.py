@@ -55,6 +55,7 @@ class Planner:
     config: HfsdpConfig
     budget: int
     cache_dir: Any = None  # where built-in models are (a frozen model an objective names may be one)
+    image_tokens: int | None = None  # a vision-language model's image tokens a row (None: :meth:`image_tokens_per_row`)
     _variants: dict = field(default_factory=dict)
     _objectives: dict = field(default_factory=dict)
     _frozen: dict = field(default_factory=dict)
@@ -122,12 +123,23 @@ class Planner:
             est.fits = est.device_peak <= self.budget
         return est
 
+    def image_tokens_per_row(self) -> int | None:
+        """The image tokens a row of a vision-language model carries, whose images the vision tower runs on: those
+        given (``hfsdp plan --image-tokens``), else as many as a row holds (``data.max_seq_len``: the most a row's
+        images can make, however many there are); None for a text-only model."""
+        from hfsdp.rules.vision import is_vision_language
+
+        if not is_vision_language(self.model_config):
+            return None
+        return self.config.data.max_seq_len if self.image_tokens is None else self.image_tokens
+
     def activations(self, setup: Setup):
         """The traced activations of ``setup``'s micro-batch (a sequence-parallel rank's share with ``sp > 1``)."""
         key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.dims.sp)
         if key not in self._traces:
             self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
-                                                  self.objective(setup.plugins), setup.dims.sp)
+                                                  self.objective(setup.plugins), setup.dims.sp,
+                                                  self.image_tokens_per_row() or 0)
         return self._traces[key]
 
     def longest_row(self, setup: Setup) -> int | None:

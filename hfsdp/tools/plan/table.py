@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from hfsdp.config.schema import HfsdpConfig
 from hfsdp.rules import quantization
 from hfsdp.tools.plan.estimate import LONGEST_ROW_LIMIT, Estimate
-from hfsdp.tools.plan.facts import FrozenFacts, ModelFacts
+from hfsdp.tools.plan.facts import FrozenFacts, Images, ModelFacts
 from hfsdp.units import GIB, MIB
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ def text_table(rows: list[Estimate], experts: int = 0) -> str:
 
 
 def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estimate], objective=None,
-           frozen: tuple[FrozenFacts, ...] = (), shape: MicroBatchShape | None = None) -> str:
+           frozen: tuple[FrozenFacts, ...] = (), shape: MicroBatchShape | None = None, images: Images | None = None,
+           image_tokens: int | None = None) -> str:
     fsdp = config.fsdp
     adapted = facts.trainable_params < facts.total_params
     sampling = objective.sampling() if objective is not None else None
@@ -115,7 +116,21 @@ def header(facts: ModelFacts, config: HfsdpConfig, budget: int, rows: list[Estim
                + ("every rank the global batch's" if sampling.whole_global_batch else "each rank its own")
                + ", with the KV cache (column sampling: gathered parameters, cache and transients)"
                if sampling else "")
-            + generation_processes_line(facts, config, objective))
+            + generation_processes_line(facts, config, objective) + images_line(images, image_tokens, config))
+
+
+def images_line(images: Images | None, image_tokens: int | None, config: HfsdpConfig) -> str:
+    """What the plan counted of a vision-language model's images (:class:`Images`; ``image_tokens``: a row's, None
+    for a text-only model: no line)."""
+    if image_tokens is None:
+        return ""
+    if images is None:
+        return "\nimages: none (--image-tokens 0): the vision tower does not run"
+    given = "--image-tokens" if image_tokens != config.data.max_seq_len else "data.max_seq_len; fewer: --image-tokens"
+    kept = ("what it keeps for the backward is in column activ." if images.saved else
+            "frozen with nothing before it trained, it keeps nothing for the backward")
+    return (f"\nimages: the vision tower runs on {images.count} image{'s' if images.count != 1 else ''} a micro-batch "
+            f"of {images.tokens} image tokens each, for {image_tokens} image tokens a row ({given}); {kept}")
 
 
 def generation_processes_line(facts: ModelFacts, config: HfsdpConfig, objective) -> str:
@@ -165,8 +180,8 @@ def quantized_line(facts: ModelFacts, config: HfsdpConfig) -> str:
             f"({(packed_bytes + state) / (2 * weights):.2f} of it)")
 
 
-def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBatchShape | None = None
-            ) -> dict[str, Any]:
+def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBatchShape | None = None,
+            images: Images | None = None, image_tokens: int | None = None) -> dict[str, Any]:
     out = []
     for e in rows:
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
@@ -181,7 +196,11 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBa
             **({"active_parameters": facts.active_params} if facts.active_params is not None else {}),
             "fsdp_units": len(facts.units), "fsdp_unit_names": list(facts.units), "device_budget_bytes": budget,
             **({"micro_batch": {"rows": shape.rows, "tokens_per_row": shape.width, "tokens": shape.tokens,
-                                "logits_positions_per_row": shape.positions, "packing": shape.packing}}
+                                "logits_positions_per_row": shape.positions, "packing": shape.packing,
+                                **({"image_tokens_per_row": image_tokens, "images": images.count if images else 0,
+                                    "image_tokens_per_image": images.tokens if images else 0,
+                                    "vision_tower_saved_bytes": images.saved if images else 0}
+                                   if image_tokens is not None else {})}}
                if shape is not None else {}),
             "rows": out}
 
