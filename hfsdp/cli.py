@@ -344,6 +344,10 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
 @click.option("--sp", "sps", default=None, metavar="LIST",
               help="Comma-separated sequence-parallel sizes to plan (parallel.sp_size), e.g. 1,2,4; each row then "
                    "also says the longest row that fits [default: the config's].")
+@click.option("--cp", "cps", default=None, metavar="LIST",
+              help="Comma-separated context-parallel sizes to plan (parallel.cp_size: ring attention), e.g. 1,2,4; "
+                   "each row then also says the ring's bytes and the longest row that fits [default: the "
+                   "config's].")
 @click.option("--ep", "eps", default=None, metavar="LIST",
               help="Comma-separated expert-parallel sizes to plan (parallel.ep_size, a mixture of experts), e.g. "
                    "1,2,8; each row then says a rank's experts per layer and its all-to-all bytes [default: the "
@@ -355,7 +359,8 @@ def bench(config: str | None, strategies: str, nprocs: str, steps: int, warmup: 
 @click.option("--json", "as_json", is_flag=True, help="Print the estimates as JSON instead of a table.")
 @click.option("--png", "png", default=None, type=click.Path(path_type=Path), help="Also plot peak memory per rank.")
 def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strategies: str | None,
-         tps: str | None, sps: str | None, eps: str | None, image_tokens: int | None, overrides: tuple[str, ...],
+         tps: str | None, sps: str | None, cps: str | None, eps: str | None, image_tokens: int | None,
+         overrides: tuple[str, ...],
          as_json: bool, png: Path | None) -> None:
     """Predict memory per rank for CONFIG under each strategy and world size, without loading weights.
 
@@ -381,6 +386,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
     sizes = _positive_ints("--nproc", nprocs, "positive process counts per node, e.g. 1,2,8")
     tp_sizes = _positive_ints("--tp", tps, "positive tensor-parallel sizes, e.g. 1,8") if tps else None
     sp_sizes = _positive_ints("--sp", sps, "positive sequence-parallel sizes, e.g. 1,2,4") if sps else None
+    cp_sizes = _positive_ints("--cp", cps, "positive context-parallel sizes, e.g. 1,2,4") if cps else None
     ep_sizes = _positive_ints("--ep", eps, "positive expert-parallel sizes, e.g. 1,2,8") if eps else None
     budget = parse_size(device_memory)
     from transformers.utils import logging as hf_logging
@@ -397,7 +403,7 @@ def plan(config: str | None, nprocs: str, nodes: int, device_memory: str, strate
             raise UserError(f"--image-tokens {image_tokens}: more than a row holds (data.max_seq_len: "
                             f"{cfg.data.max_seq_len}); give at most {cfg.data.max_seq_len}")
     planner = Planner(model_config, cfg, budget, cache_dir(), image_tokens)
-    rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes, ep_sizes)
+    rows = run_plan(planner, names, sizes, nodes, tp_sizes, sp_sizes, ep_sizes, cp_sizes)
     facts, shape = planner.facts(tuple(cfg.plugins)), planner.shape(tuple(cfg.plugins))
     images = planner.activations(rows[0].setup).images
     if as_json:

@@ -271,6 +271,10 @@ OPTIONS = {
     # sequence parallelism: each row's positions split over 2 ranks, attention's heads exchanged for them (on 2
     # ranks: one data-parallel rank; tests/test_sequence_parallel.py: long rows, 2 x 2 on 4 ranks, LoRA, packing)
     "sp2": {"parallel": {"sp_size": 2}},
+    # context parallelism: each row's positions split over a ring of 2 ranks, the keys and values passed around it
+    # (on 2 ranks: one data-parallel rank; tests/test_context_parallel.py: rows of 3,072 tokens on 9 heads, packing,
+    # LoRA, sp 2 x cp 2 on 4 ranks)
+    "cp2": {"parallel": {"cp_size": 2}},
     "agent": with_tools,
     # the end of training writes the merged LoRA model as q8_0 GGUF and a Modelfile beside the folder (its model
     # card names them); transformers' GGUF loader reads it back into the folder's logits
@@ -320,6 +324,7 @@ REFUSED.update({(1, world, name): "QLoRA runs under FSDP2 only" for world in (1,
 # A tensor-parallel group of 2 ranks needs 2 ranks.
 REFUSED[2, 1, "tp2"] = "parallel.tp_size: 2 does not divide the world size 1"
 REFUSED.update({(v, 1, "sp2"): "parallel.sp_size: 2 does not divide the world size 1" for v in (1, 2)})
+REFUSED.update({(v, 1, "cp2"): "parallel.cp_size: 2 does not divide the world size 1" for v in (1, 2)})
 REFUSED[2, 1, "ep2"] = "parallel.ep_size: 2 does not divide the 1 ranks FSDP shards over"
 # torch's FSDP1 on one shard drops a frozen part from the state dict it saves (the vlm option freezes the tower).
 REFUSED.update({(1, 1, name): "model.freeze under FSDP1 with a single shard"
@@ -377,11 +382,12 @@ FSDP2_ONE_PROCESS_SAME = ("bf16", "accumulation", "shard_grad_op", "compile", "c
                           "lora_simpo", "reward_model", "kto", "mixture", "distill", "muon", "schedule_free",
                           "adamw_8bit", "adafactor", "agent", "dpo_tools", "grpo_tools", "ipo", "rloo", "lora_rloo",
                           "distill_online", "acting", "workers", "moe", "vlm", "vlm_dpo", "vlm_grpo", "gguf",
-                          *PACKED_OPTIONS)
+                          "cp2", *PACKED_OPTIONS)
 # FSDP1 on 2 ranks leaves out, in CI, the objectives and row options whose code FSDP1 does not change (the loss,
 # packed rows, reference-free objectives): they meet FSDP1 through the same forward and backward as the base run.
 FSDP1_SAME = ("plain_loss", "packing", "lora_packing", "orpo", "lora_simpo", "reward_model", "kto", "distill", "ipo",
-              "rloo", "lora_rloo", "distill_online", "acting", "vlm_dpo", "vlm_grpo", *PACKED_OPTIONS)
+              "rloo", "lora_rloo", "distill_online", "acting", "vlm_dpo", "vlm_grpo", *PACKED_OPTIONS,
+              "cp2")  # (the ring's groups are sp2's, whose FSDP1 run tests/test_sequence_parallel.py checks)
 # Options that CI runs in a test of their own: 8-bit AdamW and Adafactor on 2 FSDP2 ranks against one process, and
 # their resumes (tests/test_optimizers.py)
 CI_ELSEWHERE = ("adamw_8bit", "adafactor", "qlora_adamw_8bit")  # the last: with --full-matrix only
@@ -525,6 +531,9 @@ def assert_trained(run: Path, proc, sections: dict, options: tuple[str, ...], ve
         assert report["param_bytes_this_rank"] < report["param_bytes_full_model"], report
     elif "sp2" in options:  # every row's positions split, the weights sharded over both (FSDP2)
         assert report["sp_size"] == 2 and "over dp 1 x sequence parallel 2" in report["strategy"], report
+        assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
+    elif "cp2" in options:  # every row's positions split around the ring, the weights sharded over both
+        assert report["cp_size"] == 2 and "over dp 1 x context parallel 2" in report["strategy"], report
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
     elif world == 2 and sections["fsdp"].get("sharding_strategy") != "NO_SHARD":
         assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"]
@@ -869,6 +878,7 @@ FEATURES = {
     "schedule_free": {"optim_state"},           # two weight sequences: the averaged one evaluated, saved, exported
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
     "sp2": {"rows", "attention", "loss"},       # each row's positions split, heads exchanged, the loss's counts
+    "cp2": {"rows", "attention", "loss"},       # each row's positions split, keys and values around a ring
     "moe": {"layers", "params", "loss"},        # experts' 3-D weights, the router's loss added to the step's
     "ep2": {"layers", "params", "model_state", "optim_state"},  # experts split: DTensors on a 2-D mesh, their states
     "vlm": {"rows", "units", "params"},         # image rows and pixel inputs, units by part, the tower frozen
@@ -927,6 +937,13 @@ REFUSED_PAIRS = {
     frozenset(("vlm", "qlora")): "without 4-bit quantization so far",
     frozenset(("vlm", "tp2")): "trains without tensor parallelism so far",
     frozenset(("vlm", "sp2")): "trains without sequence parallelism so far",
+    frozenset(("cp2", "compile")): "compiled blocks with the ring's passes inside are not tried yet",
+    frozenset(("cp2", "tp2")): "tensor x context (ring attention) parallelism is not built yet",
+    **{frozenset(("cp2", name)): "(a plugin's objective) is not composed with context parallelism yet"
+       for name in ("dpo", "grpo", "rloo", "distill_online", "acting", "workers")},
+    frozenset(("cp2", "sp2")): "cp_size 2 x sp_size 2 is 4 ranks a group, which does not divide the world size 2",
+    frozenset(("ep2", "cp2")): "context x expert parallelism is not built yet",
+    frozenset(("vlm", "cp2")): "trains without context parallelism so far",
     frozenset(("vlm", "ep2")): "trains without expert parallelism so far",
 }
 
@@ -966,6 +983,9 @@ FULL_MATRIX_PAIRS |= {frozenset(("ep2", other)) for other in FEATURES if other n
 # tests/test_vision.py) with --full-matrix.
 FULL_MATRIX_PAIRS |= {frozenset(("vlm", other)) for other in FEATURES if other not in ("vlm", "lora")
                       and frozenset(("vlm", other)) not in REFUSED_PAIRS}
+# Context parallelism meets in CI packed rows (each sequence attends within itself around the ring); its other pairs
+# (its refusals named in tests/test_sequence_parallel.py's rules too) with --full-matrix.
+FULL_MATRIX_PAIRS |= {frozenset(("cp2", other)) for other in FEATURES if other not in ("cp2", "packing")}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 
@@ -1089,7 +1109,7 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
           + [(2, 2, o) for o in ("packing", "checkpointing", "bf16", "accumulation", "shard_grad_op",
                                       "size_wrap", "plain_loss", "compile", "dpo", "orpo", "lora_simpo", "reward_model",
                                       "kto", "mixture", "grpo", "muon", "schedule_free", "distill", "adamw_8bit",
-                                      "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "agent", "dpo_tools",
+                                      "adafactor", "qlora_adamw_8bit", "tp2", "sp2", "cp2", "agent", "dpo_tools",
                                       "grpo_tools", "acting", "workers", "moe", "ep2", "vlm", "vlm_dpo", "vlm_grpo",
                                       "rloo", "lora_rloo", "distill_online", *GRPO_LOSS_OPTIONS,
                                       *PACKED_OPTIONS)]
@@ -1103,7 +1123,8 @@ RESUME = ([(v, w, o) for v in (1, 2) for w in (1, 2)
 CI_RESUME = [(v, w, o) for v, w, o in RESUME
              if not (w == 1 and o not in ("base", "lora", "qlora_checkpointing"))
              and o not in ("plain_loss", "orpo", "reward_model", "kto", "agent", "dpo_tools", "grpo_tools",
-                           "vlm_dpo", "vlm_grpo")  # (tests/test_vision.py resumes them on 2 ranks)
+                           "vlm_dpo", "vlm_grpo",  # (tests/test_vision.py resumes them on 2 ranks)
+                           "cp2")  # (CI resumes the ring as the pair packing+cp2)
              # packed micro-batches are a pure function of the step's rows: CI resumes packing+dpo and packing+grpo
              # (the pairs, the same runs as packing_dpo and packing_grpo), the other objectives with --full-matrix
              and o not in PACKED_OPTIONS

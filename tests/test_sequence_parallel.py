@@ -30,16 +30,17 @@ from test_combinations import _merge, exported, losses, read_metrics, resume, re
 STEPS = 4
 
 
-def long_chats() -> dict[str, str]:
-    """Train and eval files of long chats (16 and 8 rows of 1,371 to 1,977 tokens under SmolLM2's template: the
-    bundled ShareGPT chats laid end to end, every turn kept), written once into the test cache."""
-    folder = CACHE_DIR / "long-chats-v1"
+def long_chats(chars: int = 3700, name: str = "long-chats-v1") -> dict[str, str]:
+    """Train and eval files of long chats (16 and 8 rows of at least ``chars`` characters, 1,371 to 1,977 tokens
+    under SmolLM2's template at the default: the bundled ShareGPT chats laid end to end, every turn kept), written
+    once into the test cache as ``name``."""
+    folder = CACHE_DIR / name
     files = {"path": folder / "train.jsonl", "eval_path": folder / "eval.jsonl"}
     if not files["eval_path"].is_file():
         chats, source, n = [], sharegpt_rows(), 0
         for k in range(24):
             turns: list[dict] = []
-            while sum(len(t["value"]) for t in turns) < 3700 + 170 * (k % 7):
+            while sum(len(t["value"]) for t in turns) < chars + 170 * (k % 7):
                 turns += source[n % len(source)]["conversations"]
                 n += 1
             chats.append(json.dumps({"conversations": turns}))
@@ -243,17 +244,20 @@ def _config(**sections) -> HfsdpConfig:
     return HfsdpConfig.model_validate(base)
 
 
+@pytest.mark.parametrize("degree", ["sp_size", "cp_size"])
 @pytest.mark.parametrize("sections, key, says", [
     ({"fsdp": {"sharding_strategy": "HYBRID_SHARD"}}, "fsdp.sharding_strategy", "HYBRID_SHARD is not composed"),
     ({"fsdp": {"sharding_strategy": "NO_SHARD"}}, "fsdp.sharding_strategy", "NO_SHARD is not composed"),
-    ({"parallel": {"tp_size": 2}}, "parallel.tp_size", "tensor x sequence parallelism is not built yet"),
+    ({"parallel": {"tp_size": 2}}, "parallel.tp_size", "tensor x {what} parallelism is not built yet"),
     ({"model": {"attn_implementation": "eager"}}, "model.attn_implementation", "eager is not composed"),
-    ({"train": {"compile": True}}, "train.compile", "all-to-all inside are not tried yet"),
+    ({"train": {"compile": True}}, "train.compile", "{exchanged} inside are not tried yet"),
 ])
-def test_what_sequence_parallelism_cannot_combine_with_is_named(sections, key, says):
-    problems = parallel.sp_config_problems(_config(**sections))
-    assert [k for k, _ in problems] == [key] and says in problems[0][1], problems
-    assert problems[0][1].startswith("parallel.sp_size 2: ") and "or set parallel.sp_size: 1" in problems[0][1]
+def test_what_sequence_and_context_parallelism_cannot_combine_with_is_named(degree, sections, key, says):
+    what, exchanged = parallel.SPLITS[degree]
+    config = _config(**{**sections, "parallel": {"sp_size": 1, degree: 2, **sections.get("parallel", {})}})
+    problems = parallel.split_config_problems(config, degree)
+    assert [k for k, _ in problems] == [key] and says.format(what=what, exchanged=exchanged) in problems[0][1]
+    assert problems[0][1].startswith(f"parallel.{degree} 2: ") and f"or set parallel.{degree}: 1" in problems[0][1]
 
 
 def test_a_plain_sequence_parallel_config_has_no_problems():
@@ -276,7 +280,9 @@ def test_sp_size_must_divide_the_heads_and_the_kv_heads():
     assert parallel.model_problems(_config(), model) == []
     problems = parallel.model_problems(_config(parallel={"sp_size": 4}), model)
     assert problems == [("parallel.sp_size", "4 does not divide the model's num_key_value_heads (2): choose an "
-                                             "sp_size that does")]
+                                             "sp_size that does (or parallel.cp_size, ring attention, which splits "
+                                             "the positions and not the heads)")]
+    assert parallel.model_problems(_config(parallel={"sp_size": 1, "cp_size": 4}), model) == []
 
 
 def test_a_plugin_objective_with_sequence_parallelism_is_refused_by_validate(tmp_path):
@@ -356,7 +362,7 @@ def test_the_exchange_around_attention_computes_sdpa_over_whole_rows_and_its_gra
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from hfsdp.model.packed_attention import sequence_sdpa
-    from hfsdp.parallel.sequence import SPLIT, Exchange, ulysses_sdpa
+    from hfsdp.parallel.sequence import SPLIT, Exchange, split_sdpa
     from threaded_ranks import on_threads
 
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
@@ -377,7 +383,7 @@ def test_the_exchange_around_attention_computes_sdpa_over_whole_rows_and_its_gra
         def rank(r):
             part = slice(6 * r, 6 * r + 6)
             leaves = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
-            out, _ = ulysses_sdpa(module, *leaves, None, scaling=0.3,
+            out, _ = split_sdpa(module, *leaves, None, scaling=0.3,
                                   **{SPLIT: Exchange(dist.group.WORLD, 2, segments)})
             (out * weights[:, part]).sum().backward()
             return out.detach(), [t.grad for t in leaves]

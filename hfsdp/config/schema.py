@@ -497,7 +497,7 @@ class GenerationEvalConfig(Section):
 
 class ParallelConfig(Section):
     """The parallel degrees, one key each; their product is the world size (``hfsdp.layout.degrees``). Ranks are laid
-    out as dp_replicate x dp_shard x sp x tp, the tensor-parallel ranks innermost (dp_shard split as efsdp x ep
+    out as dp_replicate x dp_shard x cp x sp x tp, the tensor-parallel ranks innermost (dp_shard split as efsdp x ep
     when ep_size > 1, the expert-parallel ranks consecutive). ``fsdp.sharding_strategy``
     HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD are accepted spellings of the two data-parallel
     degrees."""
@@ -507,7 +507,8 @@ class ParallelConfig(Section):
                                                          "(HSDP: FULL_SHARD or SHARD_GRAD_OP with this is HYBRID_SHARD "
                                                          "by degrees). 1: FSDP shards over every data-parallel rank.")
     dp_shard_size: int = Field(-1, description="ranks FSDP shards each parameter over within a replica; -1: the "
-                                               "rest (world / (dp_replicate_size x sp_size x tp_size)); given, it is "
+                                               "rest (world / (dp_replicate_size x cp_size x sp_size x tp_size)); "
+                                               "given, it is "
                                                "checked at launch.")
     tp_size: int = Field(1, gt=0, description="ranks that split each layer's matrices (tensor parallel, the "
                                               "architecture's tp_plan: attention heads and MLP columns/rows); "
@@ -516,6 +517,12 @@ class ParallelConfig(Section):
                                               "each holds 1/sp_size of every row's tokens, and an all-to-all around "
                                               "attention trades that split for a split of the heads); consecutive "
                                               "ranks, inside a node. 1: off.")
+    cp_size: int = Field(1, gt=0, description="ranks that split each sequence in a ring (context parallel, ring "
+                                              "attention: each holds 1/cp_size of every row's tokens, in order, and "
+                                              "the keys and values pass around the ring in every layer; the heads "
+                                              "need not divide by it). With sp_size, Ulysses splits the heads inside "
+                                              "each sequence-parallel group and the ring runs across the groups; "
+                                              "consecutive groups of sp_size x tp_size ranks, inside a node. 1: off.")
     ep_size: int = Field(1, gt=0, description="ranks that split each mixture-of-experts layer's experts (expert "
                                               "parallel): each holds 1/ep_size of them, and an all-to-all sends "
                                               "each token to its experts' ranks and back. Carved from the "

@@ -2,14 +2,16 @@
 job (:class:`World`, what the launcher started). Torch-free.
 
 Every degree is a key of the ``parallel:`` section (``dp_replicate_size``, ``dp_shard_size`` with -1 for the rest,
-``sp_size``, ``tp_size``, ``ep_size``); ``fsdp.sharding_strategy`` HYBRID_SHARD (with ``fsdp.hybrid_shard_size``) and NO_SHARD
-are accepted spellings of the data-parallel degrees, and FULL_SHARD / SHARD_GRAD_OP say only whether FSDP frees the
-gathered parameters after the forward. :meth:`ParallelDims.of` derives the degrees and the wrapper they make from the
-config and the world once; :meth:`ParallelDims.problems` says what the launched world does not allow of them; the
-one device-mesh builder (:func:`hfsdp.parallel.mesh.device_mesh`) makes every mesh from them.
+``cp_size``, ``sp_size``, ``tp_size``, ``ep_size``); ``fsdp.sharding_strategy`` HYBRID_SHARD (with
+``fsdp.hybrid_shard_size``) and NO_SHARD are accepted spellings of the data-parallel degrees, and FULL_SHARD /
+SHARD_GRAD_OP say only whether FSDP frees the gathered parameters after the forward. :meth:`ParallelDims.of` derives
+the degrees and the wrapper they make from the config and the world once; :meth:`ParallelDims.problems` says what the
+launched world does not allow of them; the one device-mesh builder (:func:`hfsdp.parallel.mesh.device_mesh`) makes
+every mesh from them.
 
-Ranks are laid out as ``dp_replicate x dp_shard x sp x tp``, the tensor-parallel ranks innermost (consecutive
-ranks, inside a node): a data-parallel rank is ``rank // (sp * tp)``, a sequence-parallel rank ``rank // tp % sp``.
+Ranks are laid out as ``dp_replicate x dp_shard x cp x sp x tp``, the tensor-parallel ranks innermost (consecutive
+ranks, inside a node): a data-parallel rank is ``rank // (cp * sp * tp)``; the ranks of a ring and of a
+sequence-parallel group split each row's tokens, rank ``rank // tp % (cp * sp)`` holding that share of them in order.
 Expert parallelism splits the data-parallel shard ranks (``dp_shard = efsdp x ep``, as torchtitan's and transformers'
 ``efsdp``): the ``ep`` consecutive ranks of a group train on their own rows and hold 1/ep of every MoE layer's experts
 each; FSDP2 shards the experts over the ``efsdp`` ranks that hold the same ones, everything else over all of
@@ -40,8 +42,11 @@ class ParallelDims:
     * ``dp_replicate``: copies of the model's state across data-parallel ranks (HYBRID's replica groups, every rank
       where nothing is sharded: DDP, NO_SHARD, one process);
     * ``dp_shard``: the ranks FSDP shards each parameter over within a replica (1 where nothing is sharded);
+    * ``cp``: the ranks of a ring (context parallel), which train on the same rows, each on its share of every row's
+      tokens, attending over the others' keys and values as they pass around the ring (FSDP shards over them too);
     * ``sp``: the ranks of a sequence-parallel group, which train on the same rows, each on its share of every row's
-      tokens (FSDP shards over them too: a parameter over ``dp_shard x sp`` ranks, as torchtitan's ``dp_shard_cp``);
+      tokens (FSDP shards over them too: a parameter over ``dp_shard x cp x sp`` ranks, as torchtitan's
+      ``dp_shard_cp``);
     * ``tp``: the ranks of a tensor-parallel group, which split each layer's matrices and train on the same rows;
     * ``ep``: the ranks of an expert-parallel group, a split of ``dp_shard`` (so they train on their own rows), which
       hold 1/ep of each MoE layer's experts each;
@@ -51,6 +56,7 @@ class ParallelDims:
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     sp: int = 1
     tp: int = 1
     ep: int = 1
@@ -62,11 +68,13 @@ class ParallelDims:
     # rows: groups of consecutive ranks inside a node, each the parallel section's ``<name>_size``); those that split
     # each row's tokens (FSDP shards over them too, flattened with dp_shard: torchtitan's dp_shard_cp). The mesh
     # (hfsdp.parallel.mesh), the groups' checks and the products below are read off them.
-    MESH: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard", "sp", "tp")
+    MESH: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
     DATA_PARALLEL: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard")
-    TOKEN_SPLIT: ClassVar[tuple[str, ...]] = ("sp",)
+    TOKEN_SPLIT: ClassVar[tuple[str, ...]] = ("cp", "sp")
     # Why a group of each dimension stays inside a node.
     INSIDE: ClassVar[dict[str, str]] = {
+        "cp": "ring (context-parallel group) must stay inside one node (it passes every layer's keys and values "
+              "around)",
         "sp": "sequence-parallel group must stay inside one node (it exchanges every layer's attention inputs and "
               "outputs)",
         "tp": "tensor-parallel group must stay inside one node (it all-reduces in every layer)",
@@ -155,9 +163,23 @@ class ParallelDims:
         same rows."""
         return rank // self.row_copies
 
+    @property
+    def token_split(self) -> int:
+        """The shares each row's tokens are split in (a ring's ranks times a sequence-parallel group's)."""
+        return self.product(self.TOKEN_SPLIT)
+
+    def token_share(self, rank: int) -> int:
+        """Which share of each row's tokens global ``rank`` holds, in the row's order (0 where rows are not split):
+        a sequence-parallel group holds consecutive shares, the ring's groups one after another."""
+        return rank // self.tp % self.token_split
+
     def sp_rank(self, rank: int) -> int:
-        """Which share of each row's tokens global ``rank`` holds (0 where sequences are not split)."""
+        """Global ``rank``'s rank in its sequence-parallel group."""
         return rank // self.tp % self.sp
+
+    def cp_rank(self, rank: int) -> int:
+        """Global ``rank``'s rank in its ring."""
+        return rank // (self.tp * self.sp) % self.cp
 
     @property
     def row_copies(self) -> int:
@@ -216,6 +238,11 @@ class ParallelDims:
                                            self.local_world_size, self.INSIDE[name]):
                 return problems
         inner = self.row_copies
+        if self.world_size % inner:  # each group divides the world, their product not
+            named = " x ".join(f"{name}_size {getattr(self, name)}" for name in self.groups() if getattr(self, name) > 1)
+            return [(f"parallel.{next(n for n in self.groups() if getattr(self, n) > 1)}_size",
+                     f"{named} is {inner} ranks a group, which does not divide the world size {self.world_size}: "
+                     f"launch a multiple of {inner} processes, or change them")]
         data_parallel = self.world_size // inner
         if data_parallel % parallel.dp_replicate_size:
             return [("parallel.dp_replicate_size",

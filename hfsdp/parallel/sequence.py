@@ -1,8 +1,10 @@
-"""Sequence parallelism (``parallel.sp_size``), DeepSpeed-Ulysses with torch's own collectives: the ranks of a
-sequence-parallel group (``sp`` consecutive ranks) train on the same rows, each on ``1/sp`` of every row's positions
-(:meth:`SequenceSplit.apply`: the embeddings, norms, MLPs and the loss see the local positions only); around
-attention, an all-to-all trades that split for a split of the heads (:func:`ulysses_sdpa`), so that each rank
-attends over whole rows with ``heads/sp`` of the heads, then trades back. FSDP (1 or 2) shards the weights over every rank.
+"""Sequence parallelism (``parallel.sp_size``), DeepSpeed-Ulysses with torch's own collectives, and its ring
+(``parallel.cp_size``, :mod:`hfsdp.parallel.ring`): the ranks of a sequence-parallel group (``sp`` consecutive ranks)
+and of a ring train on the same rows, each on its share of every row's positions (:meth:`SequenceSplit.apply`: the
+embeddings, norms, MLPs and the loss see the local positions only); around attention, an all-to-all trades a
+group's split for a split of the heads (:func:`split_sdpa`), so that each rank attends over the group's positions
+with ``heads/sp`` of the heads, then trades back; with a ring, those positions attend around it, over every other
+group's keys and values. FSDP (1 or 2) shards the weights over every rank.
 
 What keeps it exact: the targets are shifted over the whole row before it is split (position t predicts token t+1
 even where t+1 is on the next rank), the position ids are the row's own (RoPE, and packed rows' restarts), packed
@@ -28,20 +30,23 @@ import torch.nn.functional as F
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.layout import SEGMENTS
 from hfsdp.model.packed_attention import sequence_sdpa
+from hfsdp.parallel.ring import Ring, ring_attention
 
-NAME = "hfsdp_ulysses"
+NAME = "hfsdp_split"
 # The model input of a split micro-batch: its :class:`Exchange` (the group, and the rows' packed sequences).
 SPLIT = "sequence_split"
 
 
 @dataclass(frozen=True)
 class Exchange:
-    """What attention needs of a split micro-batch: the sequence-parallel group and its size, and for packed rows
-    each row's sequences as (start, end) positions of the whole row (None: one sequence a row)."""
+    """What attention needs of a split micro-batch: the sequence-parallel group and its size (1: no Ulysses
+    exchange), for packed rows each row's sequences as (start, end) positions of the whole row (None: one sequence a
+    row), and the ring the positions the group holds attend around (:mod:`hfsdp.parallel.ring`; None: no ring)."""
 
     group: Any
     size: int
     segments: list[list[tuple[int, int]]] | None = None
+    ring: Ring | None = None
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -72,21 +77,27 @@ def heads_to_sequence(x: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(rows, width // sp, sp * heads, dim)
 
 
-def ulysses_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
-    """transformers' sdpa over whole rows for a split micro-batch (its inputs carry :data:`SPLIT`): queries, keys
-    and values exchanged to a split of the heads, causal attention over each row (each packed sequence on its own),
-    the output exchanged back to the split of the positions. Without :data:`SPLIT`, sdpa on this rank's rows
-    (:func:`hfsdp.model.packed_attention.sequence_sdpa`, which is transformers' own without packed segments)."""
+def split_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    """transformers' sdpa over whole rows for a split micro-batch (its inputs carry :data:`SPLIT`): with a
+    sequence-parallel group, queries, keys and values exchanged to a split of the heads over the group's positions;
+    causal attention over them (each packed sequence on its own), around the ring where there is one
+    (:func:`hfsdp.parallel.ring.ring_attention`); the output exchanged back to the split of the positions. Without
+    :data:`SPLIT`, sdpa on this rank's rows (:func:`hfsdp.model.packed_attention.sequence_sdpa`, which is
+    transformers' own without packed segments)."""
     exchange = kwargs.pop(SPLIT, None)
     if exchange is None:
         return sequence_sdpa(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     kwargs.pop(SEGMENTS, None)  # the packer's spans are the exchange's
-    q, k, v = (sequence_to_heads(t, exchange) for t in (query, key, value))
+    ulysses = exchange.size > 1
+    q, k, v = ((sequence_to_heads(t, exchange) for t in (query, key, value)) if ulysses else (query, key, value))
     # the mask transformers built is the local positions'; right-padded rows need none over the whole row (causal)
-    out, _ = sequence_sdpa(module, q, k, v, None, **kwargs,
-                           **({SEGMENTS: exchange.segments} if exchange.segments is not None else {}))
-    return heads_to_sequence(out, exchange), None
+    if exchange.ring is not None:
+        out = ring_attention(module, q, k, v, exchange.ring, exchange.segments, **kwargs)
+    else:
+        out, _ = sequence_sdpa(module, q, k, v, None, **kwargs,
+                               **({SEGMENTS: exchange.segments} if exchange.segments is not None else {}))
+    return (heads_to_sequence(out, exchange) if ulysses else out), None
 
 
 def register() -> None:
@@ -94,11 +105,11 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, ulysses_sdpa)
+    AttentionInterface.register(NAME, split_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def use_ulysses(model) -> None:
+def use_split_attention(model) -> None:
     """Switch ``model`` (its attention sdpa, or hfsdp's packed sdpa: the rules refuse other kernels) to
     :data:`NAME`."""
     register()
@@ -116,17 +127,24 @@ def segments_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """This rank's share of every row: the ``rank``-th of ``size`` equal parts of its positions, in ``group``."""
+    """This rank's share of every row: the ``rank``-th of ``size`` equal parts of its positions; ``group``: its
+    sequence-parallel group of ``sp`` ranks (None with ``sp`` 1), which hold consecutive parts; ``ring``: the ring its
+    group's parts attend around (None: no ring)."""
 
     size: int
     rank: int
     group: Any
+    sp: int = 1
+    ring: Ring | None = None
 
     @classmethod
     def of(cls, world, mesh) -> "SequenceSplit":
-        """The split of ``world`` (a :class:`hfsdp.layout.degrees.World` with ``sp > 1``) over the ``sp`` dimension
-        of the run's device mesh (:func:`hfsdp.parallel.mesh.device_mesh`)."""
-        return cls(size=world.dims.sp, rank=world.dims.sp_rank(world.rank), group=mesh["sp"].get_group())
+        """The split of ``world`` (a :class:`hfsdp.layout.degrees.World` that splits rows: ``cp x sp > 1``) over the
+        ``cp`` and ``sp`` dimensions of the run's device mesh (:func:`hfsdp.parallel.mesh.device_mesh`)."""
+        dims = world.dims
+        ring = Ring(mesh["cp"].get_group(), dims.cp, dims.cp_rank(world.rank)) if dims.cp > 1 else None
+        return cls(size=dims.token_split, rank=dims.token_share(world.rank),
+                   group=mesh["sp"].get_group() if dims.sp > 1 else None, sp=dims.sp, ring=ring)
 
     def apply(self, batch, device):
         """The micro-batch ``batch`` (collated on the CPU, one row per sequence or packed rows, every logit kept)
@@ -158,7 +176,7 @@ class SequenceSplit:
         inputs.pop("attention_mask", None)  # right padding: the causal kernel over the whole row (module docstring)
         inputs["input_ids"] = part(ids)
         inputs["position_ids"] = part(positions)
-        inputs[SPLIT] = Exchange(self.group, self.size, segments)
+        inputs[SPLIT] = Exchange(self.group, self.sp, segments, self.ring)
         targets = part(batch.targets, fill=IGNORE_INDEX)
         labelled = targets.reshape(-1) != IGNORE_INDEX
 

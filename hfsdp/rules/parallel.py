@@ -5,7 +5,9 @@ Tensor parallelism has a 2-D layout (``dp_shard`` x ``tp``: FSDP2 over the data-
 tensor-parallel plan inside each group of ``tp`` consecutive ranks); the plan applied is :func:`tp_plan`
 (:mod:`hfsdp.parallel.tensor` applies it with torch's ``parallelize_module``). Sequence parallelism (``sp_size``,
 DeepSpeed-Ulysses, :mod:`hfsdp.parallel.sequence`) splits each row's tokens over ``sp`` consecutive ranks and the
-attention heads around attention; FSDP (1 or 2) shards over every rank, as torchtitan's ``dp_shard_cp``.
+attention heads around attention; context parallelism (``cp_size``, ring attention, :mod:`hfsdp.parallel.ring`)
+splits them over a ring whose ranks pass the keys and values around; FSDP (1 or 2) shards over every rank, as
+torchtitan's ``dp_shard_cp``.
 
 The embedding, the output head and the norms stay whole on the ranks of a tensor-parallel group (FSDP2 still shards
 them over the data-parallel ranks), so that the chunked loss, the tied embeddings and the export see the model's own
@@ -34,7 +36,8 @@ TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 def config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     """What the ``parallel`` degrees cannot combine with, from the config alone (``hfsdp validate`` reports them):
     the data-parallel degrees given twice, tensor, sequence and expert parallelism's refusals."""
-    return degree_problems(config) + tp_config_problems(config) + sp_config_problems(config) + ep_config_problems(config)
+    return (degree_problems(config) + tp_config_problems(config) + split_config_problems(config, "cp_size")
+            + split_config_problems(config, "sp_size") + ep_config_problems(config))
 
 
 def degree_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
@@ -85,33 +88,37 @@ def tp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
 
 
 def objective_problems(config: "HfsdpConfig", plugins: "PluginHost") -> list[tuple[str, str]]:
-    """A plugin's objective (``hfsdp_objective``) with ``tp_size > 1`` or ``sp_size > 1``: both split the
-    next-token loss's model and rows only; refused from the config, before any data is read."""
+    """A plugin's objective (``hfsdp_objective``) with ``tp_size``, ``cp_size`` or ``sp_size`` above 1: they
+    split the next-token loss's model and rows only; refused from the config, before any data is read."""
     replacing = plugins.implementers("hfsdp_objective")
     return [(f"parallel.{key}", f"{', '.join(replacing)} (a plugin's objective) is not composed with {what} "
                                 f"parallelism yet: next-token training only; set parallel.{key}: 1")
-            for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"))
+            for key, what in (("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence"))
             if replacing and getattr(config.parallel, key) > 1]
 
 
-def sp_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
-    """What ``parallel.sp_size > 1`` cannot combine with, from the config alone."""
-    sp = config.parallel.sp_size
-    if sp == 1:
+# What splitting each row's tokens (parallel.cp_size: a ring; parallel.sp_size: Ulysses) is called, and what it
+# exchanges inside a compiled block.
+SPLITS = {"cp_size": ("context (ring attention)", "the ring's passes"), "sp_size": ("sequence", "the all-to-all")}
+
+
+def split_config_problems(config: "HfsdpConfig", key: str) -> list[tuple[str, str]]:
+    """What ``parallel.<key>`` (``cp_size`` or ``sp_size``) above 1 cannot combine with, from the config alone."""
+    if getattr(config.parallel, key) == 1:
         return []
-    fsdp = config.fsdp
-    return _refused_beside(config, "sp_size", {
+    fsdp, (what, exchanged) = config.fsdp, SPLITS[key]
+    return _refused_beside(config, key, {
         "fsdp.sharding_strategy": (fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"),
-                                   f"{fsdp.sharding_strategy} is not composed with sequence parallelism yet: FSDP "
+                                   f"{fsdp.sharding_strategy} is not composed with {what} parallelism yet: FSDP "
                                    "shards over every rank with FULL_SHARD or SHARD_GRAD_OP"),
         "parallel.dp_replicate_size": (config.parallel.dp_replicate_size > 1,
-                                       "replicas of split rows (HSDP x SP) are not composed yet"),
-        "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x sequence parallelism is not built yet: choose "
-                                                          "one (tp splits the weights, sp the activations)"),
+                                       "replicas of split rows (HSDP with split rows) are not composed yet"),
+        "parallel.tp_size": (config.parallel.tp_size > 1, f"tensor x {what} parallelism is not built yet: choose "
+                                                          "one (tp splits the weights, this the activations)"),
         "model.attn_implementation": (config.model.attn_implementation != "sdpa",
-                                      f"{config.model.attn_implementation} is not composed with sequence parallelism: "
+                                      f"{config.model.attn_implementation} is not composed with {what} parallelism: "
                                       "use sdpa (torch's fused kernels, flash ones on GPUs)"),
-        "train.compile": (config.train.compile is not None, "compiled blocks with the all-to-all inside are not "
+        "train.compile": (config.train.compile is not None, f"compiled blocks with {exchanged} inside are not "
                                                             "tried yet"),
     })
 
@@ -141,6 +148,7 @@ def ep_config_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
         "parallel.tp_size": (config.parallel.tp_size > 1, "tensor x expert parallelism is not built yet (a "
                                                           "tensor-parallel group shares its rows)"),
         "parallel.sp_size": (config.parallel.sp_size > 1, "sequence x expert parallelism is not built yet"),
+        "parallel.cp_size": (config.parallel.cp_size > 1, "context x expert parallelism is not built yet"),
         "fsdp.cpu_ram_efficient_loading": (fsdp.cpu_ram_efficient_loading,
                                            "every rank reads the weights and keeps its own experts"),
         "fsdp.cpu_offload": (fsdp.cpu_offload, "offloading split experts is not tried yet"),
@@ -182,8 +190,9 @@ def ep_plan(model_config: Any) -> dict[str, str]:
 def _undivided(key: str, size: int, model_config: Any, names: tuple[str, ...]) -> list[tuple[str, str]]:
     """The model's counts ``names`` (its text config's) that ``size`` (``parallel.<key>``) does not divide."""
     text = text_config(model_config)
+    ring = " (or parallel.cp_size, ring attention, which splits the positions and not the heads)"
     return [(f"parallel.{key}", f"{size} does not divide the model's {name} ({value}): choose {ARTICLES[key]} {key} "
-                                "that does")
+                                "that does" + (ring if key == "sp_size" else ""))
             for name in names if isinstance(value := getattr(text, name, None), int) and value % size]
 
 

@@ -85,7 +85,8 @@ RULES: tuple[Rule, ...] = (
     Rule("config", ("train.optimizer", "train.optimizer_args", "train.lr_scheduler"),
          lambda c, f: optimizers.config_problems(c)),
     Rule("config", ("parallel", "fsdp.sharding_strategy"), lambda c, f: parallel.config_problems(c)),
-    Rule("config", ("parallel.tp_size", "parallel.sp_size"), lambda c, f: parallel.objective_problems(c, f.plugins)),
+    Rule("config", ("parallel.tp_size", "parallel.cp_size", "parallel.sp_size"),
+         lambda c, f: parallel.objective_problems(c, f.plugins)),
     Rule("config", ("model.quantization",), lambda c, f: quantization.adapter_problems(c, f.plugins.trains_adapters(c))),
     # ---- the data (and the model) the config names
     Rule("data", ("data",), lambda c, f: data_path_problems(c.data, f.plugins.data_readers())),

@@ -36,13 +36,14 @@ def is_vision_language(model_config: Any) -> bool:
 def model_problems(config: "HfsdpConfig", facts: Any) -> list[tuple[str, str]]:
     """``model.freeze`` or ``data.image_max_pixels`` on a text-only model, a vision-language model with everything
     frozen and nothing else to train, and what vision-language training is not composed with yet (packing, tensor,
-    sequence and expert parallelism, an objective other than :data:`IMAGE_OBJECTIVES`, 4-bit quantization).
+    context, sequence and expert parallelism, an objective other than :data:`IMAGE_OBJECTIVES`, 4-bit quantization).
     ``facts``: the model phase's (:class:`hfsdp.rules.table.Facts`); the model's config is read only where the
     config sets one of those."""
     freeze = list(config.model.freeze)
     parallel = [(f"parallel.{key}", f"without {what} parallelism so far: set parallel.{key}: 1 (FSDP shards it "
                                     "over every rank)")
-                for key, what in (("tp_size", "tensor"), ("sp_size", "sequence"), ("ep_size", "expert"))
+                for key, what in (("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence"),
+                                  ("ep_size", "expert"))
                 if getattr(config.parallel, key) > 1]
     enabled = facts.plugins.implementers("hfsdp_objective")
     objectives = [name for name in enabled if name not in IMAGE_OBJECTIVES]

@@ -254,11 +254,11 @@ def _layout(accelerator, model, setup: RunSetup, flops: throughput.FlopsModel, p
         flash = str(unwrapped.config._attn_implementation).startswith("flash")
         layout = replace(layout, pack_len=pack_len, pack_attention=0.0 if segments or flash else
                          flops.attention_per_pair(), pack_segments=segments)
-    if setup.world.dims.sp > 1:  # attention exchanges the split rows' positions for heads (hfsdp.parallel.sequence)
-        mesh = accelerator.torch_device_mesh  # (FSDP1's run gives Accelerate no mesh: its sp groups are made here)
+    if setup.world.dims.token_split > 1:  # attention over the split rows' positions (hfsdp.parallel.sequence)
+        mesh = accelerator.torch_device_mesh  # (FSDP1's run gives Accelerate no mesh: its groups are made here)
         mesh = mesh if mesh is not None else device_mesh(setup.world.dims, accelerator.device.type)
         layout = replace(layout, sequence_split=sequence.SequenceSplit.of(setup.world, mesh))
-        sequence.use_ulysses(unwrapped)
+        sequence.use_split_attention(unwrapped)
     return layout
 
 
@@ -271,7 +271,7 @@ def _prepare_objective(accelerator, setup: RunSetup, objective: Objective, model
     splits = objective.prepare(model, accelerator, {"train": data.train, **({"eval": data.eval} if data.eval
                                is not None else {})}, cache_dir, model_path)
     data.train, data.eval = splits["train"], splits.get("eval")
-    select_logits = loading.accepts_logits_to_keep(accelerator.unwrap_model(model)) and setup.world.dims.sp == 1
+    select_logits = loading.accepts_logits_to_keep(accelerator.unwrap_model(model)) and setup.world.dims.token_split == 1
     pack_len = objective.layout.pack_len
     if pack_len is not None:
         data.report["padding"] = (micro_batch_padding(objective, data.train, plan, max_steps, tokenizer.pad_token_id,

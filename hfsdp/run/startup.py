@@ -46,10 +46,13 @@ def startup_report(setup: "RunSetup", accelerator, model) -> dict[str, Any]:
         "strategy": fsdp.sharding_strategy + _WRAPPER_NOTES.get(setup.wrapper, "")
                     + (f" (replicate {dims.dp_replicate} x shard {dims.dp_shard})" if dims.hybrid else "")
                     + (f" over dp_shard {dims.dp_size} x tensor parallel {dims.tp}" if dims.tp > 1 else "")
-                    + (f" over dp {dims.dp_size} x sequence parallel {dims.sp}" if dims.sp > 1 else "")
+                    + (f" over dp {dims.dp_size} x " + " x ".join(
+                        f"{what} parallel {size}" for what, size in (("context", dims.cp), ("sequence", dims.sp))
+                        if size > 1) if dims.token_split > 1 else "")
                     + (f" over dp {dims.dp_size}, experts over expert parallel {dims.ep} x efsdp {dims.efsdp}"
                        if dims.ep > 1 else ""),
         "tp_size": dims.tp,
+        "cp_size": dims.cp,
         "sp_size": dims.sp,
         "ep_size": dims.ep,
         "wrap_policy": fsdp.wrap_policy,

@@ -76,6 +76,7 @@ class Record:
     # weights and optimizer state are sharded as without it, and a resume on another sp_size (or none) computes the
     # same steps (float32 sums of other orders apart), as on other data-parallel ranks.
     sp_size: int | None = None
+    cp_size: int | None = None  # parallel.cp_size (None: written before ring attention), not checked, as sp_size
     state_dict_type: str | None = None
     # schedule-free's training weights kept in the optimizer state (hfsdp.run.optimizers.evaluation_weights; None:
     # written before hfsdp kept them, or another optimizer)
@@ -106,7 +107,7 @@ class Record:
 
         return cls(step=step, world_size=dims.world_size, config_hash=run_fingerprint(config),
                    global_batch=global_batch(config, dims), optimizer=optimizer,
-                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, sp_size=dims.sp,
+                   state_dict_type=config.fsdp.state_dict_type, tp_size=dims.tp, sp_size=dims.sp, cp_size=dims.cp,
                    training_weights=training_weights,
                    versions={"hfsdp": __version__, "torch": version("torch"), "accelerate": version("accelerate"),
                              "transformers": version("transformers")},

@@ -78,12 +78,14 @@ class Setup:
 
 
 def setup_from_config(config: HfsdpConfig, strategy: str, nproc_per_node: int, nodes: int,
-                      tp: int | None = None, sp: int | None = None, ep: int | None = None) -> Setup:
-    """A row's setup: ``tp``, ``sp`` and ``ep`` (default: the config's ``parallel.tp_size``, ``sp_size`` and
-    ``ep_size``) the tensor-, sequence- and expert-parallel group sizes, the data-parallel degrees the rest (a row
-    varies the world)."""
+                      tp: int | None = None, sp: int | None = None, ep: int | None = None,
+                      cp: int | None = None) -> Setup:
+    """A row's setup: ``tp``, ``sp``, ``ep`` and ``cp`` (default: the config's ``parallel.tp_size``, ``sp_size``,
+    ``ep_size`` and ``cp_size``) the tensor-, sequence-, expert- and context-parallel group sizes, the data-parallel
+    degrees the rest (a row varies the world)."""
     parallel = config.parallel.model_copy(update={"tp_size": tp or config.parallel.tp_size,
                                                   "sp_size": sp or config.parallel.sp_size,
+                                                  "cp_size": cp or config.parallel.cp_size,
                                                   "ep_size": ep or config.parallel.ep_size, "dp_shard_size": -1})
     base = Setup(fsdp=config.fsdp, nproc_per_node=nproc_per_node, nodes=nodes, plugins=tuple(config.plugins),
                  accumulation=config.train.gradient_accumulation_steps, async_save=config.train.async_save,
@@ -130,6 +132,7 @@ class Estimate:
     fsdp_comm: int = 0  # bytes a rank all-gathers and reduce-scatters (DDP: all-reduces) per optimizer step
     tp_comm: int = 0  # bytes a rank all-reduces inside its tensor-parallel group per optimizer step
     sp_comm: int = 0  # bytes a rank sends in its sequence-parallel group's all-to-alls per optimizer step
+    cp_comm: int = 0  # bytes a rank passes to the next rank of its ring (context parallel) per optimizer step
     ep_comm: int = 0  # bytes a rank sends in its expert-parallel group's all-to-alls per optimizer step
     frozen: int = 0  # frozen models an objective runs beside the trained one (a teacher): parameters and logits
     generation: int = 0  # an objective's sampling: gathered parameters, KV cache and transients (not parameters)
@@ -400,17 +403,17 @@ def estimate(facts: ModelFacts, acts: Activations, setup: Setup, frozen: tuple[F
     sampling = generation_bytes(facts, acts, setup, generation, compute, gathered) if generation else 0
     peak = on_device_params + on_device_optim + max(forward_end, backward, backward_end, step, sampling) + held
     loaders = 1 if setup.fsdp.cpu_ram_efficient_loading and setup.wrapper != "ddp" else setup.nproc_per_node
-    fsdp_comm, tp_comm, sp_comm, ep_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
+    fsdp_comm, tp_comm, sp_comm, cp_comm, ep_comm = collective_bytes(facts, acts, setup, compute, reduce_size)
     return Estimate(setup=setup, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                     grad_buffers=grad_buffers, activations=activations, loss_transient=loss_transient,
                     optimizer_step_temp=step_temp, device_peak=peak, host_per_rank=host,
                     host_load_per_node=loaders * full_load + setup.nproc_per_node * sum(m.whole_bytes for m in frozen),
-                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, sp_comm=sp_comm, ep_comm=ep_comm, frozen=held,
+                    fsdp_comm=fsdp_comm, tp_comm=tp_comm, sp_comm=sp_comm, cp_comm=cp_comm, ep_comm=ep_comm, frozen=held,
                     generation=sampling)
 
 
 def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute: int | None,
-                     reduce_size: int | None) -> tuple[int, int, int, int]:
+                     reduce_size: int | None) -> tuple[int, int, int, int, int]:
     """Bytes one rank moves per optimizer step (every micro-batch of it), on paper, as ring collectives move them:
     a rank receives ``(g - 1) / g`` of what an all-gather over ``g`` ranks gathers, sends as much in a
     reduce-scatter, and twice that in an all-reduce.
@@ -426,6 +429,10 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
       (``facts.exchanged_per_token``, in the compute dtype) go through an all-to-all in forward, their gradients in
       backward (activation checkpointing: the forward's again); a rank keeps ``1 / sp`` of each and sends the
       rest.
+    * Context parallelism (ring attention, :mod:`hfsdp.parallel.ring`): each layer passes the keys and values of the
+      rank's tokens (``facts.kv_per_token``, in the compute dtype) to the next rank ``cp - 1`` times in forward
+      (activation checkpointing: again), and in backward ``cp - 1`` times again, with their gradients (float32),
+      which go around once more to their owner: ``cp`` passes.
     * Expert parallelism (``facts``: an expert-parallel rank's experts, which FSDP gathers over the ``g / ep`` ranks
       that hold them): each MoE layer sends each token's hidden state to its ``top_k`` experts and the outputs back
       (``facts.routed_per_token``, in the compute dtype), two all-to-alls in forward and two in backward
@@ -458,7 +465,11 @@ def collective_bytes(facts: ModelFacts, acts: Activations, setup: Setup, compute
     passes = 2 + (1 if setup.fsdp.activation_checkpointing else 0)
     exchanged = facts.exchanged_per_token * acts.tokens * (compute or facts.params[0].itemsize)
     sp = passes * exchanged * (s - 1) // s if s > 1 else 0
+    c = setup.dims.cp
+    shares = (c - 1) * (3 if setup.fsdp.activation_checkpointing else 2) if c > 1 else 0  # in the compute dtype
+    grads = c if c > 1 else 0  # float32
+    ring = facts.kv_per_token * acts.tokens * (shares * (compute or facts.params[0].itemsize) + grads * 4)
     e = setup.dims.ep
     routed = facts.routed_per_token * acts.tokens * (compute or facts.params[0].itemsize)
     ep = 2 * passes * routed * (e - 1) // e if e > 1 else 0
-    return fsdp * accumulation, tp * accumulation, sp * accumulation, ep * accumulation
+    return fsdp * accumulation, tp * accumulation, sp * accumulation, ring * accumulation, ep * accumulation

@@ -135,10 +135,10 @@ class Planner:
 
     def activations(self, setup: Setup):
         """The traced activations of ``setup``'s micro-batch (a sequence-parallel rank's share with ``sp > 1``)."""
-        key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.dims.sp)
+        key = (setup.plugins, compute_dtype(self.config, setup.precision), setup.dims.token_split)
         if key not in self._traces:
             self._traces[key] = trace_activations(self.model_config, *self.variant(setup.plugins), setup.precision,
-                                                  self.objective(setup.plugins), setup.dims.sp,
+                                                  self.objective(setup.plugins), setup.dims.token_split,
                                                   self.image_tokens_per_row() or 0)
         return self._traces[key]
 
@@ -152,10 +152,10 @@ class Planner:
             return None
         facts, frozen, acts = self.facts(setup.plugins), self.frozen(setup.plugins), self.activations(setup)
         traced = self.shape(setup.plugins).width  # the whole row's positions (a rank's: 1/sp of them)
-        local = -(-traced // setup.dims.sp)
+        local = -(-traced // setup.dims.token_split)
 
         def fits(tokens: int) -> bool:
-            scaled = acts.scaled(-(-tokens // setup.dims.sp) / local)
+            scaled = acts.scaled(-(-tokens // setup.dims.token_split) / local)
             return estimate(facts, scaled, setup, frozen, None).device_peak <= self.budget
 
         if fits(LONGEST_ROW_LIMIT):
@@ -266,19 +266,20 @@ def change_sets(changes: list[Change]):
 
 
 def plan(planner: Planner, strategies: list[str], nprocs: list[int], nodes: int,
-         tps: list[int] | None = None, sps: list[int] | None = None, eps: list[int] | None = None) -> list[Estimate]:
-    """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x sequence-parallel size
-    (``sps``, default: the config's; given, each row also says the longest row that fits, :meth:`Planner.
-    longest_row`) x expert-parallel size (``eps``, default: the config's) x strategy; rows that do not fit carry the
-    cheapest change that would."""
+         tps: list[int] | None = None, sps: list[int] | None = None, eps: list[int] | None = None,
+         cps: list[int] | None = None) -> list[Estimate]:
+    """One estimate per world size x tensor-parallel size (``tps``, default: the config's) x context-parallel size
+    (``cps``) x sequence-parallel size (``sps``; each default: the config's; either given, each row also says the
+    longest row that fits, :meth:`Planner.longest_row`) x expert-parallel size (``eps``, default: the config's) x
+    strategy; rows that do not fit carry the cheapest change that would."""
     rows = []
     parallel = planner.config.parallel
-    for nproc, tp, sp, ep, strategy in ((n, t, q, e, s) for n in nprocs for t in tps or [parallel.tp_size]
-                                        for q in sps or [parallel.sp_size] for e in eps or [parallel.ep_size]
-                                        for s in strategies):
-        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp, sp, ep)
+    for nproc, tp, cp, sp, ep, strategy in ((n, t, c, q, e, s) for n in nprocs for t in tps or [parallel.tp_size]
+                                            for c in cps or [parallel.cp_size] for q in sps or [parallel.sp_size]
+                                            for e in eps or [parallel.ep_size] for s in strategies):
+        setup = setup_from_config(planner.config, strategy, nproc, nodes, tp, sp, ep, cp)
         est = planner.estimate(setup)
-        if sps is not None and est.problem is None:
+        if (sps is not None or cps is not None) and est.problem is None:
             est.longest_row = planner.longest_row(setup)
         if est.fits is False:
             # More ranks: the larger listed sizes, then twice and four times the largest.

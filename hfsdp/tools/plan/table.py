@@ -30,7 +30,8 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False, sequence
              experts: int = 0) -> list[tuple[str, Callable[[Estimate], str]]]:
     """The table's columns; ``frozen``: a column for the frozen models an objective runs (a teacher);
     ``generation``: one for what an objective's sampling holds (GRPO); ``sequence``: sequence parallelism's
-    all-to-all bytes and the longest row that fits (``hfsdp plan --sp``); ``experts`` (a mixture of experts' routed
+    all-to-all bytes, the ring's bytes (context parallelism) and the longest row that fits (``hfsdp plan --sp``,
+    ``--cp``); ``experts`` (a mixture of experts' routed
     experts per layer, where a row splits them: ``hfsdp plan --ep``): a rank's experts per layer and expert
     parallelism's all-to-all bytes."""
     def size(n: int) -> str:
@@ -40,6 +41,7 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False, sequence
         ("ranks", lambda e: f"{e.setup.world}" + (f" ({e.setup.nodes}x{e.setup.nproc_per_node})"
                                                     if e.setup.nodes > 1 else "")
                             + (f" tp{e.setup.dims.tp}" if e.setup.dims.tp > 1 else "")
+                            + (f" cp{e.setup.dims.cp}" if e.setup.dims.cp > 1 else "")
                             + (f" sp{e.setup.dims.sp}" if e.setup.dims.sp > 1 else "")
                             + (f" ep{e.setup.dims.ep}" if e.setup.dims.ep > 1 else "")),
         ("strategy", lambda e: e.setup.strategy + ("" if e.setup.runs_as == "FSDP" else f" ({e.setup.runs_as})")
@@ -57,6 +59,7 @@ def _columns(unit: int, frozen: bool = False, generation: bool = False, sequence
         ("load RAM/node", lambda e: size(e.host_load_per_node)),
         ("comm GiB/step fsdp+tp", lambda e: f"{e.fsdp_comm / GIB:.1f}+{e.tp_comm / GIB:.1f}"),
         *([("all-to-all GiB/step", lambda e: f"{e.sp_comm / GIB:.2f}"),
+           ("ring GiB/step", lambda e: f"{e.cp_comm / GIB:.2f}"),
            ("longest row", _longest_row)] if sequence else []),
         *([("experts/rank", lambda e: f"{experts // e.setup.dims.ep}"),
            ("ep all-to-all GiB/step", lambda e: f"{e.ep_comm / GIB:.2f}")] if experts else []),
@@ -74,7 +77,7 @@ def _longest_row(e: Estimate) -> str:
 def text_table(rows: list[Estimate], experts: int = 0) -> str:
     """The rows as a table; ``experts``: the routed experts of each MoE layer (:attr:`ModelFacts.experts`)."""
     columns = _columns(table_unit(rows)[1], any(e.frozen for e in rows), any(e.generation for e in rows),
-                       any(e.setup.dims.sp > 1 or e.longest_row is not None for e in rows),
+                       any(e.setup.dims.token_split > 1 or e.longest_row is not None for e in rows),
                        experts if any(e.setup.dims.ep > 1 for e in rows) else 0)
     cells = [[h for h, _ in columns]] + [[f(e) for _, f in columns] for e in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
@@ -187,7 +190,7 @@ def to_json(rows: list[Estimate], facts: ModelFacts, budget: int, shape: MicroBa
         d = {k: v for k, v in asdict(e).items() if k != "setup"}
         d.update(strategy=e.setup.strategy, nproc_per_node=e.setup.nproc_per_node, nodes=e.setup.nodes,
                  world=e.setup.world, shard_group=e.setup.dims.shard_group, runs_as_ddp=e.setup.fsdp.runs_as_ddp,
-                 tp_size=e.setup.dims.tp, sp_size=e.setup.dims.sp, ep_size=e.setup.dims.ep,
+                 tp_size=e.setup.dims.tp, cp_size=e.setup.dims.cp, sp_size=e.setup.dims.sp, ep_size=e.setup.dims.ep,
                  **({"experts_per_rank": facts.experts // e.setup.dims.ep} if facts.experts else {}),
                  runs_as=e.setup.runs_as,
                  plugins=list(e.setup.plugins), fsdp=e.setup.fsdp.model_dump(mode="json"), state=e.state)
