@@ -147,3 +147,51 @@ def test_the_ring_computes_sdpa_over_whole_rows_and_its_gradients(cp):
             assert torch.allclose(out[row, :used], want[row, :used], atol=1e-5)
         for i in range(3):
             assert torch.allclose(torch.cat([grads[i] for _, grads in got], dim=2), want_grads[i], atol=1e-5)
+
+
+def test_a_ring_of_sequence_parallel_groups_holds_each_rows_shares_in_order():
+    """8 ranks at cp 2 x sp 2: 2 data-parallel ranks of 4; in each, ranks 0-1 (a sequence-parallel group) hold the
+    row's first two quarters and ranks 2-3 the last two, each group a ring member; FSDP shards over all 8; the groups
+    must divide the world."""
+    from hfsdp.config.schema import HfsdpConfig
+    from hfsdp.layout.degrees import World
+
+    config = HfsdpConfig.model_validate({"model": {"name_or_path": "x"}, "data": {"path": "x"},
+                                         "train": {"output_dir": "x", "max_steps": 1},
+                                         "parallel": {"cp_size": 2, "sp_size": 2}})
+    dims = World(rank=0, size=8, local_size=8, on_cpu=True).with_dims(config).dims
+    assert (dims.dp_size, dims.token_split, dims.shard_group, dims.gradient_ranks) == (2, 4, 8, 8)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.token_share(r) for r in range(8)] == [0, 1, 2, 3] * 2
+    assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [dims.sp_rank(r) for r in range(8)] == [0, 1] * 4
+    assert dims.mesh_dims == ("dp_replicate", "dp_shard", "cp", "sp", "tp") and dims.problems(config) == []
+    small = World(rank=0, size=6, local_size=6, on_cpu=True).with_dims(config).dims
+    assert small.problems(config) == [("parallel.cp_size", "cp_size 2 x sp_size 2 is 4 ranks a group, which does "
+                                                           "not divide the world size 6: launch a multiple of 4 "
+                                                           "processes, or change them")]
+
+
+@pytest.mark.slow
+@pytest.mark.full_matrix  # (CI checks the same script's sequence-parallel rows: tests/test_sequence_parallel.py)
+def test_cp2_keeps_about_half_the_activations_per_rank_and_the_plan_predicts_them(tmp_path):
+    """``benchmarks/sequence_parallel.py --cp 1,2`` shrunk (the tiny model, rows of 2,048 tokens, 2 gloo ranks): the
+    bytes autograd keeps for backward per rank at cp 2 are at most 0.6 of cp 1's, and ``hfsdp plan --cp`` predicts
+    each within 10 %. Memory, not time: the same on a busy machine."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, base_env
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sequence_parallel.py"), "--out", str(tmp_path),
+                           "--model", "smollm2-tiny", "--seq-len", "2048", "--steps", "1", "--sp", "1", "--cp", "1,2",
+                           "--device-memory", "2GiB"], capture_output=True, text=True, env=base_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    one, two = json.loads((tmp_path / "sequence_parallel.json").read_text())
+    assert (one["cp"], two["cp"]) == (1, 2) and one["tokens_per_step"] == 2 * two["tokens_per_step"] == 2 * 2048
+    assert two["measured"] <= 0.6 * one["measured"], (one, two)
+    for row in (one, two):
+        assert 0.9 <= row["planned"] / row["measured"] <= 1.1, row
+    assert two["ring_bytes"] > 0 == one["ring_bytes"] and two["all_to_all_bytes"] == 0
+    assert two["longest_row"] > one["longest_row"], (one, two)

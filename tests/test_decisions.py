@@ -108,7 +108,8 @@ def test_expert_parallelism_splits_the_shard_ranks(tmp_path, size, local, ep, ef
     config = _config(tmp_path, parallel={"ep_size": ep})
     dims = decide(config, _world(size, local), resume=None).world.dims
     assert (dims.dp_shard, dims.ep, dims.efsdp, dims.dp_size, dims.shard_group) == (size, ep, efsdp, size, size)
-    assert dims.mesh_dims == ("dp_replicate", "efsdp", "ep", "sp", "tp") and dims.sharded_over == ("efsdp", "ep", "sp")
+    assert dims.mesh_dims == ("dp_replicate", "efsdp", "ep", "cp", "sp", "tp")
+    assert dims.sharded_over == ("efsdp", "ep", "cp", "sp")
     assert dims.splits_groups and dims.problems(config) == [] and dims.row_copies == 1
     assert [dims.dp_rank(r) for r in range(size)] == list(range(size))
     assert SHARD == "dp_shard_cp"

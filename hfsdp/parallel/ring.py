@@ -159,8 +159,9 @@ class RingAttention(torch.autograd.Function):
                 work.wait()
                 kv = arrived
         ctx.ring, ctx.scale, ctx.segments = ring, scale, segments
+        out = out.to(q.dtype)  # kept in the inputs' dtype, as the fused kernels keep it
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.reshape(rows, heads, share, -1).to(q.dtype)
+        return out.reshape(rows, heads, share, -1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -170,7 +171,7 @@ class RingAttention(torch.autograd.Function):
         kv_heads = k.shape[1]
         qf = q.float().reshape(rows, kv_heads, heads // kv_heads, share, dim)
         dout = grad.float().reshape(out.shape)
-        delta = (dout * out).sum(-1)
+        delta = (dout * out.float()).sum(-1)
         dq = torch.zeros_like(qf)
         kv = torch.cat([k.flatten(), v.flatten()])
         dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=kv.device)  # the share's gradients so far
