@@ -113,14 +113,22 @@ def assert_computes_what_one_process_computes(run: Path, one: Path) -> None:
 def test_sp2_on_two_ranks_computes_what_one_process_computes(runs, variant):
     run, proc = sp2(runs, variant)
     one, _ = one_process(runs, variant)
-    assert_computes_what_one_process_computes(run, one)
-    report = startup(run)
-    assert report["sp_size"] == 2 and "over dp 1 x sequence parallel 2" in report["strategy"], report
-    assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"], report  # FSDP2 over both
-    lengths = [m["tokens"] for m in read_metrics(run) if "loss" in m]
-    assert min(lengths) >= 2 * 1024, lengths  # rows of 1,024 tokens and more
+    assert_split_rows_compute_what_one_process_computes(run, proc, one, "sp_size", "sequence parallel 2", 1024)
     if variant == "packing":
         assert "16 samples packed into 8 rows" in proc.stdout + proc.stderr
+
+
+def assert_split_rows_compute_what_one_process_computes(run: Path, proc, one: Path, key: str, said: str,
+                                                        shortest: int) -> None:
+    """``run`` (2 ranks splitting each row: ``parallel.<key>`` 2, its startup strategy saying ``said``) computes what
+    ``one`` (one process) computes, FSDP2 shards over both ranks, and its 2 rows a step have at least ``shortest``
+    tokens each."""
+    assert_computes_what_one_process_computes(run, one)
+    report = startup(run)
+    assert report[key] == 2 and f"over dp 1 x {said}" in report["strategy"], report
+    assert report["param_bytes_this_rank"] < 0.75 * report["param_bytes_full_model"], report  # FSDP2 over both
+    lengths = [m["tokens"] for m in read_metrics(run) if "loss" in m]
+    assert min(lengths) >= 2 * shortest, lengths
 
 
 @pytest.mark.slow
