@@ -275,6 +275,9 @@ OPTIONS = {
     # (on 2 ranks: one data-parallel rank; tests/test_context_parallel.py: rows of 3,072 tokens on 9 heads, packing,
     # LoRA, sp 2 x cp 2 on 4 ranks)
     "cp2": {"parallel": {"cp_size": 2}},
+    # the tiled MLP: each decoder layer's MLP over tiles of 32 positions, each recomputed in the backward
+    # (tests/test_tiled_mlp.py: the untiled steps with LoRA and activation checkpointing, a long row's lower peak)
+    "tiled_mlp": {"train": {"tiled_mlp": 32}},
     "agent": with_tools,
     # the end of training writes the merged LoRA model as q8_0 GGUF and a Modelfile beside the folder (its model
     # card names them); transformers' GGUF loader reads it back into the folder's logits
@@ -396,6 +399,8 @@ CI_ELSEWHERE += ("vlm_dpo", "vlm_grpo")
 # Compiled blocks (Inductor) on 2 FSDP2 ranks against the eager steps, without recompiling: tests/test_compile.py
 # (the smoke cell's 57 s and its resume's 23 s of Inductor compiling, in the CI run of stop 83, run with --full-matrix)
 CI_ELSEWHERE += ("compile",)
+# The tiled MLP against the untiled steps on 2 FSDP2 ranks with LoRA and checkpointing: tests/test_tiled_mlp.py
+CI_ELSEWHERE += ("tiled_mlp",)
 # GRPO's loss options: CI runs three cells (CISPO with the KL and LoRA and the entropy quantile's collective on 2
 # FSDP2 ranks, truncated completions under FSDP1, which compares it with FSDP2), the rest with --full-matrix
 GRPO_LOSS_CI = {(2, 2, "lora_grpo_cispo"), (2, 2, "grpo_vespo"), (1, 2, "grpo_masked")}
@@ -879,6 +884,7 @@ FEATURES = {
     "tp2": {"layers", "params", "model_state", "optim_state"},  # split projections: 2-D DTensors, their states
     "sp2": {"rows", "attention", "loss"},       # each row's positions split, heads exchanged, the loss's counts
     "cp2": {"rows", "attention", "loss"},       # each row's positions split, keys and values around a ring
+    "tiled_mlp": {"layers"},                    # each layer's MLP in checkpointed tiles
     "moe": {"layers", "params", "loss"},        # experts' 3-D weights, the router's loss added to the step's
     "ep2": {"layers", "params", "model_state", "optim_state"},  # experts split: DTensors on a 2-D mesh, their states
     "vlm": {"rows", "units", "params"},         # image rows and pixel inputs, units by part, the tower frozen
@@ -944,6 +950,9 @@ REFUSED_PAIRS = {
     frozenset(("cp2", "sp2")): "cp_size 2 x sp_size 2 is 4 ranks a group, which does not divide the world size 2",
     frozenset(("ep2", "cp2")): "context x expert parallelism is not built yet",
     frozenset(("vlm", "cp2")): "trains without context parallelism so far",
+    frozenset(("tiled_mlp", "compile")): "compiled blocks with checkpointed MLP tiles inside are not tried yet",
+    frozenset(("tiled_mlp", "moe")): "is a mixture of experts, whose MLP (its router and experts) is not tiled",
+    frozenset(("tiled_mlp", "ep2")): "is a mixture of experts, whose MLP (its router and experts) is not tiled",
     frozenset(("vlm", "ep2")): "trains without expert parallelism so far",
 }
 
@@ -986,6 +995,8 @@ FULL_MATRIX_PAIRS |= {frozenset(("vlm", other)) for other in FEATURES if other n
 # Context parallelism meets in CI packed rows (each sequence attends within itself around the ring); its other pairs
 # (its refusals named in tests/test_sequence_parallel.py's rules too) with --full-matrix.
 FULL_MATRIX_PAIRS |= {frozenset(("cp2", other)) for other in FEATURES if other not in ("cp2", "packing")}
+# The tiled MLP meets activation checkpointing in CI in tests/test_tiled_mlp.py; its pairs with --full-matrix.
+FULL_MATRIX_PAIRS |= {frozenset(("tiled_mlp", other)) for other in FEATURES if other != "tiled_mlp"}
 CI_PAIRS = [(a, b) for a, b in ALL_PAIRS if FEATURES[a] & FEATURES[b] and frozenset((a, b)) not in FULL_MATRIX_PAIRS]
 
 

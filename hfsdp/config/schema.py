@@ -425,6 +425,11 @@ class TrainConfig(Section):
                           "chunk, each chunk's gradients made there (no recomputation), so the full logits never "
                           "exist; used where it is exact (checked at start-up, else the plain loss); false: the plain "
                           "loss.")
+    tiled_mlp: Resumable[int | None] = Field(
+        None, gt=0, description="compute each decoder layer's dense MLP over a micro-batch's positions this many at "
+                                "a time, each tile recomputed in the backward (axolotl's TiledMLP): a long row's MLP "
+                                "intermediates are never held whole; the same values, the MLP's forward once more. "
+                                "null: off.")
     deterministic: bool = Field(False, description="torch deterministic algorithms (bit-exact resume; on CUDA also "
                                                    "CUBLAS_WORKSPACE_CONFIG).")
     on_nonfinite: Resumable[Literal["stop", "skip"]] = Field(

@@ -459,6 +459,10 @@ def build_meta_model(model_config, setup: "RunSetup", host, dtype: str):
         # flash-attention and FlexAttention keep what the fused SDPA kernels keep (traced as those, _fused_sdpa).
         attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
         model = meta_model(model_config, config.model.trust_remote_code, attn, config.model)
+        if config.train.tiled_mlp:
+            from hfsdp.model.tiled_mlp import tile_mlps
+
+            tile_mlps(model, layer_classes(config.fsdp, model_config), config.train.tiled_mlp)
         model = host.chain("hfsdp_modify_model", "model", model, config=config, tokenizer=None, world=world,
                            setup=setup)
     return model.to(getattr(torch, dtype))

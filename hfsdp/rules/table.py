@@ -79,6 +79,7 @@ RULES: tuple[Rule, ...] = (
     Rule("config", ("data.format", "generation_eval"), lambda c, f: formats.problems(c, f.plugins)),
     Rule("config", ("fsdp.mixed_precision.buffer",), lambda c, f: wrapping.buffer_problems(c)),
     Rule("config", ("train.compile",), lambda c, f: wrapping.compile_problems(c)),
+    Rule("config", ("train.tiled_mlp", "train.compile"), lambda c, f: wrapping.tiled_mlp_problems(c)),
     Rule("config", ("train.async_save",), lambda c, f: checkpoints.async_save_problems(c)),
     Rule("config", ("model.quantization", "fsdp.version", "fsdp.cpu_ram_efficient_loading"),
          lambda c, f: quantization.problems(c)),
@@ -105,6 +106,8 @@ RULES: tuple[Rule, ...] = (
          # where a group splits it)
          lambda c, f: parallel.model_problems(c, f.model_config)
          if c.parallel.tp_size * c.parallel.sp_size * c.parallel.ep_size > 1 else []),
+    Rule("model", ("train.tiled_mlp",),  # (the model's config read only where it is set)
+         lambda c, f: wrapping.tiled_mlp_model_problems(c, f.model_config) if c.train.tiled_mlp else []),
     Rule("model", ("model.experts_implementation", "model.router_aux_loss_coef"),  # (read only where one is set)
          lambda c, f: experts.model_problems(c, f.model_config) if experts.sets_expert_keys(c) else []),
     Rule("model", ("model.freeze", "plugins", "parallel", "model.quantization", "fsdp.version",

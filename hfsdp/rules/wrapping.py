@@ -7,7 +7,7 @@ them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hfsdp.config.schema import FSDPConfig, HfsdpConfig, MixedPrecisionParts
 
@@ -46,6 +46,25 @@ def compile_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
     if config.train.compile is not None and config.fsdp.version == 1:
         return [("train.compile", "FSDP1 flattens each unit's parameters into one, which hfsdp does not "
                                   "compile per block: use fsdp.version 2, or remove train.compile")]
+    return []
+
+
+def tiled_mlp_problems(config: "HfsdpConfig") -> list[tuple[str, str]]:
+    """``train.tiled_mlp`` checkpoints tiles inside each block, which compiled blocks have not been tried with."""
+    if config.train.tiled_mlp is not None and config.train.compile is not None:
+        return [("train.tiled_mlp", "compiled blocks with checkpointed MLP tiles inside are not tried yet: remove "
+                                    "train.compile or train.tiled_mlp")]
+    return []
+
+
+def tiled_mlp_model_problems(config: "HfsdpConfig", model_config: Any) -> list[tuple[str, str]]:
+    """A mixture of experts' MLP is not tiled: its router's load-balancing loss sums over all of a micro-batch's
+    tokens."""
+    from hfsdp.rules.experts import experts_of
+
+    if config.train.tiled_mlp is not None and experts_of(model_config) is not None:
+        return [("train.tiled_mlp", f"{model_config.model_type} is a mixture of experts, whose MLP (its router and "
+                                    "experts) is not tiled: remove train.tiled_mlp")]
     return []
 
 

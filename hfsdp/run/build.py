@@ -23,7 +23,8 @@ from hfsdp.disk import space
 from hfsdp.disk.lock import RunLock
 from hfsdp.export import staging
 from hfsdp.hooks.host import PluginHost
-from hfsdp.model import chat_template, experts, loading, packed_attention, quantized, token_loss, vision
+from hfsdp.model import (chat_template, experts, loading, packed_attention, quantized, tiled_mlp, token_loss,
+                         vision)
 from hfsdp.model.metadata import ModelFiles, model_metadata
 from hfsdp.objective import (MicroBatchLayout, Objective, TokenCrossEntropy, micro_batch_packing,
                              micro_batch_padding, objective_of, rows_said)
@@ -206,6 +207,10 @@ def _setup_model(accelerator, setup: RunSetup, host: PluginHost, model_path: str
     empty = config.fsdp.cpu_ram_efficient_loading and not accelerator.is_main_process  # never with DDP: refused
     host.call("hfsdp_before_model_load", config=config, world=world, model_config=model_config, setup=setup)
     model = loading.load_model(model_path, config.model, empty=empty, quant=quantization.settings(config))
+    if config.train.tiled_mlp:
+        tiled = tiled_mlp.tile_mlps(model, loading.layer_classes(config.fsdp, model_config), config.train.tiled_mlp)
+        accelerator.print(f"train.tiled_mlp {config.train.tiled_mlp}: the MLPs of {tiled} layers in tiles of "
+                          f"{config.train.tiled_mlp} positions, each recomputed in the backward")
     if config.model.freeze:
         params = list(model.parameters())
         frozen = sum(p.numel() for p in params if not p.requires_grad)
