@@ -109,6 +109,11 @@ def test_the_ring_computes_sdpa_over_whole_rows_and_its_gradients(cp):
     positions); the ring's attention equals transformers' sdpa over the whole rows, causal, and with packed sequences
     each on its own (the rows' padding after them is unlabelled: nothing reads it); so do the gradients that reach
     each rank's q, k and v."""
+    assert_ring_computes_sdpa(cp, "cpu")
+
+
+def assert_ring_computes_sdpa(cp: int, device: str) -> None:
+    """:func:`test_the_ring_computes_sdpa_over_whole_rows_and_its_gradients` with the tensors on ``device``."""
     import torch
     import torch.distributed as dist
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -120,11 +125,12 @@ def test_the_ring_computes_sdpa_over_whole_rows_and_its_gradients(cp):
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=3, training=False)
     g = torch.Generator().manual_seed(cp)
     width, share = 24, 24 // cp
-    q, k, v = (torch.randn(2, heads, width, 8, generator=g) for heads in (9, 3, 3))
+    q, k, v = (torch.randn(2, heads, width, 8, generator=g).to(device) for heads in (9, 3, 3))
     for segments, real in ((None, (24, 24)), ([[(0, 5), (5, 17)], [(0, 20)]], (17, 20))):
         weights = torch.randn(2, width, 9, 8, generator=g)
         for row, used in enumerate(real):
             weights[row, used:] = 0  # the padding after a row's sequences: no labelled position reads it
+        weights = weights.to(device)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         kwargs = {"packed_segments": segments} if segments else {}
         out, _ = (sequence_sdpa if segments else sdpa_attention_forward)(module, *leaves, None, scaling=0.3, **kwargs)

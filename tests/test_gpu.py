@@ -299,3 +299,27 @@ def test_a_sweep_on_gpu_puts_the_plan_within_10_percent_of_max_memory_allocated(
     assert all(r["micro_batch_tokens"] == r["seq_len"] * r["micro_batch"] for r in rows), rows
     assert all(0.9 <= r["plan_vs_measured"] <= 1.1 for r in rows), [(r["seq_len"], r["micro_batch"],
                                                                       r["plan_vs_measured"]) for r in rows]
+
+
+def test_the_ring_on_cuda_computes_sdpa_over_whole_rows_and_its_gradients():
+    """Issue 73 on a GPU: the ring's blocks (float32 tiles of scores) on CUDA tensors, its passes through the threaded
+    process group, give CUDA sdpa's attention and gradients over whole rows (9 heads over 3 KV heads, causal and
+    packed), as tests/test_context_parallel.py checks on CPU."""
+    from test_context_parallel import assert_ring_computes_sdpa
+
+    assert_ring_computes_sdpa(2, "cuda")
+
+
+def test_the_tiled_mlp_on_gpu_trains_the_untiled_steps(tmp_path):
+    """Issue 73 on a GPU: tiles of 32 positions in bf16 under FSDP2 with activation checkpointing give the untiled
+    losses (bf16 sums of other orders apart)."""
+    losses = {}
+    for tiles in (None, 32):
+        folder = tmp_path / f"tiles-{tiles}"
+        folder.mkdir()
+        config = tiny_config(folder, train={"max_steps": 3, "tiled_mlp": tiles},
+                             fsdp={"mixed_precision": "bf16", "single_process": "fsdp", "activation_checkpointing": True})
+        run_cli("train", str(config))
+        losses[tiles] = [json.loads(line)["loss"] for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()
+                         if "loss" in json.loads(line)]
+    assert len(losses[None]) == 3 and losses[32] == pytest.approx(losses[None], rel=2e-3), losses
