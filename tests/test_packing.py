@@ -245,3 +245,35 @@ def test_packing_run_on_a_model_that_leaks_is_refused_before_training(tmp_path, 
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "packing: this model lets packed samples attend to each other" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_packed_rows_whose_attention_reads_the_spans_build_no_mask(tiny_model_dir, monkeypatch):
+    """A packed micro-batch that carries its rows' spans (the packer's, which hfsdp's sdpa reads, one sequence at a
+    time) builds no mask: transformers would build a rows x width x width block-diagonal one from the position ids
+    that restart, which that attention ignores (issue 73). The logits are the masked forward's; a forward without
+    the spans (generation, the packing probe) still builds its mask, also after a forward with them that raised."""
+    import torch
+    import transformers.masking_utils as masking
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.data.layout import SEGMENTS
+    from hfsdp.model.packed_attention import use_sequence_sdpa
+
+    built = []
+    real = masking.sdpa_mask
+    monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert use_sequence_sdpa(model)
+    ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
+    with torch.no_grad():
+        masked = model(**inputs).logits
+        assert len(built) == 1 and built[0].shape == (1, 1, 40, 40)  # the block-diagonal mask, without the spans
+        spanned = model(**inputs, **{SEGMENTS: [[(0, 15), (15, 40)]]}).logits
+        assert len(built) == 1  # none built
+        with pytest.raises(RuntimeError):  # float token ids: the embedding refuses them, inside the forward
+            model(**{**inputs, "input_ids": ids.float()}, **{SEGMENTS: [[(0, 15), (15, 40)]]})
+        model(**inputs)
+        assert len(built) == 2
+    assert torch.allclose(spanned, masked, atol=1e-5)

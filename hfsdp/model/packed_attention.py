@@ -13,6 +13,8 @@ probe, an unpacked micro-batch) it is sdpa as transformers runs it.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 
 from hfsdp.data.layout import SEGMENTS
@@ -41,13 +43,51 @@ def sequence_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return torch.cat(rows, dim=0), None
 
 
+# Whether the forward running now carries what its attention reads instead of a mask (set by :func:`read_spans`'s
+# hooks around the model's forward; a context variable, so that threads as ranks each have theirs).
+_READS_SPANS: ContextVar[bool] = ContextVar("hfsdp_reads_spans", default=False)
+
+
+def span_aware_mask(*args, **kwargs):
+    """sdpa's mask (transformers' ``sdpa_mask``), or none in a forward whose inputs carry the rows' spans, which the
+    attention reads instead (:func:`read_spans`): from position ids that restart, transformers would otherwise build
+    a rows x width x width block-diagonal mask, O(width^2) for each row, that the attention ignores."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _READS_SPANS.get() else sdpa_mask(*args, **kwargs)
+
+
+def read_spans(model, keys: tuple[str, ...]) -> None:
+    """Around each forward of ``model`` (a peft model's base model's), note whether its inputs carry one of ``keys``
+    (:data:`SEGMENTS`, or a sequence-parallel split's), for :func:`span_aware_mask`; the note is undone after the
+    forward, also when it raises. The hooks are added once per model; a later call adds its keys."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    watched = getattr(base, "_hfsdp_span_keys", None)
+    if watched is not None:
+        watched.update(keys)
+        return
+    watched = base._hfsdp_span_keys = set(keys)
+    tokens: list = []
+
+    def before(module, args, kwargs):
+        tokens.append(_READS_SPANS.set(any(key in kwargs for key in watched)))
+
+    def after(module, args, kwargs, output):
+        if tokens:
+            _READS_SPANS.reset(tokens.pop())
+
+    base.register_forward_pre_hook(before, with_kwargs=True)
+    base.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
 def register() -> None:
-    """Make :data:`NAME` an attention implementation transformers knows (its masks sdpa's)."""
+    """Make :data:`NAME` an attention implementation transformers knows (its masks sdpa's, none where the forward
+    carries the spans: :func:`span_aware_mask`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, sequence_sdpa)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, span_aware_mask)
 
 
 def use_sequence_sdpa(model) -> bool:
@@ -56,4 +96,5 @@ def use_sequence_sdpa(model) -> bool:
         return False
     register()
     model.set_attn_implementation(NAME)  # a peft model's: its base model's
+    read_spans(model, (SEGMENTS,))
     return True

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hfsdp import IGNORE_INDEX
 from hfsdp.data.layout import SEGMENTS
-from hfsdp.model.packed_attention import sequence_sdpa
+from hfsdp.model.packed_attention import read_spans, sequence_sdpa, span_aware_mask
 from hfsdp.parallel.ring import Ring, ring_attention
 
 NAME = "hfsdp_split"
@@ -101,12 +101,13 @@ def split_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def register() -> None:
-    """Make :data:`NAME` an attention implementation transformers knows (its masks sdpa's)."""
+    """Make :data:`NAME` an attention implementation transformers knows (its masks sdpa's, none for a split
+    micro-batch, whose attention reads the rows' spans: :func:`hfsdp.model.packed_attention.span_aware_mask`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, split_sdpa)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, span_aware_mask)
 
 
 def use_split_attention(model) -> None:
@@ -114,6 +115,7 @@ def use_split_attention(model) -> None:
     :data:`NAME`."""
     register()
     model.set_attn_implementation(NAME)
+    read_spans(model, (SPLIT, SEGMENTS))
 
 
 def segments_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
